@@ -1,0 +1,173 @@
+//! A typed client of the daemon API, used by the CLI and the tests.
+
+use std::time::Duration;
+
+use awcp_protocol::api::{ApiError, DelegateRequest, DelegateResponse, DelegationList, OkResponse};
+
+use crate::daemon::api::{DelegationView, RenewRequest, RenewResponse, RevokeRequest};
+use crate::sse::SseReader;
+use crate::watch::WatchEvent;
+
+/// Why a daemon call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The daemon could not be reached.
+    #[error(
+        "cannot reach the daemon at {url} (is `awcp-ctl serve` running? set --daemon or AWCP_DAEMON_URL)"
+    )]
+    Unreachable {
+        /// Where.
+        url: String,
+        /// Why.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The daemon refused.
+    #[error("{}{}", .body.error, .body.hint.as_ref().map(|h| format!(" (hint: {h})")).unwrap_or_default())]
+    Refused {
+        /// HTTP status.
+        status: u16,
+        /// The daemon's error body.
+        body: ApiError,
+    },
+    /// The answer did not parse.
+    #[error("unexpected answer from the daemon")]
+    Protocol {
+        /// Why.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The event stream broke.
+    #[error("the event stream broke")]
+    Stream {
+        /// Why.
+        #[source]
+        source: crate::sse::SseError,
+    },
+}
+
+/// The client.
+#[derive(Debug, Clone)]
+pub struct DaemonClient {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl DaemonClient {
+    /// A client of the daemon at `base` (e.g. `http://127.0.0.1:3100`).
+    pub fn new(base: &str) -> Self {
+        DaemonClient {
+            base: base.trim_end_matches('/').to_string(),
+            http: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(5))
+                .build()
+                .expect("building an HTTP client"),
+        }
+    }
+
+    async fn send<T: serde::de::DeserializeOwned>(
+        &self,
+        rq: reqwest::RequestBuilder,
+    ) -> Result<T, ClientError> {
+        let resp = rq.send().await.map_err(|source| ClientError::Unreachable {
+            url: self.base.clone(),
+            source,
+        })?;
+        let status = resp.status();
+        if !status.is_success() {
+            let body = resp
+                .json::<ApiError>()
+                .await
+                .unwrap_or_else(|_| ApiError::new(format!("HTTP {status}")));
+            return Err(ClientError::Refused {
+                status: status.as_u16(),
+                body,
+            });
+        }
+        resp.json()
+            .await
+            .map_err(|source| ClientError::Protocol { source })
+    }
+
+    /// `POST /delegate`.
+    pub async fn delegate(&self, req: &DelegateRequest) -> Result<DelegateResponse, ClientError> {
+        self.send(self.http.post(format!("{}/delegate", self.base)).json(req))
+            .await
+    }
+
+    /// `GET /delegations`.
+    pub async fn list(&self) -> Result<DelegationList, ClientError> {
+        self.send(self.http.get(format!("{}/delegations", self.base)))
+            .await
+    }
+
+    /// `GET /delegation/:id`.
+    pub async fn get(&self, id: &str) -> Result<DelegationView, ClientError> {
+        self.send(self.http.get(format!("{}/delegation/{id}", self.base)))
+            .await
+    }
+
+    /// `POST /delegation/:id/revoke`.
+    pub async fn revoke(&self, id: &str, no_flush: bool) -> Result<OkResponse, ClientError> {
+        self.send(
+            self.http
+                .post(format!("{}/delegation/{id}/revoke", self.base))
+                .json(&RevokeRequest { no_flush }),
+        )
+        .await
+    }
+
+    /// `POST /delegation/:id/renew`.
+    pub async fn renew(&self, id: &str, ttl_seconds: u64) -> Result<RenewResponse, ClientError> {
+        self.send(
+            self.http
+                .post(format!("{}/delegation/{id}/renew", self.base))
+                .json(&RenewRequest { ttl_seconds }),
+        )
+        .await
+    }
+
+    /// Follow `GET /delegation/:id/events`, calling `f` for each event until a terminal one
+    /// (returned) or the end of the stream (`None`).
+    pub async fn watch(
+        &self,
+        id: &str,
+        mut f: impl FnMut(&WatchEvent),
+    ) -> Result<Option<WatchEvent>, ClientError> {
+        let resp = self
+            .http
+            .get(format!("{}/delegation/{id}/events", self.base))
+            .send()
+            .await
+            .map_err(|source| ClientError::Unreachable {
+                url: self.base.clone(),
+                source,
+            })?;
+        if !resp.status().is_success() {
+            let status = resp.status();
+            let body = resp
+                .json::<ApiError>()
+                .await
+                .unwrap_or_else(|_| ApiError::new(format!("HTTP {status}")));
+            return Err(ClientError::Refused {
+                status: status.as_u16(),
+                body,
+            });
+        }
+        let mut reader = SseReader::new(resp);
+        while let Some(ev) = reader
+            .next()
+            .await
+            .map_err(|source| ClientError::Stream { source })?
+        {
+            let Ok(ev) = serde_json::from_str::<WatchEvent>(&ev.data) else {
+                continue;
+            };
+            f(&ev);
+            if ev.is_terminal() {
+                return Ok(Some(ev));
+            }
+        }
+        Ok(None)
+    }
+}

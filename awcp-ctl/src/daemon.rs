@@ -1,0 +1,271 @@
+//! The Delegator daemon: delegations, leases, and the export that serves each workspace.
+//!
+//! Two listeners: the daemon API (the reference's routes plus ours; loopback by default,
+//! since it can hand out workspaces) and the data plane of `awcpfs` exports (which remote
+//! Executors must reach). A delegation's life:
+//!
+//! 1. `POST /delegate` checks the workspace, grants a lease, registers an export with a
+//!    fresh capability token, and sends INVITE; on ACCEPT it opens the Executor's SSE
+//!    stream, then sends START with the `awcpfs` transport handle, and answers with the id.
+//! 2. A pump task follows the Executor's events and drives the Delegation state machine;
+//!    every change is persisted (SQLite) and broadcast to watchers.
+//! 3. Revocation (`POST /delegation/:id/revoke`, or the reference's `DELETE`) revokes the
+//!    lease — the export refuses the token at once, but for a final flush within the grace —
+//!    and tells the Executor with AWCP cancel. Expiry is watched per delegation and handled
+//!    the same way.
+
+pub mod api;
+mod flow;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::broadcast;
+
+use awcp_lease::Lease;
+use awcp_protocol::{DelegationEvent, DelegationState};
+use awcpfs::export::{Export, ExportRegistry};
+
+use crate::store::{Store, StoredDelegation};
+use crate::watch::WatchEvent;
+
+/// How the daemon runs.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    /// Daemon API address (default `127.0.0.1:3100`).
+    pub listen: SocketAddr,
+    /// Data-plane address (default `127.0.0.1:3101`).
+    pub export_listen: SocketAddr,
+    /// URL Executors use to reach the data plane; default `http://<export_listen>`.
+    pub export_url: Option<String>,
+    /// Where the database and export scratch space live.
+    pub state_dir: PathBuf,
+    /// Longest lease the daemon grants.
+    pub max_ttl: Duration,
+    /// How long after a revoke or expiry a final flush is still accepted.
+    pub flush_grace: Duration,
+    /// Block size of exports.
+    pub block_size: u32,
+}
+
+impl DaemonConfig {
+    /// Defaults, with state in `state_dir`.
+    pub fn new(state_dir: PathBuf) -> Self {
+        DaemonConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 3100)),
+            export_listen: SocketAddr::from(([127, 0, 0, 1], 3101)),
+            export_url: None,
+            state_dir,
+            max_ttl: Duration::from_secs(24 * 3600),
+            flush_grace: Duration::from_secs(10),
+            block_size: awcp_protocol::dataplane::DEFAULT_BLOCK_SIZE,
+        }
+    }
+}
+
+/// One delegation held in memory.
+pub(crate) struct Live {
+    pub(crate) d: Mutex<StoredDelegation>,
+    pub(crate) lease: Arc<Lease>,
+    pub(crate) tx: broadcast::Sender<WatchEvent>,
+    pub(crate) export: Mutex<Option<Arc<Export>>>,
+}
+
+/// The daemon's shared state.
+pub struct Daemon {
+    pub(crate) cfg: DaemonConfig,
+    pub(crate) store: Store,
+    pub(crate) exports: ExportRegistry,
+    pub(crate) live: Mutex<HashMap<String, Arc<Live>>>,
+    pub(crate) http: reqwest::Client,
+    pub(crate) export_url: String,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A started daemon: its addresses, and a handle that stops it.
+#[derive(Debug)]
+pub struct RunningDaemon {
+    /// Where the daemon API listens.
+    pub api_addr: SocketAddr,
+    /// Where the data plane listens.
+    pub export_addr: SocketAddr,
+    /// The daemon.
+    pub daemon: Arc<Daemon>,
+    shutdown: tokio::sync::watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningDaemon {
+    /// The daemon API's base URL.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.api_addr)
+    }
+
+    /// Stop serving.
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Bind both listeners, restore persisted delegations, and serve in the background.
+pub async fn start(cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
+    use anyhow::Context as _;
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("creating the state directory {}", cfg.state_dir.display()))?;
+    let store = Store::open(&cfg.state_dir.join("delegator.db"))?;
+    let api_listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| {
+            format!(
+                "binding the daemon API to {} (is another daemon running? use --listen)",
+                cfg.listen
+            )
+        })?;
+    let export_listener = tokio::net::TcpListener::bind(cfg.export_listen)
+        .await
+        .with_context(|| {
+            format!(
+                "binding the data plane to {} (use --export-listen)",
+                cfg.export_listen
+            )
+        })?;
+    let api_addr = api_listener.local_addr()?;
+    let export_addr = export_listener.local_addr()?;
+    let export_url = cfg
+        .export_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{export_addr}"));
+    let daemon = Arc::new(Daemon {
+        cfg,
+        store,
+        exports: ExportRegistry::new(),
+        live: Mutex::new(HashMap::new()),
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()?,
+        export_url,
+    });
+    daemon.restore().await;
+    let (shutdown, rx) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    for (listener, router) in [
+        (api_listener, api::router(daemon.clone())),
+        (export_listener, daemon.exports.router()),
+    ] {
+        let mut rx = rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.wait_for(|stop| *stop).await;
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "listener failed");
+            }
+        }));
+    }
+    tracing::info!(%api_addr, %export_addr, "delegator daemon listening");
+    Ok(RunningDaemon {
+        api_addr,
+        export_addr,
+        daemon,
+        shutdown,
+        tasks,
+    })
+}
+
+/// Run until Ctrl-C.
+pub async fn serve(cfg: DaemonConfig) -> anyhow::Result<()> {
+    let running = start(cfg).await?;
+    eprintln!(
+        "awcp-ctl serve: daemon API on http://{}, data plane on http://{} (Ctrl-C stops)",
+        running.api_addr, running.export_addr
+    );
+    tokio::signal::ctrl_c().await?;
+    running.stop().await;
+    Ok(())
+}
+
+impl Daemon {
+    pub(crate) fn get_live(&self, id: &str) -> Option<Arc<Live>> {
+        self.live.lock().get(id).cloned()
+    }
+
+    /// Record an event in a delegation's history, persist, and broadcast it.
+    pub(crate) fn record(&self, live: &Live, ev: WatchEvent) {
+        let snapshot = {
+            let mut d = live.d.lock();
+            d.events.push(ev.clone());
+            d.record.updated_at = crate::now_iso();
+            d.clone()
+        };
+        if let Err(e) = self.store.put(&snapshot) {
+            tracing::error!(error = %e, "persisting a delegation failed");
+        }
+        let _ = live.tx.send(ev);
+    }
+
+    /// Drive the state machine; illegal transitions are logged and ignored.
+    pub(crate) fn transition(
+        &self,
+        live: &Live,
+        event: DelegationEvent,
+        detail: Option<String>,
+    ) -> Option<DelegationState> {
+        let next = {
+            let mut d = live.d.lock();
+            match d.record.state.apply(event) {
+                Ok(next) => {
+                    d.record.state = next;
+                    next
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "ignoring transition");
+                    return None;
+                }
+            }
+        };
+        self.record(
+            live,
+            WatchEvent::State {
+                state: next,
+                at: crate::now_iso(),
+                detail,
+            },
+        );
+        if next.is_terminal() {
+            self.retire(live);
+        }
+        Some(next)
+    }
+
+    /// The delegation is over: end the lease (a final flush may still land within the
+    /// grace), then drop the export.
+    fn retire(&self, live: &Live) {
+        live.lease.revoke(true);
+        let export = live.export.lock().clone();
+        if let Some(export) = export {
+            let id = export.id().to_string();
+            let grace = self.cfg.flush_grace + Duration::from_secs(1);
+            let exports = self.exports.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                exports.remove(&id);
+            });
+        }
+    }
+}

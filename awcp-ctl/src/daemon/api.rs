@@ -1,0 +1,286 @@
+//! The daemon API: the reference's routes (same shapes) plus ours (revoke, renew, events).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::{Stream, StreamExt};
+use serde::{Deserialize, Serialize};
+use tokio_stream::wrappers::BroadcastStream;
+
+use awcp_protocol::api::{
+    ApiError, DelegateRequest, DelegateResponse, DelegationList, DelegationRecord,
+    DelegationSummary, HealthResponse, OkResponse, SnapshotList,
+};
+use awcp_protocol::dataplane::LeaseState;
+
+use super::Daemon;
+use super::flow::Refusal;
+use crate::watch::WatchEvent;
+
+/// Our additions to `GET /delegation/:id` (never renames of the reference's fields).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DelegationView {
+    /// The reference's record.
+    #[serde(flatten)]
+    pub record: DelegationRecord,
+    /// `awcpfs`.
+    pub transport: String,
+    /// The lease as the daemon enforces it.
+    pub lease: LeaseView,
+    /// Data-plane counters of the export.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer: Option<serde_json::Value>,
+}
+
+/// Lease state in [`DelegationView`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseView {
+    /// Active, revoked or expired.
+    pub state: LeaseState,
+    /// Expiry, ISO 8601.
+    pub expires_at: String,
+    /// Milliseconds left.
+    pub remaining_ms: u64,
+    /// Renewals so far.
+    pub renewals: u64,
+}
+
+/// `POST /delegation/:id/revoke` body.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RevokeRequest {
+    /// Refuse even the final flush.
+    #[serde(default)]
+    pub no_flush: bool,
+}
+
+/// `POST /delegation/:id/renew` body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RenewRequest {
+    /// New lease length from now.
+    pub ttl_seconds: u64,
+}
+
+/// `POST /delegation/:id/renew` answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RenewResponse {
+    /// Always true.
+    pub ok: bool,
+    /// New expiry.
+    pub expires_at: String,
+}
+
+struct ApiFailure(StatusCode, ApiError);
+
+impl IntoResponse for ApiFailure {
+    fn into_response(self) -> Response {
+        (self.0, Json(self.1)).into_response()
+    }
+}
+
+impl From<Refusal> for ApiFailure {
+    fn from(r: Refusal) -> Self {
+        let mut e = ApiError::new(r.message);
+        e.code = r.code;
+        e.hint = r.hint;
+        ApiFailure(
+            StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            e,
+        )
+    }
+}
+
+fn bad_json(rej: JsonRejection) -> ApiFailure {
+    let mut e = ApiError::new(format!("malformed request body: {}", rej.body_text()));
+    e.hint = Some("Send a JSON body with the fields documented in docs/PROTOCOL.md".into());
+    ApiFailure(StatusCode::BAD_REQUEST, e)
+}
+
+fn not_found(d: &Daemon, id: &str) -> ApiFailure {
+    let mut e = ApiError::new(format!(
+        "Delegation not found in daemon: no delegation with id {id}"
+    ));
+    e.hint = Some("`awcp-ctl status` lists the delegations this daemon knows".into());
+    e.known_delegations = Some(d.live.lock().len() as u64);
+    ApiFailure(StatusCode::NOT_FOUND, e)
+}
+
+pub(crate) fn router(d: Arc<Daemon>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { Json(HealthResponse::ok()) }))
+        .route("/delegate", post(delegate))
+        .route("/delegations", get(list))
+        .route("/delegation/{id}", get(show).delete(cancel))
+        .route("/delegation/{id}/snapshots", get(snapshots))
+        .route("/delegation/{id}/snapshots/{sid}/apply", post(no_snapshot))
+        .route(
+            "/delegation/{id}/snapshots/{sid}/discard",
+            post(no_snapshot),
+        )
+        .route("/delegation/{id}/revoke", post(revoke))
+        .route("/delegation/{id}/renew", post(renew))
+        .route("/delegation/{id}/events", get(events))
+        .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
+        .with_state(d)
+        .layer(axum::extract::DefaultBodyLimit::max(16 << 20))
+}
+
+async fn delegate(
+    State(d): State<Arc<Daemon>>,
+    body: Result<Json<DelegateRequest>, JsonRejection>,
+) -> Result<Json<DelegateResponse>, ApiFailure> {
+    let Json(req) = body.map_err(|rej| {
+        let mut f = bad_json(rej);
+        f.1.error = format!(
+            "{} (required fields: executorUrl, environment, task)",
+            f.1.error
+        );
+        f
+    })?;
+    let id = d.delegate(req).await?;
+    Ok(Json(DelegateResponse { delegation_id: id }))
+}
+
+async fn list(State(d): State<Arc<Daemon>>) -> Json<DelegationList> {
+    let live: Vec<_> = d.live.lock().values().cloned().collect();
+    let mut delegations: Vec<DelegationSummary> = live
+        .iter()
+        .map(|l| {
+            let r = &l.d.lock().record;
+            DelegationSummary {
+                id: r.id.clone(),
+                state: r.state,
+                executor_url: r.peer_url.clone(),
+                environment: r.environment.clone(),
+                created_at: r.created_at.clone(),
+            }
+        })
+        .collect();
+    delegations.sort_by(|a, b| a.created_at.cmp(&b.created_at));
+    Json(DelegationList {
+        active_delegations: delegations.len() as u64,
+        delegations,
+    })
+}
+
+async fn show(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+) -> Result<Json<DelegationView>, ApiFailure> {
+    let live = d.get_live(&id).ok_or_else(|| not_found(&d, &id))?;
+    let snap = live.lease.snapshot();
+    let transfer = live
+        .export
+        .lock()
+        .as_ref()
+        .and_then(|e| serde_json::to_value(e.stats()).ok());
+    let record = live.d.lock().record.clone();
+    Ok(Json(DelegationView {
+        record,
+        transport: "awcpfs".into(),
+        lease: LeaseView {
+            state: snap.state,
+            expires_at: live.lease.expires_at_rfc3339(),
+            remaining_ms: u64::try_from(snap.remaining.as_millis()).unwrap_or(u64::MAX),
+            renewals: snap.renewals,
+        },
+        transfer,
+    }))
+}
+
+async fn cancel(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+) -> Result<Json<OkResponse>, ApiFailure> {
+    d.revoke(&id, false).await?;
+    Ok(Json(OkResponse::OK))
+}
+
+async fn revoke(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    body: Option<Json<RevokeRequest>>,
+) -> Result<Json<OkResponse>, ApiFailure> {
+    let no_flush = body.map(|b| b.0.no_flush).unwrap_or(false);
+    d.revoke(&id, no_flush).await?;
+    Ok(Json(OkResponse::OK))
+}
+
+async fn renew(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    body: Result<Json<RenewRequest>, JsonRejection>,
+) -> Result<Json<RenewResponse>, ApiFailure> {
+    let Json(req) = body.map_err(bad_json)?;
+    let expires_at = d.renew(&id, Duration::from_secs(req.ttl_seconds))?;
+    Ok(Json(RenewResponse {
+        ok: true,
+        expires_at,
+    }))
+}
+
+async fn snapshots(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+) -> Result<Json<SnapshotList>, ApiFailure> {
+    let live = d.get_live(&id).ok_or_else(|| {
+        ApiFailure(
+            StatusCode::NOT_FOUND,
+            ApiError::new(format!("Unknown delegation: {id}")),
+        )
+    })?;
+    let snapshots = live.d.lock().record.snapshots.clone().unwrap_or_default();
+    Ok(Json(SnapshotList { snapshots }))
+}
+
+async fn no_snapshot(
+    State(d): State<Arc<Daemon>>,
+    Path((id, sid)): Path<(String, String)>,
+) -> ApiFailure {
+    if d.get_live(&id).is_none() {
+        return ApiFailure(
+            StatusCode::BAD_REQUEST,
+            ApiError::new(format!("Unknown delegation: {id}")),
+        );
+    }
+    let mut e = ApiError::new(format!("Snapshot not found: {sid}"));
+    e.hint = Some("awcpfs delegations write back live; they produce no snapshots".into());
+    ApiFailure(StatusCode::BAD_REQUEST, e)
+}
+
+async fn events(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiFailure> {
+    let live = d.get_live(&id).ok_or_else(|| not_found(&d, &id))?;
+    // Subscribe before copying the backlog so nothing falls between them.
+    let rx = live.tx.subscribe();
+    let backlog = live.d.lock().events.clone();
+    let done = backlog.iter().any(WatchEvent::is_terminal);
+    let live_events = BroadcastStream::new(rx)
+        .filter_map(|r| std::future::ready(r.ok()))
+        .take(if done { 0 } else { usize::MAX });
+    let stream = futures::stream::iter(backlog)
+        .chain(live_events)
+        .scan(false, |ended, ev| {
+            if *ended {
+                return std::future::ready(None);
+            }
+            *ended = ev.is_terminal();
+            std::future::ready(Some(ev))
+        })
+        .map(|ev| Ok(Event::default().json_data(&ev).unwrap_or_default()));
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}

@@ -1,0 +1,703 @@
+//! The delegation flow: INVITE → ACCEPT → (open SSE) → START, then following the Executor.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::broadcast;
+
+use awcp_lease::{Lease, LeaseTerms, SystemClock};
+use awcp_protocol::api::{DelegateRequest, DelegationRecord, ErrorInfo, ResultSummary};
+use awcp_protocol::dataplane::LeaseState;
+use awcp_protocol::messages::{
+    AccessMode, ActiveLease, EnvironmentDeclaration, InviteMessage, LeaseConfig, ProtocolVersion,
+    Requirements, ResourceDeclaration, StartMessage,
+};
+use awcp_protocol::transport::AwcpfsHandle;
+use awcp_protocol::{
+    AwcpMessage, DelegationEvent, DelegationId, DelegationState, ErrorCode, TaskEvent,
+    TransportHandle, TransportType,
+};
+use awcpfs::export::ExportConfig;
+
+use super::{Daemon, Live};
+use crate::sse::SseReader;
+use crate::store::StoredDelegation;
+use crate::watch::WatchEvent;
+
+/// Default lease, as the reference.
+const DEFAULT_TTL: u64 = 3600;
+/// Default retention, as the reference (7 days).
+const DEFAULT_RETENTION_MS: u64 = 7 * 24 * 3600 * 1000;
+
+/// A refused delegation: HTTP status, and the reference's error body fields.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    pub(crate) status: u16,
+    pub(crate) message: String,
+    pub(crate) code: Option<ErrorCode>,
+    pub(crate) hint: Option<String>,
+}
+
+impl Refusal {
+    fn bad(code: ErrorCode, message: String, hint: &str) -> Self {
+        Refusal {
+            status: 400,
+            message,
+            code: Some(code),
+            hint: Some(hint.into()),
+        }
+    }
+    fn internal(message: String) -> Self {
+        Refusal {
+            status: 500,
+            message,
+            code: None,
+            hint: None,
+        }
+    }
+}
+
+/// The Executor's AWCP base (`…/awcp`), from the URL the user gave.
+pub(crate) fn awcp_base(executor_url: &str) -> String {
+    let u = executor_url.trim_end_matches('/');
+    let base = u.strip_suffix("/awcp").unwrap_or(u);
+    format!("{base}/awcp")
+}
+
+impl Daemon {
+    /// `POST /delegate`.
+    pub(crate) async fn delegate(
+        self: &Arc<Self>,
+        req: DelegateRequest,
+    ) -> Result<DelegationId, Refusal> {
+        let [resource] = req.environment.resources.as_slice() else {
+            return Err(Refusal::bad(
+                ErrorCode::WorkspaceInvalid,
+                format!(
+                    "awcpfs delegations carry exactly one resource; {} were given",
+                    req.environment.resources.len()
+                ),
+                "Delegate one directory per delegation",
+            ));
+        };
+        let source = PathBuf::from(&resource.source);
+        let source = std::path::absolute(&source).unwrap_or(source);
+        match std::fs::metadata(&source) {
+            Err(_) => {
+                return Err(Refusal::bad(
+                    ErrorCode::WorkspaceNotFound,
+                    format!("Workspace directory not found: {}", source.display()),
+                    "Verify the workspace path is correct",
+                ));
+            }
+            Ok(m) if !m.is_dir() => {
+                return Err(Refusal::bad(
+                    ErrorCode::WorkspaceInvalid,
+                    format!(
+                        "Invalid workspace: path is not a directory ({})",
+                        source.display()
+                    ),
+                    "Provide a valid directory path",
+                ));
+            }
+            Ok(_) => {}
+        }
+        let access = req.access_mode.unwrap_or(resource.mode);
+        let read_only = access == AccessMode::Ro || resource.mode == AccessMode::Ro;
+        let access = if read_only {
+            AccessMode::Ro
+        } else {
+            AccessMode::Rw
+        };
+        let ttl_s = req.ttl_seconds.unwrap_or(DEFAULT_TTL).max(1);
+        let ttl = Duration::from_secs(ttl_s).min(self.cfg.max_ttl);
+        let id = DelegationId::from_random_bytes(rand::random());
+        let token = crate::random_token();
+        let lease = Arc::new(Lease::grant(
+            Arc::new(SystemClock::new()),
+            LeaseTerms {
+                ttl,
+                max_ttl: self.cfg.max_ttl,
+                flush_grace: self.cfg.flush_grace,
+            },
+        ));
+        let staging_dir = self.cfg.state_dir.join("staging").join(id.as_str());
+        let export_cfg = ExportConfig {
+            root: source.clone(),
+            read_only,
+            block_size: self.cfg.block_size,
+            staging_dir,
+        };
+        let exports = self.exports.clone();
+        let (eid, etoken, elease) = (id.as_str().to_string(), token.clone(), lease.clone());
+        let export =
+            tokio::task::spawn_blocking(move || exports.register(eid, etoken, export_cfg, elease))
+                .await
+                .map_err(|e| Refusal::internal(format!("building the manifest panicked: {e}")))?
+                .map_err(|e| {
+                    Refusal::bad(
+                        ErrorCode::WorkspaceInvalid,
+                        format!("cannot export {}: {e}", source.display()),
+                        "Check that the workspace is readable",
+                    )
+                })?;
+        let now = crate::now_iso();
+        let record = DelegationRecord {
+            id: id.clone(),
+            state: DelegationState::Created,
+            peer_url: req.executor_url.clone(),
+            environment: req.environment.clone(),
+            export_path: Some(source.display().to_string()),
+            task: req.task.clone(),
+            lease_config: LeaseConfig {
+                ttl_seconds: ttl.as_secs(),
+                access_mode: access,
+            },
+            retention_ms: DEFAULT_RETENTION_MS,
+            executor_retention_ms: None,
+            active_lease: None,
+            executor_work_dir: None,
+            executor_constraints: None,
+            snapshots: None,
+            applied_snapshot_id: None,
+            snapshot_policy: None,
+            current_round: None,
+            rounds: None,
+            result: None,
+            error: None,
+            created_at: now.clone(),
+            updated_at: now,
+        };
+        let (tx, _) = broadcast::channel(256);
+        let live = Arc::new(Live {
+            d: Mutex::new(StoredDelegation {
+                record,
+                export_id: id.as_str().to_string(),
+                token: token.clone(),
+                source: source.clone(),
+                read_only,
+                events: Vec::new(),
+                last_event_id: None,
+            }),
+            lease: lease.clone(),
+            tx,
+            export: Mutex::new(Some(export.clone())),
+        });
+        self.live
+            .lock()
+            .insert(id.as_str().to_string(), live.clone());
+        self.record(
+            &live,
+            WatchEvent::State {
+                state: DelegationState::Created,
+                at: crate::now_iso(),
+                detail: Some(format!("exporting {}", source.display())),
+            },
+        );
+
+        match self
+            .invite_and_start(&live, &req, &id, access, ttl, &export)
+            .await
+        {
+            Ok(()) => {
+                let d = self.clone();
+                let l = live.clone();
+                tokio::spawn(async move { d.watch_expiry(l).await });
+                Ok(id)
+            }
+            Err(refusal) => {
+                // Unlike the reference, a delegation that never started is kept (in `error`), so
+                // `awcp-ctl status` can say what happened.
+                live.lease.revoke(false);
+                self.exports.remove(id.as_str());
+                self.transition(
+                    &live,
+                    DelegationEvent::SendError,
+                    Some(refusal.message.clone()),
+                );
+                Err(refusal)
+            }
+        }
+    }
+
+    async fn invite_and_start(
+        self: &Arc<Self>,
+        live: &Arc<Live>,
+        req: &DelegateRequest,
+        id: &DelegationId,
+        access: AccessMode,
+        ttl: Duration,
+        export: &Arc<awcpfs::export::Export>,
+    ) -> Result<(), Refusal> {
+        let invite = AwcpMessage::Invite(InviteMessage {
+            version: ProtocolVersion,
+            delegation_id: id.clone(),
+            task: req.task.clone(),
+            lease: LeaseConfig {
+                ttl_seconds: ttl.as_secs(),
+                access_mode: access,
+            },
+            retention_ms: DEFAULT_RETENTION_MS,
+            environment: EnvironmentDeclaration {
+                resources: req
+                    .environment
+                    .resources
+                    .iter()
+                    .map(|r| ResourceDeclaration {
+                        name: r.name.clone(),
+                        resource_type: r.resource_type,
+                        mode: access,
+                    })
+                    .collect(),
+            },
+            requirements: Some(Requirements {
+                transport: Some(TransportType::Awcpfs),
+            }),
+            auth: req.auth.clone(),
+        });
+        self.transition(live, DelegationEvent::SendInvite, None);
+        let reply = self.post_message(&req.executor_url, &invite).await?;
+        match reply {
+            AwcpMessage::Accept(a) => {
+                {
+                    let mut d = live.d.lock();
+                    d.record.executor_work_dir = Some(a.executor_work_dir.clone());
+                    d.record.executor_constraints = a.executor_constraints;
+                    d.record.executor_retention_ms = Some(a.retention_ms);
+                }
+                self.transition(
+                    live,
+                    DelegationEvent::ReceiveAccept,
+                    Some(format!("executor work dir {}", a.executor_work_dir.path)),
+                );
+            }
+            AwcpMessage::Error(e) => {
+                return Err(Refusal {
+                    status: 400,
+                    message: e.message,
+                    code: Some(e.code),
+                    hint: e.hint,
+                });
+            }
+            other => {
+                return Err(Refusal::internal(format!(
+                    "the executor answered INVITE with {}",
+                    other.kind()
+                )));
+            }
+        }
+        // Open the event stream before START: the reference keeps no backlog.
+        let events_url = format!(
+            "{}/tasks/{}/events",
+            awcp_base(&req.executor_url),
+            id.as_str()
+        );
+        let resp = self
+            .http
+            .get(&events_url)
+            .timeout(Duration::from_secs(24 * 3600 * 365))
+            .send()
+            .await
+            .map_err(|e| {
+                Refusal::internal(format!(
+                    "opening the executor's event stream at {events_url}: {e}"
+                ))
+            })?;
+        if !resp.status().is_success() {
+            return Err(Refusal::internal(format!(
+                "the executor refused its event stream: HTTP {}",
+                resp.status()
+            )));
+        }
+        let expires_at = live.lease.expires_at_rfc3339();
+        let start = AwcpMessage::Start(StartMessage {
+            version: ProtocolVersion,
+            delegation_id: id.clone(),
+            lease: ActiveLease {
+                expires_at: expires_at.clone(),
+                access_mode: access,
+            },
+            transport_handle: TransportHandle::Awcpfs(AwcpfsHandle {
+                endpoint: self.export_url.clone(),
+                token: live.d.lock().token.clone(),
+                export_id: export.id().to_string(),
+                manifest_digest: export.manifest_digest(),
+                block_size: export.block_size(),
+                expires_at: expires_at.clone(),
+                tls_fingerprint: None,
+            }),
+        });
+        live.d.lock().record.active_lease = Some(ActiveLease {
+            expires_at: expires_at.clone(),
+            access_mode: access,
+        });
+        let d = self.clone();
+        let l = live.clone();
+        let executor_url = req.executor_url.clone();
+        self.post_raw(&req.executor_url, &start).await?;
+        self.transition(
+            live,
+            DelegationEvent::SendStart,
+            Some(format!("lease until {expires_at}")),
+        );
+        tokio::spawn(async move { d.pump(l, executor_url, Some(resp)).await });
+        Ok(())
+    }
+
+    async fn post_raw(&self, url: &str, msg: &AwcpMessage) -> Result<reqwest::Response, Refusal> {
+        let resp = self.http.post(url).json(msg).send().await.map_err(|e| {
+            Refusal::internal(format!(
+                "Failed to send {} to executor at {url}: {e}",
+                msg.kind()
+            ))
+        })?;
+        if !resp.status().is_success() {
+            let status = resp.status();
+            let body = resp.text().await.unwrap_or_default();
+            return Err(Refusal::internal(format!(
+                "Failed to send {} to executor: {status} - {body}",
+                msg.kind()
+            )));
+        }
+        Ok(resp)
+    }
+
+    async fn post_message(&self, url: &str, msg: &AwcpMessage) -> Result<AwcpMessage, Refusal> {
+        let resp = self.post_raw(url, msg).await?;
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| Refusal::internal(format!("reading the executor's answer: {e}")))?;
+        awcp_protocol::parse_message(&bytes)
+            .map_err(|e| Refusal::internal(format!("the executor's answer is not AWCP: {e}")))
+    }
+
+    /// Follow the Executor's task events until a terminal one, reconnecting with
+    /// `Last-Event-ID` if the stream breaks.
+    async fn pump(
+        self: Arc<Self>,
+        live: Arc<Live>,
+        executor_url: String,
+        first: Option<reqwest::Response>,
+    ) {
+        let id = live.d.lock().record.id.as_str().to_string();
+        let url = format!("{}/tasks/{id}/events", awcp_base(&executor_url));
+        let mut resp = first;
+        let mut failures = 0u32;
+        loop {
+            if live.d.lock().record.state.is_terminal() {
+                return;
+            }
+            let r = match resp.take() {
+                Some(r) => r,
+                None => {
+                    let mut rq = self
+                        .http
+                        .get(&url)
+                        .timeout(Duration::from_secs(24 * 3600 * 365));
+                    if let Some(last) = live.d.lock().last_event_id.clone() {
+                        rq = rq.header("Last-Event-ID", last);
+                    }
+                    match rq.send().await {
+                        Ok(r) if r.status().is_success() => r,
+                        other => {
+                            failures += 1;
+                            tracing::warn!(?other, "executor event stream unavailable");
+                            if failures > 5 {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_secs(u64::from(failures))).await;
+                            continue;
+                        }
+                    }
+                }
+            };
+            let mut reader = SseReader::new(r);
+            loop {
+                match reader.next().await {
+                    Ok(Some(ev)) => {
+                        failures = 0;
+                        if ev.id.is_some() {
+                            live.d.lock().last_event_id = ev.id.clone();
+                        }
+                        match awcp_protocol::parse_event(ev.data.as_bytes()) {
+                            Ok(event) => {
+                                if self.on_task_event(&live, &executor_url, event).await {
+                                    return;
+                                }
+                            }
+                            Err(e) => tracing::warn!(error = %e, "ignoring a malformed task event"),
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "executor event stream broke");
+                        break;
+                    }
+                }
+            }
+            failures += 1;
+            if failures > 5 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        if !live.d.lock().record.state.is_terminal() {
+            live.d.lock().record.error = Some(ErrorInfo {
+                code: ErrorCode::SseFailed,
+                message: "the executor's event stream ended before the task did".into(),
+                hint: Some(
+                    "Check the executor; `awcp-ctl status` shows what was written back".into(),
+                ),
+            });
+            self.transition(
+                &live,
+                DelegationEvent::ReceiveError,
+                Some("event stream lost".into()),
+            );
+        }
+    }
+
+    /// Handle one task event; true when the delegation is over.
+    async fn on_task_event(&self, live: &Arc<Live>, executor_url: &str, event: TaskEvent) -> bool {
+        self.record(
+            live,
+            WatchEvent::Task {
+                event: event.clone(),
+            },
+        );
+        let state = live.d.lock().record.state;
+        match event {
+            TaskEvent::Status(s) => {
+                if state == DelegationState::Started {
+                    self.transition(live, DelegationEvent::SetupComplete, s.message.clone());
+                }
+                false
+            }
+            TaskEvent::Done(done) => {
+                if state == DelegationState::Started {
+                    self.transition(live, DelegationEvent::SetupComplete, None);
+                }
+                live.d.lock().record.result = Some(ResultSummary {
+                    summary: done.summary.clone(),
+                    highlights: done.highlights.clone(),
+                });
+                let id = live.d.lock().record.id.as_str().to_string();
+                let _ = self
+                    .http
+                    .post(format!("{}/tasks/{id}/ack", awcp_base(executor_url)))
+                    .send()
+                    .await;
+                self.transition(live, DelegationEvent::ReceiveDone, Some(done.summary));
+                true
+            }
+            TaskEvent::Error(e) => {
+                live.d.lock().record.error = Some(ErrorInfo {
+                    code: e.code.clone(),
+                    message: e.message.clone(),
+                    hint: e.hint.clone(),
+                });
+                // Our own revoke or expiry already ended it; the executor's error confirms.
+                if !state.is_terminal() {
+                    let ev = if e.code == ErrorCode::Expired {
+                        DelegationEvent::Expire
+                    } else {
+                        DelegationEvent::ReceiveError
+                    };
+                    self.transition(
+                        live,
+                        ev,
+                        Some(format!("{}: {}", e.code.as_str(), e.message)),
+                    );
+                }
+                true
+            }
+            TaskEvent::Snapshot(_) => false,
+            TaskEvent::RoundDone(r) => {
+                self.transition(live, DelegationEvent::RoundComplete, Some(r.summary));
+                false
+            }
+        }
+    }
+
+    /// Revoke: the export refuses the token at once (a final flush may land within the
+    /// grace unless `no_flush`), the Executor is told with AWCP cancel.
+    pub(crate) async fn revoke(&self, id: &str, no_flush: bool) -> Result<(), Refusal> {
+        let live = self.get_live(id).ok_or_else(|| Refusal {
+            status: 404,
+            message: format!("Unknown delegation: {id}"),
+            code: None,
+            hint: Some("`awcp-ctl status` lists the delegations this daemon knows".into()),
+        })?;
+        let state = live.d.lock().record.state;
+        if state.is_terminal() {
+            return Err(Refusal {
+                status: 400,
+                message: format!("delegation {id} has already ended ({})", state.as_str()),
+                code: None,
+                hint: None,
+            });
+        }
+        let snap = live.lease.revoke(!no_flush);
+        self.record(
+            &live,
+            WatchEvent::Lease {
+                state: snap.state,
+                expires_at: live.lease.expires_at_rfc3339(),
+            },
+        );
+        self.transition(
+            &live,
+            DelegationEvent::Cancel,
+            Some("revoked by the delegator".into()),
+        );
+        let executor_url = live.d.lock().record.peer_url.clone();
+        let url = format!("{}/cancel/{id}", executor_url.trim_end_matches('/'));
+        if let Err(e) = self.http.post(&url).send().await {
+            tracing::warn!(error = %e, "telling the executor about the revoke failed; the lease still ends");
+        }
+        Ok(())
+    }
+
+    /// Renew the lease by `ttl`.
+    pub(crate) fn renew(&self, id: &str, ttl: Duration) -> Result<String, Refusal> {
+        let live = self.get_live(id).ok_or_else(|| Refusal {
+            status: 404,
+            message: format!("Unknown delegation: {id}"),
+            code: None,
+            hint: None,
+        })?;
+        live.lease.renew(ttl).map_err(|e| Refusal {
+            status: 400,
+            message: e.to_string(),
+            code: Some(ErrorCode::Expired),
+            hint: None,
+        })?;
+        let expires_at = live.lease.expires_at_rfc3339();
+        if let Some(l) = live.d.lock().record.active_lease.as_mut() {
+            l.expires_at = expires_at.clone();
+        }
+        self.record(
+            &live,
+            WatchEvent::Lease {
+                state: LeaseState::Active,
+                expires_at: expires_at.clone(),
+            },
+        );
+        Ok(expires_at)
+    }
+
+    /// End the delegation when its lease runs out.
+    async fn watch_expiry(self: Arc<Self>, live: Arc<Live>) {
+        loop {
+            if live.d.lock().record.state.is_terminal() {
+                return;
+            }
+            let snap = live.lease.snapshot();
+            if snap.state == LeaseState::Expired {
+                self.record(
+                    &live,
+                    WatchEvent::Lease {
+                        state: LeaseState::Expired,
+                        expires_at: live.lease.expires_at_rfc3339(),
+                    },
+                );
+                let executor_url = live.d.lock().record.peer_url.clone();
+                let id = live.d.lock().record.id.as_str().to_string();
+                live.d.lock().record.error = Some(ErrorInfo {
+                    code: ErrorCode::Expired,
+                    message: "Lease expired during task execution".into(),
+                    hint: Some("Renew with `awcp-ctl renew` before the lease ends".into()),
+                });
+                self.transition(&live, DelegationEvent::Expire, Some("lease expired".into()));
+                let _ = self
+                    .http
+                    .post(format!(
+                        "{}/cancel/{id}",
+                        executor_url.trim_end_matches('/')
+                    ))
+                    .send()
+                    .await;
+                return;
+            }
+            tokio::time::sleep(
+                snap.remaining.min(Duration::from_millis(500)) + Duration::from_millis(5),
+            )
+            .await;
+        }
+    }
+
+    /// Reload persisted delegations: ended ones for history, live ones with their export
+    /// and lease restored (an expired lease ends them).
+    pub(crate) async fn restore(self: &Arc<Self>) {
+        let all = match self.store.all() {
+            Ok(all) => all,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read persisted delegations");
+                return;
+            }
+        };
+        for d in all {
+            let id = d.record.id.as_str().to_string();
+            let remaining = d
+                .record
+                .active_lease
+                .as_ref()
+                .and_then(|l| chrono::DateTime::parse_from_rfc3339(&l.expires_at).ok())
+                .map(|t| {
+                    (t.with_timezone(&chrono::Utc) - chrono::Utc::now())
+                        .to_std()
+                        .unwrap_or_default()
+                })
+                .unwrap_or_default();
+            let lease = Arc::new(Lease::grant(
+                Arc::new(SystemClock::new()),
+                LeaseTerms {
+                    ttl: remaining,
+                    max_ttl: self.cfg.max_ttl,
+                    flush_grace: self.cfg.flush_grace,
+                },
+            ));
+            let terminal = d.record.state.is_terminal();
+            if terminal {
+                lease.revoke(false);
+            }
+            let mut export = None;
+            if !terminal && !remaining.is_zero() {
+                let cfg = ExportConfig {
+                    root: d.source.clone(),
+                    read_only: d.read_only,
+                    block_size: self.cfg.block_size,
+                    staging_dir: self.cfg.state_dir.join("staging").join(&id),
+                };
+                let exports = self.exports.clone();
+                let (eid, tok, l) = (d.export_id.clone(), d.token.clone(), lease.clone());
+                match tokio::task::spawn_blocking(move || exports.register(eid, tok, cfg, l)).await
+                {
+                    Ok(Ok(e)) => export = Some(e),
+                    Ok(Err(e)) => tracing::warn!(error = %e, %id, "cannot restore export"),
+                    Err(e) => tracing::warn!(error = %e, %id, "cannot restore export"),
+                }
+            }
+            let peer = d.record.peer_url.clone();
+            let (tx, _) = broadcast::channel(256);
+            let live = Arc::new(Live {
+                d: Mutex::new(d),
+                lease,
+                tx,
+                export: Mutex::new(export),
+            });
+            self.live.lock().insert(id.clone(), live.clone());
+            if !terminal {
+                let d = self.clone();
+                let l = live.clone();
+                tokio::spawn(async move { d.clone().watch_expiry(l.clone()).await });
+                let d = self.clone();
+                tokio::spawn(async move { d.pump(live, peer, None).await });
+                tracing::info!(%id, "restored a running delegation");
+            }
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! The Executor service: accepts AWCP v1 invitations, mounts `awcpfs`, runs the agent.
+//!
+//! Routes under `/awcp` (the reference's delegator assumes that suffix): `POST /` for
+//! messages, `GET /tasks/:id/events` (SSE, with `id:` lines and a replay buffer so a
+//! dropped stream resumes with `Last-Event-ID`), `GET /tasks/:id/result`,
+//! `POST /tasks/:id/ack`, `POST /cancel/:id`, `GET /status`.
+//!
+//! A task: mount the workspace at `<work-dir>/<delegationId>/`, report `running`, run the
+//! agent command there (`sh -c`, its own process group), then flush, report `done` or
+//! `error`, and unmount. If the lease ends first (revoke, expiry, AWCP cancel), the mount
+//! fences itself, the agent's process group is killed, and the task ends in `error`.
+
+mod routes;
+mod task;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::broadcast;
+
+use awcp_protocol::api::TaskResultResponse;
+use awcp_protocol::messages::InviteMessage;
+use awcp_protocol::{AssignmentState, TaskEvent};
+
+/// How the Executor runs.
+#[derive(Debug, Clone)]
+pub struct ExecutorConfig {
+    /// Listen address (default `127.0.0.1:7200`).
+    pub listen: SocketAddr,
+    /// Where workspaces are mounted (`<work_dir>/<delegationId>`).
+    pub work_dir: PathBuf,
+    /// Where mount state (journals, upper files) lives.
+    pub state_dir: PathBuf,
+    /// The agent command, run with `sh -c` in the mounted workspace.
+    pub agent_cmd: String,
+    /// Longest lease accepted.
+    pub max_ttl: Duration,
+    /// Most tasks at once.
+    pub max_concurrent: usize,
+    /// Keep upper files after unmount.
+    pub keep_cache: bool,
+}
+
+impl ExecutorConfig {
+    /// Defaults around `agent_cmd`, with directories under `base`.
+    pub fn new(agent_cmd: String, base: PathBuf) -> Self {
+        ExecutorConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7200)),
+            work_dir: base.join("work"),
+            state_dir: base.join("state"),
+            agent_cmd,
+            max_ttl: Duration::from_secs(24 * 3600),
+            max_concurrent: 8,
+            keep_cache: false,
+        }
+    }
+}
+
+/// One delegation on this Executor.
+pub(crate) struct Assignment {
+    pub(crate) invite: InviteMessage,
+    pub(crate) state: Mutex<AssignmentState>,
+    pub(crate) work_path: PathBuf,
+    pub(crate) started_at: Mutex<Option<String>>,
+    /// Events with their ids (1-based), for replay.
+    pub(crate) backlog: Mutex<Vec<(u64, TaskEvent)>>,
+    pub(crate) tx: broadcast::Sender<(u64, TaskEvent)>,
+    pub(crate) result: Mutex<Option<TaskResultResponse>>,
+    pub(crate) cancel: tokio::sync::Notify,
+    pub(crate) mount: Mutex<Option<awcpfs::mount::Mount>>,
+}
+
+/// The service state.
+pub struct Executor {
+    pub(crate) cfg: ExecutorConfig,
+    pub(crate) tasks: Mutex<HashMap<String, Arc<Assignment>>>,
+}
+
+impl std::fmt::Debug for Executor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A started Executor.
+#[derive(Debug)]
+pub struct RunningExecutor {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// The service.
+    pub executor: Arc<Executor>,
+    shutdown: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningExecutor {
+    /// The AWCP endpoint URL (`http://addr/awcp`).
+    pub fn awcp_url(&self) -> String {
+        format!("http://{}/awcp", self.addr)
+    }
+
+    /// Stop: end every running task (fence, flush, unmount), then stop serving.
+    pub async fn stop(self) {
+        let mounts: Vec<_> = self
+            .executor
+            .tasks
+            .lock()
+            .values()
+            .filter_map(|a| a.mount.lock().clone())
+            .collect();
+        for m in mounts {
+            let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+        }
+        let _ = self.shutdown.send(true);
+        let _ = self.task.await;
+    }
+}
+
+impl Assignment {
+    /// Append an event to the backlog and send it to subscribers.
+    pub(crate) fn emit(&self, ev: TaskEvent) {
+        let mut backlog = self.backlog.lock();
+        let id = backlog.len() as u64 + 1;
+        backlog.push((id, ev.clone()));
+        let _ = self.tx.send((id, ev));
+    }
+}
+
+/// Bind and serve in the background.
+pub async fn start(cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
+    use anyhow::Context as _;
+    for dir in [&cfg.work_dir, &cfg.state_dir] {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("binding the executor to {} (use --listen)", cfg.listen))?;
+    let addr = listener.local_addr()?;
+    let executor = Arc::new(Executor {
+        cfg,
+        tasks: Mutex::new(HashMap::new()),
+    });
+    let router = routes::router(executor.clone());
+    let (shutdown, mut rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(async move {
+        let r = axum::serve(listener, router)
+            .with_graceful_shutdown(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "executor listener failed");
+        }
+    });
+    tracing::info!(%addr, "executor listening");
+    Ok(RunningExecutor {
+        addr,
+        executor,
+        shutdown,
+        task,
+    })
+}
+
+/// Run until Ctrl-C.
+pub async fn serve(cfg: ExecutorConfig) -> anyhow::Result<()> {
+    let running = start(cfg).await?;
+    eprintln!(
+        "awcp-ctl executor: AWCP endpoint {} (Ctrl-C stops)",
+        running.awcp_url()
+    );
+    tokio::signal::ctrl_c().await?;
+    running.stop().await;
+    Ok(())
+}

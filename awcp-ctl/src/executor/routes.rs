@@ -1,0 +1,334 @@
+//! The Executor's HTTP routes under `/awcp`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::{Stream, StreamExt};
+use serde::Serialize;
+use tokio_stream::wrappers::BroadcastStream;
+
+use awcp_protocol::api::{
+    CancelResponse, ExecutorDelegationInfo, ExecutorStatus, OkResponse, TaskResultResponse,
+    TaskResultStatus,
+};
+use awcp_protocol::messages::{
+    AcceptMessage, ExecutorConstraints, ExecutorWorkDir, InviteMessage, ProtocolVersion,
+    SandboxProfile,
+};
+use awcp_protocol::{AssignmentEvent, AssignmentState, AwcpMessage, ErrorCode, TransportType};
+
+use super::{Assignment, Executor};
+
+/// `{"error": "..."}`, the reference's error body.
+#[derive(Debug, Serialize)]
+struct ErrorBody {
+    error: String,
+}
+
+fn fail(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, Json(ErrorBody { error: msg.into() })).into_response()
+}
+
+pub(super) fn router(ex: Arc<Executor>) -> Router {
+    let awcp = Router::new()
+        .route("/", post(message))
+        .route("/tasks/{id}/events", get(events))
+        .route("/tasks/{id}/result", get(result))
+        .route("/tasks/{id}/ack", post(ack))
+        .route("/cancel/{id}", post(cancel))
+        .route("/status", get(status))
+        .with_state(ex);
+    Router::new()
+        .nest("/awcp", awcp)
+        .fallback(|| async {
+            fail(
+                StatusCode::NOT_FOUND,
+                "no such route; the AWCP endpoint is /awcp",
+            )
+        })
+        .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
+}
+
+async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
+    let msg = match awcp_protocol::parse_message(&body) {
+        Ok(m) => m,
+        Err(e) => {
+            return fail(
+                StatusCode::BAD_REQUEST,
+                format!("invalid AWCP message: {e}"),
+            );
+        }
+    };
+    let id = msg.delegation_id().as_str().to_string();
+    match msg {
+        AwcpMessage::Invite(inv) => Json(invite(&ex, inv)).into_response(),
+        AwcpMessage::Start(start) => {
+            let Some(a) = ex.tasks.lock().get(&id).cloned() else {
+                return fail(
+                    StatusCode::NOT_FOUND,
+                    format!("Unknown delegation for START: {id}"),
+                );
+            };
+            if *a.state.lock() != AssignmentState::Pending {
+                return fail(
+                    StatusCode::CONFLICT,
+                    format!(
+                        "delegation {id} was already started ({})",
+                        a.state.lock().as_str()
+                    ),
+                );
+            }
+            tokio::spawn(super::task::run(ex.clone(), a, start));
+            Json(OkResponse::OK).into_response()
+        }
+        AwcpMessage::Error(e) => {
+            let Some(a) = ex.tasks.lock().get(&id).cloned() else {
+                return fail(StatusCode::NOT_FOUND, format!("Unknown delegation: {id}"));
+            };
+            tracing::warn!(%id, code = e.code.as_str(), message = %e.message, "the delegator sent ERROR");
+            a.cancel.notify_one();
+            let mut st = a.state.lock();
+            if let Ok(next) = st.apply(AssignmentEvent::ReceiveError) {
+                *st = next;
+            }
+            Json(OkResponse::OK).into_response()
+        }
+        other => fail(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "unexpected message type {} (an executor accepts INVITE, START and ERROR)",
+                other.kind()
+            ),
+        ),
+    }
+}
+
+fn invite(ex: &Executor, inv: InviteMessage) -> AwcpMessage {
+    let id = inv.delegation_id.clone();
+    let refuse = |code: ErrorCode, message: String, hint: &str| {
+        AwcpMessage::Error(
+            awcp_protocol::messages::ErrorMessage::new(id.clone(), code, message).with_hint(hint),
+        )
+    };
+    let max_ttl = ex.cfg.max_ttl.as_secs();
+    if inv.lease.ttl_seconds > max_ttl {
+        return refuse(
+            ErrorCode::Declined,
+            format!(
+                "Requested TTL ({}s) exceeds maximum ({max_ttl}s)",
+                inv.lease.ttl_seconds
+            ),
+            &format!("Request a shorter TTL (max: {max_ttl}s)"),
+        );
+    }
+    if let Some(t) = inv.requirements.as_ref().and_then(|r| r.transport)
+        && t != TransportType::Awcpfs
+    {
+        return refuse(
+            ErrorCode::DepMissing,
+            format!("Transport {} is not available on this executor", t.as_str()),
+            "Delegate with the awcpfs transport",
+        );
+    }
+    let active = ex
+        .tasks
+        .lock()
+        .values()
+        .filter(|a| !a.state.lock().is_terminal())
+        .count();
+    if active >= ex.cfg.max_concurrent && !ex.tasks.lock().contains_key(id.as_str()) {
+        return refuse(
+            ErrorCode::Declined,
+            format!(
+                "Maximum concurrent delegations ({}) reached",
+                ex.cfg.max_concurrent
+            ),
+            "Try again when a running delegation has finished",
+        );
+    }
+    let work_path = ex.cfg.work_dir.join(id.as_str());
+    let (tx, _) = tokio::sync::broadcast::channel(256);
+    let a = Arc::new(Assignment {
+        invite: inv.clone(),
+        state: parking_lot::Mutex::new(AssignmentState::Pending),
+        work_path: work_path.clone(),
+        started_at: parking_lot::Mutex::new(None),
+        backlog: parking_lot::Mutex::new(Vec::new()),
+        tx,
+        result: parking_lot::Mutex::new(None),
+        cancel: tokio::sync::Notify::new(),
+        mount: parking_lot::Mutex::new(None),
+    });
+    ex.tasks.lock().insert(id.as_str().to_string(), a);
+    AwcpMessage::Accept(AcceptMessage {
+        version: ProtocolVersion,
+        delegation_id: id,
+        retention_ms: inv.retention_ms.min(7 * 24 * 3600 * 1000),
+        executor_work_dir: ExecutorWorkDir {
+            path: work_path.display().to_string(),
+        },
+        executor_constraints: Some(ExecutorConstraints {
+            accepted_access_mode: Some(inv.lease.access_mode),
+            max_ttl_seconds: Some(inv.lease.ttl_seconds.min(max_ttl)),
+            sandbox_profile: Some(SandboxProfile {
+                cwd_only: Some(true),
+                allow_network: Some(true),
+                allow_exec: Some(true),
+            }),
+        }),
+    })
+}
+
+fn lookup(ex: &Executor, id: &str) -> Result<Arc<Assignment>, Response> {
+    ex.tasks
+        .lock()
+        .get(id)
+        .cloned()
+        .ok_or_else(|| fail(StatusCode::NOT_FOUND, format!("Delegation not found: {id}")))
+}
+
+async fn events(
+    State(ex): State<Arc<Executor>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Response> {
+    let a = lookup(&ex, &id)?;
+    let after: u64 = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let rx = a.tx.subscribe();
+    let backlog: Vec<_> = a
+        .backlog
+        .lock()
+        .iter()
+        .filter(|(i, _)| *i > after)
+        .cloned()
+        .collect();
+    let last = backlog.last().map(|(i, _)| *i).unwrap_or(after);
+    let done = backlog.iter().any(|(_, e)| e.is_terminal());
+    let live = BroadcastStream::new(rx)
+        .filter_map(move |r| std::future::ready(r.ok().filter(|(i, _)| *i > last)))
+        .take(if done { 0 } else { usize::MAX });
+    let stream = futures::stream::iter(backlog)
+        .chain(live)
+        .scan(false, |ended, item| {
+            if *ended {
+                return std::future::ready(None);
+            }
+            *ended = item.1.is_terminal();
+            std::future::ready(Some(item))
+        })
+        .map(|(i, ev)| {
+            Ok(Event::default()
+                .id(i.to_string())
+                .json_data(&ev)
+                .unwrap_or_default())
+        });
+    Ok(Sse::new(stream).keep_alive(
+        KeepAlive::new()
+            .interval(Duration::from_secs(15))
+            .text("keepalive"),
+    ))
+}
+
+async fn result(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
+    let Some(a) = ex.tasks.lock().get(&id).cloned() else {
+        let body = TaskResultResponse {
+            status: TaskResultStatus::NotFound,
+            completed_at: None,
+            summary: None,
+            highlights: None,
+            snapshot_base64: None,
+            error: None,
+            reason: None,
+        };
+        return (StatusCode::NOT_FOUND, Json(body)).into_response();
+    };
+    let r = a.result.lock().clone().unwrap_or(TaskResultResponse {
+        status: TaskResultStatus::Running,
+        completed_at: None,
+        summary: None,
+        highlights: None,
+        snapshot_base64: None,
+        error: None,
+        reason: None,
+    });
+    Json(r).into_response()
+}
+
+async fn ack(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Json<OkResponse> {
+    let mut tasks = ex.tasks.lock();
+    if tasks.get(&id).is_some_and(|a| a.state.lock().is_terminal()) {
+        tasks.remove(&id);
+    }
+    Json(OkResponse::OK)
+}
+
+async fn cancel(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
+    let a = match lookup(&ex, &id) {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    if a.state.lock().is_terminal() {
+        return fail(
+            StatusCode::CONFLICT,
+            format!(
+                "delegation {id} has already ended ({})",
+                a.state.lock().as_str()
+            ),
+        );
+    }
+    a.cancel.notify_one();
+    if *a.state.lock() == AssignmentState::Pending {
+        // Never started: nothing to unmount.
+        let mut st = a.state.lock();
+        if let Ok(next) = st.apply(AssignmentEvent::Cancel) {
+            *st = next;
+        }
+    }
+    Json(CancelResponse {
+        ok: true,
+        cancelled: true,
+    })
+    .into_response()
+}
+
+async fn status(State(ex): State<Arc<Executor>>) -> Json<ExecutorStatus> {
+    let tasks: Vec<_> = ex
+        .tasks
+        .lock()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let mut st = ExecutorStatus {
+        pending_invitations: 0,
+        active_delegations: 0,
+        completed_delegations: 0,
+        delegations: Vec::new(),
+    };
+    for (_, a) in tasks {
+        match *a.state.lock() {
+            AssignmentState::Pending => st.pending_invitations += 1,
+            AssignmentState::Active | AssignmentState::Idle => {
+                st.active_delegations += 1;
+                st.delegations.push(ExecutorDelegationInfo {
+                    id: a.invite.delegation_id.clone(),
+                    work_path: a.work_path.display().to_string(),
+                    started_at: a.started_at.lock().clone().unwrap_or_default(),
+                });
+            }
+            AssignmentState::Completed | AssignmentState::Error => st.completed_delegations += 1,
+        }
+    }
+    Json(st)
+}

@@ -1,0 +1,362 @@
+//! Running one task: mount, agent, flush, report, unmount.
+
+use std::collections::VecDeque;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use awcp_protocol::api::{ErrorInfo, TaskResultResponse, TaskResultStatus};
+use awcp_protocol::events::{DoneEvent, ErrorEvent, RunStatus, StatusEvent};
+use awcp_protocol::messages::{AccessMode, StartMessage};
+use awcp_protocol::{AssignmentEvent, ErrorCode, TaskEvent, TransportHandle};
+use awcpfs::mount::{EndReason, Mount, MountConfig};
+
+use super::{Assignment, Executor};
+
+/// Lines of agent output kept for the summary and error messages.
+const TAIL_LINES: usize = 20;
+/// Agent output lines forwarded as progress events, at most.
+const MAX_PROGRESS_EVENTS: usize = 500;
+
+fn status_event(a: &Assignment, status: RunStatus, message: String) -> TaskEvent {
+    TaskEvent::Status(StatusEvent {
+        delegation_id: a.invite.delegation_id.clone(),
+        timestamp: crate::now_iso(),
+        status,
+        message: Some(message),
+        progress: None,
+    })
+}
+
+fn finish_error(a: &Assignment, code: ErrorCode, message: String, hint: Option<String>) {
+    let event = match code {
+        ErrorCode::Cancelled => AssignmentEvent::Cancel,
+        ErrorCode::Expired => AssignmentEvent::Expire,
+        _ => AssignmentEvent::TaskFail,
+    };
+    {
+        let mut st = a.state.lock();
+        if let Ok(next) = st.apply(event) {
+            *st = next;
+        }
+    }
+    let now = crate::now_iso();
+    *a.result.lock() = Some(TaskResultResponse {
+        status: TaskResultStatus::Error,
+        completed_at: Some(now.clone()),
+        summary: None,
+        highlights: None,
+        snapshot_base64: None,
+        error: Some(ErrorInfo {
+            code: code.clone(),
+            message: message.clone(),
+            hint: hint.clone(),
+        }),
+        reason: None,
+    });
+    a.emit(TaskEvent::Error(ErrorEvent {
+        delegation_id: a.invite.delegation_id.clone(),
+        timestamp: now,
+        code,
+        message,
+        hint,
+    }));
+}
+
+fn finish_done(a: &Assignment, summary: String) {
+    {
+        let mut st = a.state.lock();
+        if let Ok(next) = st.apply(AssignmentEvent::TaskComplete) {
+            *st = next;
+        }
+    }
+    let now = crate::now_iso();
+    *a.result.lock() = Some(TaskResultResponse {
+        status: TaskResultStatus::Completed,
+        completed_at: Some(now.clone()),
+        summary: Some(summary.clone()),
+        highlights: None,
+        snapshot_base64: None,
+        error: None,
+        reason: None,
+    });
+    a.emit(TaskEvent::Done(DoneEvent {
+        delegation_id: a.invite.delegation_id.clone(),
+        timestamp: now,
+        summary,
+        highlights: None,
+        snapshot_ids: None,
+        recommended_snapshot_id: None,
+    }));
+}
+
+fn lease_error(reason: &EndReason) -> (ErrorCode, String, Option<String>) {
+    match reason {
+        EndReason::Expired => (
+            ErrorCode::Expired,
+            "Lease expired during task execution".into(),
+            Some("Ask the Delegator for a longer TTL or renew the lease".into()),
+        ),
+        EndReason::Revoked | EndReason::Unmounted => (
+            ErrorCode::Cancelled,
+            "Delegation cancelled: the Delegator revoked the lease".into(),
+            None,
+        ),
+    }
+}
+
+fn kill_group(pid: Option<u32>) {
+    if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+/// Run the task of `start` to its end.
+pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessage) {
+    {
+        let mut st = a.state.lock();
+        match st.apply(AssignmentEvent::ReceiveStart) {
+            Ok(next) => *st = next,
+            Err(e) => {
+                tracing::warn!(error = %e, "START in the wrong state");
+                return;
+            }
+        }
+    }
+    *a.started_at.lock() = Some(crate::now_iso());
+    let id = a.invite.delegation_id.as_str().to_string();
+    let TransportHandle::Awcpfs(h) = start.transport_handle else {
+        finish_error(
+            &a,
+            ErrorCode::SetupFailed,
+            format!(
+                "transport {} is not supported by this executor",
+                start.transport_handle.transport_type().as_str()
+            ),
+            Some("Delegate with the awcpfs transport".into()),
+        );
+        return;
+    };
+    let state_dir = ex.cfg.state_dir.join(&id);
+    if let Err(e) =
+        std::fs::create_dir_all(&a.work_path).and_then(|_| std::fs::create_dir_all(&state_dir))
+    {
+        finish_error(
+            &a,
+            ErrorCode::WorkdirDenied,
+            format!("cannot create {}: {e}", a.work_path.display()),
+            None,
+        );
+        return;
+    }
+    let mut mcfg = MountConfig::new(
+        &h.endpoint,
+        &h.export_id,
+        &h.token,
+        &a.work_path,
+        &state_dir,
+    );
+    mcfg.manifest_digest = Some(h.manifest_digest.clone());
+    mcfg.expires_at = Some(h.expires_at.clone());
+    mcfg.read_only = start.lease.access_mode == AccessMode::Ro;
+    mcfg.keep_cache = ex.cfg.keep_cache;
+    let mount = match tokio::task::spawn_blocking(move || Mount::start(mcfg)).await {
+        Ok(Ok(m)) => m,
+        Ok(Err(e)) => {
+            let msg = format!("{}: {}", e, awcpfs::mount::sync::source_chain(&e));
+            finish_error(
+                &a,
+                ErrorCode::SetupFailed,
+                msg,
+                Some("Check that the Delegator's export is reachable and /dev/fuse exists".into()),
+            );
+            let _ = std::fs::remove_dir(&a.work_path);
+            return;
+        }
+        Err(e) => {
+            finish_error(
+                &a,
+                ErrorCode::SetupFailed,
+                format!("mount task failed: {e}"),
+                None,
+            );
+            return;
+        }
+    };
+    *a.mount.lock() = Some(mount.clone());
+    let (end_tx, end_rx) = tokio::sync::oneshot::channel();
+    mount.on_end(move |r| {
+        let _ = end_tx.send(r);
+    });
+    a.emit(status_event(
+        &a,
+        RunStatus::Running,
+        format!(
+            "Task execution started (workspace mounted at {})",
+            a.work_path.display()
+        ),
+    ));
+
+    let mut cmd = tokio::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(&ex.cfg.agent_cmd)
+        .current_dir(&a.work_path)
+        .env("AWCP_DELEGATION_ID", &id)
+        .env("AWCP_TASK_DESCRIPTION", &a.invite.task.description)
+        .env("AWCP_TASK_PROMPT", &a.invite.task.prompt)
+        .env("AWCP_WORKSPACE", &a.work_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let m = mount.clone();
+            let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+            finish_error(
+                &a,
+                ErrorCode::SetupFailed,
+                format!("cannot start the agent command: {e}"),
+                None,
+            );
+            return;
+        }
+    };
+    let pid = child.id();
+    let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
+    let forwarded = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut readers = Vec::new();
+    for (stream, is_err) in [
+        (
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
+            false,
+        ),
+        (
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
+            true,
+        ),
+    ] {
+        let Some(stream) = stream else { continue };
+        let (a, tail, forwarded) = (a.clone(), tail.clone(), forwarded.clone());
+        readers.push(tokio::spawn(async move {
+            let mut lines = BufReader::new(stream).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let line = if is_err {
+                    format!("[stderr] {line}")
+                } else {
+                    line
+                };
+                {
+                    let mut t = tail.lock();
+                    t.push_back(line.clone());
+                    if t.len() > TAIL_LINES {
+                        t.pop_front();
+                    }
+                }
+                if forwarded.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    < MAX_PROGRESS_EVENTS
+                {
+                    a.emit(status_event(&a, RunStatus::Progress, line));
+                }
+            }
+        }));
+    }
+
+    enum Outcome {
+        Exited(std::io::Result<std::process::ExitStatus>),
+        LeaseEnded(EndReason),
+        Cancelled,
+    }
+    let outcome = tokio::select! {
+        s = child.wait() => Outcome::Exited(s),
+        r = end_rx => Outcome::LeaseEnded(r.unwrap_or(EndReason::Unmounted)),
+        _ = a.cancel.notified() => Outcome::Cancelled,
+    };
+    match outcome {
+        Outcome::Exited(status) => {
+            for r in readers {
+                let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
+            }
+            let m = mount.clone();
+            let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+            let tail_text = tail.lock().iter().cloned().collect::<Vec<_>>().join("\n");
+            match mount.ended() {
+                Some(reason @ (EndReason::Revoked | EndReason::Expired)) => {
+                    let (code, msg, hint) = lease_error(&reason);
+                    finish_error(&a, code, msg, hint);
+                }
+                _ if mount.unsynced() => finish_error(
+                    &a,
+                    ErrorCode::TransportError,
+                    format!(
+                        "some changes could not be written back; they are kept in {}",
+                        state_dir.display()
+                    ),
+                    Some("Collect them from the Executor's state directory".into()),
+                ),
+                _ => match status {
+                    Ok(s) if s.success() => {
+                        let stats = mount.stats();
+                        let last = tail
+                            .lock()
+                            .iter()
+                            .rev()
+                            .find(|l| !l.starts_with("[stderr]"))
+                            .cloned();
+                        let summary = format!(
+                            "agent finished{}; {} file(s) written back",
+                            last.map(|l| format!(": {l}")).unwrap_or_default(),
+                            stats.files_written_back
+                        );
+                        finish_done(&a, summary);
+                    }
+                    Ok(s) => finish_error(
+                        &a,
+                        ErrorCode::TaskFailed,
+                        format!("the agent exited with {s}; last output:\n{tail_text}"),
+                        Some("Check task requirements and try again".into()),
+                    ),
+                    Err(e) => finish_error(
+                        &a,
+                        ErrorCode::TaskFailed,
+                        format!("waiting for the agent failed: {e}"),
+                        None,
+                    ),
+                },
+            }
+        }
+        Outcome::LeaseEnded(reason) => {
+            kill_group(pid);
+            let _ = child.kill().await;
+            let (code, msg, hint) = lease_error(&reason);
+            finish_error(&a, code, msg, hint);
+        }
+        Outcome::Cancelled => {
+            let m = mount.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                m.end(EndReason::Revoked, Some(Duration::from_secs(5)))
+            })
+            .await;
+            kill_group(pid);
+            let _ = child.kill().await;
+            let (code, msg, hint) = lease_error(&mount.ended().unwrap_or(EndReason::Revoked));
+            finish_error(&a, code, msg, hint);
+        }
+    }
+    *a.mount.lock() = None;
+    let _ = std::fs::remove_dir(&a.work_path);
+}

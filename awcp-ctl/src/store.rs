@@ -1,0 +1,138 @@
+//! The daemon's durable state: one SQLite database (rusqlite, bundled), so delegations,
+//! leases and exports survive a restart and one command starts everything.
+
+use std::path::{Path, PathBuf};
+
+use parking_lot::Mutex;
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::{Deserialize, Serialize};
+
+use awcp_protocol::api::DelegationRecord;
+
+use crate::watch::WatchEvent;
+
+/// Everything the daemon keeps about one delegation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredDelegation {
+    /// The reference's record shape (what `GET /delegation/:id` returns).
+    pub record: DelegationRecord,
+    /// The export serving the workspace.
+    pub export_id: String,
+    /// Its capability token.
+    pub token: String,
+    /// The delegated directory.
+    pub source: PathBuf,
+    /// `ro` delegation.
+    pub read_only: bool,
+    /// History, for `watch` and `delegate --wait`.
+    pub events: Vec<WatchEvent>,
+    /// Last SSE id seen from the Executor, to resume its stream.
+    #[serde(default)]
+    pub last_event_id: Option<String>,
+}
+
+/// Why the store failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// SQLite failed.
+    #[error("the state database {path} failed")]
+    Sqlite {
+        /// Which database.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// A stored row does not parse.
+    #[error("a stored delegation is unreadable")]
+    Corrupt {
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// The store.
+#[derive(Debug)]
+pub struct Store {
+    path: PathBuf,
+    conn: Mutex<Connection>,
+}
+
+impl Store {
+    /// Open (or create) the database at `path`.
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        let err = |source| StoreError::Sqlite {
+            path: path.to_path_buf(),
+            source,
+        };
+        let conn = Connection::open(path).map_err(err)?;
+        conn.execute_batch(
+            "PRAGMA journal_mode=WAL;
+             PRAGMA synchronous=NORMAL;
+             CREATE TABLE IF NOT EXISTS delegations (
+                 id TEXT PRIMARY KEY,
+                 body TEXT NOT NULL,
+                 updated_at TEXT NOT NULL
+             );",
+        )
+        .map_err(err)?;
+        Ok(Store {
+            path: path.to_path_buf(),
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn err(&self, source: rusqlite::Error) -> StoreError {
+        StoreError::Sqlite {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    /// Insert or replace a delegation.
+    pub fn put(&self, d: &StoredDelegation) -> Result<(), StoreError> {
+        let body = serde_json::to_string(d).map_err(|source| StoreError::Corrupt { source })?;
+        self.conn
+            .lock()
+            .execute(
+                "INSERT INTO delegations (id, body, updated_at) VALUES (?1, ?2, ?3)
+                 ON CONFLICT(id) DO UPDATE SET body = excluded.body, updated_at = excluded.updated_at",
+                params![d.record.id.as_str(), body, d.record.updated_at],
+            )
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// One delegation.
+    pub fn get(&self, id: &str) -> Result<Option<StoredDelegation>, StoreError> {
+        let body: Option<String> = self
+            .conn
+            .lock()
+            .query_row("SELECT body FROM delegations WHERE id = ?1", [id], |r| {
+                r.get(0)
+            })
+            .optional()
+            .map_err(|e| self.err(e))?;
+        body.map(|b| serde_json::from_str(&b).map_err(|source| StoreError::Corrupt { source }))
+            .transpose()
+    }
+
+    /// Every delegation, oldest first.
+    pub fn all(&self) -> Result<Vec<StoredDelegation>, StoreError> {
+        let conn = self.conn.lock();
+        let mut stmt = conn
+            .prepare("SELECT body FROM delegations ORDER BY rowid")
+            .map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map([], |r| r.get::<_, String>(0))
+            .map_err(|e| self.err(e))?;
+        let mut out = Vec::new();
+        for row in rows {
+            let body = row.map_err(|e| self.err(e))?;
+            out.push(serde_json::from_str(&body).map_err(|source| StoreError::Corrupt { source })?);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,442 @@
+//! Delegator side of the `awcpfs` data plane: serve directories to Executors.
+//!
+//! An [`ExportRegistry`] holds any number of [`Export`]s, each one directory shared under an
+//! id, a capability token and a [`Lease`]. [`ExportRegistry::router`] is the HTTP API of
+//! [`awcp_protocol::dataplane`] for all of them (`/v1/exports/{id}/…`).
+//!
+//! # Design
+//!
+//! * **Manifest snapshot.** [`ExportRegistry::register`] walks the tree once and keeps the
+//!   exact JSON bytes it serves; their blake3 is the `manifestDigest` of the transport handle.
+//!   The manifest is never rebuilt: the Executor sees the tree as it was at register time plus
+//!   its own commits.
+//! * **Content-addressed blocks.** Content is served by block hash, from a block index built
+//!   with the manifest and extended by commits, and from a staging store of uploaded blocks.
+//!   Every block read from the tree is re-hashed before it is served, so a file that changed
+//!   since the snapshot is never served as if it had not (see `store`).
+//! * **Confinement.** Every filesystem access goes through a root directory descriptor and
+//!   `openat(O_NOFOLLOW)` component by component (see `rootfs`): no path from the
+//!   network, and no symlink in the tree, can make the export read or write outside its root.
+//! * **Commits** are serialised per export, idempotent by `commitId`, staged completely before
+//!   anything is applied, and detect conflicting changes on the Delegator's side from the base
+//!   hash each change carries (see `commit`).
+//! * **Gates.** Every request is authenticated (constant-time token comparison) and checked
+//!   against the lease: reads need an active lease; `/missing`, `/upload` and `/commit`
+//!   are also accepted within the lease's flush grace so the Executor can push its last
+//!   changes after a revoke or an expiry (see `http`).
+//!
+//! Registering does blocking IO (the walk hashes every file); call it from
+//! `tokio::task::spawn_blocking` in async code. The router does its own blocking IO on the
+//! blocking pool.
+
+mod commit;
+mod error;
+mod http;
+mod manifest;
+mod rootfs;
+mod store;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use awcp_lease::Lease;
+use awcp_protocol::dataplane::{Conflict, Manifest};
+use parking_lot::{Mutex, RwLock};
+use serde::Serialize;
+
+use self::manifest::ManifestParams;
+use self::rootfs::RootDir;
+use self::store::{BlockSource, Staging};
+
+/// Largest block size an export accepts (64 MiB): one block is held in memory at a time.
+pub const MAX_BLOCK_SIZE: u32 = 64 << 20;
+/// How many recent conflicts [`ExportStats::recent_conflicts`] keeps.
+pub const RECENT_CONFLICTS: usize = 32;
+
+/// How to serve one directory.
+#[derive(Debug, Clone)]
+pub struct ExportConfig {
+    /// The directory to serve.
+    pub root: PathBuf,
+    /// Refuse commits and uploads (`ro` delegation).
+    pub read_only: bool,
+    /// Block size for the manifest and the block index (1 ..= [`MAX_BLOCK_SIZE`]).
+    pub block_size: u32,
+    /// Per-export scratch directory for uploaded blocks; created if missing; must lie
+    /// outside `root`.
+    pub staging_dir: PathBuf,
+}
+
+/// Why an export could not be registered.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// The id is already registered.
+    #[error("export id {export_id:?} is already registered; remove it first or choose another id")]
+    Duplicate {
+        /// The id.
+        export_id: String,
+    },
+    /// The id cannot be used as a URL path segment.
+    #[error(
+        "export id {export_id:?} is not usable: use 1 to 128 characters from A-Z a-z 0-9 _ . -"
+    )]
+    InvalidId {
+        /// The id.
+        export_id: String,
+    },
+    /// The token is empty.
+    #[error("the capability token of export {export_id:?} is empty; generate a random token")]
+    EmptyToken {
+        /// The id.
+        export_id: String,
+    },
+    /// The block size is out of range.
+    #[error("block size {block_size} is out of range; use 1 to {max} bytes")]
+    BlockSize {
+        /// The configured size.
+        block_size: u32,
+        /// The largest accepted.
+        max: u32,
+    },
+    /// The root cannot be opened as a directory.
+    #[error("cannot open export root {} as a directory", root.display())]
+    OpenRoot {
+        /// The root.
+        root: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The staging directory lies inside the root.
+    #[error(
+        "staging dir {} lies inside export root {}; put it outside so uploads never appear in the shared tree",
+        staging_dir.display(),
+        root.display()
+    )]
+    StagingInsideRoot {
+        /// The staging directory.
+        staging_dir: PathBuf,
+        /// The root.
+        root: PathBuf,
+    },
+    /// The staging directory cannot be created or resolved.
+    #[error("cannot create staging dir {}", staging_dir.display())]
+    Staging {
+        /// The staging directory.
+        staging_dir: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The walk of the root failed.
+    #[error("cannot build the manifest of {}", root.display())]
+    Manifest {
+        /// The root.
+        root: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The manifest could not be serialised.
+    #[error("cannot serialise the manifest of export {export_id:?}")]
+    Serialize {
+        /// The id.
+        export_id: String,
+        /// The cause.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Counters of one export, as reported by status endpoints.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExportStats {
+    /// Block content bytes served by `/blocks`.
+    pub bytes_served: u64,
+    /// Blocks served by `/blocks` (missing ones not counted).
+    pub blocks_served: u64,
+    /// `GET /manifest` answers.
+    pub manifest_fetches: u64,
+    /// Commits applied (retries answered from memory not counted).
+    pub commits: u64,
+    /// Files written by commits (conflict copies included).
+    pub files_written: u64,
+    /// Bytes of those files.
+    pub bytes_written: u64,
+    /// Changes not applied because of a conflict.
+    pub conflicts: u64,
+    /// The last [`RECENT_CONFLICTS`] conflicts, oldest first.
+    pub recent_conflicts: Vec<Conflict>,
+}
+
+/// Live counters behind [`ExportStats`].
+#[derive(Debug, Default)]
+struct Stats {
+    bytes_served: AtomicU64,
+    blocks_served: AtomicU64,
+    manifest_fetches: AtomicU64,
+    commits: AtomicU64,
+    files_written: AtomicU64,
+    bytes_written: AtomicU64,
+    conflicts: AtomicU64,
+    recent_conflicts: Mutex<std::collections::VecDeque<Conflict>>,
+}
+
+impl Stats {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn record_conflict(&self, c: &Conflict) {
+        Self::add(&self.conflicts, 1);
+        let mut recent = self.recent_conflicts.lock();
+        if recent.len() == RECENT_CONFLICTS {
+            recent.pop_front();
+        }
+        recent.push_back(c.clone());
+    }
+
+    fn snapshot(&self) -> ExportStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ExportStats {
+            bytes_served: get(&self.bytes_served),
+            blocks_served: get(&self.blocks_served),
+            manifest_fetches: get(&self.manifest_fetches),
+            commits: get(&self.commits),
+            files_written: get(&self.files_written),
+            bytes_written: get(&self.bytes_written),
+            conflicts: get(&self.conflicts),
+            recent_conflicts: self.recent_conflicts.lock().iter().cloned().collect(),
+        }
+    }
+}
+
+/// One served directory.
+#[derive(Debug)]
+pub struct Export {
+    id: String,
+    /// blake3 of the token: comparing hashes is constant-time in both content and length.
+    token_hash: blake3::Hash,
+    read_only: bool,
+    block_size: u32,
+    lease: Arc<Lease>,
+    manifest: Manifest,
+    manifest_json: axum::body::Bytes,
+    manifest_digest: String,
+    blocks: BlockSource,
+    stats: Stats,
+    commits: tokio::sync::Mutex<commit::CommitLog>,
+}
+
+impl Export {
+    /// The export's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// blake3 (hex) of the exact manifest JSON bytes `GET /manifest` serves.
+    pub fn manifest_digest(&self) -> String {
+        self.manifest_digest.clone()
+    }
+
+    /// The manifest as built at register time.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Block size of the manifest.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Whether commits and uploads are refused.
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The lease that gates every request.
+    pub fn lease(&self) -> &Arc<Lease> {
+        &self.lease
+    }
+
+    /// The served directory.
+    pub fn root(&self) -> &Path {
+        self.blocks.root.path()
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> ExportStats {
+        self.stats.snapshot()
+    }
+
+    /// Whether `token` is this export's token (constant time).
+    fn token_matches(&self, token: &str) -> bool {
+        // `blake3::Hash`'s `PartialEq` is constant-time.
+        blake3::hash(token.as_bytes()) == self.token_hash
+    }
+}
+
+/// All exports of a process. Cheap to clone (shared state).
+#[derive(Debug, Clone, Default)]
+pub struct ExportRegistry {
+    exports: Arc<RwLock<HashMap<String, Arc<Export>>>>,
+}
+
+impl ExportRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Serve `cfg.root` as `export_id`, guarded by `token` and `lease`.
+    ///
+    /// Builds the manifest and the block index eagerly: blocking IO proportional to the
+    /// tree's size (every file is hashed), so call it from `spawn_blocking` in async code.
+    pub fn register(
+        &self,
+        export_id: String,
+        token: String,
+        cfg: ExportConfig,
+        lease: Arc<Lease>,
+    ) -> Result<Arc<Export>, ExportError> {
+        if !valid_id(&export_id) {
+            return Err(ExportError::InvalidId { export_id });
+        }
+        if token.is_empty() {
+            return Err(ExportError::EmptyToken { export_id });
+        }
+        if cfg.block_size == 0 || cfg.block_size > MAX_BLOCK_SIZE {
+            return Err(ExportError::BlockSize {
+                block_size: cfg.block_size,
+                max: MAX_BLOCK_SIZE,
+            });
+        }
+        if self.exports.read().contains_key(&export_id) {
+            return Err(ExportError::Duplicate { export_id });
+        }
+        let root = RootDir::open(&cfg.root).map_err(|source| ExportError::OpenRoot {
+            root: cfg.root.clone(),
+            source,
+        })?;
+        let staging = open_staging(&cfg)?;
+        let params = ManifestParams {
+            export_id: export_id.clone(),
+            block_size: cfg.block_size,
+            read_only: cfg.read_only,
+        };
+        let built = manifest::build(&root, &params).map_err(|source| ExportError::Manifest {
+            root: cfg.root.clone(),
+            source,
+        })?;
+        let json =
+            serde_json::to_vec(&built.manifest).map_err(|source| ExportError::Serialize {
+                export_id: export_id.clone(),
+                source,
+            })?;
+        let manifest_digest = blake3::hash(&json).to_hex().to_string();
+        tracing::info!(
+            export = %export_id,
+            root = %cfg.root.display(),
+            entries = built.manifest.entries.len(),
+            blocks = built.index.len(),
+            digest = %manifest_digest,
+            "export registered"
+        );
+        let export = Arc::new(Export {
+            token_hash: blake3::hash(token.as_bytes()),
+            read_only: cfg.read_only,
+            block_size: cfg.block_size,
+            lease,
+            manifest: built.manifest,
+            manifest_json: json.into(),
+            manifest_digest,
+            blocks: BlockSource {
+                root,
+                index: RwLock::new(built.index),
+                staging,
+            },
+            stats: Stats::default(),
+            commits: tokio::sync::Mutex::new(commit::CommitLog::default()),
+            id: export_id.clone(),
+        });
+        // Re-check under the write lock: the walk above ran without it.
+        let mut exports = self.exports.write();
+        if exports.contains_key(&export_id) {
+            return Err(ExportError::Duplicate { export_id });
+        }
+        exports.insert(export_id, export.clone());
+        Ok(export)
+    }
+
+    /// The export registered as `export_id`.
+    pub fn get(&self, export_id: &str) -> Option<Arc<Export>> {
+        self.exports.read().get(export_id).cloned()
+    }
+
+    /// Stop serving `export_id` (requests already running finish; open event streams end at
+    /// the lease's next terminal event). Staged blocks stay in its `staging_dir`.
+    pub fn remove(&self, export_id: &str) -> Option<Arc<Export>> {
+        self.exports.write().remove(export_id)
+    }
+
+    /// The data-plane routes (`/v1/exports/{id}/…`) over this registry.
+    pub fn router(&self) -> axum::Router {
+        http::router(self.clone())
+    }
+}
+
+/// Ids appear in URLs: keep them to a safe alphabet.
+fn valid_id(id: &str) -> bool {
+    (1..=128).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+        && id != "."
+        && id != ".."
+}
+
+/// Create the staging directory and check that it lies outside the root.
+fn open_staging(cfg: &ExportConfig) -> Result<Staging, ExportError> {
+    let staging_err = |source| ExportError::Staging {
+        staging_dir: cfg.staging_dir.clone(),
+        source,
+    };
+    let existed = cfg.staging_dir.exists();
+    let staging = Staging::open(&cfg.staging_dir).map_err(staging_err)?;
+    let staging_real = cfg.staging_dir.canonicalize().map_err(staging_err)?;
+    let root_real = cfg
+        .root
+        .canonicalize()
+        .map_err(|source| ExportError::OpenRoot {
+            root: cfg.root.clone(),
+            source,
+        })?;
+    if staging_real.starts_with(&root_real) {
+        if !existed {
+            // Do not leave the directory we just made in the shared tree.
+            let _ = std::fs::remove_dir(&cfg.staging_dir);
+        }
+        return Err(ExportError::StagingInsideRoot {
+            staging_dir: cfg.staging_dir.clone(),
+            root: cfg.root.clone(),
+        });
+    }
+    Ok(staging)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_url_safe() {
+        assert!(valid_id("exp_0123abcd"));
+        assert!(valid_id("a.b-c"));
+        for bad in ["", ".", "..", "a/b", "a b", "ä", &"x".repeat(129)] {
+            assert!(!valid_id(bad), "{bad:?} accepted");
+        }
+    }
+}

@@ -1,0 +1,799 @@
+//! Applying a change set from the Executor to the exported tree.
+//!
+//! A commit runs in four phases; the first three change nothing visible, so a refusal in
+//! any of them leaves the tree exactly as it was:
+//!
+//! 1. **Validate** every path ([`validate_rel_path`], no `.awcp-tmp-*` component) and every
+//!    hash, and refuse (400 `INVALID_PATH`) any change whose parent chain holds a symlink or a
+//!    non-directory. The check runs against the tree *as the change set will have left it*
+//!    so far (a small overlay of the kinds earlier changes create or remove), so
+//!    `[symlink a → /etc, write a/passwd]` is refused as a whole, not half-applied.
+//! 2. **Stage** every write: assemble its content from blocks (staging store, or verified
+//!    reads from the tree) into `.awcp-tmp-<random>` in the target's directory (the root if
+//!    that directory does not exist yet), check its size and hash, set mode and mtime,
+//!    `fsync`. A missing block fails the commit with 409 `MISSING_BLOCKS` listing all of them.
+//! 3. **Check and apply** each change in the given order. The precondition of each change is
+//!    checked right before it is applied, against the real tree, so earlier changes of the
+//!    same set count. A failed precondition is a [`Conflict`], not an error: the change is
+//!    skipped (a write's content is kept beside as `<name>.awcp-conflict-<tag>`) and the rest
+//!    of the set is still applied. An IO failure while applying is reported as a conflict
+//!    too, so a commit never stops half-way with an error.
+//! 4. **Index** the written files' blocks so they can be served.
+//!
+//! Safety does not rest on phase 1: every operation goes through [`RootDir`] and `*at`
+//! calls that never follow a symlink, so even a tree that changes between phases cannot
+//! redirect a write outside the root — at worst the change becomes a conflict.
+//!
+//! Modes from the Executor are masked with `0o1777`: permission bits and the sticky bit, but
+//! never set-uid or set-gid, so an Executor cannot plant a privileged executable on the
+//! Delegator's machine.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, validate_rel_path};
+use nix::errno::Errno;
+use nix::fcntl::{OFlag, openat, readlinkat, renameat};
+use nix::sys::stat::{FchmodatFlags, Mode, fchmod, fchmodat, futimens, mkdirat};
+use nix::sys::time::TimeSpec;
+use nix::unistd::{UnlinkatFlags, fsync, symlinkat, unlinkat};
+
+use super::Export;
+use super::error::ApiError;
+use super::rootfs::{FsError, NodeKind, RootDir, hash_file_at, kind_at, open_file_at};
+use super::store::{BlockHash, BlockLoc, TMP_PREFIX, hash_hex, parse_hash, tmp_name};
+
+/// How many commit results are remembered for idempotent retries.
+const REMEMBERED_COMMITS: usize = 256;
+/// Most changes in one commit.
+pub(crate) const MAX_CHANGES: usize = 100_000;
+/// Longest commit id accepted.
+const MAX_COMMIT_ID: usize = 256;
+/// Longest symlink target accepted (Linux `PATH_MAX` minus the NUL).
+const MAX_TARGET: usize = 4095;
+/// Mode bits an Executor may set: permissions and sticky, never set-uid/set-gid.
+const MODE_MASK: u32 = 0o1777;
+
+/// Results of recent commits, for answering retries without applying twice.
+#[derive(Debug, Default)]
+pub(crate) struct CommitLog {
+    recent: VecDeque<CommitResult>,
+}
+
+impl CommitLog {
+    /// The result of an earlier commit with this id.
+    pub(crate) fn find(&self, commit_id: &str) -> Option<CommitResult> {
+        self.recent
+            .iter()
+            .find(|r| r.commit_id == commit_id)
+            .cloned()
+    }
+
+    /// Remember a result.
+    pub(crate) fn remember(&mut self, result: CommitResult) {
+        if self.recent.len() == REMEMBERED_COMMITS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(result);
+    }
+}
+
+/// Apply `cs` to the export's tree (blocking IO). The caller serialises commits.
+pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiError> {
+    if cs.commit_id.is_empty() || cs.commit_id.len() > MAX_COMMIT_ID {
+        return Err(ApiError::bad_body(
+            "POST /commit",
+            format!("commitId must be 1 to {MAX_COMMIT_ID} bytes"),
+        ));
+    }
+    if cs.changes.len() > MAX_CHANGES {
+        return Err(ApiError::TooMany {
+            what: "changes in one commit",
+            count: cs.changes.len(),
+            max: MAX_CHANGES,
+        });
+    }
+    let root = &export.blocks.root;
+    let writes = validate(root, &cs.changes)?;
+    let mut staged = stage(export, &cs.changes, &writes)?;
+
+    let tag = conflict_tag(&cs.commit_id);
+    let mut applied = 0u64;
+    let mut conflicts = Vec::new();
+    let mut written: Vec<Written> = Vec::new();
+    for (i, change) in cs.changes.iter().enumerate() {
+        let outcome = match change {
+            Change::Write { .. } => match staged.get_mut(&i) {
+                Some(s) => apply_write(root, change, s, &tag, &mut written),
+                // Unreachable: every write was staged; refuse rather than panic.
+                None => Err(FsError::BadComponent {
+                    path: change.path().to_owned(),
+                }),
+            },
+            other => apply_other(root, other),
+        };
+        match outcome {
+            Ok(Outcome::Applied) => applied += 1,
+            Ok(Outcome::Conflict { reason, kept_as }) => {
+                let c = Conflict {
+                    path: change.path().to_owned(),
+                    reason,
+                    kept_as,
+                };
+                tracing::warn!(export = %export.id, commit = %cs.commit_id, path = %c.path, reason = %c.reason, kept_as = ?c.kept_as, "commit conflict");
+                export.stats.record_conflict(&c);
+                conflicts.push(c);
+            }
+            Err(e) => {
+                let c = Conflict {
+                    path: change.path().to_owned(),
+                    reason: format!("not applied: {}", chain(&e)),
+                    kept_as: None,
+                };
+                tracing::warn!(export = %export.id, commit = %cs.commit_id, path = %c.path, reason = %c.reason, "change failed");
+                export.stats.record_conflict(&c);
+                conflicts.push(c);
+            }
+        }
+    }
+    drop(staged); // unlinks any temp file not consumed
+
+    let mut index = export.blocks.index.write();
+    for Written { path, blocks, size } in &written {
+        let path: std::sync::Arc<str> = std::sync::Arc::from(path.as_str());
+        let mut offset = 0u64;
+        for (hash, len) in blocks {
+            index.insert(
+                *hash,
+                BlockLoc {
+                    path: path.clone(),
+                    offset,
+                    len: *len,
+                },
+            );
+            offset += u64::from(*len);
+        }
+        super::Stats::add(&export.stats.files_written, 1);
+        super::Stats::add(&export.stats.bytes_written, *size);
+    }
+    drop(index);
+    super::Stats::add(&export.stats.commits, 1);
+    tracing::info!(export = %export.id, commit = %cs.commit_id, applied, conflicts = conflicts.len(), "commit applied");
+    Ok(CommitResult {
+        commit_id: cs.commit_id.clone(),
+        applied,
+        conflicts,
+    })
+}
+
+/// A file a commit wrote, for the block index and the counters.
+struct Written {
+    path: String,
+    blocks: Vec<(BlockHash, u32)>,
+    size: u64,
+}
+
+impl Written {
+    fn of(path: String, staged: &Staged) -> Written {
+        Written {
+            path,
+            blocks: staged.blocks.clone(),
+            size: staged.size,
+        }
+    }
+}
+
+/// A write's content, parsed.
+#[derive(Debug)]
+struct WritePlan {
+    hash: BlockHash,
+    blocks: Vec<BlockHash>,
+}
+
+/// The kinds the change set will have left along its way, over the real tree.
+struct Overlay<'r> {
+    root: &'r RootDir,
+    known: HashMap<String, NodeKind>,
+}
+
+impl Overlay<'_> {
+    fn kind(&mut self, rel: &str) -> Result<NodeKind, ApiError> {
+        if let Some(k) = self.known.get(rel) {
+            return Ok(*k);
+        }
+        let k = match self.root.kind(rel) {
+            Ok(k) => k,
+            Err(e @ (FsError::SymlinkInPath { .. } | FsError::NotDir { .. })) => {
+                return Err(ApiError::InvalidPath {
+                    reason: e.to_string(),
+                });
+            }
+            Err(source) => {
+                return Err(ApiError::Fs {
+                    context: "checking the commit's paths",
+                    source,
+                });
+            }
+        };
+        self.known.insert(rel.to_owned(), k);
+        Ok(k)
+    }
+}
+
+/// Phase 1: paths, hashes, and parent chains; returns the parsed writes by change index.
+fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePlan>, ApiError> {
+    let mut overlay = Overlay {
+        root,
+        known: HashMap::new(),
+    };
+    let mut writes = HashMap::new();
+    for (i, change) in changes.iter().enumerate() {
+        let path = change.path();
+        validate_rel_path(path).map_err(|e| ApiError::InvalidPath {
+            reason: e.to_string(),
+        })?;
+        if path.split('/').any(|c| c.starts_with(TMP_PREFIX)) {
+            return Err(ApiError::InvalidPath {
+                reason: format!("{path:?} uses the reserved name prefix `{TMP_PREFIX}`"),
+            });
+        }
+        // Parent chain: each existing prefix must be a real directory.
+        for (end, _) in path.match_indices('/') {
+            let prefix = &path[..end];
+            match overlay.kind(prefix)? {
+                NodeKind::Dir => {}
+                NodeKind::Absent => break,
+                NodeKind::Symlink => {
+                    return Err(ApiError::InvalidPath {
+                        reason: format!(
+                            "{path:?} escapes the export: `{prefix}` is a symlink, and the export never writes through symlinks"
+                        ),
+                    });
+                }
+                found @ (NodeKind::File | NodeKind::Special) => {
+                    return Err(ApiError::InvalidPath {
+                        reason: format!(
+                            "{path:?}: `{prefix}` is {}, not a directory",
+                            found.describe()
+                        ),
+                    });
+                }
+            }
+        }
+        let current = overlay.kind(path)?;
+        let after = match change {
+            Change::Mkdir { .. } => (current == NodeKind::Absent).then_some(NodeKind::Dir),
+            Change::Rmdir { .. } => (current == NodeKind::Dir).then_some(NodeKind::Absent),
+            Change::Unlink { .. } => {
+                matches!(current, NodeKind::File | NodeKind::Symlink).then_some(NodeKind::Absent)
+            }
+            Change::Symlink { target, .. } => {
+                if target.is_empty() || target.contains('\0') || target.len() > MAX_TARGET {
+                    return Err(ApiError::bad_body(
+                        "POST /commit",
+                        format!(
+                            "symlink {path:?}: target must be 1 to {MAX_TARGET} bytes without NUL"
+                        ),
+                    ));
+                }
+                matches!(current, NodeKind::Absent | NodeKind::Symlink).then_some(NodeKind::Symlink)
+            }
+            Change::Chmod { .. } => None,
+            Change::Write {
+                base, hash, blocks, ..
+            } => {
+                if let Some(b) = base {
+                    parse_hash(b).ok_or_else(|| ApiError::bad_hash(b))?;
+                }
+                let plan = WritePlan {
+                    hash: parse_hash(hash).ok_or_else(|| ApiError::bad_hash(hash))?,
+                    blocks: blocks
+                        .iter()
+                        .map(|b| parse_hash(b).ok_or_else(|| ApiError::bad_hash(b)))
+                        .collect::<Result<_, _>>()?,
+                };
+                writes.insert(i, plan);
+                matches!(current, NodeKind::Absent | NodeKind::File).then_some(NodeKind::File)
+            }
+        };
+        if let Some(k) = after {
+            overlay.known.insert(path.to_owned(), k);
+        }
+    }
+    Ok(writes)
+}
+
+/// A write's content in a temp file, unlinked on drop unless moved into place.
+struct Staged {
+    dir: OwnedFd,
+    name: String,
+    blocks: Vec<(BlockHash, u32)>,
+    size: u64,
+    mode: u32,
+    mtime_ns: i64,
+    consumed: bool,
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.consumed {
+            let _ = unlinkat(&self.dir, self.name.as_str(), UnlinkatFlags::NoRemoveDir);
+        }
+    }
+}
+
+/// Phase 2: assemble every write's content.
+fn stage(
+    export: &Export,
+    changes: &[Change],
+    writes: &HashMap<usize, WritePlan>,
+) -> Result<HashMap<usize, Staged>, ApiError> {
+    let root = &export.blocks.root;
+    let mut staged = HashMap::new();
+    let mut missing: Vec<String> = Vec::new();
+    for (i, change) in changes.iter().enumerate() {
+        let (
+            Change::Write {
+                path,
+                mode,
+                size,
+                mtime_ns,
+                ..
+            },
+            Some(plan),
+        ) = (change, writes.get(&i))
+        else {
+            continue;
+        };
+        let dir = match root.open_parent(path) {
+            Ok((dir, _)) => dir,
+            Err(e) if e.is_not_found() => dup_root(root)?,
+            Err(e @ (FsError::SymlinkInPath { .. } | FsError::NotDir { .. })) => {
+                return Err(ApiError::InvalidPath {
+                    reason: e.to_string(),
+                });
+            }
+            Err(source) => {
+                return Err(ApiError::Fs {
+                    context: "staging a write",
+                    source,
+                });
+            }
+        };
+        let name = tmp_name();
+        let fd = openat(
+            &dir,
+            name.as_str(),
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(0o600),
+        )
+        .map_err(|e| internal("creating a temp file", e.into()))?;
+        let mut s = Staged {
+            dir,
+            name,
+            blocks: Vec::with_capacity(plan.blocks.len()),
+            size: 0,
+            mode: mode & MODE_MASK,
+            mtime_ns: *mtime_ns,
+            consumed: false,
+        };
+        let mut file = File::from(fd);
+        let mut hasher = blake3::Hasher::new();
+        let mut complete = true;
+        for h in &plan.blocks {
+            match export.blocks.read_block(h) {
+                Some(data) => {
+                    file.write_all(&data)
+                        .map_err(|e| internal("writing a staged file", e))?;
+                    hasher.update(&data);
+                    // Blocks are at most MAX_BLOCK_SIZE or an upload frame (u32 length).
+                    s.blocks
+                        .push((*h, u32::try_from(data.len()).unwrap_or(u32::MAX)));
+                    s.size += data.len() as u64;
+                }
+                None => {
+                    complete = false;
+                    let hex = hash_hex(h);
+                    if !missing.contains(&hex) {
+                        missing.push(hex);
+                    }
+                }
+            }
+        }
+        if complete {
+            let actual = hasher.finalize();
+            if actual.as_bytes() != &plan.hash || s.size != *size {
+                return Err(ApiError::ChecksumMismatch {
+                    what: format!(
+                        "file {path:?} ({} bytes announced, {} assembled)",
+                        size, s.size
+                    ),
+                    expected: hash_hex(&plan.hash),
+                    actual: actual.to_hex().to_string(),
+                });
+            }
+            finish_temp(&file, s.mode, s.mtime_ns)
+                .map_err(|e| internal("finishing a staged file", e))?;
+        }
+        staged.insert(i, s);
+    }
+    if !missing.is_empty() {
+        return Err(ApiError::MissingBlocks { hashes: missing });
+    }
+    Ok(staged)
+}
+
+/// Mode, mtime and durability of a staged file, before it is renamed into place.
+fn finish_temp(file: &File, mode: u32, mtime_ns: i64) -> io::Result<()> {
+    fchmod(file, Mode::from_bits_truncate(mode))?;
+    let mtime = TimeSpec::new(
+        mtime_ns.div_euclid(1_000_000_000),
+        mtime_ns.rem_euclid(1_000_000_000),
+    );
+    futimens(file, &TimeSpec::UTIME_OMIT, &mtime)?;
+    file.sync_all()
+}
+
+fn internal(context: &'static str, source: io::Error) -> ApiError {
+    ApiError::Internal { context, source }
+}
+
+fn dup_root(root: &RootDir) -> Result<OwnedFd, ApiError> {
+    root.fd()
+        .try_clone_to_owned()
+        .map_err(|e| internal("opening the root", e))
+}
+
+/// What became of one change.
+enum Outcome {
+    Applied,
+    Conflict {
+        reason: String,
+        kept_as: Option<String>,
+    },
+}
+
+fn conflict(reason: impl Into<String>) -> Outcome {
+    Outcome::Conflict {
+        reason: reason.into(),
+        kept_as: None,
+    }
+}
+
+/// The part of the commit id used in conflict copy names: 8 characters, filename-safe.
+fn conflict_tag(commit_id: &str) -> String {
+    commit_id
+        .chars()
+        .take(8)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+fn fs_io(op: &'static str, path: &str, e: Errno) -> FsError {
+    FsError::Io {
+        op,
+        path: path.to_owned(),
+        source: e.into(),
+    }
+}
+
+/// Open the parent of `path`, or say why the change cannot be applied there.
+enum Parent<'p> {
+    Open(OwnedFd, &'p str),
+    Missing(FsError),
+}
+
+fn parent<'p>(root: &RootDir, path: &'p str) -> Result<Parent<'p>, FsError> {
+    match root.open_parent(path) {
+        Ok((dir, name)) => Ok(Parent::Open(dir, name)),
+        Err(e) if e.is_not_found() => Ok(Parent::Missing(e)),
+        Err(e) => Err(e),
+    }
+}
+
+/// Phase 3 for a write.
+fn apply_write(
+    root: &RootDir,
+    change: &Change,
+    staged: &mut Staged,
+    tag: &str,
+    written: &mut Vec<Written>,
+) -> Result<Outcome, FsError> {
+    let Change::Write {
+        path, base, hash, ..
+    } = change
+    else {
+        return Ok(conflict("internal: not a write"));
+    };
+    let (dir, name) = match parent(root, path)? {
+        Parent::Open(d, n) => (d, n),
+        Parent::Missing(e) => {
+            return Ok(conflict(format!(
+                "{e}; the Executor's version was not kept on the export"
+            )));
+        }
+    };
+    let new = parse_hash(hash);
+    let base = base.as_deref().and_then(parse_hash);
+    let precondition = match kind_at(dir.as_fd(), name, path)? {
+        NodeKind::Absent if base.is_none() => Ok(()),
+        NodeKind::Absent => Err("the file was deleted on the export since the base".to_owned()),
+        NodeKind::File => {
+            let current = *hash_file_at(dir.as_fd(), name, path)?.as_bytes();
+            if Some(current) == new {
+                // Already the content we would write: an idempotent retry.
+                written.push(Written::of(path.clone(), staged));
+                return Ok(Outcome::Applied);
+            }
+            match base {
+                Some(b) if b == current => Ok(()),
+                Some(_) => Err(format!(
+                    "the file changed on the export since the base (now {})",
+                    &hash_hex(&current)[..16]
+                )),
+                None => Err("a file was created on the export at this path".to_owned()),
+            }
+        }
+        other => Err(format!(
+            "{} exists on the export at this path",
+            other.describe()
+        )),
+    };
+    match precondition {
+        Ok(()) => {
+            move_into(staged, dir.as_fd(), name, path)?;
+            written.push(Written::of(path.clone(), staged));
+            Ok(Outcome::Applied)
+        }
+        Err(reason) => {
+            let kept_name = format!("{name}.awcp-conflict-{tag}");
+            let kept_rel = match path.rsplit_once('/') {
+                Some((p, _)) => format!("{p}/{kept_name}"),
+                None => kept_name.clone(),
+            };
+            match move_into(staged, dir.as_fd(), &kept_name, &kept_rel) {
+                Ok(()) => {
+                    written.push(Written::of(kept_rel.clone(), staged));
+                    Ok(Outcome::Conflict {
+                        reason,
+                        kept_as: Some(kept_rel),
+                    })
+                }
+                Err(e) => Ok(conflict(format!(
+                    "{reason}; keeping the Executor's version beside failed: {}",
+                    chain(&e)
+                ))),
+            }
+        }
+    }
+}
+
+/// Rename a staged file to `name` in `dir` (copying when the temp is on another filesystem).
+fn move_into(
+    staged: &mut Staged,
+    dir: BorrowedFd<'_>,
+    name: &str,
+    rel: &str,
+) -> Result<(), FsError> {
+    match renameat(&staged.dir, staged.name.as_str(), dir, name) {
+        Ok(()) => {}
+        Err(Errno::EXDEV) => {
+            // The temp was staged in an ancestor on another mount: copy into `dir` first.
+            let src = open_file_at(staged.dir.as_fd(), &staged.name, rel)?;
+            let tmp = tmp_name();
+            let fd = openat(
+                dir,
+                tmp.as_str(),
+                OFlag::O_WRONLY
+                    | OFlag::O_CREAT
+                    | OFlag::O_EXCL
+                    | OFlag::O_NOFOLLOW
+                    | OFlag::O_CLOEXEC,
+                Mode::from_bits_truncate(0o600),
+            )
+            .map_err(|e| fs_io("create temp", rel, e))?;
+            let mut dst = File::from(fd);
+            let copied = io::copy(&mut &src, &mut dst)
+                .and_then(|_| finish_temp(&dst, staged.mode, staged.mtime_ns));
+            if let Err(source) = copied {
+                let _ = unlinkat(dir, tmp.as_str(), UnlinkatFlags::NoRemoveDir);
+                return Err(FsError::Io {
+                    op: "copy across filesystems",
+                    path: rel.to_owned(),
+                    source,
+                });
+            }
+            if let Err(e) = renameat(dir, tmp.as_str(), dir, name) {
+                let _ = unlinkat(dir, tmp.as_str(), UnlinkatFlags::NoRemoveDir);
+                return Err(fs_io("rename", rel, e));
+            }
+        }
+        Err(e) => return Err(fs_io("rename", rel, e)),
+    }
+    staged.consumed = true;
+    // If the temp was copied, the original is removed here (already gone after a rename).
+    let _ = unlinkat(
+        &staged.dir,
+        staged.name.as_str(),
+        UnlinkatFlags::NoRemoveDir,
+    );
+    fsync(dir).map_err(|e| fs_io("fsync directory", rel, e))
+}
+
+/// Phase 3 for everything but writes.
+fn apply_other(root: &RootDir, change: &Change) -> Result<Outcome, FsError> {
+    let path = change.path();
+    let (dir, name) = match parent(root, path)? {
+        Parent::Open(d, n) => (d, n),
+        // Removing something whose directory is gone: already done.
+        Parent::Missing(_) if matches!(change, Change::Unlink { .. } | Change::Rmdir { .. }) => {
+            return Ok(Outcome::Applied);
+        }
+        Parent::Missing(e) => return Ok(conflict(e.to_string())),
+    };
+    let dir = dir.as_fd();
+    let current = kind_at(dir, name, path)?;
+    match change {
+        Change::Mkdir { mode, .. } => match current {
+            NodeKind::Dir => Ok(Outcome::Applied),
+            NodeKind::Absent => {
+                let mode = mode & MODE_MASK;
+                mkdirat(dir, name, Mode::from_bits_truncate(mode))
+                    .map_err(|e| fs_io("mkdir", path, e))?;
+                // mkdir applies the umask; set the exact bits asked for.
+                chmod_at(dir, name, mode, path)?;
+                Ok(Outcome::Applied)
+            }
+            other => Ok(conflict(format!(
+                "{} exists on the export at this path",
+                other.describe()
+            ))),
+        },
+        Change::Rmdir { .. } => match current {
+            NodeKind::Absent => Ok(Outcome::Applied),
+            NodeKind::Dir => match unlinkat(dir, name, UnlinkatFlags::RemoveDir) {
+                Ok(()) => Ok(Outcome::Applied),
+                Err(Errno::ENOTEMPTY | Errno::EEXIST) => {
+                    Ok(conflict("the directory is not empty on the export"))
+                }
+                Err(e) => Err(fs_io("rmdir", path, e)),
+            },
+            other => Ok(conflict(format!(
+                "{} is on the export at this path, not a directory",
+                other.describe()
+            ))),
+        },
+        Change::Unlink { base, .. } => {
+            let matches_base = match current {
+                NodeKind::Absent => return Ok(Outcome::Applied),
+                NodeKind::File => {
+                    let h = *hash_file_at(dir, name, path)?.as_bytes();
+                    base.as_deref().and_then(parse_hash) == Some(h)
+                }
+                NodeKind::Symlink => {
+                    let target = readlinkat(dir, name).map_err(|e| fs_io("readlink", path, e))?;
+                    base.as_deref().map(std::ffi::OsStr::new) == Some(target.as_os_str())
+                }
+                other => {
+                    return Ok(conflict(format!(
+                        "{} is on the export at this path",
+                        other.describe()
+                    )));
+                }
+            };
+            if !matches_base {
+                return Ok(conflict(if base.is_none() {
+                    "the path exists on the export but the removal was based on nothing there"
+                } else {
+                    "it changed on the export since the base; not removed"
+                }));
+            }
+            unlinkat(dir, name, UnlinkatFlags::NoRemoveDir)
+                .map_err(|e| fs_io("unlink", path, e))?;
+            fsync(dir).map_err(|e| fs_io("fsync directory", path, e))?;
+            Ok(Outcome::Applied)
+        }
+        Change::Symlink { target, .. } => match current {
+            NodeKind::Absent => {
+                symlinkat(target.as_str(), dir, name).map_err(|e| fs_io("symlink", path, e))?;
+                Ok(Outcome::Applied)
+            }
+            NodeKind::Symlink => {
+                let existing = readlinkat(dir, name).map_err(|e| fs_io("readlink", path, e))?;
+                if existing.as_os_str() == std::ffi::OsStr::new(target) {
+                    return Ok(Outcome::Applied);
+                }
+                // Replace atomically: a new link under a temp name, renamed over the old one.
+                let tmp = tmp_name();
+                symlinkat(target.as_str(), dir, tmp.as_str())
+                    .map_err(|e| fs_io("symlink", path, e))?;
+                if let Err(e) = renameat(dir, tmp.as_str(), dir, name) {
+                    let _ = unlinkat(dir, tmp.as_str(), UnlinkatFlags::NoRemoveDir);
+                    return Err(fs_io("rename", path, e));
+                }
+                Ok(Outcome::Applied)
+            }
+            other => Ok(conflict(format!(
+                "{} exists on the export at this path; a symlink never replaces it",
+                other.describe()
+            ))),
+        },
+        Change::Chmod { mode, .. } => match current {
+            NodeKind::Absent => Ok(conflict("it does not exist on the export")),
+            // Linux ignores a symlink's own mode: nothing to do.
+            NodeKind::Symlink => Ok(Outcome::Applied),
+            NodeKind::File | NodeKind::Dir => {
+                chmod_at(dir, name, mode & MODE_MASK, path)?;
+                Ok(Outcome::Applied)
+            }
+            NodeKind::Special => Ok(conflict("a special file is on the export at this path")),
+        },
+        Change::Write { .. } => Ok(conflict("internal: write outside the write path")),
+    }
+}
+
+/// `chmod` of `name` in `dir` without following a symlink there.
+fn chmod_at(dir: BorrowedFd<'_>, name: &str, mode: u32, rel: &str) -> Result<(), FsError> {
+    let mode = Mode::from_bits_truncate(mode);
+    match fchmodat(dir, name, mode, FchmodatFlags::NoFollowSymlink) {
+        Ok(()) => Ok(()),
+        // Older C libraries cannot do AT_SYMLINK_NOFOLLOW: open without following instead.
+        Err(Errno::EOPNOTSUPP | Errno::ENOSYS | Errno::EINVAL) => {
+            let fd = openat(
+                dir,
+                name,
+                OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| fs_io("open for chmod", rel, e))?;
+            fchmod(&fd, mode).map_err(|e| fs_io("chmod", rel, e))
+        }
+        Err(e) => Err(fs_io("chmod", rel, e)),
+    }
+}
+
+/// An error and its causes, for a conflict reason.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conflict_tags_are_filename_safe() {
+        assert_eq!(conflict_tag("c0ffee-1234-5678"), "c0ffee-1");
+        assert_eq!(conflict_tag("../../x"), "______x");
+        assert_eq!(conflict_tag("ab"), "ab");
+    }
+
+    #[test]
+    fn commit_log_answers_retries_and_forgets_the_oldest() {
+        let mut log = CommitLog::default();
+        for i in 0..(REMEMBERED_COMMITS + 1) {
+            log.remember(CommitResult {
+                commit_id: format!("c{i}"),
+                applied: i as u64,
+                conflicts: vec![],
+            });
+        }
+        assert!(log.find("c0").is_none());
+        assert_eq!(log.find("c5").map(|r| r.applied), Some(5));
+    }
+}

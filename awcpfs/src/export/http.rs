@@ -1,0 +1,444 @@
+//! The data-plane HTTP routes (`/v1/exports/{id}/…`).
+//!
+//! Every route sits behind one gate middleware, which in this order: finds the export (404
+//! `NOT_FOUND`), checks `Authorization: Bearer <token>` in constant time (401
+//! `AUTH_FAILED`), checks the lease (403 `EXPIRED`/`REVOKED`) and, for writes, the export's
+//! mode (403 `READ_ONLY`). Only then is a request body read, so an unauthenticated client
+//! cannot make the export buffer anything. The gate also opens the request's tracing span
+//! and sets [`LEASE_EXPIRES_HEADER`] on every answer to an authenticated request.
+//!
+//! | gate | routes | lease check |
+//! |---|---|---|
+//! | read | `GET /manifest`, `POST /blocks`, `GET /events` | [`Lease::check_access`] |
+//! | flush | `POST /missing` | [`Lease::check_flush`] |
+//! | write | `POST /upload`, `POST /commit` | [`Lease::check_flush`], then not read-only |
+//!
+//! Bodies are read by [`read_body`]: bounded in size (413 `TOO_LARGE`, checked against
+//! `Content-Length` first and again while reading) and in idle time (408), and JSON is
+//! parsed by hand so a malformed body gets a 400 `BAD_REQUEST` with serde's line/column
+//! message instead of axum's plain-text rejection. Blocking filesystem work runs on the
+//! blocking pool; `/blocks` answers are streamed block by block, so memory stays bounded by
+//! a few blocks whatever the request asks for.
+//!
+//! [`Lease::check_access`]: awcp_lease::Lease::check_access
+//! [`Lease::check_flush`]: awcp_lease::Lease::check_flush
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, header};
+use axum::middleware::{Next, from_fn_with_state};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use futures::{Stream, StreamExt};
+use serde::de::DeserializeOwned;
+use tracing::Instrument;
+
+use awcp_lease::{LeaseSnapshot, LeaseState, rfc3339_millis};
+use awcp_protocol::dataplane::{
+    BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks, UploadResult,
+    decode_block_frames, encode_block_frame,
+};
+
+use super::error::ApiError;
+use super::store::{BlockHash, hash_hex, parse_hash};
+use super::{Export, ExportRegistry, MAX_BLOCK_SIZE, Stats, commit};
+
+/// Largest JSON body of `/blocks` and `/missing` (a hash list).
+const HASH_LIST_LIMIT: usize = 8 << 20;
+/// Largest `/commit` body.
+const COMMIT_LIMIT: usize = 64 << 20;
+/// Largest `/upload` body.
+const UPLOAD_LIMIT: usize = 256 << 20;
+/// Most hashes in one `/blocks`, `/missing` or `/upload` request.
+const MAX_HASHES: usize = 65_536;
+/// A body that sends nothing for this long is abandoned.
+const BODY_IDLE: Duration = Duration::from_secs(60);
+/// Blocks read concurrently while streaming a `/blocks` answer.
+const READ_AHEAD: usize = 4;
+
+/// Which checks the gate applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gate {
+    Read,
+    Flush,
+    Write,
+}
+
+/// The routes over `reg`.
+pub(crate) fn router(reg: ExportRegistry) -> Router {
+    let read = Router::new()
+        .route("/v1/exports/{id}/manifest", get(manifest))
+        .route("/v1/exports/{id}/blocks", post(blocks))
+        .route("/v1/exports/{id}/events", get(events))
+        .route_layer(from_fn_with_state((reg.clone(), Gate::Read), gate));
+    let flush = Router::new()
+        .route("/v1/exports/{id}/missing", post(missing))
+        .route_layer(from_fn_with_state((reg.clone(), Gate::Flush), gate));
+    let write = Router::new()
+        .route("/v1/exports/{id}/upload", post(upload))
+        .route("/v1/exports/{id}/commit", post(commit))
+        .route_layer(from_fn_with_state((reg, Gate::Write), gate));
+    read.merge(flush).merge(write)
+}
+
+/// The gate middleware (see the module docs).
+async fn gate(
+    State((reg, gate)): State<(ExportRegistry, Gate)>,
+    Path(id): Path<String>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let span = tracing::info_span!("dataplane", export = %id, method = %req.method(), path = %req.uri().path());
+    async move {
+        let Some(export) = reg.get(&id) else {
+            return ApiError::NotFound { export_id: id }.into_response();
+        };
+        if !authorized(&export, req.headers()) {
+            return ApiError::AuthFailed.into_response();
+        }
+        let mut resp = match admit(&export, gate) {
+            Ok(()) => {
+                req.extensions_mut().insert(export.clone());
+                next.run(req).await
+            }
+            Err(e) => e.into_response(),
+        };
+        if let Ok(v) = HeaderValue::from_str(&export.lease().expires_at_rfc3339()) {
+            resp.headers_mut().insert(LEASE_EXPIRES_HEADER, v);
+        }
+        resp
+    }
+    .instrument(span)
+    .await
+}
+
+/// Bearer token check.
+fn authorized(export: &Export, headers: &HeaderMap) -> bool {
+    let Some(value) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some((scheme, token)) = value.split_once(' ') else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case("bearer") && export.token_matches(token.trim())
+}
+
+/// Lease and mode checks of a gate.
+fn admit(export: &Export, gate: Gate) -> Result<(), ApiError> {
+    match gate {
+        Gate::Read => export.lease().check_access().map(drop)?,
+        Gate::Flush => export.lease().check_flush()?,
+        Gate::Write => {
+            export.lease().check_flush()?;
+            if export.read_only() {
+                return Err(ApiError::ReadOnly {
+                    export_id: export.id().to_owned(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Read a whole request body within `limit` bytes and [`BODY_IDLE`] between chunks.
+async fn read_body(req: Request, limit: usize) -> Result<Vec<u8>, ApiError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::TooLarge { limit });
+    }
+    let mut stream = req.into_body().into_data_stream();
+    let mut buf = Vec::with_capacity(declared.map_or(0, |n| n as usize));
+    loop {
+        let next = tokio::time::timeout(BODY_IDLE, stream.next())
+            .await
+            .map_err(|_| ApiError::BodyTimeout {
+                secs: BODY_IDLE.as_secs(),
+            })?;
+        match next {
+            None => return Ok(buf),
+            Some(Err(source)) => return Err(ApiError::BodyRead { source }),
+            Some(Ok(chunk)) => {
+                if buf.len() + chunk.len() > limit {
+                    return Err(ApiError::TooLarge { limit });
+                }
+                buf.extend_from_slice(&chunk);
+            }
+        }
+    }
+}
+
+/// Parse a JSON body, with serde's precise message on failure.
+fn parse_json<T: DeserializeOwned>(route: &'static str, body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_body(
+            route,
+            format!(
+                "expected a JSON {}: {e}",
+                std::any::type_name::<T>()
+                    .rsplit("::")
+                    .next()
+                    .unwrap_or("object")
+            ),
+        )
+    })
+}
+
+/// Parse and bound a list of hashes.
+fn parse_hashes(hashes: &[String]) -> Result<Vec<BlockHash>, ApiError> {
+    if hashes.len() > MAX_HASHES {
+        return Err(ApiError::TooMany {
+            what: "block hashes in one request",
+            count: hashes.len(),
+            max: MAX_HASHES,
+        });
+    }
+    hashes
+        .iter()
+        .map(|h| parse_hash(h).ok_or_else(|| ApiError::bad_hash(h)))
+        .collect()
+}
+
+/// Run blocking work on the blocking pool.
+async fn blocking<T: Send + 'static>(
+    context: &'static str,
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal {
+            context,
+            source: std::io::Error::other(e),
+        })?
+}
+
+async fn manifest(Extension(export): Extension<Arc<Export>>) -> Response {
+    Stats::add(&export.stats.manifest_fetches, 1);
+    let etag = HeaderValue::from_str(&format!("\"{}\"", export.manifest_digest))
+        .unwrap_or(HeaderValue::from_static("\"\""));
+    (
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            ),
+            (header::ETAG, etag),
+        ],
+        export.manifest_json.clone(),
+    )
+        .into_response()
+}
+
+async fn blocks(
+    Extension(export): Extension<Arc<Export>>,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let body = read_body(req, HASH_LIST_LIMIT).await?;
+    let request: BlockRequest = parse_json("POST /blocks", &body)?;
+    let hashes = parse_hashes(&request.hashes)?;
+    let frames = futures::stream::iter(hashes)
+        .map(move |hash| {
+            let export = export.clone();
+            async move {
+                let reader = export.clone();
+                let data = tokio::task::spawn_blocking(move || reader.blocks.read_block(&hash))
+                    .await
+                    .ok()
+                    .flatten();
+                let mut frame = Vec::with_capacity(36 + data.as_ref().map_or(0, Vec::len));
+                encode_block_frame(&mut frame, &hash, data.as_deref());
+                if let Some(d) = &data {
+                    Stats::add(&export.stats.blocks_served, 1);
+                    Stats::add(&export.stats.bytes_served, d.len() as u64);
+                }
+                Ok::<_, Infallible>(Bytes::from(frame))
+            }
+        })
+        .buffered(READ_AHEAD);
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::from_stream(frames),
+    )
+        .into_response())
+}
+
+async fn missing(
+    Extension(export): Extension<Arc<Export>>,
+    req: Request,
+) -> Result<Json<MissingBlocks>, ApiError> {
+    let body = read_body(req, HASH_LIST_LIMIT).await?;
+    let request: BlockRequest = parse_json("POST /missing", &body)?;
+    let mut hashes = parse_hashes(&request.hashes)?;
+    let mut seen = std::collections::HashSet::new();
+    hashes.retain(|h| seen.insert(*h));
+    let missing = blocking("checking blocks", move || {
+        Ok(hashes
+            .iter()
+            .filter(|h| !export.blocks.has_block(h))
+            .map(hash_hex)
+            .collect())
+    })
+    .await?;
+    Ok(Json(MissingBlocks { missing }))
+}
+
+async fn upload(
+    Extension(export): Extension<Arc<Export>>,
+    req: Request,
+) -> Result<Json<UploadResult>, ApiError> {
+    let body = read_body(req, UPLOAD_LIMIT).await?;
+    let stored = blocking("storing uploaded blocks", move || {
+        let frames = decode_block_frames(&body).map_err(|e| {
+            ApiError::bad_body("POST /upload", format!("expected block frames: {e}"))
+        })?;
+        if frames.len() > MAX_HASHES {
+            return Err(ApiError::TooMany {
+                what: "blocks in one upload",
+                count: frames.len(),
+                max: MAX_HASHES,
+            });
+        }
+        let mut verified = Vec::with_capacity(frames.len());
+        for (hash, data) in &frames {
+            let Some(data) = data else {
+                return Err(ApiError::bad_body(
+                    "POST /upload",
+                    format!(
+                        "frame for {} is marked missing; upload only blocks you have",
+                        hash_hex(hash)
+                    ),
+                ));
+            };
+            if data.len() > MAX_BLOCK_SIZE as usize {
+                return Err(ApiError::bad_body(
+                    "POST /upload",
+                    format!(
+                        "block {} is {} bytes; the limit is {MAX_BLOCK_SIZE}",
+                        hash_hex(hash),
+                        data.len()
+                    ),
+                ));
+            }
+            let actual = blake3::hash(data);
+            if actual.as_bytes() != hash {
+                return Err(ApiError::ChecksumMismatch {
+                    what: "an uploaded block".to_owned(),
+                    expected: hash_hex(hash),
+                    actual: actual.to_hex().to_string(),
+                });
+            }
+            verified.push((hash, *data));
+        }
+        for (hash, data) in &verified {
+            export
+                .blocks
+                .staging
+                .store(hash, data)
+                .map_err(|source| ApiError::Internal {
+                    context: "storing an uploaded block",
+                    source,
+                })?;
+        }
+        Ok(verified.len() as u64)
+    })
+    .await?;
+    Ok(Json(UploadResult { stored }))
+}
+
+async fn commit(
+    Extension(export): Extension<Arc<Export>>,
+    req: Request,
+) -> Result<Json<awcp_protocol::dataplane::CommitResult>, ApiError> {
+    let body = read_body(req, COMMIT_LIMIT).await?;
+    let changes: ChangeSet = parse_json("POST /commit", &body)?;
+    // The commit runs in its own task, which holds the per-export commit lock until the
+    // result is remembered: a client that disconnects mid-commit cannot release the lock
+    // early, and its retry is answered from the log.
+    let task = tokio::spawn(async move {
+        let mut log = export.commits.lock().await;
+        if let Some(done) = log.find(&changes.commit_id) {
+            tracing::debug!(commit = %changes.commit_id, "commit retry answered from the log");
+            return Ok::<_, ApiError>(done);
+        }
+        let worker = export.clone();
+        let result = blocking("applying a commit", move || commit::run(&worker, &changes)).await?;
+        log.remember(result.clone());
+        Ok(result)
+    });
+    let result = task.await.map_err(|e| ApiError::Internal {
+        context: "applying a commit",
+        source: std::io::Error::other(e),
+    })??;
+    Ok(Json(result))
+}
+
+async fn events(
+    Extension(export): Extension<Arc<Export>>,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    Sse::new(lease_events(export)).keep_alive(KeepAlive::default())
+}
+
+/// One `lease` event now, then one on every change of the lease and at its deadline; ends
+/// after the first event whose state is not `Active`.
+fn lease_events(export: Arc<Export>) -> impl Stream<Item = Result<Event, Infallible>> {
+    let rx = export.lease().subscribe();
+    futures::stream::unfold(Some((export, rx, true)), |state| async move {
+        let (export, mut rx, first) = state?;
+        if !first {
+            wait_for_lease_change(&export, &mut rx).await;
+        }
+        let snap = export.lease().snapshot();
+        let event = Event::default().data(lease_event_json(&snap));
+        let next = (snap.state == LeaseState::Active).then_some((export, rx, false));
+        Some((Ok(event), next))
+    })
+}
+
+/// Wait until the lease was renewed or revoked, or its deadline passed (expiry is lazy, so
+/// the deadline needs a timer of its own).
+async fn wait_for_lease_change(
+    export: &Export,
+    rx: &mut tokio::sync::watch::Receiver<LeaseSnapshot>,
+) {
+    loop {
+        let snap = export.lease().snapshot();
+        if snap.state != LeaseState::Active {
+            return;
+        }
+        tokio::select! {
+            changed = rx.changed() => {
+                rx.mark_unchanged();
+                // Err: the lease is gone (cannot happen while the export holds it); report.
+                let _ = changed;
+                return;
+            }
+            () = tokio::time::sleep(snap.remaining) => {
+                // Loop: either the expiry is now observed, or the timer fired a hair early.
+            }
+        }
+    }
+}
+
+fn lease_event_json(snap: &LeaseSnapshot) -> String {
+    let event = ExportEvent::Lease {
+        state: snap.state,
+        expires_at: rfc3339_millis(snap.expires_at),
+        remaining_ms: u64::try_from(snap.remaining.as_millis()).unwrap_or(u64::MAX),
+        flush_grace_ms: u64::try_from(snap.flush_grace_remaining.as_millis()).unwrap_or(u64::MAX),
+    };
+    // Serialising a plain enum of strings and integers cannot fail; fall back to a fixed
+    // event rather than panic.
+    serde_json::to_string(&event).unwrap_or_else(|_| String::from(r#"{"type":"lease"}"#))
+}

@@ -1,0 +1,264 @@
+//! Where block content comes from: the block index over the exported tree, and the staging
+//! store of uploaded blocks.
+//!
+//! Blocks are named by their blake3 hash. The **index** maps a hash to the places in the tree
+//! where that content was seen (path, offset, length): built from the manifest at register,
+//! extended by every commit. The tree can change under the index at any time (the Delegator
+//! keeps working in it), so an index entry is only a hint: a block read from the tree is
+//! always re-hashed, and served only if the hash still matches. The **staging store** holds
+//! blocks the Executor uploaded ahead of a commit, one file per block named by its hex hash
+//! in the export's `staging_dir` (outside the root, so it never shows up in the tree). They
+//! are written atomically (temp file + rename) and re-verified on read as well.
+//!
+//! [`BlockSource::read_block`] tries the index first (the common case when serving the
+//! workspace), then the staging store.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+use super::rootfs::RootDir;
+
+/// A block's name: its blake3 hash.
+pub(crate) type BlockHash = [u8; 32];
+
+/// How many places the index remembers per hash. Identical blocks in more files than this
+/// are still served as long as one of the remembered places holds the content.
+const MAX_LOCATIONS: usize = 4;
+
+/// Prefix of every temporary name the export creates (in the tree and in staging).
+pub(crate) const TMP_PREFIX: &str = ".awcp-tmp-";
+
+/// Parse a hex block hash from the wire.
+pub(crate) fn parse_hash(hex_str: &str) -> Option<BlockHash> {
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(hex_str, &mut out).ok()?;
+    Some(out)
+}
+
+/// Hex of a block hash, as on the wire.
+pub(crate) fn hash_hex(h: &BlockHash) -> String {
+    hex::encode(h)
+}
+
+/// A fresh temporary file name.
+pub(crate) fn tmp_name() -> String {
+    format!("{TMP_PREFIX}{:016x}", rand::random::<u64>())
+}
+
+/// One place a block was seen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct BlockLoc {
+    /// Path relative to the root.
+    pub(crate) path: Arc<str>,
+    /// Byte offset in the file.
+    pub(crate) offset: u64,
+    /// Length of the block.
+    pub(crate) len: u32,
+}
+
+/// Hash → places in the tree.
+#[derive(Debug, Default)]
+pub(crate) struct BlockIndex {
+    map: HashMap<BlockHash, Vec<BlockLoc>>,
+}
+
+impl BlockIndex {
+    /// Remember that `hash` was seen at `loc`; the newest place is tried first.
+    pub(crate) fn insert(&mut self, hash: BlockHash, loc: BlockLoc) {
+        let locs = self.map.entry(hash).or_default();
+        locs.retain(|l| *l != loc);
+        locs.insert(0, loc);
+        locs.truncate(MAX_LOCATIONS);
+    }
+
+    /// The places `hash` was seen, newest first.
+    pub(crate) fn locations(&self, hash: &BlockHash) -> Vec<BlockLoc> {
+        self.map.get(hash).cloned().unwrap_or_default()
+    }
+
+    /// How many distinct blocks are indexed.
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+/// Uploaded blocks, one file per block in a directory outside the root.
+#[derive(Debug)]
+pub(crate) struct Staging {
+    dir: PathBuf,
+}
+
+impl Staging {
+    /// Use (and create) `dir`.
+    pub(crate) fn open(dir: &Path) -> io::Result<Staging> {
+        fs::create_dir_all(dir)?;
+        Ok(Staging {
+            dir: dir.to_owned(),
+        })
+    }
+
+    fn path_of(&self, hash: &BlockHash) -> PathBuf {
+        self.dir.join(hash_hex(hash))
+    }
+
+    /// Whether a block with this name was stored (content is verified on read).
+    pub(crate) fn contains(&self, hash: &BlockHash) -> bool {
+        self.path_of(hash).is_file()
+    }
+
+    /// The block's content, if stored and intact. A corrupt block is removed.
+    pub(crate) fn read(&self, hash: &BlockHash) -> io::Result<Option<Vec<u8>>> {
+        let path = self.path_of(hash);
+        let data = match fs::read(&path) {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if blake3::hash(&data).as_bytes() != hash {
+            tracing::warn!(path = %path.display(), "staged block is corrupt; removing it");
+            let _ = fs::remove_file(&path);
+            return Ok(None);
+        }
+        Ok(Some(data))
+    }
+
+    /// Store a block whose hash the caller verified. Atomic: temp file, fsync, rename.
+    pub(crate) fn store(&self, hash: &BlockHash, data: &[u8]) -> io::Result<()> {
+        let final_path = self.path_of(hash);
+        if final_path.is_file() {
+            return Ok(());
+        }
+        let tmp = self.dir.join(tmp_name());
+        let result = (|| {
+            let mut f = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)?;
+            f.write_all(data)?;
+            f.sync_all()?;
+            fs::rename(&tmp, &final_path)
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result
+    }
+}
+
+/// Everything needed to find a block's content.
+#[derive(Debug)]
+pub(crate) struct BlockSource {
+    pub(crate) root: RootDir,
+    pub(crate) index: RwLock<BlockIndex>,
+    pub(crate) staging: Staging,
+}
+
+impl BlockSource {
+    /// The content of block `hash`, verified, from the tree (index) or the staging store.
+    /// `None` when neither has it any more.
+    pub(crate) fn read_block(&self, hash: &BlockHash) -> Option<Vec<u8>> {
+        if let Some(data) = self.read_indexed(hash) {
+            return Some(data);
+        }
+        match self.staging.read(hash) {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::warn!(hash = %hash_hex(hash), error = %e, "cannot read staged block");
+                None
+            }
+        }
+    }
+
+    /// Whether the block can be had without an upload (staging presence, or a verified read
+    /// from the tree).
+    pub(crate) fn has_block(&self, hash: &BlockHash) -> bool {
+        self.staging.contains(hash) || self.read_indexed(hash).is_some()
+    }
+
+    /// Read `hash` from the first indexed place that still holds it.
+    fn read_indexed(&self, hash: &BlockHash) -> Option<Vec<u8>> {
+        let locations = self.index.read().locations(hash);
+        for loc in locations {
+            let Ok(file) = self.root.open_file(&loc.path) else {
+                continue;
+            };
+            let mut buf = vec![0u8; loc.len as usize];
+            if file.read_exact_at(&mut buf, loc.offset).is_err() {
+                continue;
+            }
+            if blake3::hash(&buf).as_bytes() == hash {
+                return Some(buf);
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_keeps_newest_places_first_and_bounded() {
+        let mut idx = BlockIndex::default();
+        for i in 0..10u64 {
+            idx.insert(
+                [7; 32],
+                BlockLoc {
+                    path: Arc::from(format!("f{i}")),
+                    offset: 0,
+                    len: 1,
+                },
+            );
+        }
+        let locs = idx.locations(&[7; 32]);
+        assert_eq!(locs.len(), MAX_LOCATIONS);
+        assert_eq!(&*locs[0].path, "f9");
+        assert!(idx.locations(&[8; 32]).is_empty());
+    }
+
+    #[test]
+    fn stale_index_entries_are_not_served_and_staging_is_verified() {
+        let root = tempfile::tempdir().unwrap();
+        let staging = tempfile::tempdir().unwrap();
+        std::fs::write(root.path().join("f"), b"abcdef").unwrap();
+        let src = BlockSource {
+            root: RootDir::open(root.path()).unwrap(),
+            index: RwLock::new(BlockIndex::default()),
+            staging: Staging::open(staging.path()).unwrap(),
+        };
+        let h = *blake3::hash(b"abc").as_bytes();
+        src.index.write().insert(
+            h,
+            BlockLoc {
+                path: Arc::from("f"),
+                offset: 0,
+                len: 3,
+            },
+        );
+        assert_eq!(src.read_block(&h).as_deref(), Some(&b"abc"[..]));
+        std::fs::write(root.path().join("f"), b"xyzdef").unwrap();
+        assert_eq!(src.read_block(&h), None, "changed file must not be served");
+        assert!(!src.has_block(&h));
+        src.staging.store(&h, b"abc").unwrap();
+        assert_eq!(src.read_block(&h).as_deref(), Some(&b"abc"[..]));
+        // Corrupt the staged copy: it is dropped instead of served.
+        std::fs::write(staging.path().join(hash_hex(&h)), b"evil").unwrap();
+        assert_eq!(src.read_block(&h), None);
+        assert!(!staging.path().join(hash_hex(&h)).exists());
+    }
+
+    #[test]
+    fn hashes_parse_strictly() {
+        let h = [0xab; 32];
+        assert_eq!(parse_hash(&hash_hex(&h)), Some(h));
+        assert_eq!(parse_hash("abc"), None);
+        assert_eq!(parse_hash(&"zz".repeat(32)), None);
+    }
+}

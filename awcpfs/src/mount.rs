@@ -1,0 +1,22 @@
+//! Executor side: the FUSE filesystem that projects an export onto a local directory.
+//!
+//! Layers, top to bottom:
+//! * [`session`] — a mount's life: start, lease watching, fencing, final flush, unmount;
+//! * `fuse` — the thin `fuser::Filesystem` adapter (no logic);
+//! * [`fs`] and [`content`] — the operations as plain functions over the inode table;
+//! * [`inode`], [`journal`], [`sync`] — the namespace, its durable log, and write-back;
+//! * [`remote`] — the data-plane client behind a trait.
+
+pub mod content;
+pub mod error;
+pub mod fs;
+mod fuse;
+pub mod inode;
+pub mod journal;
+pub mod remote;
+pub mod session;
+pub mod stats;
+pub mod sync;
+
+pub use error::{EndReason, FsError};
+pub use session::{Mount, MountConfig, MountError, MountStatus};

@@ -1,0 +1,439 @@
+//! File content: fetching on first use, open handles, reads, writes, truncation.
+//!
+//! A file starts remote. The first `open` (or a truncation to a non-zero size) fetches all
+//! its blocks in one request, verifies each against its blake3 hash, and writes them to the
+//! upper file `upper/<ino>`; from then on every read and write goes to that local file.
+//! Opening with `O_TRUNC`, or creating a file, needs no fetch at all.
+
+use std::ffi::OsStr;
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::SystemTime;
+
+use fuser::FileAttr;
+use parking_lot::Mutex;
+
+use super::error::FsError;
+use super::fs::{AwcpFs, Handle, name_str};
+use super::inode::{Data, Ino, Kind};
+use super::journal::Record;
+
+/// At most this many blocks per fetch request.
+const FETCH_BATCH: usize = 64;
+
+/// Attribute changes requested by `setattr`.
+#[derive(Debug, Default, Clone)]
+pub struct SetAttr {
+    /// New permission bits (the file-type bits are ignored).
+    pub mode: Option<u32>,
+    /// New owner.
+    pub uid: Option<u32>,
+    /// New group.
+    pub gid: Option<u32>,
+    /// New size.
+    pub size: Option<u64>,
+    /// New access time.
+    pub atime: Option<SystemTime>,
+    /// New modification time.
+    pub mtime: Option<SystemTime>,
+    /// The handle the change came through, if any.
+    pub fh: Option<u64>,
+}
+
+/// How `open` was asked to open a file.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenMode {
+    /// Reading allowed.
+    pub read: bool,
+    /// Writing allowed.
+    pub write: bool,
+    /// `O_APPEND`.
+    pub append: bool,
+    /// `O_TRUNC`.
+    pub truncate: bool,
+}
+
+impl OpenMode {
+    /// Decode `open(2)` flags.
+    pub fn from_flags(flags: i32) -> OpenMode {
+        let acc = flags & libc::O_ACCMODE;
+        OpenMode {
+            read: acc == libc::O_RDONLY || acc == libc::O_RDWR,
+            write: acc == libc::O_WRONLY || acc == libc::O_RDWR,
+            append: flags & libc::O_APPEND != 0,
+            truncate: flags & libc::O_TRUNC != 0,
+        }
+    }
+}
+
+impl AwcpFs {
+    /// Make sure `ino`'s content is in its upper file, fetching it if needed.
+    pub(super) fn ensure_local(&self, ino: Ino) -> Result<(), FsError> {
+        let lock = {
+            let mut h = self.hydrating.lock();
+            h.entry(ino)
+                .or_insert_with(|| Arc::new(Mutex::new(())))
+                .clone()
+        };
+        let _guard = lock.lock();
+        let (hash, blocks) = {
+            let table = self.table.lock();
+            let node = table.get(ino).ok_or(FsError::NotFound)?;
+            match &node.data {
+                Data::Local { .. } => return Ok(()),
+                Data::None => return Err(FsError::IsDir),
+                Data::Remote { hash, blocks } => (hash.clone(), blocks.clone()),
+            }
+        };
+        let tmp = self.opts.upper_dir.join(format!(".fetch-{ino}"));
+        let mut out = std::fs::File::create(&tmp)?;
+        let mut fetched = 0u64;
+        let mut whole = blake3::Hasher::new();
+        for chunk in blocks.chunks(FETCH_BATCH) {
+            self.check()?;
+            let data = self.remote.fetch_blocks(chunk)?;
+            for d in &data {
+                out.write_all(d)?;
+                whole.update(d);
+                fetched += d.len() as u64;
+            }
+        }
+        drop(out);
+        if !hash.is_empty() && whole.finalize().to_hex().as_str() != hash {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(FsError::Remote {
+                source: super::remote::RemoteError::BadBlock { hash },
+            });
+        }
+        std::fs::rename(&tmp, self.upper_path(ino))?;
+        self.stats.add_fetched(fetched, blocks.len() as u64);
+        let mut table = self.table.lock();
+        if let Some(node) = table.get_mut(ino)
+            && matches!(node.data, Data::Remote { .. })
+        {
+            node.size = fetched;
+            node.data = Data::Local {
+                dirty: false,
+                hash: Some(hash),
+                generation: 0,
+            };
+        }
+        drop(table);
+        self.hydrating.lock().remove(&ino);
+        Ok(())
+    }
+
+    /// Replace `ino`'s content with an empty local file (no fetch needed).
+    fn make_local_empty(&self, ino: Ino) -> Result<(), FsError> {
+        let mut table = self.table.lock();
+        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+        if node.kind != Kind::File {
+            return Err(FsError::IsDir);
+        }
+        std::fs::File::create(self.upper_path(ino))?;
+        mark_dirty(node);
+        node.size = 0;
+        Ok(())
+    }
+
+    /// `setattr`.
+    pub fn setattr(&self, ino: Ino, set: SetAttr) -> Result<FileAttr, FsError> {
+        self.check_write()?;
+        if let Some(size) = set.size {
+            let is_file = self.table.lock().get(ino).map(|n| n.kind) == Some(Kind::File);
+            if !is_file {
+                return Err(FsError::IsDir);
+            }
+            if size == 0 {
+                self.make_local_empty(ino)?;
+            } else {
+                self.ensure_local(ino)?;
+                let file = OpenOptions::new().write(true).open(self.upper_path(ino))?;
+                file.set_len(size)?;
+            }
+        }
+        let mut table = self.table.lock();
+        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+        let now = SystemTime::now();
+        if let Some(size) = set.size {
+            node.size = size;
+            node.mtime = now;
+            mark_dirty(node);
+        }
+        if let Some(mode) = set.mode {
+            node.perm = (mode & 0o7777) as u16;
+        }
+        if let Some(uid) = set.uid {
+            node.uid = uid;
+        }
+        if let Some(gid) = set.gid {
+            node.gid = gid;
+        }
+        if let Some(t) = set.atime {
+            node.atime = t;
+        }
+        if let Some(t) = set.mtime {
+            node.mtime = t;
+        }
+        node.ctime = now;
+        let attr = self.attr_of(node);
+        let rec = Record::node(node);
+        drop(table);
+        self.journal(&[rec])?;
+        self.sync.request();
+        Ok(attr)
+    }
+
+    fn open_upper(&self, ino: Ino, mode: OpenMode) -> Result<u64, FsError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(mode.write)
+            .append(mode.append)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(self.upper_path(ino))?;
+        {
+            let mut table = self.table.lock();
+            let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+            node.open_handles += 1;
+            if mode.write {
+                node.open_writers += 1;
+            }
+        }
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.handles.lock().insert(
+            fh,
+            Arc::new(Handle {
+                ino,
+                file,
+                writable: mode.write,
+                append: mode.append,
+                wrote: AtomicBool::new(false),
+            }),
+        );
+        Ok(fh)
+    }
+
+    /// `open`: fetch the content if needed and open the upper file.
+    pub fn open(&self, ino: Ino, mode: OpenMode) -> Result<u64, FsError> {
+        if mode.write || mode.truncate {
+            self.check_write()?;
+        } else {
+            self.check()?;
+        }
+        let kind = self.table.lock().get(ino).ok_or(FsError::NotFound)?.kind;
+        if kind != Kind::File {
+            return Err(FsError::IsDir);
+        }
+        if mode.truncate && mode.write {
+            self.make_local_empty(ino)?;
+            let rec = {
+                let mut table = self.table.lock();
+                let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+                node.mtime = SystemTime::now();
+                node.ctime = node.mtime;
+                Record::node(node)
+            };
+            self.journal(&[rec])?;
+        } else {
+            self.ensure_local(ino)?;
+        }
+        let fh = self.open_upper(ino, mode)?;
+        if mode.truncate && mode.write {
+            self.mark_wrote(fh);
+        }
+        Ok(fh)
+    }
+
+    fn mark_wrote(&self, fh: u64) {
+        if let Some(h) = self.handles.lock().get(&fh) {
+            h.wrote.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// `create`: a new, empty, local file, opened.
+    pub fn create(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        mode: u32,
+        flags: i32,
+    ) -> Result<(FileAttr, u64), FsError> {
+        self.check_write()?;
+        let name = name_str(name)?;
+        let ino = {
+            let mut table = self.table.lock();
+            let dir = table.get(parent).ok_or(FsError::NotFound)?;
+            if dir.kind != Kind::Dir {
+                return Err(FsError::NotDir);
+            }
+            if table.child(parent, name).is_some() {
+                return Err(FsError::Exists);
+            }
+            let ino = table.alloc_ino();
+            std::fs::File::create(self.upper_path(ino))?;
+            let node = self.new_file_node(ino, parent, name, (mode & 0o7777) as u16);
+            self.add_child_node(&mut table, node)?;
+            ino
+        };
+        let mut om = OpenMode::from_flags(flags);
+        om.write = true;
+        let fh = self.open_upper(ino, om)?;
+        self.mark_wrote(fh);
+        let attr = self.getattr(ino)?;
+        Ok((attr, fh))
+    }
+
+    /// `mknod` of a regular file (other node types are not supported).
+    pub fn mknod(&self, parent: Ino, name: &OsStr, mode: u32) -> Result<FileAttr, FsError> {
+        self.check_write()?;
+        if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
+            return Err(FsError::Unsupported {
+                op: "special files",
+            });
+        }
+        let name = name_str(name)?;
+        let mut table = self.table.lock();
+        if table.child(parent, name).is_some() {
+            return Err(FsError::Exists);
+        }
+        let ino = table.alloc_ino();
+        std::fs::File::create(self.upper_path(ino))?;
+        let node = self.new_file_node(ino, parent, name, (mode & 0o7777) as u16);
+        self.add_child_node(&mut table, node)
+    }
+
+    fn handle(&self, fh: u64) -> Result<Arc<Handle>, FsError> {
+        self.handles
+            .lock()
+            .get(&fh)
+            .cloned()
+            .ok_or(FsError::BadHandle)
+    }
+
+    /// `read`.
+    pub fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
+        self.check()?;
+        let h = self.handle(fh)?;
+        let mut buf = vec![0u8; size as usize];
+        let mut done = 0;
+        while done < buf.len() {
+            let n = h.file.read_at(&mut buf[done..], offset + done as u64)?;
+            if n == 0 {
+                break;
+            }
+            done += n;
+        }
+        buf.truncate(done);
+        Ok(buf)
+    }
+
+    /// `write`.
+    pub fn write(&self, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+        self.check()?;
+        let h = self.handle(fh)?;
+        if !h.writable {
+            return Err(FsError::BadHandle);
+        }
+        // With O_APPEND the upper file is opened O_APPEND too, and Linux pwrite appends.
+        h.file.write_all_at(data, offset)?;
+        let end = if h.append {
+            h.file.metadata()?.len()
+        } else {
+            offset + data.len() as u64
+        };
+        h.wrote.store(true, Ordering::Relaxed);
+        let mut table = self.table.lock();
+        if let Some(node) = table.get_mut(h.ino) {
+            node.size = node.size.max(end);
+            node.mtime = SystemTime::now();
+            node.ctime = node.mtime;
+            mark_dirty(node);
+        }
+        Ok(data.len() as u32)
+    }
+
+    /// Journal a handle's node after writes and ask the syncer to run.
+    fn settle(&self, h: &Handle) -> Result<(), FsError> {
+        if !h.wrote.swap(false, Ordering::Relaxed) {
+            return Ok(());
+        }
+        let rec = self
+            .table
+            .lock()
+            .get(h.ino)
+            .filter(|n| !n.unlinked)
+            .map(Record::node);
+        if let Some(rec) = rec {
+            self.journal(&[rec])?;
+        }
+        self.sync.request();
+        Ok(())
+    }
+
+    /// `flush` (every `close` of a descriptor).
+    pub fn flush(&self, fh: u64) -> Result<(), FsError> {
+        self.check()?;
+        let h = self.handle(fh)?;
+        self.settle(&h)
+    }
+
+    /// `fsync`: the upper file and the journal reach the disk.
+    pub fn fsync(&self, fh: u64, datasync: bool) -> Result<(), FsError> {
+        self.check()?;
+        let h = self.handle(fh)?;
+        if datasync {
+            h.file.sync_data()?;
+        } else {
+            h.file.sync_all()?;
+        }
+        self.settle(&h)?;
+        self.journal.sync()?;
+        Ok(())
+    }
+
+    /// `release`: the last descriptor of an open file is closed. Never fails because of the
+    /// fence, so handles are always accounted for.
+    pub fn release(&self, fh: u64) -> Result<(), FsError> {
+        let Some(h) = self.handles.lock().remove(&fh) else {
+            return Err(FsError::BadHandle);
+        };
+        if self.fenced().is_none() {
+            self.settle(&h)?;
+        }
+        let mut table = self.table.lock();
+        if let Some(node) = table.get_mut(h.ino) {
+            node.open_handles = node.open_handles.saturating_sub(1);
+            if h.writable {
+                node.open_writers = node.open_writers.saturating_sub(1);
+            }
+            if node.unlinked && node.open_handles == 0 {
+                table.remove(h.ino);
+                let _ = std::fs::remove_file(self.upper_path(h.ino));
+            }
+        }
+        drop(table);
+        self.sync.request();
+        Ok(())
+    }
+
+    /// Number of open file handles.
+    pub fn open_handle_count(&self) -> usize {
+        self.handles.lock().len()
+    }
+}
+
+/// Mark a file's content changed.
+pub(super) fn mark_dirty(node: &mut super::inode::Node) {
+    let generation = match &node.data {
+        Data::Local { generation, .. } => generation + 1,
+        _ => 1,
+    };
+    node.data = Data::Local {
+        dirty: true,
+        hash: None,
+        generation,
+    };
+}

@@ -1,0 +1,571 @@
+//! The filesystem operations, as plain `Result`-returning functions.
+//!
+//! [`AwcpFs`] holds the inode table, the open file handles, the journal and the remote. The
+//! FUSE adapter (`fuse.rs`) calls one method per request and turns the error into an errno;
+//! everything here can be exercised without a kernel.
+//!
+//! Locking: one mutex guards the inode table. File I/O runs outside it, on the upper file
+//! the handle holds open. Fetching a file's content runs outside it too, with a per-inode
+//! lock so two opens of a cold file fetch it once.
+//!
+//! Fencing: once the lease has ended, [`AwcpFs::fence`] is called and every operation —
+//! including those on handles opened before — fails with [`FsError::Fenced`].
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::SystemTime;
+
+use fuser::{FileAttr, FileType, INodeNo};
+use parking_lot::{Mutex, RwLock};
+
+use super::error::{EndReason, FsError};
+use super::inode::{Data, Ino, InodeTable, Kind, Node, ROOT_INO};
+use super::journal::{Journal, Record};
+use super::remote::Remote;
+use super::stats::Stats;
+use super::sync::SyncSignal;
+
+/// Block size reported in `st_blksize`.
+const BLKSIZE: u32 = 4096;
+
+/// An open file.
+#[derive(Debug)]
+pub struct Handle {
+    /// The inode.
+    pub ino: Ino,
+    /// The upper file.
+    pub file: File,
+    /// Opened for writing.
+    pub writable: bool,
+    /// Opened with `O_APPEND`.
+    pub append: bool,
+    /// Written through since the last flush.
+    pub wrote: AtomicBool,
+}
+
+/// One entry of an open directory's listing.
+#[derive(Debug, Clone)]
+pub struct DirEntry {
+    /// The entry's inode.
+    pub ino: Ino,
+    /// Its kind.
+    pub kind: Kind,
+    /// Its name.
+    pub name: String,
+}
+
+/// What the filesystem layer needs to know at start.
+#[derive(Debug, Clone)]
+pub struct FsOptions {
+    /// Refuse every change (EROFS).
+    pub read_only: bool,
+    /// Owner reported for every node.
+    pub uid: u32,
+    /// Group reported for every node.
+    pub gid: u32,
+    /// Directory of upper files.
+    pub upper_dir: PathBuf,
+    /// Block size of the export.
+    pub block_size: u32,
+}
+
+/// The filesystem.
+pub struct AwcpFs {
+    pub(super) table: Mutex<InodeTable>,
+    pub(super) handles: Mutex<HashMap<u64, Arc<Handle>>>,
+    pub(super) dirs: Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>,
+    pub(super) next_fh: AtomicU64,
+    pub(super) remote: Arc<dyn Remote>,
+    pub(super) journal: Journal,
+    pub(super) opts: FsOptions,
+    pub(super) fenced: RwLock<Option<EndReason>>,
+    pub(super) hydrating: Mutex<HashMap<Ino, Arc<Mutex<()>>>>,
+    pub(super) sync: Arc<SyncSignal>,
+    pub(super) stats: Arc<Stats>,
+}
+
+impl std::fmt::Debug for AwcpFs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AwcpFs")
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(super) fn kind_to_fuse(k: Kind) -> FileType {
+    match k {
+        Kind::File => FileType::RegularFile,
+        Kind::Dir => FileType::Directory,
+        Kind::Symlink => FileType::Symlink,
+    }
+}
+
+/// Validate a name from the kernel and make it a `String`.
+pub(super) fn name_str(name: &OsStr) -> Result<&str, FsError> {
+    if name.len() > 255 {
+        return Err(FsError::NameTooLong);
+    }
+    name.to_str().ok_or(FsError::NonUtf8Name)
+}
+
+impl AwcpFs {
+    /// A filesystem over `table`, content from `remote`.
+    pub fn new(
+        table: InodeTable,
+        remote: Arc<dyn Remote>,
+        journal: Journal,
+        opts: FsOptions,
+        sync: Arc<SyncSignal>,
+        stats: Arc<Stats>,
+    ) -> AwcpFs {
+        AwcpFs {
+            table: Mutex::new(table),
+            handles: Mutex::new(HashMap::new()),
+            dirs: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            remote,
+            journal,
+            opts,
+            fenced: RwLock::new(None),
+            hydrating: Mutex::new(HashMap::new()),
+            sync,
+            stats,
+        }
+    }
+
+    /// The options it runs with.
+    pub fn options(&self) -> &FsOptions {
+        &self.opts
+    }
+
+    /// End access: every later operation fails with `EACCES`. Returns false if already fenced.
+    pub fn fence(&self, reason: EndReason) -> bool {
+        let mut f = self.fenced.write();
+        if f.is_some() {
+            return false;
+        }
+        tracing::info!(%reason, "fencing the mount");
+        *f = Some(reason);
+        true
+    }
+
+    /// Why access ended, if it has.
+    pub fn fenced(&self) -> Option<EndReason> {
+        self.fenced.read().clone()
+    }
+
+    pub(super) fn check(&self) -> Result<(), FsError> {
+        match &*self.fenced.read() {
+            Some(reason) => Err(FsError::Fenced {
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    pub(super) fn check_write(&self) -> Result<(), FsError> {
+        self.check()?;
+        if self.opts.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        Ok(())
+    }
+
+    pub(super) fn attr_of(&self, node: &Node) -> FileAttr {
+        let size = match node.kind {
+            Kind::Dir => 4096,
+            _ => node.size,
+        };
+        FileAttr {
+            ino: INodeNo(node.ino),
+            size,
+            blocks: size.div_ceil(512),
+            atime: node.atime,
+            mtime: node.mtime,
+            ctime: node.ctime,
+            crtime: node.ctime,
+            kind: kind_to_fuse(node.kind),
+            perm: node.perm,
+            nlink: node.nlink(),
+            uid: node.uid,
+            gid: node.gid,
+            rdev: 0,
+            blksize: BLKSIZE,
+            flags: 0,
+        }
+    }
+
+    pub(super) fn journal(&self, records: &[Record]) -> Result<(), FsError> {
+        self.journal.append(records).map_err(FsError::from)
+    }
+
+    pub(super) fn upper_path(&self, ino: Ino) -> PathBuf {
+        self.opts.upper_dir.join(ino.to_string())
+    }
+
+    fn dir_mut(table: &mut InodeTable, ino: Ino) -> Result<&mut Node, FsError> {
+        let n = table.get_mut(ino).ok_or(FsError::NotFound)?;
+        if n.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        Ok(n)
+    }
+
+    fn new_node(&self, ino: Ino, parent: Ino, name: &str, kind: Kind, perm: u16) -> Node {
+        let now = SystemTime::now();
+        Node {
+            ino,
+            parent,
+            name: name.to_string(),
+            kind,
+            perm,
+            uid: self.opts.uid,
+            gid: self.opts.gid,
+            size: 0,
+            atime: now,
+            mtime: now,
+            ctime: now,
+            children: Default::default(),
+            target: None,
+            data: match kind {
+                Kind::File => Data::Local {
+                    dirty: true,
+                    hash: None,
+                    generation: 1,
+                },
+                _ => Data::None,
+            },
+            open_handles: 0,
+            open_writers: 0,
+            unlinked: false,
+        }
+    }
+
+    pub(super) fn new_file_node(&self, ino: Ino, parent: Ino, name: &str, perm: u16) -> Node {
+        self.new_node(ino, parent, name, Kind::File, perm)
+    }
+
+    pub(super) fn add_child_node(
+        &self,
+        table: &mut InodeTable,
+        node: Node,
+    ) -> Result<FileAttr, FsError> {
+        self.add_node(table, node)
+    }
+
+    /// Add a new node under `parent`, journal it, and return its attributes.
+    fn add_node(&self, table: &mut InodeTable, node: Node) -> Result<FileAttr, FsError> {
+        let now = node.ctime;
+        let parent = Self::dir_mut(table, node.parent)?;
+        parent.mtime = now;
+        parent.ctime = now;
+        let attr = self.attr_of(&node);
+        let rec = Record::node(&node);
+        table.insert_child(node.parent, node.name.clone(), node.ino);
+        table.insert(node);
+        self.journal(&[rec])?;
+        self.sync.request();
+        Ok(attr)
+    }
+
+    /// `lookup`: the attributes of `name` in `parent`.
+    pub fn lookup(&self, parent: Ino, name: &OsStr) -> Result<FileAttr, FsError> {
+        self.check()?;
+        let Some(name) = name.to_str() else {
+            return Err(FsError::NotFound);
+        };
+        let table = self.table.lock();
+        let dir = table.get(parent).ok_or(FsError::NotFound)?;
+        if dir.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        let ino = table.child(parent, name).ok_or(FsError::NotFound)?;
+        let node = table.get(ino).ok_or(FsError::NotFound)?;
+        Ok(self.attr_of(node))
+    }
+
+    /// `getattr`.
+    pub fn getattr(&self, ino: Ino) -> Result<FileAttr, FsError> {
+        self.check()?;
+        let table = self.table.lock();
+        let node = table.get(ino).ok_or(FsError::NotFound)?;
+        Ok(self.attr_of(node))
+    }
+
+    /// `readlink`.
+    pub fn readlink(&self, ino: Ino) -> Result<String, FsError> {
+        self.check()?;
+        let table = self.table.lock();
+        let node = table.get(ino).ok_or(FsError::NotFound)?;
+        node.target.clone().ok_or(FsError::Invalid {
+            what: "not a symlink",
+        })
+    }
+
+    /// `mkdir`.
+    pub fn mkdir(&self, parent: Ino, name: &OsStr, mode: u32) -> Result<FileAttr, FsError> {
+        self.check_write()?;
+        let name = name_str(name)?;
+        let mut table = self.table.lock();
+        Self::dir_mut(&mut table, parent)?;
+        if table.child(parent, name).is_some() {
+            return Err(FsError::Exists);
+        }
+        let ino = table.alloc_ino();
+        let node = self.new_node(ino, parent, name, Kind::Dir, (mode & 0o7777) as u16);
+        self.add_node(&mut table, node)
+    }
+
+    /// `symlink`.
+    pub fn symlink(&self, parent: Ino, name: &OsStr, target: &OsStr) -> Result<FileAttr, FsError> {
+        self.check_write()?;
+        let name = name_str(name)?;
+        let target = target.to_str().ok_or(FsError::NonUtf8Name)?;
+        let mut table = self.table.lock();
+        Self::dir_mut(&mut table, parent)?;
+        if table.child(parent, name).is_some() {
+            return Err(FsError::Exists);
+        }
+        let ino = table.alloc_ino();
+        let mut node = self.new_node(ino, parent, name, Kind::Symlink, 0o777);
+        node.size = target.len() as u64;
+        node.target = Some(target.to_string());
+        self.add_node(&mut table, node)
+    }
+
+    /// Remove `ino` from the namespace (its dentry is already gone): keep it while open.
+    fn drop_node(&self, table: &mut InodeTable, ino: Ino) {
+        let Some(node) = table.get_mut(ino) else {
+            return;
+        };
+        node.unlinked = true;
+        node.ctime = SystemTime::now();
+        if node.open_handles == 0 {
+            let kind = node.kind;
+            table.remove(ino);
+            if kind == Kind::File {
+                // The upper file may not exist (never fetched): nothing to remove then.
+                let _ = std::fs::remove_file(self.upper_path(ino));
+            }
+        }
+    }
+
+    fn touch_dir(table: &mut InodeTable, ino: Ino) {
+        if let Some(d) = table.get_mut(ino) {
+            let now = SystemTime::now();
+            d.mtime = now;
+            d.ctime = now;
+        }
+    }
+
+    /// `unlink`.
+    pub fn unlink(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
+        self.check_write()?;
+        let name = name_str(name)?;
+        let mut table = self.table.lock();
+        Self::dir_mut(&mut table, parent)?;
+        let ino = table.child(parent, name).ok_or(FsError::NotFound)?;
+        if table.get(ino).map(|n| n.kind) == Some(Kind::Dir) {
+            return Err(FsError::IsDir);
+        }
+        table.remove_child(parent, name);
+        Self::touch_dir(&mut table, parent);
+        self.drop_node(&mut table, ino);
+        self.journal(&[Record::Unlink {
+            parent,
+            name: name.to_string(),
+        }])?;
+        self.sync.request();
+        Ok(())
+    }
+
+    /// `rmdir`.
+    pub fn rmdir(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
+        self.check_write()?;
+        let name = name_str(name)?;
+        let mut table = self.table.lock();
+        Self::dir_mut(&mut table, parent)?;
+        let ino = table.child(parent, name).ok_or(FsError::NotFound)?;
+        let node = table.get(ino).ok_or(FsError::NotFound)?;
+        if node.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        if !node.children.is_empty() {
+            return Err(FsError::NotEmpty);
+        }
+        table.remove_child(parent, name);
+        Self::touch_dir(&mut table, parent);
+        table.remove(ino);
+        self.journal(&[Record::Unlink {
+            parent,
+            name: name.to_string(),
+        }])?;
+        self.sync.request();
+        Ok(())
+    }
+
+    /// `rename`, with `RENAME_NOREPLACE` and `RENAME_EXCHANGE`.
+    pub fn rename(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        newparent: Ino,
+        newname: &OsStr,
+        noreplace: bool,
+        exchange: bool,
+    ) -> Result<(), FsError> {
+        self.check_write()?;
+        let name = name_str(name)?;
+        let newname = name_str(newname)?;
+        let mut table = self.table.lock();
+        Self::dir_mut(&mut table, parent)?;
+        Self::dir_mut(&mut table, newparent)?;
+        let src = table.child(parent, name).ok_or(FsError::NotFound)?;
+        let src_kind = table.get(src).ok_or(FsError::NotFound)?.kind;
+        if src_kind == Kind::Dir && table.is_ancestor(src, newparent) {
+            return Err(FsError::Invalid {
+                what: "cannot move a directory into itself",
+            });
+        }
+        let dst = table.child(newparent, newname);
+        if dst == Some(src) {
+            return Ok(());
+        }
+        let mut records = Vec::new();
+        if exchange {
+            let dst = dst.ok_or(FsError::NotFound)?;
+            if table.get(dst).map(|n| n.kind) == Some(Kind::Dir) && table.is_ancestor(dst, parent) {
+                return Err(FsError::Invalid {
+                    what: "cannot move a directory into itself",
+                });
+            }
+            table.insert_child(parent, name.to_string(), dst);
+            table.insert_child(newparent, newname.to_string(), src);
+            let now = SystemTime::now();
+            for (ino, p, n) in [(dst, parent, name), (src, newparent, newname)] {
+                if let Some(node) = table.get_mut(ino) {
+                    node.parent = p;
+                    node.name = n.to_string();
+                    node.ctime = now;
+                    records.push(Record::node(node));
+                }
+            }
+        } else {
+            if let Some(dst) = dst {
+                if noreplace {
+                    return Err(FsError::Exists);
+                }
+                let dst_node = table.get(dst).ok_or(FsError::NotFound)?;
+                match (src_kind == Kind::Dir, dst_node.kind == Kind::Dir) {
+                    (true, false) => return Err(FsError::NotDir),
+                    (false, true) => return Err(FsError::IsDir),
+                    (true, true) if !dst_node.children.is_empty() => {
+                        return Err(FsError::NotEmpty);
+                    }
+                    _ => {}
+                }
+                table.remove_child(newparent, newname);
+                self.drop_node(&mut table, dst);
+            }
+            table.remove_child(parent, name);
+            records.push(Record::Unlink {
+                parent,
+                name: name.to_string(),
+            });
+            table.insert_child(newparent, newname.to_string(), src);
+            if let Some(node) = table.get_mut(src) {
+                node.parent = newparent;
+                node.name = newname.to_string();
+                node.ctime = SystemTime::now();
+                records.push(Record::node(node));
+            }
+        }
+        Self::touch_dir(&mut table, parent);
+        Self::touch_dir(&mut table, newparent);
+        self.journal(&records)?;
+        self.sync.request();
+        Ok(())
+    }
+
+    /// `link`: hard links are not supported (yet); `EPERM` as POSIX prescribes for a
+    /// filesystem that does not support them.
+    pub fn link(&self) -> Result<FileAttr, FsError> {
+        self.check_write()?;
+        Err(FsError::NoHardLinks)
+    }
+
+    /// `opendir`: snapshot the listing so offsets stay stable while it is read.
+    pub fn opendir(&self, ino: Ino) -> Result<u64, FsError> {
+        self.check()?;
+        let table = self.table.lock();
+        let node = table.get(ino).ok_or(FsError::NotFound)?;
+        if node.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        let mut entries = Vec::with_capacity(node.children.len() + 2);
+        entries.push(DirEntry {
+            ino,
+            kind: Kind::Dir,
+            name: ".".into(),
+        });
+        entries.push(DirEntry {
+            ino: if ino == ROOT_INO {
+                ROOT_INO
+            } else {
+                node.parent
+            },
+            kind: Kind::Dir,
+            name: "..".into(),
+        });
+        for (name, child) in &node.children {
+            if let Some(c) = table.get(*child) {
+                entries.push(DirEntry {
+                    ino: *child,
+                    kind: c.kind,
+                    name: name.clone(),
+                });
+            }
+        }
+        drop(table);
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.dirs.lock().insert(fh, Arc::new(entries));
+        Ok(fh)
+    }
+
+    /// `readdir`: the listing from `offset` on.
+    pub fn readdir(&self, fh: u64) -> Result<Arc<Vec<DirEntry>>, FsError> {
+        self.check()?;
+        self.dirs.lock().get(&fh).cloned().ok_or(FsError::BadHandle)
+    }
+
+    /// `releasedir`.
+    pub fn releasedir(&self, fh: u64) {
+        self.dirs.lock().remove(&fh);
+    }
+
+    /// `statfs`: the space of the state directory, where new data lands.
+    pub fn statfs(&self) -> Result<nix::sys::statvfs::Statvfs, FsError> {
+        self.check()?;
+        nix::sys::statvfs::statvfs(&self.opts.upper_dir)
+            .map_err(|e| FsError::from(std::io::Error::from(e)))
+    }
+
+    /// `access`: permission bits are checked by the kernel (`default_permissions`); this
+    /// adds the fence and the read-only delegation.
+    pub fn access(&self, ino: Ino, write: bool) -> Result<(), FsError> {
+        if write {
+            self.check_write()?;
+        } else {
+            self.check()?;
+        }
+        self.table
+            .lock()
+            .get(ino)
+            .map(|_| ())
+            .ok_or(FsError::NotFound)
+    }
+}

@@ -1,0 +1,453 @@
+//! The inode table: the whole namespace of a mount, in memory.
+//!
+//! Built from the export's manifest when the mount starts, then changed by the filesystem
+//! operations. Inode numbers are assigned in manifest order starting after the root, so the
+//! same manifest always yields the same numbers; new entries take the next free number.
+//!
+//! Invariants:
+//! * every node reachable from the root has `parent`/`name` naming its one dentry
+//!   (hard links are not supported, so a node has at most one dentry);
+//! * a node that was unlinked while open stays in the table with `unlinked = true` and no
+//!   dentry until its last handle is released;
+//! * a file's content is either remote (hash and block list from the manifest) or local (an
+//!   upper file in the state directory, named after the inode number).
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use awcp_protocol::dataplane::{EntryKind, Manifest};
+
+/// Inode number.
+pub type Ino = u64;
+/// The root directory's inode number (FUSE fixes it at 1).
+pub const ROOT_INO: Ino = 1;
+
+/// What a node is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link.
+    Symlink,
+}
+
+impl From<EntryKind> for Kind {
+    fn from(k: EntryKind) -> Self {
+        match k {
+            EntryKind::File => Kind::File,
+            EntryKind::Dir => Kind::Dir,
+            EntryKind::Symlink => Kind::Symlink,
+        }
+    }
+}
+
+/// Where a file's bytes are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Data {
+    /// Not fetched yet: the export has it under these hashes.
+    Remote {
+        /// blake3 of the whole content.
+        hash: String,
+        /// blake3 of each block.
+        blocks: Vec<String>,
+    },
+    /// In the upper file `upper/<ino>` of the state directory.
+    Local {
+        /// Changed since it was last known to match `hash`.
+        dirty: bool,
+        /// Content hash when clean (what the export has, as far as we know).
+        hash: Option<String>,
+        /// Bumped on every change; lets the syncer tell whether a file changed under it.
+        generation: u64,
+    },
+    /// Not a regular file.
+    None,
+}
+
+/// One inode.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// Its number.
+    pub ino: Ino,
+    /// Parent directory (the root is its own parent).
+    pub parent: Ino,
+    /// Name in the parent.
+    pub name: String,
+    /// File, directory or symlink.
+    pub kind: Kind,
+    /// Permission bits.
+    pub perm: u16,
+    /// Owner (local to the Executor; not synced).
+    pub uid: u32,
+    /// Group (local to the Executor; not synced).
+    pub gid: u32,
+    /// Size in bytes.
+    pub size: u64,
+    /// Last access.
+    pub atime: SystemTime,
+    /// Last modification.
+    pub mtime: SystemTime,
+    /// Last status change.
+    pub ctime: SystemTime,
+    /// Children by name (directories).
+    pub children: BTreeMap<String, Ino>,
+    /// Target (symlinks).
+    pub target: Option<String>,
+    /// Content (files).
+    pub data: Data,
+    /// Open file handles on this node.
+    pub open_handles: u32,
+    /// Open handles that may write.
+    pub open_writers: u32,
+    /// Removed from the namespace, kept while open.
+    pub unlinked: bool,
+}
+
+impl Node {
+    /// Link count as `stat` reports it.
+    pub fn nlink(&self) -> u32 {
+        match self.kind {
+            Kind::Dir => {
+                let subdirs = u32::try_from(self.children.len()).unwrap_or(u32::MAX);
+                2u32.saturating_add(subdirs)
+            }
+            _ if self.unlinked => 0,
+            _ => 1,
+        }
+    }
+}
+
+/// Convert nanoseconds since the epoch to a `SystemTime` (negative values clamp to the epoch).
+pub fn time_from_ns(ns: i64) -> SystemTime {
+    u64::try_from(ns)
+        .map(|ns| UNIX_EPOCH + Duration::from_nanos(ns))
+        .unwrap_or(UNIX_EPOCH)
+}
+
+/// Convert a `SystemTime` to nanoseconds since the epoch.
+pub fn time_to_ns(t: SystemTime) -> i64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
+        Err(_) => 0,
+    }
+}
+
+/// Error building the table from a manifest.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    /// An entry's parent directory is not listed before it.
+    #[error("manifest entry {path:?} comes before its parent directory")]
+    Orphan {
+        /// The entry.
+        path: String,
+    },
+    /// An entry's path is not a valid relative path.
+    #[error("manifest entry has an invalid path")]
+    BadPath {
+        /// Why.
+        #[source]
+        source: awcp_protocol::dataplane::PathError,
+    },
+    /// A path is listed twice.
+    #[error("manifest lists {path:?} twice")]
+    Duplicate {
+        /// The entry.
+        path: String,
+    },
+}
+
+/// The namespace.
+#[derive(Debug, Default)]
+pub struct InodeTable {
+    nodes: HashMap<Ino, Node>,
+    next_ino: Ino,
+}
+
+impl InodeTable {
+    /// Build the table from a manifest; every node is owned by `uid`/`gid`.
+    pub fn from_manifest(m: &Manifest, uid: u32, gid: u32) -> Result<Self, ManifestError> {
+        let root_time = time_from_ns(m.root_mtime_ns);
+        let mut table = InodeTable {
+            nodes: HashMap::with_capacity(m.entries.len() + 1),
+            next_ino: ROOT_INO + 1,
+        };
+        table.nodes.insert(
+            ROOT_INO,
+            Node {
+                ino: ROOT_INO,
+                parent: ROOT_INO,
+                name: String::new(),
+                kind: Kind::Dir,
+                perm: (m.root_mode & 0o7777) as u16,
+                uid,
+                gid,
+                size: 0,
+                atime: root_time,
+                mtime: root_time,
+                ctime: root_time,
+                children: BTreeMap::new(),
+                target: None,
+                data: Data::None,
+                open_handles: 0,
+                open_writers: 0,
+                unlinked: false,
+            },
+        );
+        let mut by_path: HashMap<&str, Ino> = HashMap::with_capacity(m.entries.len());
+        for e in &m.entries {
+            awcp_protocol::dataplane::validate_rel_path(&e.path)
+                .map_err(|source| ManifestError::BadPath { source })?;
+            let (parent_path, name) = match e.path.rsplit_once('/') {
+                Some((p, n)) => (Some(p), n),
+                None => (None, e.path.as_str()),
+            };
+            let parent = match parent_path {
+                None => ROOT_INO,
+                Some(p) => *by_path.get(p).ok_or_else(|| ManifestError::Orphan {
+                    path: e.path.clone(),
+                })?,
+            };
+            if table.nodes.get(&parent).map(|n| n.kind) != Some(Kind::Dir) {
+                return Err(ManifestError::Orphan {
+                    path: e.path.clone(),
+                });
+            }
+            let kind = Kind::from(e.kind);
+            let t = time_from_ns(e.mtime_ns);
+            let ino = table.alloc_ino();
+            let data = match kind {
+                Kind::File => Data::Remote {
+                    hash: e.hash.clone().unwrap_or_default(),
+                    blocks: e.blocks.clone(),
+                },
+                _ => Data::None,
+            };
+            let node = Node {
+                ino,
+                parent,
+                name: name.to_string(),
+                kind,
+                perm: (e.mode & 0o7777) as u16,
+                uid,
+                gid,
+                size: e.size,
+                atime: t,
+                mtime: t,
+                // ctime = mtime so it is stable across remounts of the same tree.
+                ctime: t,
+                children: BTreeMap::new(),
+                target: e.target.clone(),
+                data,
+                open_handles: 0,
+                open_writers: 0,
+                unlinked: false,
+            };
+            if by_path.insert(&e.path, ino).is_some() {
+                return Err(ManifestError::Duplicate {
+                    path: e.path.clone(),
+                });
+            }
+            table.insert_child(parent, name.to_string(), ino);
+            table.nodes.insert(ino, node);
+        }
+        Ok(table)
+    }
+
+    /// Take the next free inode number.
+    pub fn alloc_ino(&mut self) -> Ino {
+        let ino = self.next_ino;
+        self.next_ino += 1;
+        ino
+    }
+
+    /// Make sure future allocations are above `ino` (journal replay).
+    pub fn reserve_ino(&mut self, ino: Ino) {
+        self.next_ino = self.next_ino.max(ino + 1);
+    }
+
+    /// Look a node up.
+    pub fn get(&self, ino: Ino) -> Option<&Node> {
+        self.nodes.get(&ino)
+    }
+
+    /// Look a node up for change.
+    pub fn get_mut(&mut self, ino: Ino) -> Option<&mut Node> {
+        self.nodes.get_mut(&ino)
+    }
+
+    /// Add a node (its dentry is added separately with [`InodeTable::insert_child`]).
+    pub fn insert(&mut self, node: Node) {
+        self.reserve_ino(node.ino);
+        self.nodes.insert(node.ino, node);
+    }
+
+    /// Drop a node entirely.
+    pub fn remove(&mut self, ino: Ino) -> Option<Node> {
+        self.nodes.remove(&ino)
+    }
+
+    /// The child `name` of directory `parent`.
+    pub fn child(&self, parent: Ino, name: &str) -> Option<Ino> {
+        self.nodes.get(&parent)?.children.get(name).copied()
+    }
+
+    /// Add a dentry.
+    pub fn insert_child(&mut self, parent: Ino, name: String, ino: Ino) {
+        if let Some(p) = self.nodes.get_mut(&parent) {
+            p.children.insert(name, ino);
+        }
+    }
+
+    /// Remove a dentry, returning the inode it named.
+    pub fn remove_child(&mut self, parent: Ino, name: &str) -> Option<Ino> {
+        self.nodes.get_mut(&parent)?.children.remove(name)
+    }
+
+    /// Number of nodes, the root included.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether the table is empty (never, once built).
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// Relative path of a node reachable from the root (`""` for the root).
+    pub fn path_of(&self, ino: Ino) -> Option<String> {
+        let mut parts = Vec::new();
+        let mut cur = ino;
+        while cur != ROOT_INO {
+            let n = self.nodes.get(&cur)?;
+            if n.unlinked {
+                return None;
+            }
+            parts.push(n.name.as_str());
+            cur = n.parent;
+            if parts.len() > 4096 {
+                return None;
+            }
+        }
+        parts.reverse();
+        Some(parts.join("/"))
+    }
+
+    /// Whether `anc` is `ino` or one of its ancestors.
+    pub fn is_ancestor(&self, anc: Ino, ino: Ino) -> bool {
+        let mut cur = ino;
+        loop {
+            if cur == anc {
+                return true;
+            }
+            if cur == ROOT_INO {
+                return false;
+            }
+            match self.nodes.get(&cur) {
+                Some(n) => cur = n.parent,
+                None => return false,
+            }
+        }
+    }
+
+    /// Visit every node reachable from the root, parents before children, with its path.
+    pub fn walk(&self, mut f: impl FnMut(&str, &Node)) {
+        let mut stack: Vec<(String, Ino)> = vec![(String::new(), ROOT_INO)];
+        while let Some((path, ino)) = stack.pop() {
+            let Some(node) = self.nodes.get(&ino) else {
+                continue;
+            };
+            if ino != ROOT_INO {
+                f(&path, node);
+            }
+            for (name, child) in node.children.iter().rev() {
+                let p = if path.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{path}/{name}")
+                };
+                stack.push((p, *child));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use awcp_protocol::dataplane::ManifestEntry;
+
+    fn entry(path: &str, kind: EntryKind) -> ManifestEntry {
+        ManifestEntry {
+            path: path.into(),
+            kind,
+            mode: 0o644,
+            size: 3,
+            mtime_ns: 1_000_000_000,
+            hash: (kind == EntryKind::File).then(|| "h".into()),
+            blocks: vec![],
+            target: (kind == EntryKind::Symlink).then(|| "t".into()),
+        }
+    }
+
+    fn manifest(entries: Vec<ManifestEntry>) -> Manifest {
+        Manifest {
+            version: 1,
+            export_id: "e".into(),
+            block_size: 4096,
+            read_only: false,
+            root_mode: 0o755,
+            root_mtime_ns: 0,
+            entries,
+        }
+    }
+
+    #[test]
+    fn builds_tree_with_stable_inodes() {
+        let m = manifest(vec![
+            entry("src", EntryKind::Dir),
+            entry("src/a.py", EntryKind::File),
+            entry("link", EntryKind::Symlink),
+        ]);
+        let t = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        let src = t.child(ROOT_INO, "src").unwrap();
+        let a = t.child(src, "a.py").unwrap();
+        assert_eq!(t.path_of(a).as_deref(), Some("src/a.py"));
+        assert_eq!(t.get(src).unwrap().nlink(), 2);
+        let t2 = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        assert_eq!(
+            t2.child(src, "a.py"),
+            Some(a),
+            "inode numbers must be stable"
+        );
+        let mut paths = Vec::new();
+        t.walk(|p, _| paths.push(p.to_string()));
+        assert_eq!(paths, vec!["link", "src", "src/a.py"]);
+    }
+
+    #[test]
+    fn rejects_orphans_duplicates_and_escapes() {
+        let m = manifest(vec![entry("a/b", EntryKind::File)]);
+        assert!(matches!(
+            InodeTable::from_manifest(&m, 0, 0),
+            Err(ManifestError::Orphan { .. })
+        ));
+        let m = manifest(vec![
+            entry("a", EntryKind::File),
+            entry("a/b", EntryKind::File),
+        ]);
+        assert!(InodeTable::from_manifest(&m, 0, 0).is_err());
+        let m = manifest(vec![entry("a", EntryKind::Dir), entry("a", EntryKind::Dir)]);
+        assert!(matches!(
+            InodeTable::from_manifest(&m, 0, 0),
+            Err(ManifestError::Duplicate { .. })
+        ));
+        let m = manifest(vec![entry("../x", EntryKind::File)]);
+        assert!(matches!(
+            InodeTable::from_manifest(&m, 0, 0),
+            Err(ManifestError::BadPath { .. })
+        ));
+    }
+}

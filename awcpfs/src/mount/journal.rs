@@ -1,0 +1,237 @@
+//! The write journal: every namespace change, durable before the operation returns.
+//!
+//! File content lives in upper files (`upper/<ino>` in the state directory), written with
+//! `pwrite` as the application writes. What the upper files cannot say — which names exist,
+//! which inode each names, modes, sizes, symlink targets — is appended to this journal as
+//! one JSON line per changed node, with a single `write(2)` per operation. A write that has
+//! returned survives a crash of the process (the kernel holds it); `fsync` on any file of
+//! the mount also syncs the journal to disk, so it survives a crash of the machine too.
+//!
+//! Records describe resulting state, not operations, so replaying a journal over the
+//! manifest it started from is idempotent: applying a record twice gives the same tree.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use super::inode::{Data, Ino, InodeTable, Kind, Node, time_from_ns};
+
+/// One journal line.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "r", rename_all = "lowercase")]
+pub enum Record {
+    /// A node's state and its one dentry (`parent`/`name`).
+    Node {
+        /// Inode number.
+        ino: Ino,
+        /// Parent directory.
+        parent: Ino,
+        /// Name in the parent.
+        name: String,
+        /// Kind.
+        kind: Kind,
+        /// Permission bits.
+        perm: u16,
+        /// Size.
+        size: u64,
+        /// Modification time.
+        mtime_ns: i64,
+        /// Symlink target.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        target: Option<String>,
+        /// Content is in the upper file (changed locally).
+        local: bool,
+    },
+    /// A dentry was removed.
+    Unlink {
+        /// Parent directory.
+        parent: Ino,
+        /// Name.
+        name: String,
+    },
+}
+
+impl Record {
+    /// The record describing `node` as it is now.
+    pub fn node(node: &Node) -> Record {
+        Record::Node {
+            ino: node.ino,
+            parent: node.parent,
+            name: node.name.clone(),
+            kind: node.kind,
+            perm: node.perm,
+            size: node.size,
+            mtime_ns: super::inode::time_to_ns(node.mtime),
+            target: node.target.clone(),
+            local: matches!(node.data, Data::Local { .. }),
+        }
+    }
+}
+
+/// Append-only journal file.
+#[derive(Debug)]
+pub struct Journal {
+    path: PathBuf,
+    file: Mutex<File>,
+}
+
+impl Journal {
+    /// Open (or create) the journal at `path`, appending.
+    pub fn open(path: &Path) -> std::io::Result<Journal> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(Journal {
+            path: path.to_path_buf(),
+            file: Mutex::new(file),
+        })
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Append records with one `write(2)`.
+    pub fn append(&self, records: &[Record]) -> std::io::Result<()> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let mut buf = Vec::with_capacity(128 * records.len());
+        for r in records {
+            serde_json::to_writer(&mut buf, r).map_err(std::io::Error::other)?;
+            buf.push(b'\n');
+        }
+        self.file.lock().write_all(&buf)
+    }
+
+    /// Make everything appended so far durable on disk.
+    pub fn sync(&self) -> std::io::Result<()> {
+        self.file.lock().sync_data()
+    }
+
+    /// Read every complete record; a torn last line (crash mid-write) is ignored.
+    pub fn read_all(path: &Path) -> std::io::Result<Vec<Record>> {
+        let file = match File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let mut out = Vec::new();
+        for line in BufReader::new(file).split(b'\n') {
+            let line = line?;
+            match serde_json::from_slice(&line) {
+                Ok(r) => out.push(r),
+                Err(e) => {
+                    tracing::warn!(error = %e, "journal: ignoring torn or unreadable record");
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Apply journal records to a table built from the same manifest (crash recovery).
+pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
+    for r in records {
+        match r {
+            Record::Node {
+                ino,
+                parent,
+                name,
+                kind,
+                perm,
+                size,
+                mtime_ns,
+                target,
+                local,
+            } => {
+                let t = time_from_ns(*mtime_ns);
+                if let Some(old) = table
+                    .get(*ino)
+                    .map(|n| (n.parent, n.name.clone(), n.unlinked))
+                    && !old.2
+                    && (old.0 != *parent || old.1 != *name)
+                    && table.child(old.0, &old.1) == Some(*ino)
+                {
+                    table.remove_child(old.0, &old.1);
+                }
+                // Whatever the name named before is replaced.
+                if let Some(prev) = table.child(*parent, name)
+                    && prev != *ino
+                {
+                    table.remove_child(*parent, name);
+                    if let Some(n) = table.get_mut(prev) {
+                        n.unlinked = true;
+                    }
+                }
+                let data = if *local {
+                    Data::Local {
+                        dirty: true,
+                        hash: None,
+                        generation: 0,
+                    }
+                } else {
+                    table
+                        .get(*ino)
+                        .map(|n| n.data.clone())
+                        .unwrap_or(Data::None)
+                };
+                let children = table
+                    .get(*ino)
+                    .map(|n| n.children.clone())
+                    .unwrap_or_default();
+                table.insert(Node {
+                    ino: *ino,
+                    parent: *parent,
+                    name: name.clone(),
+                    kind: *kind,
+                    perm: *perm,
+                    uid,
+                    gid,
+                    size: *size,
+                    atime: t,
+                    mtime: t,
+                    ctime: t,
+                    children,
+                    target: target.clone(),
+                    data,
+                    open_handles: 0,
+                    open_writers: 0,
+                    unlinked: false,
+                });
+                table.insert_child(*parent, name.clone(), *ino);
+            }
+            Record::Unlink { parent, name } => {
+                if let Some(ino) = table.remove_child(*parent, name)
+                    && let Some(n) = table.get_mut(ino)
+                {
+                    n.unlinked = true;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn torn_last_line_is_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("j");
+        let j = Journal::open(&p).unwrap();
+        j.append(&[Record::Unlink {
+            parent: 1,
+            name: "a".into(),
+        }])
+        .unwrap();
+        drop(j);
+        let mut f = OpenOptions::new().append(true).open(&p).unwrap();
+        f.write_all(b"{\"r\":\"unl").unwrap();
+        let recs = Journal::read_all(&p).unwrap();
+        assert_eq!(recs.len(), 1);
+    }
+}

@@ -1,0 +1,355 @@
+//! The mount's view of the export: a trait, and its HTTP implementation.
+//!
+//! The filesystem layer only ever talks to a [`Remote`], so its logic is tested against an
+//! in-memory export and fault-injecting wrappers without a network. [`HttpRemote`] is the
+//! real client of the data plane described in `awcp_protocol::dataplane`; it is blocking
+//! (FUSE callbacks run on plain threads) and bounds every request with a timeout, so a
+//! filesystem operation never hangs on a dead network.
+
+use std::io::{BufRead, BufReader, Read};
+use std::time::Duration;
+
+use awcp_protocol::dataplane::{
+    BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent, Manifest, MissingBlocks,
+    decode_block_frames, encode_block_frame,
+};
+
+/// Why a data-plane request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// The token was refused (401).
+    #[error("the export refused the capability token: {message}")]
+    Unauthorized {
+        /// The export's words.
+        message: String,
+    },
+    /// The lease is over (403 EXPIRED/REVOKED).
+    #[error("the lease has ended ({code}): {message}")]
+    LeaseEnded {
+        /// `EXPIRED` or `REVOKED`.
+        code: String,
+        /// The export's words.
+        message: String,
+    },
+    /// Any other refusal with a data-plane error body.
+    #[error("the export answered {status} {code}: {message}")]
+    Refused {
+        /// HTTP status.
+        status: u16,
+        /// Data-plane error code.
+        code: String,
+        /// The export's words.
+        message: String,
+    },
+    /// The request did not complete (connection refused, reset, timeout).
+    #[error("cannot reach the export at {endpoint}")]
+    Transport {
+        /// Where.
+        endpoint: String,
+        /// Why.
+        #[source]
+        source: Box<ureq::Transport>,
+    },
+    /// The answer was not what the protocol says.
+    #[error("malformed answer from the export: {what}")]
+    Protocol {
+        /// What was wrong.
+        what: String,
+    },
+    /// A block's content did not match its hash, or the export no longer has it.
+    #[error("block {hash} is missing or corrupt at the export")]
+    BadBlock {
+        /// The block.
+        hash: String,
+    },
+    /// Reading the answer failed.
+    #[error("reading the export's answer failed")]
+    Io {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl RemoteError {
+    /// Whether this error means access is over for good (fence the mount).
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            RemoteError::Unauthorized { .. } | RemoteError::LeaseEnded { .. }
+        )
+    }
+}
+
+/// What the filesystem needs from an export.
+pub trait Remote: Send + Sync {
+    /// Fetch the manifest; returns it and the blake3 hex digest of its bytes.
+    fn manifest(&self) -> Result<(Manifest, String), RemoteError>;
+    /// Fetch blocks by hash; every returned block is verified against its hash.
+    fn fetch_blocks(&self, hashes: &[String]) -> Result<Vec<Vec<u8>>, RemoteError>;
+    /// Which of these hashes the export lacks.
+    fn missing(&self, hashes: &[String]) -> Result<Vec<String>, RemoteError>;
+    /// Upload blocks (hash, bytes).
+    fn upload(&self, blocks: &[([u8; 32], &[u8])]) -> Result<(), RemoteError>;
+    /// Commit a change set.
+    fn commit(&self, changes: &ChangeSet) -> Result<CommitResult, RemoteError>;
+    /// Open the lease event stream; the iterator ends when the stream does. It also yields
+    /// [`StreamItem::KeepAlive`] for comment lines, so a reader can check for shutdown.
+    fn events(&self) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError>;
+}
+
+/// One item of the export's event stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamItem {
+    /// An event.
+    Event(ExportEvent),
+    /// A keep-alive comment or an unparseable line.
+    KeepAlive,
+}
+
+/// Parse a hex blake3 hash.
+pub fn parse_hash(hex_hash: &str) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(hex_hash, &mut out).ok()?;
+    Some(out)
+}
+
+/// Verify a fetched block against its expected hash.
+pub fn verify_block(hash: &str, data: &[u8]) -> Result<(), RemoteError> {
+    if blake3::hash(data).to_hex().as_str() == hash {
+        Ok(())
+    } else {
+        Err(RemoteError::BadBlock { hash: hash.into() })
+    }
+}
+
+/// The real data-plane client.
+#[derive(Debug, Clone)]
+pub struct HttpRemote {
+    base: String,
+    endpoint: String,
+    auth: String,
+    agent: ureq::Agent,
+    stream_agent: ureq::Agent,
+}
+
+impl HttpRemote {
+    /// A client for export `export_id` at `endpoint` (e.g. `http://127.0.0.1:3101`).
+    pub fn new(endpoint: &str, export_id: &str, token: &str, timeout: Duration) -> Self {
+        let endpoint = endpoint.trim_end_matches('/').to_string();
+        let agent = ureq::AgentBuilder::new()
+            .timeout_connect(timeout.min(Duration::from_secs(5)))
+            .timeout(timeout)
+            .build();
+        // The event stream stays open for the life of the lease: no overall timeout.
+        // A read timeout well above the export's keep-alive interval notices a dead peer.
+        let stream_agent = ureq::AgentBuilder::new()
+            .timeout_connect(timeout.min(Duration::from_secs(5)))
+            .timeout_read(Duration::from_secs(60))
+            .build();
+        HttpRemote {
+            base: format!("{endpoint}/v1/exports/{export_id}"),
+            endpoint,
+            auth: format!("Bearer {token}"),
+            agent,
+            stream_agent,
+        }
+    }
+
+    fn map_err(&self, e: ureq::Error) -> RemoteError {
+        match e {
+            ureq::Error::Status(status, resp) => {
+                let body: Option<DataPlaneError> = resp.into_json().ok();
+                let (code, message) = body
+                    .map(|b| (b.code, b.message))
+                    .unwrap_or_else(|| ("UNKNOWN".into(), format!("HTTP {status}")));
+                match (status, code.as_str()) {
+                    (401, _) => RemoteError::Unauthorized { message },
+                    (403, "EXPIRED" | "REVOKED") => RemoteError::LeaseEnded { code, message },
+                    _ => RemoteError::Refused {
+                        status,
+                        code,
+                        message,
+                    },
+                }
+            }
+            ureq::Error::Transport(t) => RemoteError::Transport {
+                endpoint: self.endpoint.clone(),
+                source: Box::new(t),
+            },
+        }
+    }
+
+    fn post_json<T: serde::de::DeserializeOwned>(
+        &self,
+        route: &str,
+        body: &impl serde::Serialize,
+    ) -> Result<T, RemoteError> {
+        let resp = self
+            .agent
+            .post(&format!("{}/{route}", self.base))
+            .set("Authorization", &self.auth)
+            .send_json(body)
+            .map_err(|e| self.map_err(e))?;
+        resp.into_json().map_err(|e| RemoteError::Protocol {
+            what: format!("{route}: {e}"),
+        })
+    }
+}
+
+fn read_body(resp: ureq::Response, limit: u64) -> Result<Vec<u8>, RemoteError> {
+    let mut buf = Vec::new();
+    resp.into_reader()
+        .take(limit)
+        .read_to_end(&mut buf)
+        .map_err(|source| RemoteError::Io { source })?;
+    Ok(buf)
+}
+
+impl Remote for HttpRemote {
+    fn manifest(&self) -> Result<(Manifest, String), RemoteError> {
+        let resp = self
+            .agent
+            .get(&format!("{}/manifest", self.base))
+            .set("Authorization", &self.auth)
+            .call()
+            .map_err(|e| self.map_err(e))?;
+        let bytes = read_body(resp, 4 << 30)?;
+        let digest = blake3::hash(&bytes).to_hex().to_string();
+        let manifest = serde_json::from_slice(&bytes).map_err(|e| RemoteError::Protocol {
+            what: format!("manifest: {e}"),
+        })?;
+        Ok((manifest, digest))
+    }
+
+    fn fetch_blocks(&self, hashes: &[String]) -> Result<Vec<Vec<u8>>, RemoteError> {
+        let resp = self
+            .agent
+            .post(&format!("{}/blocks", self.base))
+            .set("Authorization", &self.auth)
+            .send_json(BlockRequest {
+                hashes: hashes.to_vec(),
+            })
+            .map_err(|e| self.map_err(e))?;
+        let bytes = read_body(resp, 16 << 30)?;
+        let frames = decode_block_frames(&bytes).map_err(|e| RemoteError::Protocol {
+            what: e.to_string(),
+        })?;
+        if frames.len() != hashes.len() {
+            return Err(RemoteError::Protocol {
+                what: format!("asked for {} blocks, got {}", hashes.len(), frames.len()),
+            });
+        }
+        let mut out = Vec::with_capacity(hashes.len());
+        for (want, (got_hash, data)) in hashes.iter().zip(frames) {
+            if hex::encode(got_hash) != *want {
+                return Err(RemoteError::Protocol {
+                    what: "blocks answered out of order".into(),
+                });
+            }
+            let data = data.ok_or_else(|| RemoteError::BadBlock { hash: want.clone() })?;
+            verify_block(want, data)?;
+            out.push(data.to_vec());
+        }
+        Ok(out)
+    }
+
+    fn missing(&self, hashes: &[String]) -> Result<Vec<String>, RemoteError> {
+        let m: MissingBlocks = self.post_json(
+            "missing",
+            &BlockRequest {
+                hashes: hashes.to_vec(),
+            },
+        )?;
+        Ok(m.missing)
+    }
+
+    fn upload(&self, blocks: &[([u8; 32], &[u8])]) -> Result<(), RemoteError> {
+        let mut body = Vec::new();
+        for (hash, data) in blocks {
+            encode_block_frame(&mut body, hash, Some(data));
+        }
+        self.agent
+            .post(&format!("{}/upload", self.base))
+            .set("Authorization", &self.auth)
+            .set("Content-Type", "application/octet-stream")
+            .send_bytes(&body)
+            .map_err(|e| self.map_err(e))?;
+        Ok(())
+    }
+
+    fn commit(&self, changes: &ChangeSet) -> Result<CommitResult, RemoteError> {
+        self.post_json("commit", changes)
+    }
+
+    fn events(&self) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError> {
+        let resp = self
+            .stream_agent
+            .get(&format!("{}/events", self.base))
+            .set("Authorization", &self.auth)
+            .set("Accept", "text/event-stream")
+            .call()
+            .map_err(|e| self.map_err(e))?;
+        let reader = BufReader::new(resp.into_reader());
+        Ok(Box::new(SseEvents { reader }))
+    }
+}
+
+/// Iterator over the `data:` lines of an SSE stream that parse as [`ExportEvent`]s.
+struct SseEvents<R> {
+    reader: BufReader<R>,
+}
+
+impl<R: Read> Iterator for SseEvents<R> {
+    type Item = StreamItem;
+
+    fn next(&mut self) -> Option<StreamItem> {
+        let mut line = String::new();
+        match self.reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return None,
+            Ok(_) => {}
+        }
+        if let Some(data) = line.trim_end().strip_prefix("data:") {
+            match serde_json::from_str(data.trim_start()) {
+                Ok(ev) => return Some(StreamItem::Event(ev)),
+                Err(e) => tracing::warn!(error = %e, "ignoring unparseable export event"),
+            }
+        }
+        Some(StreamItem::KeepAlive)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_parser_reads_data_lines_only() {
+        let text = ": comment\nid: 1\nevent: lease\ndata: {\"type\":\"lease\",\"state\":\"revoked\",\"expiresAt\":\"x\",\"remainingMs\":0}\n\ndata: garbage\n\n";
+        let mut it = SseEvents {
+            reader: BufReader::new(text.as_bytes()),
+        };
+        let events: Vec<_> = it
+            .by_ref()
+            .filter_map(|i| match i {
+                StreamItem::Event(e) => Some(e),
+                StreamItem::KeepAlive => None,
+            })
+            .collect();
+        assert_eq!(events.len(), 1);
+        match &events[0] {
+            ExportEvent::Lease { state, .. } => {
+                assert_eq!(*state, awcp_protocol::dataplane::LeaseState::Revoked)
+            }
+        }
+    }
+
+    #[test]
+    fn block_verification() {
+        let h = blake3::hash(b"abc").to_hex().to_string();
+        assert!(verify_block(&h, b"abc").is_ok());
+        assert!(verify_block(&h, b"abd").is_err());
+        assert!(parse_hash(&h).is_some());
+        assert!(parse_hash("zz").is_none());
+    }
+}

@@ -1,0 +1,617 @@
+//! A mount's life: start, serve, watch the lease, fence, flush, unmount.
+//!
+//! [`Mount::start`] fetches the manifest, builds the inode table, mounts FUSE and starts
+//! three threads: the syncer (write-back), the lease timer (expiry measured on this
+//! machine's monotonic clock from the remaining time the export reports, so clock skew
+//! cannot extend a lease), and the event reader (revocations and renewals pushed by the
+//! export). Whichever learns first that access is over calls [`Mount::end`]:
+//!
+//! 1. fence — every operation now fails with `EACCES`, so nothing new can be written;
+//! 2. final flush — what was written before the fence is committed, within the export's
+//!    flush grace;
+//! 3. unmount — lazy detach, then abort the FUSE connection through fusectl so processes
+//!    that still hold files open get an error instead of hanging;
+//! 4. wipe the upper files, unless the operator keeps the cache or the flush failed (then
+//!    the state directory is kept, so nothing is lost).
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use parking_lot::{Condvar, Mutex};
+use serde::Serialize;
+
+use awcp_protocol::dataplane::{ExportEvent, LeaseState};
+
+use super::error::EndReason;
+use super::fs::{AwcpFs, FsOptions};
+use super::fuse::FuseAdapter;
+use super::inode::InodeTable;
+use super::journal::Journal;
+use super::remote::{HttpRemote, Remote, RemoteError, StreamItem};
+use super::stats::{Stats, StatsSnapshot};
+use super::sync::{RoundReport, SyncError, SyncSignal, Syncer};
+
+/// Everything a mount needs.
+#[derive(Debug, Clone)]
+pub struct MountConfig {
+    /// Export base URL, e.g. `http://127.0.0.1:3101`.
+    pub endpoint: String,
+    /// Export id.
+    pub export_id: String,
+    /// Capability token.
+    pub token: String,
+    /// Expected blake3 of the manifest bytes, checked when given.
+    pub manifest_digest: Option<String>,
+    /// Lease expiry (ISO 8601) from the transport handle, until the export says otherwise.
+    pub expires_at: Option<String>,
+    /// Where to mount (must exist, empty).
+    pub mountpoint: PathBuf,
+    /// Where upper files, the journal and `status.json` live.
+    pub state_dir: PathBuf,
+    /// Mount read-only even if the export would accept writes.
+    pub read_only: bool,
+    /// FUSE worker threads.
+    pub fuse_threads: usize,
+    /// Bound on every data-plane request.
+    pub request_timeout: Duration,
+    /// Wait this long after a change before syncing, to batch bursts.
+    pub sync_debounce: Duration,
+    /// Longest final flush when the mount ends normally.
+    pub final_flush_timeout: Duration,
+    /// Keep upper files after unmount.
+    pub keep_cache: bool,
+}
+
+impl MountConfig {
+    /// A config with the defaults for everything but the essentials.
+    pub fn new(
+        endpoint: &str,
+        export_id: &str,
+        token: &str,
+        mountpoint: &Path,
+        state_dir: &Path,
+    ) -> Self {
+        MountConfig {
+            endpoint: endpoint.into(),
+            export_id: export_id.into(),
+            token: token.into(),
+            manifest_digest: None,
+            expires_at: None,
+            mountpoint: mountpoint.into(),
+            state_dir: state_dir.into(),
+            read_only: false,
+            fuse_threads: 2,
+            request_timeout: Duration::from_secs(30),
+            sync_debounce: Duration::from_millis(20),
+            final_flush_timeout: Duration::from_secs(30),
+            keep_cache: false,
+        }
+    }
+}
+
+/// Why a mount could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    /// The manifest could not be fetched.
+    #[error("fetching the manifest from {endpoint} failed")]
+    Manifest {
+        /// Export URL.
+        endpoint: String,
+        /// Why.
+        #[source]
+        source: RemoteError,
+    },
+    /// Its digest is not the one in the transport handle.
+    #[error("the manifest's digest {got} does not match the transport handle's {want}")]
+    DigestMismatch {
+        /// Expected.
+        want: String,
+        /// Received.
+        got: String,
+    },
+    /// The manifest is inconsistent.
+    #[error("the manifest is malformed")]
+    BadManifest {
+        /// Why.
+        #[source]
+        source: super::inode::ManifestError,
+    },
+    /// The state directory could not be prepared.
+    #[error("preparing the state directory {path} failed")]
+    StateDir {
+        /// Where.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel refused the mount.
+    #[error("mounting FUSE at {mountpoint} failed (is /dev/fuse there and are you root?)")]
+    Fuse {
+        /// Where.
+        mountpoint: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What `status.json` holds.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MountStatus {
+    /// `mounted`, `fenced` or `ended`.
+    pub state: String,
+    /// Why it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Mount point.
+    pub mountpoint: PathBuf,
+    /// Export id.
+    pub export_id: String,
+    /// Remaining lease, in milliseconds, as this machine measures it.
+    pub lease_remaining_ms: u64,
+    /// Files open right now.
+    pub open_handles: usize,
+    /// Changes the final flush could not deliver (kept in the state directory).
+    pub unsynced: bool,
+    /// Counters.
+    pub stats: StatsSnapshot,
+}
+
+/// Callbacks run once the mount has ended.
+type EndHook = Box<dyn FnOnce(EndReason) + Send>;
+
+struct Inner {
+    cfg: MountConfig,
+    fs: Arc<AwcpFs>,
+    syncer: Arc<Syncer>,
+    signal: Arc<SyncSignal>,
+    remote: Arc<dyn Remote>,
+    session: Mutex<Option<fuser::BackgroundSession>>,
+    conn_id: Option<u64>,
+    deadline: Mutex<Instant>,
+    ending: AtomicBool,
+    ended: Mutex<Option<EndReason>>,
+    ended_cv: Condvar,
+    unsynced: AtomicBool,
+    hooks: Mutex<Vec<EndHook>>,
+}
+
+/// A running mount. Cheap to clone; all clones control the same mount.
+#[derive(Clone)]
+pub struct Mount {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Mount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mount")
+            .field("mountpoint", &self.inner.cfg.mountpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Remaining time until an ISO 8601 instant, measured against this machine's wall clock
+/// once, at start; afterwards only the monotonic clock is used.
+fn remaining_until(iso: &str) -> Option<Duration> {
+    let t = chrono::DateTime::parse_from_rfc3339(iso).ok()?;
+    let t: SystemTime = t.with_timezone(&chrono::Utc).into();
+    Some(
+        t.duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
+}
+
+/// Make sure fusectl is mounted so connections can be aborted.
+fn ensure_fusectl() {
+    let dir = Path::new("/sys/fs/fuse/connections");
+    let empty = std::fs::read_dir(dir)
+        .map(|mut d| d.next().is_none())
+        .unwrap_or(false);
+    if empty {
+        let r = nix::mount::mount(
+            Some("fusectl"),
+            dir,
+            Some("fusectl"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        );
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "cannot mount fusectl; stuck mounts cannot be aborted");
+        }
+    }
+}
+
+impl Mount {
+    /// Mount the export described by `cfg` over HTTP.
+    pub fn start(cfg: MountConfig) -> Result<Mount, MountError> {
+        let remote = Arc::new(HttpRemote::new(
+            &cfg.endpoint,
+            &cfg.export_id,
+            &cfg.token,
+            cfg.request_timeout,
+        ));
+        Self::start_with_remote(cfg, remote)
+    }
+
+    /// Mount with a given remote (tests inject in-memory or faulty ones).
+    pub fn start_with_remote(
+        cfg: MountConfig,
+        remote: Arc<dyn Remote>,
+    ) -> Result<Mount, MountError> {
+        let state_err = |source| MountError::StateDir {
+            path: cfg.state_dir.clone(),
+            source,
+        };
+        let upper_dir = cfg.state_dir.join("upper");
+        std::fs::create_dir_all(&upper_dir).map_err(state_err)?;
+        let (manifest, digest) = remote.manifest().map_err(|source| MountError::Manifest {
+            endpoint: cfg.endpoint.clone(),
+            source,
+        })?;
+        if let Some(want) = &cfg.manifest_digest
+            && *want != digest
+        {
+            return Err(MountError::DigestMismatch {
+                want: want.clone(),
+                got: digest,
+            });
+        }
+        let uid = nix::unistd::geteuid().as_raw();
+        let gid = nix::unistd::getegid().as_raw();
+        let table = InodeTable::from_manifest(&manifest, uid, gid)
+            .map_err(|source| MountError::BadManifest { source })?;
+        let journal = Journal::open(&cfg.state_dir.join("journal.log")).map_err(state_err)?;
+        let read_only = cfg.read_only || manifest.read_only;
+        let signal = Arc::new(SyncSignal::default());
+        let stats = Arc::new(Stats::default());
+        let fs = Arc::new(AwcpFs::new(
+            table,
+            remote.clone(),
+            journal,
+            FsOptions {
+                read_only,
+                uid,
+                gid,
+                upper_dir,
+                block_size: manifest.block_size,
+            },
+            signal.clone(),
+            stats,
+        ));
+        let syncer = Arc::new(Syncer::new(fs.clone(), &manifest));
+
+        let mut options = vec![
+            fuser::MountOption::FSName(format!("awcpfs:{}", cfg.export_id)),
+            fuser::MountOption::Subtype("awcpfs".into()),
+            fuser::MountOption::DefaultPermissions,
+            fuser::MountOption::NoDev,
+            fuser::MountOption::NoSuid,
+        ];
+        if read_only {
+            options.push(fuser::MountOption::RO);
+        }
+        let mut fcfg = fuser::Config::default();
+        fcfg.mount_options = options;
+        fcfg.acl = fuser::SessionACL::All;
+        fcfg.n_threads = Some(cfg.fuse_threads.max(1));
+        fcfg.clone_fd = cfg.fuse_threads > 1;
+        ensure_fusectl();
+        let session = fuser::Session::new(FuseAdapter::new(fs.clone()), &cfg.mountpoint, &fcfg)
+            .and_then(|s| s.spawn())
+            .map_err(|source| MountError::Fuse {
+                mountpoint: cfg.mountpoint.clone(),
+                source,
+            })?;
+        let conn_id = std::fs::metadata(&cfg.mountpoint).ok().map(|m| {
+            let dev = m.dev();
+            (u64::from(libc::major(dev)) << 20) | u64::from(libc::minor(dev))
+        });
+        let remaining = cfg
+            .expires_at
+            .as_deref()
+            .and_then(remaining_until)
+            .unwrap_or(Duration::from_secs(365 * 24 * 3600));
+        let inner = Arc::new(Inner {
+            cfg,
+            fs,
+            syncer,
+            signal,
+            remote,
+            session: Mutex::new(Some(session)),
+            conn_id,
+            deadline: Mutex::new(Instant::now() + remaining),
+            ending: AtomicBool::new(false),
+            ended: Mutex::new(None),
+            ended_cv: Condvar::new(),
+            unsynced: AtomicBool::new(false),
+            hooks: Mutex::new(Vec::new()),
+        });
+        let mount = Mount { inner };
+        mount.spawn_threads();
+        tracing::info!(mountpoint = %mount.inner.cfg.mountpoint.display(),
+            entries = manifest.entries.len(), "awcpfs mounted");
+        Ok(mount)
+    }
+
+    fn spawn_threads(&self) {
+        let syncer = self.inner.syncer.clone();
+        let signal = self.inner.signal.clone();
+        let debounce = self.inner.cfg.sync_debounce;
+        std::thread::Builder::new()
+            .name("awcpfs-sync".into())
+            .spawn(move || syncer.run(signal, debounce))
+            .expect("spawning a thread");
+        let m = self.clone();
+        std::thread::Builder::new()
+            .name("awcpfs-lease".into())
+            .spawn(move || m.lease_timer())
+            .expect("spawning a thread");
+        let m = self.clone();
+        std::thread::Builder::new()
+            .name("awcpfs-events".into())
+            .spawn(move || m.event_reader())
+            .expect("spawning a thread");
+        let m = self.clone();
+        std::thread::Builder::new()
+            .name("awcpfs-status".into())
+            .spawn(move || {
+                while m.wait(Duration::from_millis(500)).is_none() {
+                    m.write_status();
+                }
+                m.write_status();
+            })
+            .expect("spawning a thread");
+    }
+
+    fn lease_timer(&self) {
+        loop {
+            if self.inner.ending.load(Ordering::SeqCst) {
+                return;
+            }
+            let deadline = *self.inner.deadline.lock();
+            if Instant::now() >= deadline {
+                tracing::warn!("lease expired without renewal: ending access");
+                self.end(EndReason::Expired, Some(Duration::from_secs(5)));
+                return;
+            }
+            let step = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(100));
+            std::thread::sleep(step);
+        }
+    }
+
+    fn event_reader(&self) {
+        let mut backoff = Duration::from_millis(200);
+        while !self.inner.ending.load(Ordering::SeqCst) {
+            match self.inner.remote.events() {
+                Ok(items) => {
+                    backoff = Duration::from_millis(200);
+                    for item in items {
+                        if self.inner.ending.load(Ordering::SeqCst) {
+                            return;
+                        }
+                        let StreamItem::Event(ExportEvent::Lease {
+                            state,
+                            remaining_ms,
+                            flush_grace_ms,
+                            ..
+                        }) = item
+                        else {
+                            continue;
+                        };
+                        match state {
+                            LeaseState::Active => {
+                                *self.inner.deadline.lock() =
+                                    Instant::now() + Duration::from_millis(remaining_ms);
+                            }
+                            LeaseState::Revoked | LeaseState::Expired => {
+                                let reason = if state == LeaseState::Revoked {
+                                    EndReason::Revoked
+                                } else {
+                                    EndReason::Expired
+                                };
+                                tracing::warn!(%reason, "the Delegator ended the lease");
+                                self.end(reason, Some(Duration::from_millis(flush_grace_ms)));
+                                return;
+                            }
+                        }
+                    }
+                }
+                Err(e) if e.is_fatal() => {
+                    tracing::warn!(error = %e, "the export refuses us: ending access");
+                    let reason = match &e {
+                        RemoteError::LeaseEnded { code, .. } if code == "EXPIRED" => {
+                            EndReason::Expired
+                        }
+                        _ => EndReason::Revoked,
+                    };
+                    self.end(reason, Some(Duration::from_secs(2)));
+                    return;
+                }
+                Err(e) => tracing::debug!(error = %e, "lease event stream unavailable; retrying"),
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// The mount point.
+    pub fn mountpoint(&self) -> &Path {
+        &self.inner.cfg.mountpoint
+    }
+
+    /// The filesystem (for tests and status).
+    pub fn fs(&self) -> &Arc<AwcpFs> {
+        &self.inner.fs
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.inner.fs.stats.snapshot()
+    }
+
+    /// The status, as written to `status.json`.
+    pub fn status(&self) -> MountStatus {
+        let ended = self.inner.ended.lock().clone();
+        let fenced = self.inner.fs.fenced();
+        let state = match (&ended, &fenced) {
+            (Some(_), _) => "ended",
+            (None, Some(_)) => "fenced",
+            _ => "mounted",
+        };
+        let remaining = self
+            .inner
+            .deadline
+            .lock()
+            .saturating_duration_since(Instant::now());
+        MountStatus {
+            state: state.into(),
+            reason: ended.or(fenced).map(|r| r.to_string()),
+            mountpoint: self.inner.cfg.mountpoint.clone(),
+            export_id: self.inner.cfg.export_id.clone(),
+            lease_remaining_ms: u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX),
+            open_handles: self.inner.fs.open_handle_count(),
+            unsynced: self.inner.unsynced.load(Ordering::Relaxed),
+            stats: self.stats(),
+        }
+    }
+
+    fn write_status(&self) {
+        let path = self.inner.cfg.state_dir.join("status.json");
+        let tmp = self.inner.cfg.state_dir.join(".status.json.tmp");
+        if let Ok(bytes) = serde_json::to_vec_pretty(&self.status())
+            && std::fs::write(&tmp, bytes).is_ok()
+        {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+
+    /// Extend the local deadline (after the Delegator renewed the lease).
+    pub fn set_remaining(&self, remaining: Duration) {
+        *self.inner.deadline.lock() = Instant::now() + remaining;
+    }
+
+    /// Commit everything written so far, open files included; returns the round's report.
+    pub fn flush(&self) -> Result<RoundReport, SyncError> {
+        self.inner.syncer.round(true)
+    }
+
+    /// Run `f` once the mount has ended (immediately if it already has).
+    pub fn on_end(&self, f: impl FnOnce(EndReason) + Send + 'static) {
+        let ended = self.inner.ended.lock().clone();
+        match ended {
+            Some(r) => f(r),
+            None => self.inner.hooks.lock().push(Box::new(f)),
+        }
+    }
+
+    /// Wait up to `timeout` for the mount to end.
+    pub fn wait(&self, timeout: Duration) -> Option<EndReason> {
+        let mut ended = self.inner.ended.lock();
+        if ended.is_none() {
+            self.inner.ended_cv.wait_for(&mut ended, timeout);
+        }
+        ended.clone()
+    }
+
+    /// Why the mount ended, if it has.
+    pub fn ended(&self) -> Option<EndReason> {
+        self.inner.ended.lock().clone()
+    }
+
+    /// Whether the final flush left changes behind (kept in the state directory).
+    pub fn unsynced(&self) -> bool {
+        self.inner.unsynced.load(Ordering::Relaxed)
+    }
+
+    /// End the task normally: fence, flush everything, unmount.
+    pub fn finish(&self) {
+        let budget = self.inner.cfg.final_flush_timeout;
+        self.end(EndReason::Unmounted, Some(budget));
+    }
+
+    /// End access for `reason`: fence, flush within `flush_budget` (none: no flush),
+    /// unmount even with files open, clean up. Idempotent; blocks until done.
+    pub fn end(&self, reason: EndReason, flush_budget: Option<Duration>) {
+        if self.inner.ending.swap(true, Ordering::SeqCst) {
+            // Someone else is ending it: wait for them.
+            while self.wait(Duration::from_secs(1)).is_none() {}
+            return;
+        }
+        self.inner.fs.fence(reason.clone());
+        self.inner.signal.stop();
+        let flushed = match flush_budget {
+            Some(budget) => self.final_flush(budget),
+            None => false,
+        };
+        self.inner.unsynced.store(!flushed, Ordering::Relaxed);
+        self.unmount();
+        if !flushed {
+            tracing::error!(state_dir = %self.inner.cfg.state_dir.display(),
+                "changes could not be written back; they are kept in the state directory");
+        } else if !self.inner.cfg.keep_cache {
+            let _ = std::fs::remove_dir_all(self.inner.cfg.state_dir.join("upper"));
+        }
+        *self.inner.ended.lock() = Some(reason.clone());
+        self.write_status();
+        self.inner.ended_cv.notify_all();
+        let hooks = std::mem::take(&mut *self.inner.hooks.lock());
+        for h in hooks {
+            h(reason.clone());
+        }
+        tracing::info!(%reason, "awcpfs unmounted");
+    }
+
+    /// Commit until nothing is left or the budget runs out; true if everything is written.
+    fn final_flush(&self, budget: Duration) -> bool {
+        let deadline = Instant::now() + budget;
+        loop {
+            match self.inner.syncer.round(true) {
+                Ok(r) if r.changes == 0 => return true,
+                Ok(_) => {}
+                Err(e) => {
+                    self.inner.fs.stats.add_sync_error(e.to_string());
+                    if e.is_fatal() || Instant::now() >= deadline {
+                        tracing::warn!(error = %e, "final flush failed");
+                        return false;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+        }
+    }
+
+    fn unmount(&self) {
+        let mp = &self.inner.cfg.mountpoint;
+        if let Err(e) = nix::mount::umount2(mp, nix::mount::MntFlags::MNT_DETACH) {
+            tracing::debug!(error = %e, "lazy unmount failed (already unmounted?)");
+        }
+        if let Some(id) = self.inner.conn_id {
+            // Aborting the connection fails every pending and future request on it, so a
+            // process holding a file open gets an error, and the session thread exits.
+            let abort = format!("/sys/fs/fuse/connections/{id}/abort");
+            if let Err(e) = std::fs::write(&abort, b"1") {
+                tracing::debug!(error = %e, path = %abort, "cannot abort the FUSE connection");
+            }
+        }
+        if let Some(session) = self.inner.session.lock().take() {
+            // Join off-thread so a stuck kernel connection cannot hang the caller.
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let _ = tx.send(session.join());
+            });
+            if rx.recv_timeout(Duration::from_secs(5)).is_err() {
+                tracing::warn!("the FUSE session did not stop within 5 s");
+            }
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! Counters of one mount. Names are defined once here; `awcp-ctl status` reads them from
+//! the status file the mount writes (`status.json` in its state directory).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use awcp_protocol::dataplane::Conflict;
+
+/// Live counters, updated lock-free on the hot path.
+#[derive(Debug, Default)]
+pub struct Stats {
+    bytes_fetched: AtomicU64,
+    blocks_fetched: AtomicU64,
+    files_written_back: AtomicU64,
+    bytes_uploaded: AtomicU64,
+    commits: AtomicU64,
+    sync_errors: AtomicU64,
+    conflicts: Mutex<Vec<Conflict>>,
+    last_sync_error: Mutex<Option<String>>,
+}
+
+/// A point-in-time copy of [`Stats`], as written to `status.json`.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct StatsSnapshot {
+    /// Content bytes fetched from the export.
+    pub bytes_fetched: u64,
+    /// Blocks fetched from the export.
+    pub blocks_fetched: u64,
+    /// Files written back to the Delegator.
+    pub files_written_back: u64,
+    /// Block bytes uploaded.
+    pub bytes_uploaded: u64,
+    /// Successful commits.
+    pub commits: u64,
+    /// Failed sync rounds.
+    pub sync_errors: u64,
+    /// Changes the export kept beside instead of applying.
+    pub conflicts: Vec<Conflict>,
+    /// The last sync failure, if the last round failed.
+    pub last_sync_error: Option<String>,
+}
+
+impl Stats {
+    /// Count a fetch.
+    pub fn add_fetched(&self, bytes: u64, blocks: u64) {
+        self.bytes_fetched.fetch_add(bytes, Ordering::Relaxed);
+        self.blocks_fetched.fetch_add(blocks, Ordering::Relaxed);
+    }
+
+    /// Count a successful commit.
+    pub fn add_commit(&self, files: u64, uploaded: u64, conflicts: &[Conflict]) {
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.files_written_back.fetch_add(files, Ordering::Relaxed);
+        self.bytes_uploaded.fetch_add(uploaded, Ordering::Relaxed);
+        self.conflicts.lock().extend_from_slice(conflicts);
+        *self.last_sync_error.lock() = None;
+    }
+
+    /// Count a failed sync round.
+    pub fn add_sync_error(&self, message: String) {
+        self.sync_errors.fetch_add(1, Ordering::Relaxed);
+        *self.last_sync_error.lock() = Some(message);
+    }
+
+    /// Copy the counters.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            bytes_fetched: self.bytes_fetched.load(Ordering::Relaxed),
+            blocks_fetched: self.blocks_fetched.load(Ordering::Relaxed),
+            files_written_back: self.files_written_back.load(Ordering::Relaxed),
+            bytes_uploaded: self.bytes_uploaded.load(Ordering::Relaxed),
+            commits: self.commits.load(Ordering::Relaxed),
+            sync_errors: self.sync_errors.load(Ordering::Relaxed),
+            conflicts: self.conflicts.lock().clone(),
+            last_sync_error: self.last_sync_error.lock().clone(),
+        }
+    }
+}

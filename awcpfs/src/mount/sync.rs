@@ -1,0 +1,568 @@
+//! Writing changes back: diff the mount's tree against what the export is known to have,
+//! and commit the difference.
+//!
+//! The syncer is state-based, not operation-based: each round walks the inode table,
+//! compares every path with the last state it committed (`synced`, which starts as the
+//! manifest), and sends one change set. A burst of operations on one file becomes one
+//! write; a rename becomes a write at the new path plus an unlink at the old one, and costs
+//! no upload because the export already has every block of the old content. Rounds are
+//! idempotent: a retried round after a failure re-sends changes whose base hashes the
+//! export already satisfies, and the export accepts those as no-ops.
+//!
+//! A file still open for writing is left for a later round (live mode syncs on close and
+//! fsync) unless the round is a final flush.
+
+use std::collections::{HashMap, HashSet};
+use std::io::Read;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use awcp_protocol::dataplane::{Change, ChangeSet, Conflict, EntryKind, Manifest};
+
+use super::fs::AwcpFs;
+use super::inode::{Data, Ino, Kind, time_to_ns};
+use super::remote::{RemoteError, parse_hash};
+
+/// Upload at most this many bytes per request.
+const UPLOAD_BATCH_BYTES: usize = 32 << 20;
+
+/// Wakes the syncer.
+#[derive(Debug, Default)]
+pub struct SyncSignal {
+    state: Mutex<(bool, bool)>,
+    cv: Condvar,
+}
+
+impl SyncSignal {
+    /// Ask for a sync round soon.
+    pub fn request(&self) {
+        self.state.lock().0 = true;
+        self.cv.notify_all();
+    }
+
+    /// Stop the background loop.
+    pub fn stop(&self) {
+        self.state.lock().1 = true;
+        self.cv.notify_all();
+    }
+
+    /// Wait up to `timeout` for a request; `Some(true)` if one came, `None` once stopped.
+    fn wait(&self, timeout: Duration) -> Option<bool> {
+        let mut st = self.state.lock();
+        if !st.0 && !st.1 {
+            self.cv.wait_for(&mut st, timeout);
+        }
+        if st.1 {
+            return None;
+        }
+        let requested = st.0;
+        st.0 = false;
+        Some(requested)
+    }
+}
+
+/// What the export has at a path, as far as this mount knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Synced {
+    Dir { mode: u32 },
+    File { hash: String, mode: u32 },
+    Symlink { target: String },
+}
+
+/// Why a round failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// The data plane failed.
+    #[error("writing back to the Delegator failed")]
+    Remote {
+        /// Why.
+        #[source]
+        source: RemoteError,
+    },
+    /// Reading an upper file failed.
+    #[error("reading local changes failed")]
+    Io {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl SyncError {
+    /// The lease is over: retrying is pointless.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, SyncError::Remote { source } if source.is_fatal())
+    }
+}
+
+/// Outcome of one round.
+#[derive(Debug, Default, Clone)]
+pub struct RoundReport {
+    /// Changes committed.
+    pub changes: usize,
+    /// Files written.
+    pub files_written: usize,
+    /// Conflicts the export reported.
+    pub conflicts: Vec<Conflict>,
+    /// Files skipped because they are still open for writing.
+    pub pending_open: usize,
+}
+
+enum Cur {
+    Dir {
+        mode: u32,
+    },
+    Symlink {
+        target: String,
+    },
+    File(CurFile),
+    /// Open for writing; left alone this round.
+    Skip,
+}
+
+struct CurFile {
+    ino: Ino,
+    mode: u32,
+    mtime_ns: i64,
+    /// Known hash (clean), or the generation to hash now (dirty).
+    known: Option<String>,
+    generation: u64,
+}
+
+struct Hashed {
+    hash: String,
+    size: u64,
+    blocks: Vec<String>,
+}
+
+/// The write-back engine of one mount.
+pub struct Syncer {
+    fs: Arc<AwcpFs>,
+    synced: Mutex<HashMap<String, Synced>>,
+    seq: AtomicU64,
+    instance: String,
+}
+
+impl std::fmt::Debug for Syncer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Syncer")
+            .field("instance", &self.instance)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Syncer {
+    /// A syncer whose starting point is the manifest the mount was built from.
+    pub fn new(fs: Arc<AwcpFs>, manifest: &Manifest) -> Syncer {
+        let synced = manifest
+            .entries
+            .iter()
+            .map(|e| {
+                let s = match e.kind {
+                    EntryKind::Dir => Synced::Dir {
+                        mode: e.mode & 0o7777,
+                    },
+                    EntryKind::File => Synced::File {
+                        hash: e.hash.clone().unwrap_or_default(),
+                        mode: e.mode & 0o7777,
+                    },
+                    EntryKind::Symlink => Synced::Symlink {
+                        target: e.target.clone().unwrap_or_default(),
+                    },
+                };
+                (e.path.clone(), s)
+            })
+            .collect();
+        Syncer {
+            fs,
+            synced: Mutex::new(synced),
+            seq: AtomicU64::new(0),
+            instance: hex::encode(rand::random::<[u8; 8]>()),
+        }
+    }
+
+    fn snapshot(&self, include_open: bool) -> Vec<(String, Cur)> {
+        let table = self.fs.table.lock();
+        let mut out = Vec::with_capacity(table.len());
+        table.walk(|path, n| {
+            let cur = match n.kind {
+                Kind::Dir => Cur::Dir {
+                    mode: u32::from(n.perm),
+                },
+                Kind::Symlink => Cur::Symlink {
+                    target: n.target.clone().unwrap_or_default(),
+                },
+                Kind::File => {
+                    let (known, generation) = match &n.data {
+                        Data::Remote { hash, .. } => (Some(hash.clone()), 0),
+                        Data::Local {
+                            dirty: false,
+                            hash: Some(h),
+                            generation,
+                        } => (Some(h.clone()), *generation),
+                        Data::Local { generation, .. } => {
+                            if n.open_writers > 0 && !include_open {
+                                out.push((path.to_string(), Cur::Skip));
+                                return;
+                            }
+                            (None, *generation)
+                        }
+                        Data::None => (None, 0),
+                    };
+                    Cur::File(CurFile {
+                        ino: n.ino,
+                        mode: u32::from(n.perm),
+                        mtime_ns: time_to_ns(n.mtime),
+                        known,
+                        generation,
+                    })
+                }
+            };
+            out.push((path.to_string(), cur));
+        });
+        out
+    }
+
+    fn hash_upper(
+        &self,
+        ino: Ino,
+        pending: &mut HashMap<String, Vec<u8>>,
+    ) -> Result<Option<Hashed>, SyncError> {
+        let bs = self.fs.opts.block_size.max(4096) as usize;
+        let mut f = match std::fs::File::open(self.fs.upper_path(ino)) {
+            Ok(f) => f,
+            // Unlinked since the snapshot: the next round sees the new tree.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(SyncError::Io { source }),
+        };
+        let mut whole = blake3::Hasher::new();
+        let mut blocks = Vec::new();
+        let mut size = 0u64;
+        loop {
+            let mut buf = Vec::with_capacity(bs);
+            (&mut f)
+                .take(bs as u64)
+                .read_to_end(&mut buf)
+                .map_err(|source| SyncError::Io { source })?;
+            if buf.is_empty() {
+                break;
+            }
+            whole.update(&buf);
+            size += buf.len() as u64;
+            let h = blake3::hash(&buf).to_hex().to_string();
+            blocks.push(h.clone());
+            let short = buf.len() < bs;
+            pending.insert(h, buf);
+            if short {
+                break;
+            }
+        }
+        Ok(Some(Hashed {
+            hash: whole.finalize().to_hex().to_string(),
+            size,
+            blocks,
+        }))
+    }
+
+    /// Run one round: commit every change since the last one. `final_flush` includes files
+    /// still open for writing.
+    pub fn round(&self, final_flush: bool) -> Result<RoundReport, SyncError> {
+        let mut synced = self.synced.lock();
+        let snapshot = self.snapshot(final_flush);
+        let mut report = RoundReport::default();
+        let mut pending_blocks: HashMap<String, Vec<u8>> = HashMap::new();
+        let mut seen: HashSet<&str> = HashSet::with_capacity(snapshot.len());
+        let mut deletes: Vec<Change> = Vec::new();
+        let mut rmdirs: Vec<String> = Vec::new();
+        let mut mkdirs: Vec<Change> = Vec::new();
+        let mut writes: Vec<Change> = Vec::new();
+        let mut chmods: Vec<Change> = Vec::new();
+        // (ino, generation, hash) of dirty files to mark clean after the commit.
+        let mut cleaned: Vec<(Ino, u64, String)> = Vec::new();
+        let mut next: Vec<(String, Option<Synced>)> = Vec::new();
+
+        let remove_old = |path: &str,
+                          old: &Synced,
+                          deletes: &mut Vec<Change>,
+                          rmdirs: &mut Vec<String>| match old {
+            Synced::Dir { .. } => rmdirs.push(path.to_string()),
+            Synced::File { hash, .. } => deletes.push(Change::Unlink {
+                path: path.to_string(),
+                base: Some(hash.clone()),
+            }),
+            Synced::Symlink { target } => deletes.push(Change::Unlink {
+                path: path.to_string(),
+                base: Some(target.clone()),
+            }),
+        };
+
+        for (path, cur) in &snapshot {
+            seen.insert(path.as_str());
+            let old = synced.get(path.as_str());
+            match cur {
+                Cur::Skip => report.pending_open += 1,
+                Cur::Dir { mode } => match old {
+                    Some(Synced::Dir { mode: m }) if m == mode => {}
+                    Some(Synced::Dir { .. }) => {
+                        chmods.push(Change::Chmod {
+                            path: path.clone(),
+                            mode: *mode,
+                        });
+                        next.push((path.clone(), Some(Synced::Dir { mode: *mode })));
+                    }
+                    _ => {
+                        if let Some(old) = old {
+                            remove_old(path, old, &mut deletes, &mut rmdirs);
+                        }
+                        mkdirs.push(Change::Mkdir {
+                            path: path.clone(),
+                            mode: *mode,
+                        });
+                        next.push((path.clone(), Some(Synced::Dir { mode: *mode })));
+                    }
+                },
+                Cur::Symlink { target } => match old {
+                    Some(Synced::Symlink { target: t }) if t == target => {}
+                    _ => {
+                        if let Some(old @ (Synced::Dir { .. } | Synced::File { .. })) = old {
+                            remove_old(path, old, &mut deletes, &mut rmdirs);
+                        }
+                        writes.push(Change::Symlink {
+                            path: path.clone(),
+                            target: target.clone(),
+                        });
+                        next.push((
+                            path.clone(),
+                            Some(Synced::Symlink {
+                                target: target.clone(),
+                            }),
+                        ));
+                    }
+                },
+                Cur::File(f) => {
+                    let (hash, hashed) = match &f.known {
+                        Some(h) => (h.clone(), None),
+                        None => match self.hash_upper(f.ino, &mut pending_blocks)? {
+                            Some(hd) => (hd.hash.clone(), Some(hd)),
+                            None => continue,
+                        },
+                    };
+                    if hashed.is_some() {
+                        cleaned.push((f.ino, f.generation, hash.clone()));
+                    }
+                    let base = match old {
+                        Some(Synced::File { hash: h, mode: m }) if *h == hash => {
+                            if *m != f.mode {
+                                chmods.push(Change::Chmod {
+                                    path: path.clone(),
+                                    mode: f.mode,
+                                });
+                                next.push((
+                                    path.clone(),
+                                    Some(Synced::File { hash, mode: f.mode }),
+                                ));
+                            }
+                            continue;
+                        }
+                        Some(Synced::File { hash: h, .. }) => Some(h.clone()),
+                        Some(other) => {
+                            remove_old(path, other, &mut deletes, &mut rmdirs);
+                            None
+                        }
+                        None => None,
+                    };
+                    // Content unknown locally (clean but never hashed) cannot happen:
+                    // a clean file always has its hash.
+                    let Some(hd) = hashed else {
+                        continue;
+                    };
+                    writes.push(Change::Write {
+                        path: path.clone(),
+                        mode: f.mode,
+                        base,
+                        hash: hash.clone(),
+                        size: hd.size,
+                        blocks: hd.blocks,
+                        mtime_ns: f.mtime_ns,
+                    });
+                    next.push((path.clone(), Some(Synced::File { hash, mode: f.mode })));
+                }
+            }
+        }
+        // Paths that are gone. Paths skipped as open keep their synced state.
+        for (path, old) in synced.iter() {
+            if !seen.contains(path.as_str()) {
+                remove_old(path, old, &mut deletes, &mut rmdirs);
+                next.push((path.clone(), None));
+            }
+        }
+        // Removed-then-recreated paths already queued their removal above.
+        rmdirs.sort_by_key(|p| std::cmp::Reverse(p.matches('/').count()));
+        rmdirs.dedup();
+        mkdirs.sort_by_key(|c| c.path().matches('/').count());
+
+        let mut changes = deletes;
+        changes.extend(rmdirs.into_iter().map(|path| Change::Rmdir { path }));
+        changes.extend(mkdirs);
+        changes.extend(writes);
+        changes.extend(chmods);
+        if changes.is_empty() {
+            return Ok(report);
+        }
+
+        // Upload what the export lacks.
+        let mut wanted: Vec<String> = Vec::new();
+        let mut wanted_set = HashSet::new();
+        for c in &changes {
+            if let Change::Write { blocks, .. } = c {
+                for b in blocks {
+                    if wanted_set.insert(b.clone()) {
+                        wanted.push(b.clone());
+                    }
+                }
+            }
+        }
+        let mut uploaded = 0u64;
+        if !wanted.is_empty() {
+            let missing = self
+                .fs
+                .remote
+                .missing(&wanted)
+                .map_err(|source| SyncError::Remote { source })?;
+            let mut batch: Vec<([u8; 32], &[u8])> = Vec::new();
+            let mut batch_bytes = 0usize;
+            for h in &missing {
+                let (Some(bytes), Some(raw)) = (pending_blocks.get(h), parse_hash(h)) else {
+                    continue;
+                };
+                batch.push((raw, bytes));
+                batch_bytes += bytes.len();
+                uploaded += bytes.len() as u64;
+                if batch_bytes >= UPLOAD_BATCH_BYTES {
+                    self.fs
+                        .remote
+                        .upload(&batch)
+                        .map_err(|source| SyncError::Remote { source })?;
+                    batch.clear();
+                    batch_bytes = 0;
+                }
+            }
+            if !batch.is_empty() {
+                self.fs
+                    .remote
+                    .upload(&batch)
+                    .map_err(|source| SyncError::Remote { source })?;
+            }
+        }
+
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let cs = ChangeSet {
+            commit_id: format!("{}-{seq}", self.instance),
+            changes,
+        };
+        let result = self
+            .fs
+            .remote
+            .commit(&cs)
+            .map_err(|source| SyncError::Remote { source })?;
+        for conflict in &result.conflicts {
+            tracing::warn!(path = %conflict.path, reason = %conflict.reason,
+                kept_as = ?conflict.kept_as, "write-back conflict: the Delegator's copy changed");
+        }
+        // Conflicting changes count as done too: the export kept our version beside its own,
+        // and re-sending would only make more copies.
+        for (path, s) in next {
+            match s {
+                Some(s) => synced.insert(path, s),
+                None => synced.remove(&path),
+            };
+        }
+        {
+            let mut table = self.fs.table.lock();
+            for (ino, generation, hash) in cleaned {
+                if let Some(node) = table.get_mut(ino)
+                    && let Data::Local {
+                        generation: g,
+                        dirty: true,
+                        ..
+                    } = node.data
+                    && g == generation
+                {
+                    node.data = Data::Local {
+                        dirty: false,
+                        hash: Some(hash),
+                        generation: g,
+                    };
+                }
+            }
+        }
+        report.files_written = cs
+            .changes
+            .iter()
+            .filter(|c| matches!(c, Change::Write { .. }))
+            .count();
+        report.changes = cs.changes.len();
+        report.conflicts = result.conflicts.clone();
+        self.fs
+            .stats
+            .add_commit(report.files_written as u64, uploaded, &result.conflicts);
+        tracing::debug!(
+            changes = report.changes,
+            files = report.files_written,
+            "committed"
+        );
+        Ok(report)
+    }
+
+    /// Background loop: a round shortly after each request, retrying failures with backoff,
+    /// until `signal` is stopped or the lease ends.
+    pub fn run(self: Arc<Self>, signal: Arc<SyncSignal>, debounce: Duration) {
+        let mut backoff = Duration::from_millis(100);
+        let mut retry = false;
+        loop {
+            let wait = if retry {
+                backoff
+            } else {
+                Duration::from_secs(1)
+            };
+            match signal.wait(wait) {
+                None => return,
+                Some(false) if !retry => continue,
+                Some(_) => {}
+            }
+            std::thread::sleep(debounce);
+            match self.round(false) {
+                Ok(_) => {
+                    retry = false;
+                    backoff = Duration::from_millis(100);
+                }
+                Err(e) if e.is_fatal() => {
+                    tracing::warn!(error = %e, "write-back stopped: the lease is over");
+                    self.fs.stats.add_sync_error(format!("{e:#}"));
+                    return;
+                }
+                Err(e) => {
+                    let msg = format!("{}: {}", e, source_chain(&e));
+                    tracing::warn!(error = %msg, "write-back failed; retrying");
+                    self.fs.stats.add_sync_error(msg);
+                    retry = true;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+}
+
+/// Render an error's sources after the top-level message.
+pub fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut parts = Vec::new();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        parts.push(s.to_string());
+        cur = s.source();
+    }
+    parts.join(": ")
+}

@@ -1,0 +1,427 @@
+//! Data-plane API types of the `awcpfs` transport.
+//!
+//! The data plane is plain HTTP on the Delegator's export. Every request carries the
+//! delegation's capability token as `Authorization: Bearer <token>`; every answer is refused
+//! once the lease is over. All routes live under `/v1/exports/{exportId}`:
+//!
+//! | route | body in | body out |
+//! |---|---|---|
+//! | `GET  /manifest` | — | [`Manifest`] (JSON) |
+//! | `POST /blocks` | [`BlockRequest`] | block frames (see [`encode_block_frame`]) |
+//! | `POST /missing` | [`BlockRequest`] | [`MissingBlocks`] |
+//! | `POST /upload` | block frames | [`UploadResult`] |
+//! | `POST /commit` | [`ChangeSet`] | [`CommitResult`] |
+//! | `GET  /events` | — | SSE stream of [`ExportEvent`] |
+//!
+//! Paths on the wire are always relative to the export root, `/`-separated, never empty,
+//! never absolute, and never contain `.` or `..` components ([`validate_rel_path`]).
+//!
+//! Block frames are the one binary encoding: for each block, 32 bytes of blake3 hash, a
+//! little-endian `u32` length, then that many bytes. A length of [`MISSING_BLOCK`] with no
+//! bytes following means the export no longer has that block.
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the data-plane API described here.
+pub const DATA_PLANE_VERSION: u32 = 1;
+/// Default block size: 1 MiB. Smaller files are one block of their real size.
+pub const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
+/// Length value in a block frame that says the block is missing.
+pub const MISSING_BLOCK: u32 = u32::MAX;
+/// Header carrying the wall-clock expiry of the lease on every data-plane answer.
+pub const LEASE_EXPIRES_HEADER: &str = "x-awcp-lease-expires";
+
+/// Kind of a manifest entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EntryKind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link.
+    Symlink,
+}
+
+/// The whole tree's metadata, fetched once when a mount starts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Manifest {
+    /// [`DATA_PLANE_VERSION`] of the export that built it.
+    pub version: u32,
+    /// The export this manifest describes.
+    pub export_id: String,
+    /// Block size used to cut files into blocks.
+    pub block_size: u32,
+    /// Whether the export refuses commits (`ro` delegation).
+    pub read_only: bool,
+    /// Mode bits of the root directory.
+    pub root_mode: u32,
+    /// Modification time of the root directory, nanoseconds since the Unix epoch.
+    pub root_mtime_ns: i64,
+    /// Every entry below the root, parents before children.
+    pub entries: Vec<ManifestEntry>,
+}
+
+/// Metadata of one path in the exported tree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ManifestEntry {
+    /// Path relative to the export root.
+    pub path: String,
+    /// File, directory or symlink.
+    pub kind: EntryKind,
+    /// Permission bits (`0o7777` mask).
+    pub mode: u32,
+    /// Size in bytes (files), target length (symlinks), 0 (directories).
+    pub size: u64,
+    /// Modification time, nanoseconds since the Unix epoch.
+    pub mtime_ns: i64,
+    /// blake3 hash (hex) of the whole content, for files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<String>,
+    /// blake3 hashes (hex) of the file's blocks, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blocks: Vec<String>,
+    /// Target of a symlink, as stored (may point outside: shown, never followed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
+
+/// A list of block hashes: what to fetch, or what to check for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BlockRequest {
+    /// blake3 hashes (hex).
+    pub hashes: Vec<String>,
+}
+
+/// Answer to `POST /missing`: the subset of the asked hashes the export does not have.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MissingBlocks {
+    /// blake3 hashes (hex) to upload before committing.
+    pub missing: Vec<String>,
+}
+
+/// Answer to `POST /upload`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UploadResult {
+    /// How many blocks were stored.
+    pub stored: u64,
+}
+
+/// One change to the exported tree. File changes carry the content hash they were based
+/// on, so the export detects a conflicting change on its side instead of overwriting it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+pub enum Change {
+    /// Create a directory (no-op if it exists as a directory).
+    #[serde(rename_all = "camelCase")]
+    Mkdir {
+        /// Where.
+        path: String,
+        /// Permission bits.
+        mode: u32,
+    },
+    /// Remove an empty directory (no-op if absent).
+    #[serde(rename_all = "camelCase")]
+    Rmdir {
+        /// Which.
+        path: String,
+    },
+    /// Create or replace a file with the content made of `blocks`.
+    #[serde(rename_all = "camelCase")]
+    Write {
+        /// Which file.
+        path: String,
+        /// Permission bits of the result.
+        mode: u32,
+        /// Content hash the change was based on; `None` when the file is new.
+        base: Option<String>,
+        /// blake3 hash (hex) of the new content.
+        hash: String,
+        /// Size of the new content.
+        size: u64,
+        /// Block hashes of the new content, in order.
+        blocks: Vec<String>,
+        /// Modification time to set, nanoseconds since the Unix epoch.
+        mtime_ns: i64,
+    },
+    /// Remove a file or symlink.
+    #[serde(rename_all = "camelCase")]
+    Unlink {
+        /// Which.
+        path: String,
+        /// Content hash (files) or target (symlinks) the removal was based on.
+        base: Option<String>,
+    },
+    /// Create or replace a symlink.
+    #[serde(rename_all = "camelCase")]
+    Symlink {
+        /// Where.
+        path: String,
+        /// Its target.
+        target: String,
+    },
+    /// Change permission bits.
+    #[serde(rename_all = "camelCase")]
+    Chmod {
+        /// Which.
+        path: String,
+        /// New permission bits.
+        mode: u32,
+    },
+}
+
+impl Change {
+    /// The path the change applies to.
+    pub fn path(&self) -> &str {
+        match self {
+            Change::Mkdir { path, .. }
+            | Change::Rmdir { path }
+            | Change::Write { path, .. }
+            | Change::Unlink { path, .. }
+            | Change::Symlink { path, .. }
+            | Change::Chmod { path, .. } => path,
+        }
+    }
+}
+
+/// An ordered set of changes applied by the export as one commit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChangeSet {
+    /// Client-chosen id; a retried commit with the same id is answered from the first result.
+    pub commit_id: String,
+    /// The changes, applied in order after every written file's content has been staged.
+    pub changes: Vec<Change>,
+}
+
+/// A change the export did not apply because its side changed since the base.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Conflict {
+    /// The path in question.
+    pub path: String,
+    /// What was found instead of the base.
+    pub reason: String,
+    /// Where the Executor's version was kept, if it was a write.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_as: Option<String>,
+}
+
+/// Answer to `POST /commit`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CommitResult {
+    /// The commit's id, echoed.
+    pub commit_id: String,
+    /// Changes applied.
+    pub applied: u64,
+    /// Changes not applied because of a conflict (the Executor's data is kept beside).
+    pub conflicts: Vec<Conflict>,
+}
+
+/// State of the lease as the export sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LeaseState {
+    /// Access allowed until `expiresAt`.
+    Active,
+    /// Revoked by the Delegator.
+    Revoked,
+    /// Expired without renewal.
+    Expired,
+}
+
+/// Events on `GET /events`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum ExportEvent {
+    /// The lease changed (granted, renewed, revoked, expired). Sent once on connect too.
+    #[serde(rename_all = "camelCase")]
+    Lease {
+        /// New state.
+        state: LeaseState,
+        /// Wall-clock expiry, ISO 8601.
+        expires_at: String,
+        /// Remaining milliseconds when the event was sent (clock-skew-free).
+        remaining_ms: u64,
+        /// How long the export still accepts a final flush commit after the lease ended.
+        #[serde(default)]
+        flush_grace_ms: u64,
+    },
+}
+
+/// Error body of every refused data-plane request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DataPlaneError {
+    /// Machine-readable code, e.g. `AUTH_FAILED`, `EXPIRED`, `INVALID_PATH`, `READ_ONLY`.
+    pub code: String,
+    /// What went wrong, for people.
+    pub message: String,
+}
+
+/// Why a relative path is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PathError {
+    /// Empty path.
+    #[error("path is empty")]
+    Empty,
+    /// Starts with `/`.
+    #[error("path {path:?} is absolute")]
+    Absolute {
+        /// The path.
+        path: String,
+    },
+    /// Contains `.`, `..` or an empty component.
+    #[error("path {path:?} has a `.`, `..` or empty component")]
+    BadComponent {
+        /// The path.
+        path: String,
+    },
+    /// Contains a NUL byte.
+    #[error("path {path:?} contains NUL")]
+    Nul {
+        /// The path.
+        path: String,
+    },
+    /// Component over 255 bytes.
+    #[error("path {path:?} has a component longer than 255 bytes")]
+    TooLong {
+        /// The path.
+        path: String,
+    },
+}
+
+/// Check that `path` is a relative, normalised path inside an export.
+pub fn validate_rel_path(path: &str) -> Result<(), PathError> {
+    if path.is_empty() {
+        return Err(PathError::Empty);
+    }
+    if path.starts_with('/') {
+        return Err(PathError::Absolute { path: path.into() });
+    }
+    if path.contains('\0') {
+        return Err(PathError::Nul { path: path.into() });
+    }
+    for comp in path.split('/') {
+        if comp.is_empty() || comp == "." || comp == ".." {
+            return Err(PathError::BadComponent { path: path.into() });
+        }
+        if comp.len() > 255 {
+            return Err(PathError::TooLong { path: path.into() });
+        }
+    }
+    Ok(())
+}
+
+/// Append one block frame (hash, length, bytes) to `out`.
+pub fn encode_block_frame(out: &mut Vec<u8>, hash: &[u8; 32], data: Option<&[u8]>) {
+    out.extend_from_slice(hash);
+    match data {
+        Some(d) => {
+            let len = u32::try_from(d.len()).expect("blocks are at most 4 GiB");
+            out.extend_from_slice(&len.to_le_bytes());
+            out.extend_from_slice(d);
+        }
+        None => out.extend_from_slice(&MISSING_BLOCK.to_le_bytes()),
+    }
+}
+
+/// Error decoding block frames.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("truncated block frame at byte {offset}")]
+pub struct FrameError {
+    /// Where the input ended early.
+    pub offset: usize,
+}
+
+/// One decoded block frame.
+pub type BlockFrame<'a> = ([u8; 32], Option<&'a [u8]>);
+
+/// Decode a buffer of block frames; never panics on malformed input.
+pub fn decode_block_frames(mut buf: &[u8]) -> Result<Vec<BlockFrame<'_>>, FrameError> {
+    let total = buf.len();
+    let mut out = Vec::new();
+    while !buf.is_empty() {
+        let offset = total - buf.len();
+        if buf.len() < 36 {
+            return Err(FrameError { offset });
+        }
+        let mut hash = [0u8; 32];
+        hash.copy_from_slice(&buf[..32]);
+        let len = u32::from_le_bytes([buf[32], buf[33], buf[34], buf[35]]);
+        buf = &buf[36..];
+        if len == MISSING_BLOCK {
+            out.push((hash, None));
+            continue;
+        }
+        let len = len as usize;
+        if buf.len() < len {
+            return Err(FrameError { offset });
+        }
+        out.push((hash, Some(&buf[..len])));
+        buf = &buf[len..];
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rel_paths() {
+        assert!(validate_rel_path("a/b.txt").is_ok());
+        assert!(validate_rel_path(".git/HEAD").is_ok());
+        for bad in [
+            "",
+            "/etc/passwd",
+            "a/../b",
+            "..",
+            "./a",
+            "a//b",
+            "a/",
+            "a\0b",
+        ] {
+            assert!(validate_rel_path(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(validate_rel_path(&"x".repeat(256)).is_err());
+    }
+
+    #[test]
+    fn frames_round_trip_and_truncation() {
+        let mut buf = Vec::new();
+        encode_block_frame(&mut buf, &[1; 32], Some(b"hello"));
+        encode_block_frame(&mut buf, &[2; 32], None);
+        encode_block_frame(&mut buf, &[3; 32], Some(b""));
+        let frames = decode_block_frames(&buf).unwrap();
+        assert_eq!(frames.len(), 3);
+        assert_eq!(frames[0], ([1; 32], Some(&b"hello"[..])));
+        assert_eq!(frames[1], ([2; 32], None));
+        assert_eq!(frames[2], ([3; 32], Some(&b""[..])));
+        for cut in 1..buf.len() {
+            if cut == 41 || cut == 77 {
+                continue; // frame boundaries
+            }
+            assert!(
+                decode_block_frames(&buf[..cut]).is_err(),
+                "cut at {cut} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn change_wire_shape() {
+        let c = Change::Unlink {
+            path: "a".into(),
+            base: None,
+        };
+        let json = serde_json::to_string(&c).unwrap();
+        assert_eq!(json, r#"{"op":"unlink","path":"a","base":null}"#);
+    }
+}
