@@ -1,1 +1,222 @@
-fn main() {}
+//! `awcpfs`: serve a directory (`export`) or mount one (`mount`), without the AWCP control
+//! plane — for Executors that run their own control flow.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+
+use awcp_lease::{Lease, LeaseTerms, SystemClock};
+use awcp_protocol::TransportHandle;
+use awcp_protocol::transport::AwcpfsHandle;
+use awcpfs::export::{ExportConfig, ExportRegistry};
+use awcpfs::mount::{Mount, MountConfig};
+
+/// Project a directory onto another machine with FUSE: lazy content, live write-back,
+/// access bounded by a lease.
+#[derive(Debug, Parser)]
+#[command(name = "awcpfs", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve one directory and print its transport handle (JSON) on stdout.
+    Export {
+        /// The directory to serve.
+        dir: PathBuf,
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1:3101")]
+        listen: std::net::SocketAddr,
+        /// URL clients use, if not `http://<listen>`.
+        #[arg(long)]
+        url: Option<String>,
+        /// Lease length in seconds; access ends after it.
+        #[arg(long, default_value_t = 3600)]
+        ttl_secs: u64,
+        /// Refuse every change.
+        #[arg(long)]
+        ro: bool,
+        /// Also write the handle to this file.
+        #[arg(long)]
+        handle_out: Option<PathBuf>,
+        /// Scratch directory for uploaded blocks.
+        #[arg(long, default_value = ".awcpfs-export")]
+        state_dir: PathBuf,
+    },
+    /// Mount the export a handle describes, until its lease ends or Ctrl-C.
+    Mount {
+        /// File holding the transport handle (`awcpfs export` prints it).
+        handle: PathBuf,
+        /// Empty directory to mount on.
+        mountpoint: PathBuf,
+        /// Where the journal and local file content live.
+        #[arg(long, default_value = ".awcpfs-mount")]
+        state_dir: PathBuf,
+        /// Mount read-only.
+        #[arg(long)]
+        ro: bool,
+        /// Keep local file content after unmount.
+        #[arg(long)]
+        keep_cache: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AWCP_LOG").unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,awcpfs=info,fuser=error")
+            }),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Export {
+            dir,
+            listen,
+            url,
+            ttl_secs,
+            ro,
+            handle_out,
+            state_dir,
+        } => {
+            let root = std::fs::canonicalize(&dir)
+                .with_context(|| format!("{} is not a directory I can read", dir.display()))?;
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding {listen} (use --listen)"))?;
+            let addr = listener.local_addr()?;
+            let lease = Arc::new(Lease::grant(
+                Arc::new(SystemClock::new()),
+                LeaseTerms {
+                    ttl: Duration::from_secs(ttl_secs),
+                    max_ttl: Duration::from_secs(ttl_secs),
+                    flush_grace: Duration::from_secs(10),
+                },
+            ));
+            let registry = ExportRegistry::new();
+            let export_id = format!("exp_{}", hex::encode(rand::random::<[u8; 8]>()));
+            let token = hex::encode(rand::random::<[u8; 32]>());
+            let cfg = ExportConfig {
+                root,
+                read_only: ro,
+                block_size: awcp_protocol::dataplane::DEFAULT_BLOCK_SIZE,
+                staging_dir: std::path::absolute(&state_dir)?.join(&export_id),
+            };
+            let (r, id, tok, l) = (
+                registry.clone(),
+                export_id.clone(),
+                token.clone(),
+                lease.clone(),
+            );
+            let export = tokio::task::spawn_blocking(move || r.register(id, tok, cfg, l)).await??;
+            let handle = TransportHandle::Awcpfs(AwcpfsHandle {
+                endpoint: url.unwrap_or_else(|| format!("http://{addr}")),
+                token,
+                export_id,
+                manifest_digest: export.manifest_digest(),
+                block_size: export.block_size(),
+                expires_at: lease.expires_at_rfc3339(),
+                tls_fingerprint: None,
+            });
+            let json = serde_json::to_string_pretty(&handle)?;
+            if let Some(p) = handle_out {
+                std::fs::write(&p, &json).with_context(|| format!("writing {}", p.display()))?;
+            }
+            println!("{json}");
+            eprintln!(
+                "awcpfs: serving {} ({} entries) on http://{addr}; Ctrl-C stops",
+                dir.display(),
+                export.manifest().entries.len()
+            );
+            axum::serve(listener, registry.router())
+                .with_graceful_shutdown(async {
+                    let _ = tokio::signal::ctrl_c().await;
+                })
+                .await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Mount {
+            handle,
+            mountpoint,
+            state_dir,
+            ro,
+            keep_cache,
+        } => {
+            let bytes = std::fs::read(&handle)
+                .with_context(|| format!("reading the handle {}", handle.display()))?;
+            let h = match awcp_protocol::parse_transport_handle(&bytes) {
+                Ok(TransportHandle::Awcpfs(h)) => h,
+                Ok(other) => anyhow::bail!(
+                    "{} holds a {} handle; awcpfs mounts only awcpfs handles",
+                    handle.display(),
+                    other.transport_type().as_str()
+                ),
+                Err(e) => serde_json::from_slice::<AwcpfsHandle>(&bytes).map_err(|_| {
+                    anyhow::anyhow!("{} is not a transport handle: {e}", handle.display())
+                })?,
+            };
+            let state_dir = std::path::absolute(&state_dir)?;
+            let mut cfg =
+                MountConfig::new(&h.endpoint, &h.export_id, &h.token, &mountpoint, &state_dir);
+            cfg.manifest_digest = Some(h.manifest_digest.clone());
+            cfg.expires_at = Some(h.expires_at.clone());
+            cfg.read_only = ro;
+            cfg.keep_cache = keep_cache;
+            let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
+            eprintln!(
+                "awcpfs: mounted at {}; Ctrl-C unmounts (after writing changes back)",
+                mountpoint.display()
+            );
+            let m = mount.clone();
+            let ended = tokio::task::spawn_blocking(move || {
+                loop {
+                    if let Some(r) = m.wait(Duration::from_secs(3600)) {
+                        return r;
+                    }
+                }
+            });
+            tokio::select! {
+                r = ended => eprintln!("awcpfs: access ended: {}", r?),
+                _ = tokio::signal::ctrl_c() => {
+                    let m = mount.clone();
+                    tokio::task::spawn_blocking(move || m.finish()).await?;
+                    eprintln!("awcpfs: unmounted");
+                }
+            }
+            Ok(if mount.unsynced() {
+                eprintln!(
+                    "awcpfs: some changes could not be written back; they are kept in {}",
+                    state_dir.display()
+                );
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            })
+        }
+    }
+}

@@ -1,0 +1,417 @@
+//! Command-line parsing and the client commands (`delegate`, `status`, `revoke`, `renew`,
+//! `watch`). Exit codes: 0 success (delegation completed), 1 usage or connection error,
+//! 2 the delegation failed, 3 it was cancelled or revoked, 4 its lease expired.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use awcp_ctl::client::DaemonClient;
+use awcp_ctl::daemon::DaemonConfig;
+use awcp_ctl::executor::ExecutorConfig;
+use awcp_ctl::watch::WatchEvent;
+use awcp_protocol::DelegationState;
+use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
+use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
+
+/// Hand a workspace to another agent under a lease, and take it back.
+///
+/// Start `awcp-ctl serve` on the machine that owns the workspace (the Delegator) and
+/// `awcp-ctl executor --agent-cmd '…'` where the work happens (the Executor). Then
+/// `awcp-ctl delegate ./repo --to http://executor:7200/awcp --wait` mounts the workspace on
+/// the Executor with awcpfs, runs the agent in it, writes changes back live, and
+/// `awcp-ctl revoke <id>` ends access at once.
+#[derive(Debug, Parser)]
+#[command(name = "awcp-ctl", version, propagate_version = true)]
+struct Cli {
+    /// Daemon API URL for client commands.
+    #[arg(
+        long,
+        global = true,
+        env = "AWCP_DAEMON_URL",
+        default_value = "http://127.0.0.1:3100"
+    )]
+    daemon: String,
+    /// Print machine-readable JSON (one object per line) instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the Delegator daemon (daemon API + awcpfs data plane).
+    Serve(ServeArgs),
+    /// Run the Executor service (AWCP v1 endpoint at /awcp).
+    Executor(ExecutorArgs),
+    /// Delegate a directory to an Executor.
+    Delegate(DelegateArgs),
+    /// Show delegations (all, or one in detail).
+    Status {
+        /// Delegation id (`dlg_…`); omit to list all.
+        id: Option<String>,
+    },
+    /// End a delegation's access now: the export refuses its token, the mount is fenced
+    /// and unmounted.
+    Revoke {
+        /// Delegation id.
+        id: String,
+        /// Refuse even the final flush of files closed before the revoke.
+        #[arg(long)]
+        no_flush: bool,
+    },
+    /// Extend a delegation's lease.
+    Renew {
+        /// Delegation id.
+        id: String,
+        /// New lease length from now, e.g. `30m`, `2h`, `90s`.
+        #[arg(long, default_value = "30m", value_parser = parse_duration)]
+        ttl: Duration,
+    },
+    /// Follow a delegation's events as they come, until it ends.
+    Watch {
+        /// Delegation id.
+        id: String,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// Daemon API address (keep it on loopback: it hands out workspaces).
+    #[arg(long, default_value = "127.0.0.1:3100")]
+    listen: std::net::SocketAddr,
+    /// awcpfs data-plane address (Executors must reach it).
+    #[arg(long, default_value = "127.0.0.1:3101")]
+    export_listen: std::net::SocketAddr,
+    /// URL Executors use for the data plane, if not `http://<export-listen>`.
+    #[arg(long)]
+    export_url: Option<String>,
+    /// State directory (SQLite database, upload staging).
+    #[arg(long, env = "AWCP_STATE_DIR", default_value = ".awcp/delegator")]
+    state_dir: PathBuf,
+    /// Longest lease granted.
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    max_ttl: Duration,
+}
+
+#[derive(Debug, Args)]
+struct ExecutorArgs {
+    /// The agent: a shell command run in the mounted workspace. It sees
+    /// AWCP_DELEGATION_ID, AWCP_TASK_DESCRIPTION, AWCP_TASK_PROMPT and AWCP_WORKSPACE.
+    #[arg(long)]
+    agent_cmd: String,
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1:7200")]
+    listen: std::net::SocketAddr,
+    /// Base directory: workspaces are mounted under `<dir>/work/<delegationId>`.
+    #[arg(long, env = "AWCP_EXECUTOR_DIR", default_value = ".awcp/executor")]
+    dir: PathBuf,
+    /// Longest lease accepted.
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    max_ttl: Duration,
+    /// Most delegations at once.
+    #[arg(long, default_value_t = 8)]
+    max_concurrent: usize,
+    /// Keep fetched and written file content after unmount.
+    #[arg(long)]
+    keep_cache: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Mode {
+    Ro,
+    Rw,
+}
+
+#[derive(Debug, Args)]
+struct DelegateArgs {
+    /// The directory to delegate.
+    dir: PathBuf,
+    /// The Executor's AWCP endpoint, e.g. `http://127.0.0.1:7200/awcp`.
+    #[arg(long)]
+    to: String,
+    /// Lease length, e.g. `10m`, `2h`.
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    ttl: Duration,
+    /// Access mode.
+    #[arg(long, value_enum, default_value = "rw")]
+    mode: Mode,
+    /// What to do (becomes the task's description and prompt).
+    #[arg(long)]
+    task: String,
+    /// A longer prompt, if different from --task.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Resource name on the Executor.
+    #[arg(long, default_value = "workspace")]
+    name: String,
+    /// Follow the delegation until it ends; the exit code says how it ended.
+    #[arg(long)]
+    wait: bool,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map(|i| s.split_at(i))
+        .unwrap_or((s, "s"));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration; use e.g. 90s, 10m, 2h"))?;
+    let mult = match unit {
+        "s" | "" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        _ => return Err(format!("unknown unit in `{s}`; use s, m, h or d")),
+    };
+    Ok(Duration::from_secs(n * mult))
+}
+
+/// Exit code for how a delegation ended.
+fn exit_for(state: DelegationState) -> ExitCode {
+    match state {
+        DelegationState::Completed => ExitCode::SUCCESS,
+        DelegationState::Cancelled => ExitCode::from(3),
+        DelegationState::Expired => ExitCode::from(4),
+        _ => ExitCode::from(2),
+    }
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AWCP_LOG").unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,awcp_ctl=info,awcpfs=info")
+            }),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let client = DaemonClient::new(&cli.daemon);
+    match cli.command {
+        Command::Serve(a) => {
+            let mut cfg = DaemonConfig::new(a.state_dir);
+            cfg.listen = a.listen;
+            cfg.export_listen = a.export_listen;
+            cfg.export_url = a.export_url;
+            cfg.max_ttl = a.max_ttl;
+            awcp_ctl::daemon::serve(cfg).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Executor(a) => {
+            let mut cfg = ExecutorConfig::new(a.agent_cmd, a.dir);
+            cfg.listen = a.listen;
+            cfg.max_ttl = a.max_ttl;
+            cfg.max_concurrent = a.max_concurrent;
+            cfg.keep_cache = a.keep_cache;
+            awcp_ctl::executor::serve(cfg).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Delegate(a) => {
+            let dir = std::path::absolute(&a.dir)
+                .with_context(|| format!("resolving {}", a.dir.display()))?;
+            let mode = match a.mode {
+                Mode::Ro => AccessMode::Ro,
+                Mode::Rw => AccessMode::Rw,
+            };
+            let req = DelegateRequest {
+                executor_url: a.to.clone(),
+                environment: EnvironmentSpec {
+                    resources: vec![ResourceSpec {
+                        name: a.name,
+                        resource_type: ResourceType::Fs,
+                        source: dir.display().to_string(),
+                        mode,
+                        include: None,
+                        exclude: None,
+                    }],
+                },
+                task: TaskSpec {
+                    description: a.task.clone(),
+                    prompt: a.prompt.unwrap_or(a.task),
+                },
+                ttl_seconds: Some(a.ttl.as_secs()),
+                access_mode: Some(mode),
+                snapshot_mode: None,
+                auth: None,
+            };
+            let resp = client.delegate(&req).await?;
+            let id = resp.delegation_id.as_str().to_string();
+            if cli.json {
+                println!("{}", serde_json::json!({"delegationId": id}));
+            } else {
+                println!("delegated {} to {} as {id}", dir.display(), a.to);
+            }
+            if !a.wait {
+                return Ok(ExitCode::SUCCESS);
+            }
+            follow(&client, &id, cli.json).await
+        }
+        Command::Status { id: Some(id) } => {
+            let v = client.get(&id).await?;
+            if cli.json {
+                println!("{}", serde_json::to_string(&v)?);
+            } else {
+                let r = &v.record;
+                println!("delegation  {}", r.id.as_str());
+                println!("state       {}", r.state.as_str());
+                println!("executor    {}", r.peer_url);
+                if let Some(p) = &r.export_path {
+                    println!("workspace   {p} ({})", r.lease_config.access_mode.as_str());
+                }
+                println!("task        {}", r.task.description);
+                println!(
+                    "lease       {:?}, expires {} ({}s left, {} renewal(s))",
+                    v.lease.state,
+                    v.lease.expires_at,
+                    v.lease.remaining_ms / 1000,
+                    v.lease.renewals
+                );
+                if let Some(t) = &v.transfer {
+                    let n = |k: &str| t.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+                    println!(
+                        "transfer    {} bytes served, {} file(s) written back ({} bytes), {} commit(s), {} conflict(s)",
+                        n("bytesServed"),
+                        n("filesWritten"),
+                        n("bytesWritten"),
+                        n("commits"),
+                        n("conflicts")
+                    );
+                }
+                if let Some(res) = &r.result {
+                    println!("result      {}", res.summary);
+                }
+                if let Some(e) = &r.error {
+                    println!("error       {}: {}", e.code.as_str(), e.message);
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { id: None } => {
+            let list = client.list().await?;
+            if cli.json {
+                for d in &list.delegations {
+                    println!("{}", serde_json::to_string(d)?);
+                }
+            } else if list.delegations.is_empty() {
+                println!("no delegations (start one with `awcp-ctl delegate`)");
+            } else {
+                println!("{:<37} {:<10} {:<25} WORKSPACE", "ID", "STATE", "CREATED");
+                for d in &list.delegations {
+                    let ws = d
+                        .environment
+                        .resources
+                        .first()
+                        .map(|r| r.source.as_str())
+                        .unwrap_or("");
+                    println!(
+                        "{:<37} {:<10} {:<25} {ws}",
+                        d.id.as_str(),
+                        d.state.as_str(),
+                        d.created_at
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Revoke { id, no_flush } => {
+            client.revoke(&id, no_flush).await?;
+            if cli.json {
+                println!("{}", serde_json::json!({"ok": true, "delegationId": id}));
+            } else {
+                println!("revoked {id}: the export refuses its token; the executor is unmounting");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Renew { id, ttl } => {
+            let r = client.renew(&id, ttl.as_secs()).await?;
+            if cli.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("renewed {id}: lease now expires {}", r.expires_at);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Watch { id } => follow(&client, &id, cli.json).await,
+    }
+}
+
+async fn follow(client: &DaemonClient, id: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let last = client
+        .watch(id, |ev: &WatchEvent| {
+            if json {
+                if let Ok(s) = serde_json::to_string(ev) {
+                    println!("{s}");
+                }
+            } else {
+                println!("{}", ev.describe());
+            }
+        })
+        .await?;
+    match last {
+        Some(WatchEvent::State { state, .. }) => {
+            if !json {
+                let v = client.get(id).await?;
+                if let Some(t) = &v.transfer {
+                    let n = |k: &str| t.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+                    println!(
+                        "{} bytes served, {} file(s) written back",
+                        n("bytesServed"),
+                        n("filesWritten")
+                    );
+                }
+            }
+            Ok(exit_for(state))
+        }
+        _ => {
+            eprintln!(
+                "the event stream ended before the delegation did; `awcp-ctl status {id}` shows where it stands"
+            );
+            Ok(ExitCode::from(2))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("10m").unwrap(), Duration::from_secs(600));
+        assert_eq!(parse_duration("2h").unwrap(), Duration::from_secs(7200));
+        assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
+        assert!(parse_duration("x").is_err());
+        assert!(parse_duration("5y").is_err());
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

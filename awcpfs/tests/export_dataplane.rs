@@ -1,0 +1,1423 @@
+//! The export's data plane over real HTTP: a router bound to 127.0.0.1:0, a reqwest client.
+
+use std::os::unix::fs::{PermissionsExt, symlink};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use awcp_lease::{Lease, LeaseTerms, ManualClock};
+use awcp_protocol::dataplane::{
+    BlockRequest, Change, ChangeSet, CommitResult, DataPlaneError, EntryKind, ExportEvent,
+    LEASE_EXPIRES_HEADER, LeaseState, Manifest, MissingBlocks, UploadResult, decode_block_frames,
+    encode_block_frame,
+};
+use awcpfs::export::{Export, ExportConfig, ExportRegistry};
+use futures::StreamExt;
+use reqwest::StatusCode;
+
+const TOKEN: &str = "s3cret-token";
+const BLOCK: u32 = 8;
+
+/// One export served on loopback, with virtual lease time.
+struct Fixture {
+    root: tempfile::TempDir,
+    outside: tempfile::TempDir,
+    staging: tempfile::TempDir,
+    clock: Arc<ManualClock>,
+    export: Arc<Export>,
+    registry: ExportRegistry,
+    server: String,
+    client: reqwest::Client,
+}
+
+struct Opts {
+    read_only: bool,
+    flush_grace: Duration,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            read_only: false,
+            flush_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+async fn fixture(build: impl FnOnce(&Path, &Path)) -> Fixture {
+    fixture_with(Opts::default(), build).await
+}
+
+async fn fixture_with(opts: Opts, build: impl FnOnce(&Path, &Path)) -> Fixture {
+    let root = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let staging = tempfile::tempdir().unwrap();
+    build(root.path(), outside.path());
+    let clock = Arc::new(ManualClock::new());
+    let lease = Arc::new(Lease::grant(
+        clock.clone(),
+        LeaseTerms {
+            ttl: Duration::from_secs(600),
+            max_ttl: Duration::from_secs(3600),
+            flush_grace: opts.flush_grace,
+        },
+    ));
+    let registry = ExportRegistry::new();
+    let export = registry
+        .register(
+            "exp_test".into(),
+            TOKEN.into(),
+            ExportConfig {
+                root: root.path().to_owned(),
+                read_only: opts.read_only,
+                block_size: BLOCK,
+                staging_dir: staging.path().join("blocks"),
+            },
+            lease,
+        )
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = registry.router();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    Fixture {
+        root,
+        outside,
+        staging,
+        clock,
+        export,
+        registry,
+        server: format!("http://{addr}"),
+        client: reqwest::Client::new(),
+    }
+}
+
+impl Fixture {
+    fn url(&self, route: &str) -> String {
+        format!("{}/v1/exports/exp_test/{route}", self.server)
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.root.path().join(rel)
+    }
+
+    fn post(&self, route: &str) -> reqwest::RequestBuilder {
+        self.client.post(self.url(route)).bearer_auth(TOKEN)
+    }
+
+    async fn manifest(&self) -> (Manifest, Vec<u8>) {
+        let resp = self
+            .client
+            .get(self.url("manifest"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body = resp.bytes().await.unwrap().to_vec();
+        (serde_json::from_slice(&body).unwrap(), body)
+    }
+
+    async fn blocks(&self, hashes: &[String]) -> Vec<([u8; 32], Option<Vec<u8>>)> {
+        let resp = self
+            .post("blocks")
+            .json(&BlockRequest {
+                hashes: hashes.to_vec(),
+            })
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body = resp.bytes().await.unwrap();
+        decode_block_frames(&body)
+            .unwrap()
+            .into_iter()
+            .map(|(h, d)| (h, d.map(<[u8]>::to_vec)))
+            .collect()
+    }
+
+    async fn missing(&self, hashes: &[String]) -> Vec<String> {
+        let resp = self
+            .post("missing")
+            .json(&BlockRequest {
+                hashes: hashes.to_vec(),
+            })
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.json::<MissingBlocks>().await.unwrap().missing
+    }
+
+    /// Upload the blocks of `content`.
+    async fn upload(&self, content: &[u8]) -> reqwest::Response {
+        let mut body = Vec::new();
+        for chunk in content.chunks(BLOCK as usize) {
+            encode_block_frame(&mut body, blake3::hash(chunk).as_bytes(), Some(chunk));
+        }
+        self.post("upload").body(body).send().await.unwrap()
+    }
+
+    async fn commit_raw(&self, cs: &ChangeSet) -> reqwest::Response {
+        self.post("commit").json(cs).send().await.unwrap()
+    }
+
+    async fn commit(&self, cs: &ChangeSet) -> CommitResult {
+        let resp = self.commit_raw(cs).await;
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, StatusCode::OK, "commit refused: {text}");
+        serde_json::from_str(&text).unwrap()
+    }
+}
+
+async fn refusal(resp: reqwest::Response) -> (StatusCode, DataPlaneError) {
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    let body: DataPlaneError = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("refusal body is not a DataPlaneError ({e}): {text}"));
+    (status, body)
+}
+
+fn hex(data: &[u8]) -> String {
+    blake3::hash(data).to_hex().to_string()
+}
+
+fn block_hashes(data: &[u8]) -> Vec<String> {
+    data.chunks(BLOCK as usize).map(hex).collect()
+}
+
+/// A write of `content` to `path` based on `base` (the old content), with mtime 1.5 s.
+fn write(path: &str, base: Option<&[u8]>, content: &[u8], mode: u32) -> Change {
+    Change::Write {
+        path: path.into(),
+        mode,
+        base: base.map(hex),
+        hash: hex(content),
+        size: content.len() as u64,
+        blocks: block_hashes(content),
+        mtime_ns: 1_500_000_000,
+    }
+}
+
+fn cs(id: &str, changes: Vec<Change>) -> ChangeSet {
+    ChangeSet {
+        commit_id: id.into(),
+        changes,
+    }
+}
+
+fn mode_of(p: &Path) -> u32 {
+    std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+/// Everything below `dir`: (relative path, content or symlink target or "<dir>").
+fn snapshot_tree(dir: &Path) -> Vec<(String, String)> {
+    fn walk(base: &Path, dir: &Path, out: &mut Vec<(String, String)>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .collect();
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let p = e.path();
+            let rel = p.strip_prefix(base).unwrap().to_string_lossy().into_owned();
+            let ft = e.file_type().unwrap();
+            if ft.is_symlink() {
+                out.push((
+                    rel,
+                    std::fs::read_link(&p)
+                        .unwrap()
+                        .to_string_lossy()
+                        .into_owned(),
+                ));
+            } else if ft.is_dir() {
+                out.push((rel, "<dir>".into()));
+                walk(base, &p, out);
+            } else if !ft.is_file() {
+                out.push((rel, "<special>".into())); // never read a FIFO: it would block
+            } else {
+                let mode = mode_of(&p);
+                out.push((
+                    rel,
+                    format!(
+                        "{mode:o}:{}",
+                        String::from_utf8_lossy(&std::fs::read(&p).unwrap())
+                    ),
+                ));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+const BIG: &[u8] = b"0123456789abcdefghij"; // 20 bytes: 2.5 blocks of 8
+
+fn small_tree(root: &Path, _outside: &Path) {
+    std::fs::write(root.join("a.txt"), b"hello").unwrap();
+    std::fs::create_dir_all(root.join("src/deep")).unwrap();
+    std::fs::write(root.join("src/lib.rs"), b"fn main() {}").unwrap();
+    std::fs::write(root.join("src/deep/x"), b"x").unwrap();
+    std::fs::write(root.join("run.sh"), b"#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(root.join("run.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(root.join("empty"), b"").unwrap();
+    std::fs::write(root.join("big.bin"), BIG).unwrap();
+    symlink("a.txt", root.join("link")).unwrap();
+    symlink("/etc/passwd", root.join("outlink")).unwrap();
+    std::fs::write(root.join(".awcp-tmp-leftover"), b"junk").unwrap();
+    nix::unistd::mkfifo(
+        &root.join("fifo"),
+        nix::sys::stat::Mode::from_bits_truncate(0o644),
+    )
+    .unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// Manifest and blocks
+
+#[tokio::test]
+async fn manifest_describes_the_tree() {
+    let f = fixture(small_tree).await;
+    let resp = f
+        .client
+        .get(f.url("manifest"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["content-type"], "application/json");
+    let expires = resp.headers()[LEASE_EXPIRES_HEADER]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(expires, "2025-01-01T00:10:00.000Z");
+    let body = resp.bytes().await.unwrap();
+    assert_eq!(
+        hex(&body),
+        f.export.manifest_digest(),
+        "digest is over the served bytes"
+    );
+    let m: Manifest = serde_json::from_slice(&body).unwrap();
+    assert_eq!(m.export_id, "exp_test");
+    assert_eq!(m.block_size, BLOCK);
+    assert!(!m.read_only);
+
+    let paths: Vec<&str> = m.entries.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "a.txt",
+            "big.bin",
+            "empty",
+            "link",
+            "outlink",
+            "run.sh",
+            "src",
+            "src/deep",
+            "src/deep/x",
+            "src/lib.rs"
+        ],
+        "sorted, parents before children, fifo and temp names skipped"
+    );
+    let get = |p: &str| m.entries.iter().find(|e| e.path == p).unwrap();
+
+    let a = get("a.txt");
+    assert_eq!((a.kind, a.size), (EntryKind::File, 5));
+    assert_eq!(a.hash.as_deref(), Some(hex(b"hello").as_str()));
+    assert_eq!(
+        a.blocks,
+        vec![hex(b"hello")],
+        "a small file is one block of its real size"
+    );
+
+    let big = get("big.bin");
+    assert_eq!(big.size, 20);
+    assert_eq!(big.hash.as_deref(), Some(hex(BIG).as_str()));
+    assert_eq!(
+        big.blocks,
+        vec![hex(b"01234567"), hex(b"89abcdef"), hex(b"ghij")]
+    );
+
+    let empty = get("empty");
+    assert_eq!(empty.size, 0);
+    assert!(empty.blocks.is_empty());
+    assert_eq!(empty.hash.as_deref(), Some(hex(b"").as_str()));
+
+    assert_eq!(get("run.sh").mode, 0o755);
+    assert_eq!(get("src").kind, EntryKind::Dir);
+    let link = get("link");
+    assert_eq!(
+        (link.kind, link.target.as_deref(), link.size),
+        (EntryKind::Symlink, Some("a.txt"), 5)
+    );
+    assert_eq!(
+        get("outlink").target.as_deref(),
+        Some("/etc/passwd"),
+        "shown, not followed"
+    );
+    assert_eq!(f.export.stats().manifest_fetches, 1);
+}
+
+#[tokio::test]
+async fn blocks_are_served_verified_and_missing_when_changed() {
+    let f = fixture(small_tree).await;
+    let mut asked = block_hashes(BIG);
+    asked.push(hex(b"hello"));
+    asked.push(hex(b"never seen"));
+    let frames = f.blocks(&asked).await;
+    assert_eq!(frames.len(), 5);
+    let got: Vec<Option<&[u8]>> = frames.iter().map(|(_, d)| d.as_deref()).collect();
+    assert_eq!(
+        got,
+        [
+            Some(&b"01234567"[..]),
+            Some(b"89abcdef"),
+            Some(b"ghij"),
+            Some(b"hello"),
+            None
+        ]
+    );
+    for ((h, d), want) in frames.iter().zip(&asked) {
+        assert_eq!(&hex::encode(h), want);
+        if let Some(d) = d {
+            assert_eq!(&hex(d), want, "served content matches its hash");
+        }
+    }
+    let stats = f.export.stats();
+    assert_eq!((stats.blocks_served, stats.bytes_served), (4, 25));
+
+    // The Delegator edits the file: its old blocks are no longer served.
+    std::fs::write(f.path("big.bin"), b"XXXXXXXX89abcdefghij").unwrap();
+    let frames = f.blocks(&block_hashes(BIG)).await;
+    assert_eq!(frames[0].1, None, "changed block answered as missing");
+    assert_eq!(
+        frames[1].1.as_deref(),
+        Some(&b"89abcdef"[..]),
+        "unchanged block still served"
+    );
+}
+
+#[tokio::test]
+async fn blocks_refuse_bad_hashes_and_oversized_bodies() {
+    let f = fixture(small_tree).await;
+    let resp = f
+        .post("blocks")
+        .json(&BlockRequest {
+            hashes: vec!["not-hex".into()],
+        })
+        .send()
+        .await
+        .unwrap();
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::BAD_REQUEST, "BAD_REQUEST")
+    );
+    assert!(err.message.contains("not-hex"), "{}", err.message);
+
+    let resp = f
+        .post("missing")
+        .body(vec![b' '; 9 << 20])
+        .send()
+        .await
+        .unwrap();
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::PAYLOAD_TOO_LARGE, "TOO_LARGE")
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Gates: auth, not found, lease, read-only
+
+#[tokio::test]
+async fn requests_without_the_token_are_refused() {
+    let f = fixture(small_tree).await;
+    let no_header = f.client.get(f.url("manifest")).send().await.unwrap();
+    assert_eq!(no_header.headers()["www-authenticate"], "Bearer");
+    assert!(no_header.headers().get(LEASE_EXPIRES_HEADER).is_none());
+    let wrong = f
+        .client
+        .get(f.url("manifest"))
+        .bearer_auth("s3cret-tokeN")
+        .send()
+        .await
+        .unwrap();
+    let basic = f
+        .client
+        .get(f.url("manifest"))
+        .basic_auth("u", Some(TOKEN))
+        .send()
+        .await
+        .unwrap();
+    let commit = f
+        .client
+        .post(f.url("commit"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    for resp in [no_header, wrong, basic, commit] {
+        let (status, err) = refusal(resp).await;
+        assert_eq!(
+            (status, err.code.as_str()),
+            (StatusCode::UNAUTHORIZED, "AUTH_FAILED")
+        );
+        assert!(
+            err.message.contains("Bearer"),
+            "says what to send: {}",
+            err.message
+        );
+    }
+}
+
+#[tokio::test]
+async fn unknown_and_removed_exports_are_not_found() {
+    let f = fixture(small_tree).await;
+    let resp = f
+        .client
+        .get(format!("{}/v1/exports/nope/manifest", f.server))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::NOT_FOUND, "NOT_FOUND")
+    );
+
+    assert!(f.registry.remove("exp_test").is_some());
+    let resp = f
+        .client
+        .get(f.url("manifest"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn revoked_lease_refuses_reads_but_takes_a_final_flush_within_the_grace() {
+    let f = fixture(small_tree).await;
+    f.export.lease().revoke(true);
+    for resp in [
+        f.client
+            .get(f.url("manifest"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap(),
+        f.post("blocks")
+            .json(&BlockRequest { hashes: vec![] })
+            .send()
+            .await
+            .unwrap(),
+        f.client
+            .get(f.url("events"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap(),
+    ] {
+        assert_eq!(
+            resp.headers()[LEASE_EXPIRES_HEADER],
+            "2025-01-01T00:00:00.000Z",
+            "header carries the revocation time"
+        );
+        let (status, err) = refusal(resp).await;
+        assert_eq!(
+            (status, err.code.as_str()),
+            (StatusCode::FORBIDDEN, "REVOKED")
+        );
+        assert!(err.message.contains("new delegation"), "{}", err.message);
+    }
+
+    // Within the grace: upload, missing and commit still work.
+    f.clock.advance(Duration::from_secs(29));
+    assert_eq!(f.upload(b"flushed").await.status(), StatusCode::OK);
+    assert!(f.missing(&[hex(b"flushed")]).await.is_empty());
+    let r = f
+        .commit(&cs("c1", vec![write("late.txt", None, b"flushed", 0o644)]))
+        .await;
+    assert_eq!(r.applied, 1);
+    assert_eq!(std::fs::read(f.path("late.txt")).unwrap(), b"flushed");
+
+    // After the grace: refused.
+    f.clock.advance(Duration::from_secs(1));
+    let resp = f
+        .commit_raw(&cs("c2", vec![write("later.txt", None, b"x", 0o644)]))
+        .await;
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::FORBIDDEN, "REVOKED")
+    );
+    assert!(err.message.contains("grace"), "{}", err.message);
+    assert!(!f.path("later.txt").exists());
+}
+
+#[tokio::test]
+async fn revoke_without_flush_refuses_commits_at_once() {
+    let f = fixture(small_tree).await;
+    f.export.lease().revoke(false);
+    let resp = f
+        .commit_raw(&cs("c1", vec![write("x", None, b"x", 0o644)]))
+        .await;
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::FORBIDDEN, "REVOKED")
+    );
+}
+
+#[tokio::test]
+async fn expired_lease_is_refused_with_expired() {
+    let f = fixture_with(
+        Opts {
+            flush_grace: Duration::ZERO,
+            ..Opts::default()
+        },
+        small_tree,
+    )
+    .await;
+    f.clock.advance(Duration::from_secs(600));
+    let resp = f
+        .client
+        .get(f.url("manifest"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::FORBIDDEN, "EXPIRED")
+    );
+    let resp = f.commit_raw(&cs("c1", vec![])).await;
+    assert_eq!(refusal(resp).await.1.code, "EXPIRED");
+}
+
+#[tokio::test]
+async fn read_only_export_refuses_writes() {
+    let f = fixture_with(
+        Opts {
+            read_only: true,
+            ..Opts::default()
+        },
+        small_tree,
+    )
+    .await;
+    let (m, _) = f.manifest().await;
+    assert!(m.read_only);
+    let before = snapshot_tree(f.root.path());
+    let resp = f
+        .commit_raw(&cs("c1", vec![write("new", None, b"x", 0o644)]))
+        .await;
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::FORBIDDEN, "READ_ONLY")
+    );
+    let (status, err) = refusal(f.upload(b"data").await).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::FORBIDDEN, "READ_ONLY")
+    );
+    assert_eq!(snapshot_tree(f.root.path()), before);
+}
+
+// ---------------------------------------------------------------------------------------
+// Upload and malformed bodies
+
+#[tokio::test]
+async fn upload_verifies_every_block() {
+    let f = fixture(small_tree).await;
+    let mut body = Vec::new();
+    encode_block_frame(&mut body, blake3::hash(b"good").as_bytes(), Some(b"good"));
+    encode_block_frame(
+        &mut body,
+        blake3::hash(b"what was announced").as_bytes(),
+        Some(b"tampered"),
+    );
+    let resp = f.post("upload").body(body).send().await.unwrap();
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::BAD_REQUEST, "CHECKSUM_MISMATCH")
+    );
+    assert_eq!(
+        f.missing(&[hex(b"good")]).await,
+        vec![hex(b"good")],
+        "nothing of a refused upload is kept"
+    );
+
+    let resp = f.post("upload").body(vec![1u8; 40]).send().await.unwrap();
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::BAD_REQUEST, "BAD_REQUEST")
+    );
+    assert!(err.message.contains("truncated"), "{}", err.message);
+
+    let resp = f.upload(b"good").await;
+    assert_eq!(resp.json::<UploadResult>().await.unwrap().stored, 1);
+    assert!(f.missing(&[hex(b"good")]).await.is_empty());
+}
+
+#[tokio::test]
+async fn malformed_json_gets_a_readable_400() {
+    let f = fixture(small_tree).await;
+    for (route, body, needle) in [
+        ("commit", r#"{"changes": []}"#, "commitId"),
+        (
+            "commit",
+            r#"{"commitId": "c", "changes": [{"op": "explode", "path": "a"}]}"#,
+            "explode",
+        ),
+        ("commit", "not json at all", "line 1 column"),
+        ("blocks", r#"{"hashes": 42}"#, "expected a sequence"),
+        ("missing", "", "EOF"),
+    ] {
+        let resp = f.post(route).body(body).send().await.unwrap();
+        let (status, err) = refusal(resp).await;
+        assert_eq!(
+            (status, err.code.as_str()),
+            (StatusCode::BAD_REQUEST, "BAD_REQUEST"),
+            "{route}: {body}"
+        );
+        assert!(
+            err.message.contains(needle),
+            "{route} {body}: message {:?} lacks {needle:?}",
+            err.message
+        );
+        assert!(
+            err.message.contains(&format!("POST /{route}")),
+            "{}",
+            err.message
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Commits
+
+#[tokio::test]
+async fn commit_round_trip_of_every_operation() {
+    let f = fixture(|root, outside| {
+        small_tree(root, outside);
+        std::fs::write(root.join("old-name"), b"moving").unwrap();
+        std::fs::create_dir(root.join("gone")).unwrap();
+        std::fs::write(root.join("doomed"), b"bye").unwrap();
+    })
+    .await;
+    let new_content = b"a brand new file, several blocks long";
+    let edited = b"hello, edited";
+    let inner = b"inside a new dir";
+    let want: Vec<String> = [&new_content[..], edited, inner]
+        .iter()
+        .flat_map(|c| block_hashes(c))
+        .collect();
+    // `moving` needs no upload: the export has it in its tree.
+    let mut ask = want.clone();
+    ask.extend(block_hashes(b"moving"));
+    let missing = f.missing(&ask).await;
+    assert_eq!(missing.len(), want.len(), "only the new content is missing");
+    for c in [&new_content[..], edited, inner] {
+        assert_eq!(f.upload(c).await.status(), StatusCode::OK);
+    }
+    assert!(f.missing(&ask).await.is_empty());
+
+    let result = f
+        .commit(&cs(
+            "commit-1",
+            vec![
+                write("new.txt", None, new_content, 0o640),
+                write("a.txt", Some(b"hello"), edited, 0o600),
+                write("new-name", None, b"moving", 0o644),
+                Change::Unlink {
+                    path: "old-name".into(),
+                    base: Some(hex(b"moving")),
+                },
+                Change::Mkdir {
+                    path: "newdir".into(),
+                    mode: 0o750,
+                },
+                write("newdir/inner.txt", None, inner, 0o644),
+                Change::Rmdir {
+                    path: "gone".into(),
+                },
+                Change::Symlink {
+                    path: "newlink".into(),
+                    target: "new.txt".into(),
+                },
+                Change::Symlink {
+                    path: "link".into(),
+                    target: "run.sh".into(),
+                },
+                Change::Chmod {
+                    path: "run.sh".into(),
+                    mode: 0o700,
+                },
+                Change::Unlink {
+                    path: "outlink".into(),
+                    base: Some("/etc/passwd".into()),
+                },
+                Change::Unlink {
+                    path: "doomed".into(),
+                    base: Some(hex(b"bye")),
+                },
+                Change::Unlink {
+                    path: "already-gone".into(),
+                    base: None,
+                },
+            ],
+        ))
+        .await;
+    assert!(result.conflicts.is_empty(), "{:?}", result.conflicts);
+    assert_eq!(result.applied, 13);
+    assert_eq!(result.commit_id, "commit-1");
+
+    assert_eq!(std::fs::read(f.path("new.txt")).unwrap(), new_content);
+    assert_eq!(mode_of(&f.path("new.txt")), 0o640);
+    let mtime = std::fs::metadata(f.path("new.txt"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    assert_eq!(mtime, std::time::UNIX_EPOCH + Duration::from_millis(1500));
+    assert_eq!(std::fs::read(f.path("a.txt")).unwrap(), edited);
+    assert_eq!(mode_of(&f.path("a.txt")), 0o600);
+    assert_eq!(std::fs::read(f.path("new-name")).unwrap(), b"moving");
+    assert!(!f.path("old-name").exists());
+    assert_eq!(
+        mode_of(&f.path("newdir")),
+        0o750,
+        "exact mode despite the umask"
+    );
+    assert_eq!(std::fs::read(f.path("newdir/inner.txt")).unwrap(), inner);
+    assert!(!f.path("gone").exists());
+    assert_eq!(
+        std::fs::read_link(f.path("newlink")).unwrap(),
+        Path::new("new.txt")
+    );
+    assert_eq!(
+        std::fs::read_link(f.path("link")).unwrap(),
+        Path::new("run.sh")
+    );
+    assert_eq!(mode_of(&f.path("run.sh")), 0o700);
+    assert!(std::fs::symlink_metadata(f.path("outlink")).is_err());
+    assert!(!f.path("doomed").exists());
+    let leftovers: Vec<_> = std::fs::read_dir(f.root.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".awcp-tmp-") && n != ".awcp-tmp-leftover")
+        .collect();
+    assert!(leftovers.is_empty(), "temp files left: {leftovers:?}");
+
+    // The written files are served from the tree now (index updated), even after the staged
+    // copies are gone.
+    for entry in std::fs::read_dir(f.staging.path().join("blocks")).unwrap() {
+        std::fs::remove_file(entry.unwrap().path()).unwrap();
+    }
+    let frames = f.blocks(&block_hashes(new_content)).await;
+    let served: Vec<u8> = frames.into_iter().flat_map(|(_, d)| d.unwrap()).collect();
+    assert_eq!(served, new_content);
+
+    let stats = f.export.stats();
+    assert_eq!(stats.commits, 1);
+    assert_eq!(stats.files_written, 4);
+    assert_eq!(
+        stats.bytes_written,
+        (new_content.len() + edited.len() + b"moving".len() + inner.len()) as u64
+    );
+    assert_eq!(stats.conflicts, 0);
+}
+
+#[tokio::test]
+async fn missing_blocks_fail_the_commit_and_nothing_is_applied() {
+    let f = fixture(small_tree).await;
+    let before = snapshot_tree(f.root.path());
+    let resp = f
+        .commit_raw(&cs(
+            "c1",
+            vec![
+                Change::Mkdir {
+                    path: "made".into(),
+                    mode: 0o755,
+                },
+                write("made/file", None, b"never uploaded content", 0o644),
+            ],
+        ))
+        .await;
+    let (status, err) = refusal(resp).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::CONFLICT, "MISSING_BLOCKS")
+    );
+    for h in block_hashes(b"never uploaded content") {
+        assert!(
+            err.message.contains(&h),
+            "message lists {h}: {}",
+            err.message
+        );
+    }
+    assert_eq!(
+        snapshot_tree(f.root.path()),
+        before,
+        "nothing applied, no temp left"
+    );
+
+    // Upload and retry with the same id: now it applies.
+    f.upload(b"never uploaded content").await;
+    let r = f
+        .commit(&cs(
+            "c1",
+            vec![
+                Change::Mkdir {
+                    path: "made".into(),
+                    mode: 0o755,
+                },
+                write("made/file", None, b"never uploaded content", 0o644),
+            ],
+        ))
+        .await;
+    assert_eq!(r.applied, 2);
+}
+
+#[tokio::test]
+async fn wrong_content_hash_is_refused() {
+    let f = fixture(small_tree).await;
+    f.upload(b"content").await;
+    let mut change = write("f", None, b"content", 0o644);
+    if let Change::Write { hash, .. } = &mut change {
+        *hash = hex(b"something else");
+    }
+    let (status, err) = refusal(f.commit_raw(&cs("c1", vec![change])).await).await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::BAD_REQUEST, "CHECKSUM_MISMATCH")
+    );
+    assert!(!f.path("f").exists());
+}
+
+#[tokio::test]
+async fn conflicting_write_keeps_both_versions() {
+    let f = fixture(small_tree).await;
+    // The Delegator edits a.txt after the Executor read it.
+    std::fs::write(f.path("a.txt"), b"delegator's edit").unwrap();
+    f.upload(b"executor's edit").await;
+    f.upload(b"unrelated").await;
+    let r = f
+        .commit(&cs(
+            "deadbeef-0001",
+            vec![
+                write("a.txt", Some(b"hello"), b"executor's edit", 0o644),
+                write("src/other.rs", None, b"unrelated", 0o644),
+                Change::Unlink {
+                    path: "src/lib.rs".into(),
+                    base: Some(hex(b"not what is there")),
+                },
+                Change::Rmdir { path: "src".into() },
+                write("src/deep/x", None, b"executor's edit", 0o644),
+            ],
+        ))
+        .await;
+    assert_eq!(r.applied, 1, "{r:?}");
+    assert_eq!(r.conflicts.len(), 4, "{r:?}");
+    assert_eq!(r.conflicts[0].path, "a.txt");
+    assert_eq!(
+        r.conflicts[0].kept_as.as_deref(),
+        Some("a.txt.awcp-conflict-deadbeef")
+    );
+    assert!(
+        r.conflicts[0].reason.contains("changed on the export"),
+        "{}",
+        r.conflicts[0].reason
+    );
+    assert_eq!(std::fs::read(f.path("a.txt")).unwrap(), b"delegator's edit");
+    assert_eq!(
+        std::fs::read(f.path("a.txt.awcp-conflict-deadbeef")).unwrap(),
+        b"executor's edit"
+    );
+    assert_eq!(
+        std::fs::read(f.path("src/other.rs")).unwrap(),
+        b"unrelated",
+        "rest applied"
+    );
+    assert_eq!(r.conflicts[1].path, "src/lib.rs");
+    assert!(r.conflicts[1].kept_as.is_none());
+    assert!(f.path("src/lib.rs").exists());
+    assert!(
+        r.conflicts[2].reason.contains("not empty"),
+        "{}",
+        r.conflicts[2].reason
+    );
+    assert_eq!(
+        r.conflicts[3].path, "src/deep/x",
+        "base None but a file exists"
+    );
+    assert_eq!(
+        r.conflicts[3].kept_as.as_deref(),
+        Some("src/deep/x.awcp-conflict-deadbeef")
+    );
+    assert_eq!(std::fs::read(f.path("src/deep/x")).unwrap(), b"x");
+
+    let stats = f.export.stats();
+    assert_eq!(stats.conflicts, 4);
+    assert_eq!(stats.recent_conflicts.len(), 4);
+    assert_eq!(stats.recent_conflicts[0].path, "a.txt");
+    let json = serde_json::to_value(&stats).unwrap();
+    assert_eq!(
+        json["recentConflicts"][0]["keptAs"],
+        "a.txt.awcp-conflict-deadbeef"
+    );
+    assert_eq!(json["filesWritten"], 3);
+}
+
+#[tokio::test]
+async fn retried_commit_is_answered_without_applying_twice() {
+    let f = fixture(small_tree).await;
+    f.upload(b"once").await;
+    let set = cs(
+        "retry-me",
+        vec![
+            write("once.txt", None, b"once", 0o644),
+            Change::Unlink {
+                path: "empty".into(),
+                base: Some(hex(b"")),
+            },
+        ],
+    );
+    let first = f.commit(&set).await;
+    assert_eq!(first.applied, 2);
+    // Someone removes the file in between: a re-application would bring it back.
+    std::fs::remove_file(f.path("once.txt")).unwrap();
+    let second = f.commit(&set).await;
+    assert_eq!(second, first);
+    assert!(!f.path("once.txt").exists(), "retry was not applied again");
+    assert_eq!(f.export.stats().commits, 1);
+
+    // A different id writing content that is already there counts as applied.
+    std::fs::write(f.path("once.txt"), b"once").unwrap();
+    let third = f
+        .commit(&cs(
+            "another",
+            vec![write("once.txt", None, b"once", 0o644)],
+        ))
+        .await;
+    assert_eq!((third.applied, third.conflicts.len()), (1, 0));
+}
+
+#[tokio::test]
+async fn concurrent_commits_are_serialised() {
+    let f = Arc::new(fixture(small_tree).await);
+    f.upload(b"v1").await;
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let f = f.clone();
+        tasks.push(tokio::spawn(async move {
+            f.commit(&cs(
+                &format!("c{i}"),
+                vec![write("race.txt", None, b"v1", 0o644)],
+            ))
+            .await
+        }));
+    }
+    for t in tasks {
+        let r = t.await.unwrap();
+        // Each sees either nothing (creates) or exactly this content (idempotent): never a
+        // half-written file or a conflict.
+        assert_eq!((r.applied, r.conflicts.len()), (1, 0), "{r:?}");
+    }
+    assert_eq!(std::fs::read(f.path("race.txt")).unwrap(), b"v1");
+}
+
+// ---------------------------------------------------------------------------------------
+// Confinement
+
+fn escape_tree(root: &Path, outside: &Path) {
+    small_tree(root, outside);
+    std::fs::write(outside.join("secret"), b"outside content").unwrap();
+    std::fs::set_permissions(
+        outside.join("secret"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    symlink(outside, root.join("out")).unwrap();
+    symlink(outside.join("secret"), root.join("secret-link")).unwrap();
+}
+
+#[tokio::test]
+async fn path_escapes_are_refused_and_nothing_outside_changes() {
+    let f = fixture(escape_tree).await;
+    f.upload(b"pwned").await;
+    let outside_before = snapshot_tree(f.outside.path());
+    let inside_before = snapshot_tree(f.root.path());
+
+    let escapes: Vec<Vec<Change>> = vec![
+        vec![write("../escaped", None, b"pwned", 0o644)],
+        vec![write("/tmp/escaped", None, b"pwned", 0o644)],
+        vec![write("src/../../escaped", None, b"pwned", 0o644)],
+        vec![write("./a.txt", None, b"pwned", 0o644)],
+        // Through a symlinked parent that points outside.
+        vec![write(
+            "out/secret",
+            Some(b"outside content"),
+            b"pwned",
+            0o644,
+        )],
+        vec![write("out/new", None, b"pwned", 0o644)],
+        vec![Change::Mkdir {
+            path: "out/dir".into(),
+            mode: 0o755,
+        }],
+        vec![Change::Unlink {
+            path: "out/secret".into(),
+            base: Some(hex(b"outside content")),
+        }],
+        vec![Change::Chmod {
+            path: "out/secret".into(),
+            mode: 0o777,
+        }],
+        vec![Change::Symlink {
+            path: "out/l".into(),
+            target: "/".into(),
+        }],
+        // A symlink made earlier in the same set, then written through: refused as a whole.
+        vec![
+            Change::Symlink {
+                path: "fresh".into(),
+                target: f.outside.path().to_string_lossy().into_owned(),
+            },
+            write("fresh/planted", None, b"pwned", 0o644),
+        ],
+        // A file used as a directory.
+        vec![write("a.txt/x", None, b"pwned", 0o644)],
+        // Our own temp names are reserved.
+        vec![write(".awcp-tmp-x", None, b"pwned", 0o644)],
+    ];
+    for changes in escapes {
+        let desc = format!("{changes:?}");
+        let (status, err) = refusal(f.commit_raw(&cs("esc", changes)).await).await;
+        assert_eq!(
+            (status, err.code.as_str()),
+            (StatusCode::BAD_REQUEST, "INVALID_PATH"),
+            "{desc}"
+        );
+        if desc.contains("out/") || desc.contains("fresh") {
+            assert!(err.message.contains("escapes"), "{desc}: {}", err.message);
+        }
+    }
+
+    // Writing to, unlinking or chmodding a symlink that points outside acts on the link,
+    // never on its target.
+    let r = f
+        .commit(&cs(
+            "links",
+            vec![
+                write("secret-link", Some(b"outside content"), b"pwned", 0o644),
+                Change::Chmod {
+                    path: "secret-link".into(),
+                    mode: 0o777,
+                },
+                Change::Unlink {
+                    path: "secret-link".into(),
+                    base: Some(hex(b"outside content")),
+                },
+            ],
+        ))
+        .await;
+    assert_eq!(
+        r.applied, 1,
+        "only the chmod (a no-op on a symlink) applies: {r:?}"
+    );
+    assert_eq!(r.conflicts.len(), 2, "{r:?}");
+    assert!(
+        r.conflicts[0].reason.contains("symlink"),
+        "{}",
+        r.conflicts[0].reason
+    );
+
+    assert_eq!(
+        snapshot_tree(f.outside.path()),
+        outside_before,
+        "outside untouched"
+    );
+    let mut inside_after = snapshot_tree(f.root.path());
+    inside_after.retain(|(p, _)| p != "secret-link.awcp-conflict-links");
+    assert_eq!(
+        inside_after, inside_before,
+        "nothing of the refused commits applied"
+    );
+    assert_eq!(mode_of(&f.outside.path().join("secret")), 0o600);
+}
+
+#[tokio::test]
+async fn blocks_are_never_read_through_a_symlink() {
+    // Regression guard: a file replaced by a symlink to a file outside with the same content
+    // must not be served from outside.
+    let f = fixture(escape_tree).await;
+    std::fs::remove_file(f.path("a.txt")).unwrap();
+    std::fs::write(f.outside.path().join("hello"), b"hello").unwrap();
+    symlink(f.outside.path().join("hello"), f.path("a.txt")).unwrap();
+    let frames = f.blocks(&[hex(b"hello")]).await;
+    assert_eq!(frames[0].1, None);
+}
+
+#[tokio::test]
+async fn setuid_bits_are_never_set_by_a_commit() {
+    let f = fixture(small_tree).await;
+    f.upload(b"#!/bin/sh\n").await;
+    let r = f
+        .commit(&cs(
+            "suid",
+            vec![
+                write("tool", None, b"#!/bin/sh\n", 0o6755),
+                Change::Chmod {
+                    path: "run.sh".into(),
+                    mode: 0o4755,
+                },
+            ],
+        ))
+        .await;
+    assert_eq!(r.applied, 2);
+    assert_eq!(mode_of(&f.path("tool")), 0o755);
+    assert_eq!(mode_of(&f.path("run.sh")), 0o755);
+}
+
+// ---------------------------------------------------------------------------------------
+// Events
+
+async fn next_event<B: AsRef<[u8]>>(
+    stream: &mut (impl futures::Stream<Item = reqwest::Result<B>> + Unpin),
+    buf: &mut String,
+) -> Option<ExportEvent> {
+    loop {
+        if let Some(end) = buf.find("\n\n") {
+            let frame: String = buf.drain(..end + 2).collect();
+            if let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data:")) {
+                return Some(serde_json::from_str(data.trim()).unwrap());
+            }
+            continue; // keep-alive comment
+        }
+        let chunk = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("no SSE data within 10 s")?;
+        buf.push_str(&String::from_utf8_lossy(chunk.unwrap().as_ref()));
+    }
+}
+
+#[tokio::test]
+async fn events_deliver_renew_and_revoke_then_end() {
+    let f = fixture(small_tree).await;
+    let resp = f
+        .client
+        .get(f.url("events"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut stream = resp.bytes_stream();
+    let mut buf = String::new();
+
+    let Some(ExportEvent::Lease {
+        state,
+        remaining_ms,
+        expires_at,
+        ..
+    }) = next_event(&mut stream, &mut buf).await
+    else {
+        panic!("no first event");
+    };
+    assert_eq!((state, remaining_ms), (LeaseState::Active, 600_000));
+    assert_eq!(expires_at, "2025-01-01T00:10:00.000Z");
+
+    f.export.lease().renew(Duration::from_secs(1200)).unwrap();
+    let Some(ExportEvent::Lease {
+        state,
+        remaining_ms,
+        ..
+    }) = next_event(&mut stream, &mut buf).await
+    else {
+        panic!("no renew event");
+    };
+    assert_eq!((state, remaining_ms), (LeaseState::Active, 1_200_000));
+
+    f.clock.advance(Duration::from_secs(5));
+    f.export.lease().revoke(true);
+    let Some(ExportEvent::Lease {
+        state,
+        flush_grace_ms,
+        expires_at,
+        ..
+    }) = next_event(&mut stream, &mut buf).await
+    else {
+        panic!("no revoke event");
+    };
+    assert_eq!((state, flush_grace_ms), (LeaseState::Revoked, 30_000));
+    assert_eq!(expires_at, "2025-01-01T00:00:05.000Z");
+    assert!(
+        next_event(&mut stream, &mut buf).await.is_none(),
+        "stream ends after a terminal event"
+    );
+}
+
+#[tokio::test]
+async fn events_fire_at_the_deadline_without_any_other_trigger() {
+    // Real time here: the export's timer must wake the stream when the lease runs out.
+    let root = tempfile::tempdir().unwrap();
+    let staging = tempfile::tempdir().unwrap();
+    let lease = Arc::new(Lease::grant(
+        Arc::new(awcp_lease::SystemClock::new()),
+        LeaseTerms {
+            ttl: Duration::from_millis(300),
+            max_ttl: Duration::from_secs(60),
+            flush_grace: Duration::from_secs(5),
+        },
+    ));
+    let registry = ExportRegistry::new();
+    registry
+        .register(
+            "exp_rt".into(),
+            TOKEN.into(),
+            ExportConfig {
+                root: root.path().to_owned(),
+                read_only: false,
+                block_size: BLOCK,
+                staging_dir: staging.path().to_owned(),
+            },
+            lease,
+        )
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = registry.router();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let resp = reqwest::Client::new()
+        .get(format!("http://{addr}/v1/exports/exp_rt/events"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    let mut buf = String::new();
+    let first = next_event(&mut stream, &mut buf).await.unwrap();
+    assert!(matches!(
+        first,
+        ExportEvent::Lease {
+            state: LeaseState::Active,
+            ..
+        }
+    ));
+    let second = next_event(&mut stream, &mut buf).await.unwrap();
+    assert!(
+        matches!(
+            second,
+            ExportEvent::Lease {
+                state: LeaseState::Expired,
+                ..
+            }
+        ),
+        "{second:?}"
+    );
+    assert!(next_event(&mut stream, &mut buf).await.is_none());
+}
+
+// ---------------------------------------------------------------------------------------
+// Registration
+
+#[test]
+fn register_refuses_bad_configs() {
+    let root = tempfile::tempdir().unwrap();
+    let lease = Arc::new(Lease::grant(
+        Arc::new(ManualClock::new()),
+        LeaseTerms {
+            ttl: Duration::from_secs(1),
+            max_ttl: Duration::from_secs(1),
+            flush_grace: Duration::ZERO,
+        },
+    ));
+    let reg = ExportRegistry::new();
+    let cfg = |staging: PathBuf, block_size| ExportConfig {
+        root: root.path().to_owned(),
+        read_only: false,
+        block_size,
+        staging_dir: staging,
+    };
+    let outside = tempfile::tempdir().unwrap();
+    let inside = root.path().join("staging");
+    let err = reg
+        .register(
+            "e1".into(),
+            TOKEN.into(),
+            cfg(inside.clone(), 8),
+            lease.clone(),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("outside"), "{err}");
+    assert!(
+        !inside.exists(),
+        "the refused staging dir is not left in the tree"
+    );
+    assert!(
+        reg.register(
+            "e/1".into(),
+            TOKEN.into(),
+            cfg(outside.path().into(), 8),
+            lease.clone()
+        )
+        .is_err()
+    );
+    assert!(
+        reg.register(
+            "e1".into(),
+            String::new(),
+            cfg(outside.path().into(), 8),
+            lease.clone()
+        )
+        .is_err()
+    );
+    assert!(
+        reg.register(
+            "e1".into(),
+            TOKEN.into(),
+            cfg(outside.path().into(), 0),
+            lease.clone()
+        )
+        .is_err()
+    );
+    let ok = reg.register(
+        "e1".into(),
+        TOKEN.into(),
+        cfg(outside.path().into(), 8),
+        lease.clone(),
+    );
+    assert!(ok.is_ok());
+    assert_eq!(ok.unwrap().root(), root.path());
+    let dup = reg
+        .register(
+            "e1".into(),
+            TOKEN.into(),
+            cfg(outside.path().into(), 8),
+            lease.clone(),
+        )
+        .unwrap_err();
+    assert!(dup.to_string().contains("already registered"), "{dup}");
+    let not_dir = reg.register(
+        "e2".into(),
+        TOKEN.into(),
+        ExportConfig {
+            root: root.path().join("nope"),
+            ..cfg(outside.path().into(), 8)
+        },
+        lease,
+    );
+    assert!(not_dir.is_err());
+    assert!(reg.get("e1").is_some() && reg.get("e2").is_none());
+}
