@@ -201,6 +201,17 @@ pub async fn serve(cfg: DaemonConfig) -> anyhow::Result<()> {
 }
 
 impl Daemon {
+    /// The capability token of a delegation's export (for operators and tests: it is never
+    /// served by the daemon API).
+    pub fn export_token(&self, id: &str) -> Option<String> {
+        self.get_live(id).map(|l| l.d.lock().token.clone())
+    }
+
+    /// The data-plane URL Executors are given.
+    pub fn export_url(&self) -> &str {
+        &self.export_url
+    }
+
     pub(crate) fn get_live(&self, id: &str) -> Option<Arc<Live>> {
         self.live.lock().get(id).cloned()
     }

@@ -1,1 +1,198 @@
-//! Shared harness for the end-to-end tests.
+//! Shared harness for the end-to-end tests: a real Delegator daemon and a real Executor on
+//! loopback (ports chosen by the kernel), real FUSE mounts, real tools.
+//!
+//! FUSE tests need root and `/dev/fuse`. Where `/dev/fuse` is missing they skip, loudly —
+//! except under `CI=true`, where a missing FUSE device fails the test.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use awcp_ctl::client::DaemonClient;
+use awcp_ctl::daemon::{DaemonConfig, RunningDaemon};
+use awcp_ctl::executor::{ExecutorConfig, RunningExecutor};
+use awcp_protocol::DelegationState;
+use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
+use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
+
+/// Whether FUSE tests can run here. Panics under `CI=true` when they cannot.
+pub fn fuse_available() -> bool {
+    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
+    if !ok {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("FUSE tests must run in CI: /dev/fuse is missing or we are not root");
+        }
+        eprintln!(
+            "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
+        );
+    }
+    ok
+}
+
+/// Run a command, panic with its output if it fails; return stdout.
+pub fn sh(dir: &Path, script: &str) -> String {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .current_dir(dir)
+        .output()
+        .expect("running sh");
+    assert!(
+        out.status.success(),
+        "`{script}` failed in {}: {}\n{}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A git repository with a small Python package and its tests.
+pub fn sample_repo(dir: &Path) {
+    std::fs::create_dir_all(dir.join("calc")).unwrap();
+    std::fs::write(dir.join("calc/__init__.py"), "").unwrap();
+    std::fs::write(
+        dir.join("calc/ops.py"),
+        "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n",
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir.join("tests")).unwrap();
+    std::fs::write(dir.join("tests/__init__.py"), "").unwrap();
+    std::fs::write(
+        dir.join("tests/test_ops.py"),
+        "import unittest\nfrom calc.ops import add, mul\n\n\nclass T(unittest.TestCase):\n    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n    def test_mul(self):\n        self.assertEqual(mul(2, 3), 6)\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("README.md"), "# sample\n").unwrap();
+    std::fs::write(dir.join("tool.sh"), "#!/bin/sh\necho old\n").unwrap();
+    sh(
+        dir,
+        "chmod 755 tool.sh && git init -q -b main && git -c user.email=d@x -c user.name=delegator add -A && git -c user.email=d@x -c user.name=delegator commit -qm initial",
+    );
+}
+
+/// Both services on loopback, state in a temp dir.
+pub struct Harness {
+    /// Everything lives here.
+    pub tmp: tempfile::TempDir,
+    /// The Delegator daemon.
+    pub daemon: RunningDaemon,
+    /// The Executor service.
+    pub executor: RunningExecutor,
+    /// A client of the daemon.
+    pub client: DaemonClient,
+}
+
+impl Harness {
+    /// Start both services; the Executor runs `agent_cmd` in each mounted workspace.
+    pub async fn start(agent_cmd: &str) -> Harness {
+        if let Ok(filter) = std::env::var("AWCP_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_test_writer()
+                .try_init();
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let mut dcfg = DaemonConfig::new(tmp.path().join("delegator"));
+        dcfg.listen = "127.0.0.1:0".parse().unwrap();
+        dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
+        dcfg.flush_grace = Duration::from_secs(5);
+        let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
+        let mut ecfg = ExecutorConfig::new(agent_cmd.to_string(), tmp.path().join("executor"));
+        ecfg.listen = "127.0.0.1:0".parse().unwrap();
+        let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
+        let client = DaemonClient::new(&daemon.url());
+        Harness {
+            tmp,
+            daemon,
+            executor,
+            client,
+        }
+    }
+
+    /// A path in the temp dir.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.tmp.path().join(rel)
+    }
+
+    /// Where the Executor mounts delegation `id`.
+    pub fn mountpoint(&self, id: &str) -> PathBuf {
+        self.tmp.path().join("executor/work").join(id)
+    }
+
+    /// Delegate `dir`.
+    pub async fn delegate(&self, dir: &Path, mode: AccessMode, ttl_seconds: u64) -> String {
+        let req = DelegateRequest {
+            executor_url: self.executor.awcp_url(),
+            environment: EnvironmentSpec {
+                resources: vec![ResourceSpec {
+                    name: "workspace".into(),
+                    resource_type: ResourceType::Fs,
+                    source: dir.display().to_string(),
+                    mode,
+                    include: None,
+                    exclude: None,
+                }],
+            },
+            task: TaskSpec {
+                description: "test task".into(),
+                prompt: "do the test".into(),
+            },
+            ttl_seconds: Some(ttl_seconds),
+            access_mode: Some(mode),
+            snapshot_mode: None,
+            auth: None,
+        };
+        self.client
+            .delegate(&req)
+            .await
+            .expect("delegate")
+            .delegation_id
+            .as_str()
+            .to_string()
+    }
+
+    /// Wait until the delegation is in a terminal state; return it.
+    pub async fn wait_end(&self, id: &str, timeout: Duration) -> DelegationState {
+        let start = Instant::now();
+        loop {
+            let v = self.client.get(id).await.expect("status");
+            if v.record.state.is_terminal() {
+                return v.record.state;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "delegation {id} still {} after {timeout:?}",
+                v.record.state.as_str()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Stop both services.
+    pub async fn stop(self) {
+        self.executor.stop().await;
+        self.daemon.stop().await;
+    }
+}
+
+/// Whether `path` is a mount point now.
+pub fn is_mounted(path: &Path) -> bool {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let p = path.display().to_string();
+    mounts
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(p.as_str()))
+}
+
+/// Wait until `f` holds, up to `timeout`; true if it did.
+pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    f()
+}

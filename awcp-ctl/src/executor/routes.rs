@@ -38,16 +38,15 @@ fn fail(status: StatusCode, msg: impl Into<String>) -> Response {
 }
 
 pub(super) fn router(ex: Arc<Executor>) -> Router {
-    let awcp = Router::new()
-        .route("/", post(message))
-        .route("/tasks/{id}/events", get(events))
-        .route("/tasks/{id}/result", get(result))
-        .route("/tasks/{id}/ack", post(ack))
-        .route("/cancel/{id}", post(cancel))
-        .route("/status", get(status))
-        .with_state(ex);
     Router::new()
-        .nest("/awcp", awcp)
+        .route("/awcp", post(message))
+        .route("/awcp/", post(message))
+        .route("/awcp/tasks/{id}/events", get(events))
+        .route("/awcp/tasks/{id}/result", get(result))
+        .route("/awcp/tasks/{id}/ack", post(ack))
+        .route("/awcp/cancel/{id}", post(cancel))
+        .route("/awcp/status", get(status))
+        .with_state(ex)
         .fallback(|| async {
             fail(
                 StatusCode::NOT_FOUND,
@@ -187,12 +186,14 @@ fn invite(ex: &Executor, inv: InviteMessage) -> AwcpMessage {
     })
 }
 
-fn lookup(ex: &Executor, id: &str) -> Result<Arc<Assignment>, Response> {
-    ex.tasks
-        .lock()
-        .get(id)
-        .cloned()
-        .ok_or_else(|| fail(StatusCode::NOT_FOUND, format!("Delegation not found: {id}")))
+/// The assignment `id`, or the 404 the reference answers.
+fn lookup(ex: &Executor, id: &str) -> Result<Arc<Assignment>, Box<Response>> {
+    ex.tasks.lock().get(id).cloned().ok_or_else(|| {
+        Box::new(fail(
+            StatusCode::NOT_FOUND,
+            format!("Delegation not found: {id}"),
+        ))
+    })
 }
 
 async fn events(
@@ -200,7 +201,7 @@ async fn events(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Response> {
-    let a = lookup(&ex, &id)?;
+    let a = lookup(&ex, &id).map_err(|r| *r)?;
     let after: u64 = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
@@ -277,7 +278,7 @@ async fn ack(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Json<Ok
 async fn cancel(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
     let a = match lookup(&ex, &id) {
         Ok(a) => a,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     if a.state.lock().is_terminal() {
         return fail(

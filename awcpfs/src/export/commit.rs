@@ -196,12 +196,22 @@ struct WritePlan {
 struct Overlay<'r> {
     root: &'r RootDir,
     known: HashMap<String, NodeKind>,
+    /// Directories this commit creates (empty until it fills them).
+    created: std::collections::HashSet<String>,
 }
 
 impl Overlay<'_> {
     fn kind(&mut self, rel: &str) -> Result<NodeKind, ApiError> {
         if let Some(k) = self.known.get(rel) {
             return Ok(*k);
+        }
+        // Below a directory this commit creates or removes, nothing exists yet: the real
+        // tree may still hold a file at that prefix, which an earlier change replaces.
+        for (end, _) in rel.match_indices('/') {
+            let prefix = &rel[..end];
+            if self.created.contains(prefix) || self.known.get(prefix) == Some(&NodeKind::Absent) {
+                return Ok(NodeKind::Absent);
+            }
         }
         let k = match self.root.kind(rel) {
             Ok(k) => k,
@@ -227,6 +237,7 @@ fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePl
     let mut overlay = Overlay {
         root,
         known: HashMap::new(),
+        created: Default::default(),
     };
     let mut writes = HashMap::new();
     for (i, change) in changes.iter().enumerate() {
@@ -299,6 +310,9 @@ fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePl
             }
         };
         if let Some(k) = after {
+            if matches!(change, Change::Mkdir { .. }) {
+                overlay.created.insert(path.to_owned());
+            }
             overlay.known.insert(path.to_owned(), k);
         }
     }
@@ -349,8 +363,12 @@ fn stage(
         };
         let dir = match root.open_parent(path) {
             Ok((dir, _)) => dir,
+            // The parent does not exist yet, or is a file an earlier change of this commit
+            // replaces with a directory (validation checked the whole set): stage in the
+            // root and move the file into place when its turn comes.
             Err(e) if e.is_not_found() => dup_root(root)?,
-            Err(e @ (FsError::SymlinkInPath { .. } | FsError::NotDir { .. })) => {
+            Err(FsError::NotDir { .. }) => dup_root(root)?,
+            Err(e @ FsError::SymlinkInPath { .. }) => {
                 return Err(ApiError::InvalidPath {
                     reason: e.to_string(),
                 });
@@ -464,17 +482,9 @@ fn conflict(reason: impl Into<String>) -> Outcome {
 
 /// The part of the commit id used in conflict copy names: 8 characters, filename-safe.
 fn conflict_tag(commit_id: &str) -> String {
-    commit_id
-        .chars()
-        .take(8)
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+    // A hash, not a prefix: one Executor's commit ids share their prefix, and every
+    // conflict must keep its own copy.
+    blake3::hash(commit_id.as_bytes()).to_hex()[..12].to_string()
 }
 
 fn fs_io(op: &'static str, path: &str, e: Errno) -> FsError {
@@ -778,9 +788,16 @@ mod tests {
 
     #[test]
     fn conflict_tags_are_filename_safe() {
-        assert_eq!(conflict_tag("c0ffee-1234-5678"), "c0ffee-1");
-        assert_eq!(conflict_tag("../../x"), "______x");
-        assert_eq!(conflict_tag("ab"), "ab");
+        for id in ["c0ffee-1234-5678", "../../x", "ab", "a/b\0c"] {
+            let tag = conflict_tag(id);
+            assert_eq!(tag.len(), 12);
+            assert!(tag.chars().all(|c| c.is_ascii_hexdigit()), "{tag}");
+        }
+        // Commits of one Executor share a prefix; their tags must differ.
+        assert_ne!(
+            conflict_tag("0123456789abcdef-1"),
+            conflict_tag("0123456789abcdef-2")
+        );
     }
 
     #[test]

@@ -137,6 +137,11 @@ impl AwcpFs {
         }
     }
 
+    /// Its counters.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
     /// The options it runs with.
     pub fn options(&self) -> &FsOptions {
         &self.opts
@@ -230,6 +235,7 @@ impl AwcpFs {
             mtime: now,
             ctime: now,
             children: Default::default(),
+            subdirs: 0,
             target: None,
             data: match kind {
                 Kind::File => Data::Local {
@@ -265,8 +271,9 @@ impl AwcpFs {
         parent.ctime = now;
         let attr = self.attr_of(&node);
         let rec = Record::node(&node);
-        table.insert_child(node.parent, node.name.clone(), node.ino);
+        let (parent, name, ino) = (node.parent, node.name.clone(), node.ino);
         table.insert(node);
+        table.insert_child(parent, name, ino);
         self.journal(&[rec])?;
         self.sync.request();
         Ok(attr)

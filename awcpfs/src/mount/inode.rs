@@ -94,6 +94,8 @@ pub struct Node {
     pub ctime: SystemTime,
     /// Children by name (directories).
     pub children: BTreeMap<String, Ino>,
+    /// How many of the children are directories (kept by [`InodeTable`]).
+    pub subdirs: u32,
     /// Target (symlinks).
     pub target: Option<String>,
     /// Content (files).
@@ -107,13 +109,11 @@ pub struct Node {
 }
 
 impl Node {
-    /// Link count as `stat` reports it.
+    /// Link count as `stat` reports it: 2 plus one per subdirectory for a directory (tools
+    /// like `find` rely on it to skip leaf directories), 1 for a linked file, 0 once unlinked.
     pub fn nlink(&self) -> u32 {
         match self.kind {
-            Kind::Dir => {
-                let subdirs = u32::try_from(self.children.len()).unwrap_or(u32::MAX);
-                2u32.saturating_add(subdirs)
-            }
+            Kind::Dir => 2u32.saturating_add(self.subdirs),
             _ if self.unlinked => 0,
             _ => 1,
         }
@@ -189,6 +189,7 @@ impl InodeTable {
                 mtime: root_time,
                 ctime: root_time,
                 children: BTreeMap::new(),
+                subdirs: 0,
                 target: None,
                 data: Data::None,
                 open_handles: 0,
@@ -239,6 +240,7 @@ impl InodeTable {
                 // ctime = mtime so it is stable across remounts of the same tree.
                 ctime: t,
                 children: BTreeMap::new(),
+                subdirs: 0,
                 target: e.target.clone(),
                 data,
                 open_handles: 0,
@@ -294,16 +296,41 @@ impl InodeTable {
         self.nodes.get(&parent)?.children.get(name).copied()
     }
 
-    /// Add a dentry.
+    fn is_dir(&self, ino: Ino) -> bool {
+        self.nodes.get(&ino).map(|n| n.kind) == Some(Kind::Dir)
+    }
+
+    /// Add a dentry (the child node must already be in the table), replacing any other.
     pub fn insert_child(&mut self, parent: Ino, name: String, ino: Ino) {
-        if let Some(p) = self.nodes.get_mut(&parent) {
-            p.children.insert(name, ino);
+        let child_is_dir = self.is_dir(ino);
+        let Some(p) = self.nodes.get_mut(&parent) else {
+            return;
+        };
+        if let Some(old) = p.children.insert(name, ino) {
+            if old == ino {
+                return;
+            }
+            let old_is_dir = self.is_dir(old);
+            if let Some(p) = self.nodes.get_mut(&parent)
+                && old_is_dir
+            {
+                p.subdirs = p.subdirs.saturating_sub(1);
+            }
+        }
+        if child_is_dir && let Some(p) = self.nodes.get_mut(&parent) {
+            p.subdirs += 1;
         }
     }
 
     /// Remove a dentry, returning the inode it named.
     pub fn remove_child(&mut self, parent: Ino, name: &str) -> Option<Ino> {
-        self.nodes.get_mut(&parent)?.children.remove(name)
+        let ino = self.nodes.get_mut(&parent)?.children.remove(name)?;
+        if self.is_dir(ino)
+            && let Some(p) = self.nodes.get_mut(&parent)
+        {
+            p.subdirs = p.subdirs.saturating_sub(1);
+        }
+        Some(ino)
     }
 
     /// Number of nodes, the root included.

@@ -178,9 +178,9 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
                         .map(|n| n.data.clone())
                         .unwrap_or(Data::None)
                 };
-                let children = table
+                let (children, subdirs) = table
                     .get(*ino)
-                    .map(|n| n.children.clone())
+                    .map(|n| (n.children.clone(), n.subdirs))
                     .unwrap_or_default();
                 table.insert(Node {
                     ino: *ino,
@@ -195,6 +195,7 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
                     mtime: t,
                     ctime: t,
                     children,
+                    subdirs,
                     target: target.clone(),
                     data,
                     open_handles: 0,

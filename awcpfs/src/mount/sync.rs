@@ -127,8 +127,11 @@ struct CurFile {
     ino: Ino,
     mode: u32,
     mtime_ns: i64,
+    size: u64,
     /// Known hash (clean), or the generation to hash now (dirty).
     known: Option<String>,
+    /// Block list, when known without reading (remote content).
+    blocks: Option<Vec<String>>,
     generation: u64,
 }
 
@@ -196,27 +199,31 @@ impl Syncer {
                     target: n.target.clone().unwrap_or_default(),
                 },
                 Kind::File => {
-                    let (known, generation) = match &n.data {
-                        Data::Remote { hash, .. } => (Some(hash.clone()), 0),
+                    let (known, blocks, generation) = match &n.data {
+                        Data::Remote { hash, blocks } => {
+                            (Some(hash.clone()), Some(blocks.clone()), 0)
+                        }
                         Data::Local {
                             dirty: false,
                             hash: Some(h),
                             generation,
-                        } => (Some(h.clone()), *generation),
+                        } => (Some(h.clone()), None, *generation),
                         Data::Local { generation, .. } => {
                             if n.open_writers > 0 && !include_open {
                                 out.push((path.to_string(), Cur::Skip));
                                 return;
                             }
-                            (None, *generation)
+                            (None, None, *generation)
                         }
-                        Data::None => (None, 0),
+                        Data::None => (None, None, 0),
                     };
                     Cur::File(CurFile {
                         ino: n.ino,
                         mode: u32::from(n.perm),
                         mtime_ns: time_to_ns(n.mtime),
+                        size: n.size,
                         known,
+                        blocks,
                         generation,
                     })
                 }
@@ -374,11 +381,23 @@ impl Syncer {
                         }
                         None => None,
                     };
-                    // Content unknown locally (clean but never hashed) cannot happen:
-                    // a clean file always has its hash.
-                    let Some(hd) = hashed else {
-                        continue;
+                    // A clean file whose content differs from what the export has at this
+                    // path (it was renamed here): its blocks are in the manifest (remote
+                    // content) or must be read from the upper file. The export already has
+                    // them either way, so nothing is uploaded.
+                    let hd = match (hashed, &f.blocks) {
+                        (Some(hd), _) => hd,
+                        (None, Some(blocks)) => Hashed {
+                            hash: hash.clone(),
+                            size: f.size,
+                            blocks: blocks.clone(),
+                        },
+                        (None, None) => match self.hash_upper(f.ino, &mut pending_blocks)? {
+                            Some(hd) => hd,
+                            None => continue,
+                        },
                     };
+                    let hash = hd.hash.clone();
                     writes.push(Change::Write {
                         path: path.clone(),
                         mode: f.mode,
@@ -458,6 +477,11 @@ impl Syncer {
             }
         }
 
+        if tracing::enabled!(tracing::Level::TRACE) {
+            for c in &changes {
+                tracing::trace!(change = ?c, "sync change");
+            }
+        }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let cs = ChangeSet {
             commit_id: format!("{}-{seq}", self.instance),

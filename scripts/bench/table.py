@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""Turn the raw samples scripts/bench.sh recorded into the results table.
+
+Input: a TSV file, one sample per line:
+    workload <TAB> variant <TAB> config <TAB> unit <TAB> value
+where config is native | awcpfs | sshfs, unit is s (seconds, lower is better), iops or
+mbps (higher is better) or mb (memory), and value is a number or "fail".
+
+Output (stdout): a markdown table of medians with ratios awcpfs/native and awcpfs/sshfs,
+expressed as slowdowns (> 1 means awcpfs is slower, for every unit), the targets of
+issue 3 with a verdict where the run measured them, and a details table (n, min, max).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from collections import OrderedDict
+
+CONFIGS = ("native", "awcpfs", "sshfs")
+
+
+def fmt_val(v, unit, extra_bytes=None):
+    if v is None:
+        return "—"
+    if v == "fail":
+        return "**failed**"
+    if unit == "s":
+        if v < 0.001:
+            s = f"{v * 1e6:.0f} µs"
+        elif v < 1:
+            s = f"{v * 1000:.1f} ms"
+        else:
+            s = f"{v:.2f} s"
+        if extra_bytes:
+            s += f" ({extra_bytes / v / 1e6:,.0f} MB/s)" if v > 0 else ""
+        return s
+    if unit == "iops":
+        return f"{v:,.0f} IOPS"
+    if unit == "mb":
+        return f"{v:,.1f} MB"
+    return f"{v:g} {unit}"
+
+
+def slowdown(a, b, unit):
+    """How many times slower a is than b (both medians)."""
+    if a in (None, "fail") or b in (None, "fail"):
+        return None
+    if unit == "s":
+        return a / b if b > 0 else None
+    if unit == "iops":
+        return b / a if a > 0 else None
+    return None
+
+
+def fmt_ratio(r):
+    if r is None:
+        return "—"
+    return f"{r:.2f}×" if r < 100 else f"{r:,.0f}×"
+
+
+def load(path):
+    data = OrderedDict()
+    with open(path) as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line or line.startswith("#"):
+                continue
+            w, var, cfg, unit, val = line.split("\t")
+            cell = data.setdefault((w, var), {}).setdefault(cfg, {"unit": unit, "vals": [],
+                                                                 "fails": 0})
+            if val == "fail":
+                cell["fails"] += 1
+            else:
+                cell["vals"].append(float(val))
+    return data
+
+
+def median(cell):
+    if cell is None:
+        return None
+    if not cell["vals"]:
+        return "fail" if cell["fails"] else None
+    return statistics.median(cell["vals"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("raw")
+    ap.add_argument("--meta", help="JSON with files, big_bytes, ... (labels, targets)")
+    a = ap.parse_args()
+    meta = json.load(open(a.meta)) if a.meta else {}
+    files = meta.get("files", 20000)
+    big = meta.get("big_bytes")
+    data = load(a.raw)
+
+    labels = {
+        ("delegate", "1k"): "delegate → usable mount, 1,000 files",
+        ("delegate", "n"): f"delegate → usable mount, {files:,} files",
+        ("git", "cold"): "`git status`, cold",
+        ("git", "warm"): "`git status`, warm",
+        ("git", "ttl"): "`git status`, after the attr TTL",
+        ("stat", "cold"): "stat walk, cold",
+        ("stat", "warm"): "stat walk, warm",
+        ("read", "cold"): "read all small files, cold",
+        ("read", "warm"): "read all small files, warm",
+        ("seq", "cold"): f"{(big or 0) >> 20} MiB sequential read, cold",
+        ("seq", "warm"): f"{(big or 0) >> 20} MiB sequential read, warm",
+        ("fio", "warm"): "fio 4 KiB random read, warm",
+        ("make", "clean-cold"): "`make -j2` from clean, cold",
+        ("make", "clean-warm"): "`make -j2` from clean, warm",
+        ("make", "rebuild"): "`make -j2` rebuild after editing 5 files",
+        ("visible", "close"): "close → visible at the Delegator",
+        ("rss", "walk"): f"awcpfs RSS after a stat walk ({files:,} files)",
+    }
+    targets = {
+        ("git", "warm"): "≤ 1.3× native",
+        ("git", "ttl"): "≤ 1.3× native",
+        ("stat", "warm"): "≤ 2× native",
+        ("read", "warm"): "≤ 1.5× native",
+        ("read", "cold"): "≥ 5× faster than sshfs",
+        ("seq", "warm"): "≤ 1.2× native",
+        ("seq", "cold"): "≥ 1 GB/s",
+        ("make", "clean-cold"): "≤ 1.3× native",
+        ("make", "clean-warm"): "≤ 1.3× native",
+        ("make", "rebuild"): "≤ 1.3× native",
+        ("delegate", "n"): "≤ 1 s at 100,000 files, ≤ 3× the 1,000-file figure",
+        ("visible", "close"): "median ≤ 100 ms",
+        ("rss", "walk"): "≤ 150 MB at 100,000 files",
+    }
+
+    def verdict(key, med, unit):
+        aw, nat, ssh = med.get("awcpfs"), med.get("native"), med.get("sshfs")
+        if aw == "fail":
+            return "missed (failed)"
+        if aw is None:
+            return ""
+        ok = None
+        if key in (("git", "warm"), ("git", "ttl"), ("make", "clean-cold"),
+                   ("make", "clean-warm"), ("make", "rebuild")):
+            r = slowdown(aw, nat, unit)
+            ok = r is not None and r <= 1.3
+        elif key == ("stat", "warm"):
+            r = slowdown(aw, nat, unit)
+            ok = r is not None and r <= 2
+        elif key == ("read", "warm"):
+            r = slowdown(aw, nat, unit)
+            ok = r is not None and r <= 1.5
+        elif key == ("seq", "warm"):
+            r = slowdown(aw, nat, unit)
+            ok = r is not None and r <= 1.2
+        elif key == ("read", "cold"):
+            r = slowdown(ssh, aw, unit)
+            ok = r is not None and r >= 5
+        elif key == ("seq", "cold"):
+            ok = bool(big) and aw > 0 and big / aw >= 1e9
+        elif key == ("visible", "close"):
+            ok = aw <= 0.1
+        elif key == ("delegate", "n"):
+            base = median(data.get(("delegate", "1k"), {}).get("awcpfs"))
+            ok = aw <= 1.0 and isinstance(base, float) and aw <= 3 * base
+            if files < 100000:
+                return ("met at this size" if ok else "missed") + f" ({files:,} files)"
+        elif key == ("rss", "walk"):
+            ok = aw <= 150
+            if files < 100000:
+                return ("within" if ok else "over") + f" at {files:,} files"
+        if ok is None:
+            return ""
+        return "**met**" if ok else "**missed**"
+
+    out = []
+    out.append("| workload | native | awcpfs | sshfs | awcpfs ÷ native | awcpfs ÷ sshfs "
+               "| target | verdict |")
+    out.append("|---|---:|---:|---:|---:|---:|---|---|")
+    order = list(labels.keys()) + [k for k in data if k not in labels]
+    for key in order:
+        if key not in data:
+            continue
+        cells = data[key]
+        unit = next(iter(cells.values()))["unit"]
+        med = {c: median(cells.get(c)) for c in CONFIGS}
+        eb = big if key[0] == "seq" else None
+        row = [labels.get(key, f"{key[0]} {key[1]}")]
+        for c in CONFIGS:
+            row.append(fmt_val(med[c], unit, eb) if c in cells else "—")
+        row.append(fmt_ratio(slowdown(med["awcpfs"], med["native"], unit)))
+        row.append(fmt_ratio(slowdown(med["awcpfs"], med["sshfs"], unit)))
+        row.append(targets.get(key, ""))
+        row.append(verdict(key, med, unit))
+        out.append("| " + " | ".join(row) + " |")
+    out.append("")
+    out.append("Ratios are slowdowns (time ratio, or inverse throughput ratio for IOPS): "
+               "above 1 means awcpfs is slower. Cold = page cache dropped; for awcpfs, "
+               "remote-cold = fresh export and mount with an empty state directory.")
+    out.append("")
+    out.append("<details><summary>samples per cell (n, median, min, max)</summary>")
+    out.append("")
+    out.append("| workload | config | n | failed | median | min | max |")
+    out.append("|---|---|---:|---:|---:|---:|---:|")
+    for key in order:
+        if key not in data:
+            continue
+        for c in CONFIGS:
+            cell = data[key].get(c)
+            if not cell:
+                continue
+            u = cell["unit"]
+            vs = cell["vals"]
+            out.append("| " + " | ".join([
+                labels.get(key, f"{key[0]} {key[1]}"), c, str(len(vs)), str(cell["fails"]),
+                fmt_val(statistics.median(vs), u) if vs else "—",
+                fmt_val(min(vs), u) if vs else "—",
+                fmt_val(max(vs), u) if vs else "—"]) + " |")
+    out.append("")
+    out.append("</details>")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
