@@ -284,8 +284,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 println!("task        {}", r.task.description);
                 println!(
-                    "lease       {:?}, expires {} ({}s left, {} renewal(s))",
-                    v.lease.state,
+                    "lease       {}, until {} ({}s left, {} renewal(s))",
+                    format!("{:?}", v.lease.state).to_lowercase(),
                     v.lease.expires_at,
                     v.lease.remaining_ms / 1000,
                     v.lease.renewals

@@ -63,7 +63,8 @@ impl WatchEvent {
                 }
             }
             WatchEvent::Lease { state, expires_at } => {
-                format!("lease {state:?} (expires {expires_at})").to_lowercase()
+                let state = format!("{state:?}").to_lowercase();
+                format!("lease {state} (until {expires_at})")
             }
         }
     }
