@@ -1,6 +1,7 @@
 //! Command-line parsing and the client commands (`delegate`, `status`, `revoke`, `renew`,
-//! `watch`). Exit codes: 0 success (delegation completed), 1 usage or connection error,
-//! 2 the delegation failed, 3 it was cancelled or revoked, 4 its lease expired.
+//! `watch`). Exit codes: 0 success (delegation completed), 1 error (connection, refusal),
+//! 2 usage error (clap), 3 the delegation was cancelled or revoked, 4 its lease expired,
+//! 5 it failed.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -90,9 +91,11 @@ struct ServeArgs {
     /// URL Executors use for the data plane, if not `http://<export-listen>`.
     #[arg(long)]
     export_url: Option<String>,
-    /// State directory (SQLite database, upload staging).
-    #[arg(long, env = "AWCP_STATE_DIR", default_value = ".awcp/delegator")]
-    state_dir: PathBuf,
+    /// State directory (SQLite database, upload staging); keep it outside the workspaces
+    /// you delegate. Default: `$XDG_STATE_HOME/awcp/delegator` or
+    /// `~/.local/state/awcp/delegator`.
+    #[arg(long, env = "AWCP_STATE_DIR")]
+    state_dir: Option<PathBuf>,
     /// Longest lease granted.
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_ttl: Duration,
@@ -107,9 +110,10 @@ struct ExecutorArgs {
     /// Listen address.
     #[arg(long, default_value = "127.0.0.1:7200")]
     listen: std::net::SocketAddr,
-    /// Base directory: workspaces are mounted under `<dir>/work/<delegationId>`.
-    #[arg(long, env = "AWCP_EXECUTOR_DIR", default_value = ".awcp/executor")]
-    dir: PathBuf,
+    /// Base directory: workspaces are mounted under `<dir>/work/<delegationId>`. Default:
+    /// `$XDG_STATE_HOME/awcp/executor` or `~/.local/state/awcp/executor`.
+    #[arg(long, env = "AWCP_EXECUTOR_DIR")]
+    dir: Option<PathBuf>,
     /// Longest lease accepted.
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_ttl: Duration,
@@ -154,6 +158,17 @@ struct DelegateArgs {
     wait: bool,
 }
 
+/// `$XDG_STATE_HOME/awcp/<what>`, else `~/.local/state/awcp/<what>`, else `./.awcp/<what>`.
+fn default_state_dir(what: &str) -> PathBuf {
+    let base = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")));
+    match base {
+        Some(b) => b.join("awcp").join(what),
+        None => PathBuf::from(".awcp").join(what),
+    }
+}
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (num, unit) = s
@@ -179,7 +194,7 @@ fn exit_for(state: DelegationState) -> ExitCode {
         DelegationState::Completed => ExitCode::SUCCESS,
         DelegationState::Cancelled => ExitCode::from(3),
         DelegationState::Expired => ExitCode::from(4),
-        _ => ExitCode::from(2),
+        _ => ExitCode::from(5),
     }
 }
 
@@ -213,7 +228,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let client = DaemonClient::new(&cli.daemon);
     match cli.command {
         Command::Serve(a) => {
-            let mut cfg = DaemonConfig::new(a.state_dir);
+            let mut cfg = DaemonConfig::new(
+                a.state_dir
+                    .unwrap_or_else(|| default_state_dir("delegator")),
+            );
             cfg.listen = a.listen;
             cfg.export_listen = a.export_listen;
             cfg.export_url = a.export_url;
@@ -222,7 +240,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Executor(a) => {
-            let mut cfg = ExecutorConfig::new(a.agent_cmd, a.dir);
+            let mut cfg = ExecutorConfig::new(
+                a.agent_cmd,
+                a.dir.unwrap_or_else(|| default_state_dir("executor")),
+            );
             cfg.listen = a.listen;
             cfg.max_ttl = a.max_ttl;
             cfg.max_concurrent = a.max_concurrent;

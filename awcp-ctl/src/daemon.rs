@@ -83,6 +83,8 @@ pub struct Daemon {
     pub(crate) live: Mutex<HashMap<String, Arc<Live>>>,
     pub(crate) http: reqwest::Client,
     pub(crate) export_url: String,
+    /// Background tasks (event pumps, expiry watchers), aborted when the daemon stops.
+    pub(crate) tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -112,18 +114,28 @@ impl RunningDaemon {
         format!("http://{}", self.api_addr)
     }
 
-    /// Stop serving.
+    /// Stop serving: end background tasks, close the listeners (open event streams are
+    /// cut after a short grace).
     pub async fn stop(self) {
+        for t in self.daemon.tasks.lock().drain(..) {
+            t.abort();
+        }
         let _ = self.shutdown.send(true);
-        for t in self.tasks {
-            let _ = t.await;
+        for mut t in self.tasks {
+            if tokio::time::timeout(Duration::from_secs(2), &mut t)
+                .await
+                .is_err()
+            {
+                t.abort();
+            }
         }
     }
 }
 
 /// Bind both listeners, restore persisted delegations, and serve in the background.
-pub async fn start(cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
+pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     use anyhow::Context as _;
+    cfg.state_dir = std::path::absolute(&cfg.state_dir)?;
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating the state directory {}", cfg.state_dir.display()))?;
     let store = Store::open(&cfg.state_dir.join("delegator.db"))?;
@@ -158,6 +170,7 @@ pub async fn start(cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             .timeout(Duration::from_secs(30))
             .build()?,
         export_url,
+        tasks: Mutex::new(Vec::new()),
     });
     daemon.restore().await;
     let (shutdown, rx) = tokio::sync::watch::channel(false);
@@ -201,6 +214,14 @@ pub async fn serve(cfg: DaemonConfig) -> anyhow::Result<()> {
 }
 
 impl Daemon {
+    /// Run `fut` in the background until it ends or the daemon stops.
+    pub(crate) fn spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
+        let handle = tokio::spawn(fut);
+        let mut tasks = self.tasks.lock();
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(handle.abort_handle());
+    }
+
     /// The capability token of a delegation's export (for operators and tests: it is never
     /// served by the daemon API).
     pub fn export_token(&self, id: &str) -> Option<String> {
@@ -273,7 +294,7 @@ impl Daemon {
             let id = export.id().to_string();
             let grace = self.cfg.flush_grace + Duration::from_secs(1);
             let exports = self.exports.clone();
-            tokio::spawn(async move {
+            self.spawn(async move {
                 tokio::time::sleep(grace).await;
                 exports.remove(&id);
             });

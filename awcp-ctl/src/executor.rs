@@ -118,7 +118,14 @@ impl RunningExecutor {
             let _ = tokio::task::spawn_blocking(move || m.finish()).await;
         }
         let _ = self.shutdown.send(true);
-        let _ = self.task.await;
+        let mut task = self.task;
+        // Open event streams would hold a graceful shutdown forever: cut them after a grace.
+        if tokio::time::timeout(Duration::from_secs(2), &mut task)
+            .await
+            .is_err()
+        {
+            task.abort();
+        }
     }
 }
 
@@ -133,8 +140,11 @@ impl Assignment {
 }
 
 /// Bind and serve in the background.
-pub async fn start(cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
+pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
     use anyhow::Context as _;
+    // Absolute, so ACCEPT's executorWorkDir and the agent's AWCP_WORKSPACE are usable anywhere.
+    cfg.work_dir = std::path::absolute(&cfg.work_dir)?;
+    cfg.state_dir = std::path::absolute(&cfg.state_dir)?;
     for dir in [&cfg.work_dir, &cfg.state_dir] {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }

@@ -55,7 +55,7 @@ enum Command {
         handle: PathBuf,
         /// Empty directory to mount on.
         mountpoint: PathBuf,
-        /// Where the journal and local file content live.
+        /// Where the journal and local file content live (a subdirectory per export).
         #[arg(long, default_value = ".awcpfs-mount")]
         state_dir: PathBuf,
         /// Mount read-only.
@@ -180,7 +180,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     anyhow::anyhow!("{} is not a transport handle: {e}", handle.display())
                 })?,
             };
-            let state_dir = std::path::absolute(&state_dir)?;
+            let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
             let mut cfg =
                 MountConfig::new(&h.endpoint, &h.export_id, &h.token, &mountpoint, &state_dir);
             cfg.manifest_digest = Some(h.manifest_digest.clone());
@@ -213,7 +213,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     "awcpfs: some changes could not be written back; they are kept in {}",
                     state_dir.display()
                 );
-                ExitCode::from(2)
+                ExitCode::from(3)
             } else {
                 ExitCode::SUCCESS
             })

@@ -367,3 +367,41 @@ fn the_journal_replays_to_the_same_tree() {
     journal::replay(&mut replayed, &records, 0, 0);
     assert_eq!(listing(&replayed).len(), rep.len());
 }
+
+#[test]
+fn reserved_names_are_refused_on_the_mount() {
+    let f = fixture(false, tree);
+    // The export never accepts them; letting one in would block every later commit.
+    let e =
+        f.fs.create(ROOT_INO, o(".awcp-tmp-x"), 0o644, libc::O_WRONLY)
+            .unwrap_err();
+    assert_eq!(e.errno(), fuser::Errno::EINVAL);
+    let e = f.fs.mkdir(ROOT_INO, o(".awcp-tmp-d"), 0o755).unwrap_err();
+    assert_eq!(e.errno(), fuser::Errno::EINVAL);
+    f.write_new("", "ok.txt", b"fine");
+    assert_eq!(f.sync().files_written, 1);
+}
+
+#[test]
+fn a_state_directory_with_an_unfinished_journal_is_not_reused() {
+    let f = fixture(false, tree);
+    f.write_new("", "pending.txt", b"not yet written back");
+    // A second mount on the same state directory would overwrite this mount's upper files.
+    let remote: Arc<dyn Remote> = Arc::new(HttpRemote::new(
+        "http://127.0.0.1:1",
+        "e1",
+        "tok",
+        Duration::from_secs(1),
+    ));
+    let cfg = awcpfs::mount::MountConfig::new(
+        "http://127.0.0.1:1",
+        "e1",
+        "tok",
+        &f.state.join("mnt"),
+        &f.state,
+    );
+    match awcpfs::mount::Mount::start_with_remote(cfg, remote) {
+        Err(awcpfs::mount::MountError::StateDirInUse { path }) => assert_eq!(path, f.state),
+        other => panic!("expected StateDirInUse, got {other:?}"),
+    }
+}

@@ -204,7 +204,7 @@ impl Daemon {
             Ok(()) => {
                 let d = self.clone();
                 let l = live.clone();
-                tokio::spawn(async move { d.watch_expiry(l).await });
+                self.spawn(async move { d.watch_expiry(l).await });
                 Ok(id)
             }
             Err(refusal) => {
@@ -212,6 +212,11 @@ impl Daemon {
                 // `awcp-ctl status` can say what happened.
                 live.lease.revoke(false);
                 self.exports.remove(id.as_str());
+                live.d.lock().record.error = Some(ErrorInfo {
+                    code: refusal.code.clone().unwrap_or(ErrorCode::SetupFailed),
+                    message: refusal.message.clone(),
+                    hint: refusal.hint.clone(),
+                });
                 self.transition(
                     &live,
                     DelegationEvent::SendError,
@@ -342,7 +347,7 @@ impl Daemon {
             DelegationEvent::SendStart,
             Some(format!("lease until {expires_at}")),
         );
-        tokio::spawn(async move { d.pump(l, executor_url, Some(resp)).await });
+        self.spawn(async move { d.pump(l, executor_url, Some(resp)).await });
         Ok(())
     }
 
@@ -693,9 +698,9 @@ impl Daemon {
             if !terminal {
                 let d = self.clone();
                 let l = live.clone();
-                tokio::spawn(async move { d.clone().watch_expiry(l.clone()).await });
+                self.spawn(async move { d.watch_expiry(l).await });
                 let d = self.clone();
-                tokio::spawn(async move { d.pump(live, peer, None).await });
+                self.spawn(async move { d.pump(live, peer, None).await });
                 tracing::info!(%id, "restored a running delegation");
             }
         }

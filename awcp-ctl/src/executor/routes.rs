@@ -207,16 +207,16 @@ async fn events(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let rx = a.tx.subscribe();
-    let backlog: Vec<_> = a
-        .backlog
-        .lock()
-        .iter()
-        .filter(|(i, _)| *i > after)
-        .cloned()
-        .collect();
+    // Subscribe and copy under the backlog's lock, so no event falls between the two.
+    let (rx, backlog, done) = {
+        let full = a.backlog.lock();
+        let rx = a.tx.subscribe();
+        let backlog: Vec<_> = full.iter().filter(|(i, _)| *i > after).cloned().collect();
+        // Ended already, whether or not the client saw the end: nothing more will come.
+        let done = full.iter().any(|(_, e)| e.is_terminal());
+        (rx, backlog, done)
+    };
     let last = backlog.last().map(|(i, _)| *i).unwrap_or(after);
-    let done = backlog.iter().any(|(_, e)| e.is_terminal());
     let live = BroadcastStream::new(rx)
         .filter_map(move |r| std::future::ready(r.ok().filter(|(i, _)| *i > last)))
         .take(if done { 0 } else { usize::MAX });
@@ -291,11 +291,13 @@ async fn cancel(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Resp
     }
     a.cancel.notify_one();
     if *a.state.lock() == AssignmentState::Pending {
-        // Never started: nothing to unmount.
-        let mut st = a.state.lock();
-        if let Ok(next) = st.apply(AssignmentEvent::Cancel) {
-            *st = next;
-        }
+        // Never started: nothing to unmount; end it here so streams and /result say so.
+        super::task::finish_error(
+            &a,
+            ErrorCode::Cancelled,
+            "Delegation cancelled before it started".into(),
+            None,
+        );
     }
     Json(CancelResponse {
         ok: true,

@@ -31,7 +31,7 @@ fn status_event(a: &Assignment, status: RunStatus, message: String) -> TaskEvent
     })
 }
 
-fn finish_error(a: &Assignment, code: ErrorCode, message: String, hint: Option<String>) {
+pub(super) fn finish_error(a: &Assignment, code: ErrorCode, message: String, hint: Option<String>) {
     let event = match code {
         ErrorCode::Cancelled => AssignmentEvent::Cancel,
         ErrorCode::Expired => AssignmentEvent::Expire,
@@ -100,10 +100,15 @@ fn lease_error(reason: &EndReason) -> (ErrorCode, String, Option<String>) {
             "Lease expired during task execution".into(),
             Some("Ask the Delegator for a longer TTL or renew the lease".into()),
         ),
-        EndReason::Revoked | EndReason::Unmounted => (
+        EndReason::Revoked => (
             ErrorCode::Cancelled,
             "Delegation cancelled: the Delegator revoked the lease".into(),
             None,
+        ),
+        EndReason::Unmounted => (
+            ErrorCode::Cancelled,
+            "Delegation cancelled: the Executor stopped before the task finished".into(),
+            Some("Delegate again; changes closed before the stop were written back".into()),
         ),
     }
 }

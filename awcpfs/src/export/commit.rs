@@ -15,7 +15,8 @@
 //! 3. **Check and apply** each change in the given order. The precondition of each change is
 //!    checked right before it is applied, against the real tree, so earlier changes of the
 //!    same set count. A failed precondition is a [`Conflict`], not an error: the change is
-//!    skipped (a write's content is kept beside as `<name>.awcp-conflict-<tag>`) and the rest
+//!    skipped (a write's content is kept beside as `<name>.awcp-conflict-<tag>`, the tag being
+//!    12 hex digits of the commit id's hash) and the rest
 //!    of the set is still applied. An IO failure while applying is reported as a conflict
 //!    too, so a commit never stops half-way with an error.
 //! 4. **Index** the written files' blocks so they can be served.
@@ -480,7 +481,7 @@ fn conflict(reason: impl Into<String>) -> Outcome {
     }
 }
 
-/// The part of the commit id used in conflict copy names: 8 characters, filename-safe.
+/// The tag in conflict copy names: 12 hex digits of the commit id's hash, filename-safe.
 fn conflict_tag(commit_id: &str) -> String {
     // A hash, not a prefix: one Executor's commit ids share their prefix, and every
     // conflict must keep its own copy.

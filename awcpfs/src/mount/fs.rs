@@ -104,12 +104,21 @@ pub(super) fn kind_to_fuse(k: Kind) -> FileType {
     }
 }
 
-/// Validate a name from the kernel and make it a `String`.
+/// Names the export reserves for its own temporary files; it never shows or accepts them.
+pub const RESERVED_PREFIX: &str = ".awcp-tmp-";
+
+/// Validate a name from the kernel for a new entry and make it a `String`.
 pub(super) fn name_str(name: &OsStr) -> Result<&str, FsError> {
     if name.len() > 255 {
         return Err(FsError::NameTooLong);
     }
-    name.to_str().ok_or(FsError::NonUtf8Name)
+    let name = name.to_str().ok_or(FsError::NonUtf8Name)?;
+    if name.starts_with(RESERVED_PREFIX) {
+        return Err(FsError::Invalid {
+            what: "names starting with .awcp-tmp- are reserved by awcpfs",
+        });
+    }
+    Ok(name)
 }
 
 impl AwcpFs {

@@ -54,7 +54,15 @@ macro_rules! reply_err {
 }
 
 impl Filesystem for FuseAdapter {
-    fn init(&mut self, _req: &Request, _config: &mut KernelConfig) -> std::io::Result<()> {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        // O_TRUNC passed to open: without it the kernel opens (fetching the whole file) and
+        // then truncates, and `echo x > f` fails if the Delegator changed `f` meanwhile.
+        if config
+            .add_capabilities(fuser::InitFlags::FUSE_ATOMIC_O_TRUNC)
+            .is_err()
+        {
+            tracing::warn!("the kernel lacks FUSE_ATOMIC_O_TRUNC; O_TRUNC opens fetch first");
+        }
         Ok(())
     }
 

@@ -128,6 +128,15 @@ pub enum MountError {
         #[source]
         source: std::io::Error,
     },
+    /// The state directory holds the journal of an earlier mount that did not end cleanly.
+    #[error(
+        "the state directory {path} holds changes of an earlier mount that were not written back; \
+         recover them or choose another state directory"
+    )]
+    StateDirInUse {
+        /// Where.
+        path: PathBuf,
+    },
     /// The kernel refused the mount.
     #[error("mounting FUSE at {mountpoint} failed (is /dev/fuse there and are you root?)")]
     Fuse {
@@ -248,6 +257,12 @@ impl Mount {
             source,
         };
         let upper_dir = cfg.state_dir.join("upper");
+        let journal_path = cfg.state_dir.join("journal.log");
+        if std::fs::metadata(&journal_path).is_ok_and(|m| m.len() > 0) {
+            return Err(MountError::StateDirInUse {
+                path: cfg.state_dir.clone(),
+            });
+        }
         std::fs::create_dir_all(&upper_dir).map_err(state_err)?;
         let (manifest, digest) = remote.manifest().map_err(|source| MountError::Manifest {
             endpoint: cfg.endpoint.clone(),
@@ -265,7 +280,7 @@ impl Mount {
         let gid = nix::unistd::getegid().as_raw();
         let table = InodeTable::from_manifest(&manifest, uid, gid)
             .map_err(|source| MountError::BadManifest { source })?;
-        let journal = Journal::open(&cfg.state_dir.join("journal.log")).map_err(state_err)?;
+        let journal = Journal::open(&journal_path).map_err(state_err)?;
         let read_only = cfg.read_only || manifest.read_only;
         let signal = Arc::new(SyncSignal::default());
         let stats = Arc::new(Stats::default());
@@ -465,11 +480,14 @@ impl Mount {
             (None, Some(_)) => "fenced",
             _ => "mounted",
         };
-        let remaining = self
-            .inner
-            .deadline
-            .lock()
-            .saturating_duration_since(Instant::now());
+        let remaining = if ended.is_some() || fenced.is_some() {
+            Duration::ZERO
+        } else {
+            self.inner
+                .deadline
+                .lock()
+                .saturating_duration_since(Instant::now())
+        };
         MountStatus {
             state: state.into(),
             reason: ended.or(fenced).map(|r| r.to_string()),
@@ -555,8 +573,12 @@ impl Mount {
         if !flushed {
             tracing::error!(state_dir = %self.inner.cfg.state_dir.display(),
                 "changes could not be written back; they are kept in the state directory");
-        } else if !self.inner.cfg.keep_cache {
-            let _ = std::fs::remove_dir_all(self.inner.cfg.state_dir.join("upper"));
+        } else {
+            // Everything is written back: the journal has served its purpose.
+            let _ = std::fs::remove_file(self.inner.cfg.state_dir.join("journal.log"));
+            if !self.inner.cfg.keep_cache {
+                let _ = std::fs::remove_dir_all(self.inner.cfg.state_dir.join("upper"));
+            }
         }
         *self.inner.ended.lock() = Some(reason.clone());
         self.write_status();

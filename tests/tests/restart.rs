@@ -1,0 +1,112 @@
+//! The Delegator daemon restarts in the middle of a delegation: delegations, leases and
+//! exports come back from SQLite, the Executor's pending write-back goes through once the
+//! data plane is back, and the delegation completes.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use awcp_ctl::client::DaemonClient;
+use awcp_ctl::daemon::DaemonConfig;
+use awcp_ctl::executor::ExecutorConfig;
+use awcp_protocol::DelegationState;
+use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
+use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
+use awcp_tests::{eventually, fuse_available, sample_repo};
+
+fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_daemon_restart_loses_nothing() {
+    if !fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let repo = tmp.path().join("repo");
+    sample_repo(&repo);
+    let mut dcfg = DaemonConfig::new(tmp.path().join("delegator"));
+    dcfg.listen = free_addr();
+    dcfg.export_listen = free_addr();
+    let agent = format!(
+        r#"echo before > before.txt
+        touch {o}/ready
+        while [ ! -e {o}/go ]; do sleep 0.05; done
+        echo after > after.txt"#,
+        o = out.display()
+    );
+    let mut ecfg = ExecutorConfig::new(agent, tmp.path().join("executor"));
+    ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
+    let daemon = awcp_ctl::daemon::start(dcfg.clone()).await.unwrap();
+    let client = DaemonClient::new(&daemon.url());
+    let req = DelegateRequest {
+        executor_url: executor.awcp_url(),
+        environment: EnvironmentSpec {
+            resources: vec![ResourceSpec {
+                name: "workspace".into(),
+                resource_type: ResourceType::Fs,
+                source: repo.display().to_string(),
+                mode: AccessMode::Rw,
+                include: None,
+                exclude: None,
+            }],
+        },
+        task: TaskSpec {
+            description: "restart".into(),
+            prompt: "restart".into(),
+        },
+        ttl_seconds: Some(600),
+        access_mode: None,
+        snapshot_mode: None,
+        auth: None,
+    };
+    let id = client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    assert!(eventually(Duration::from_secs(30), || out.join("ready").exists()).await);
+    assert!(
+        eventually(Duration::from_secs(5), || repo.join("before.txt").exists()).await,
+        "write-back before the restart"
+    );
+
+    daemon.stop().await;
+    // While the daemon is down the agent writes; the syncer keeps retrying.
+    std::fs::write(out.join("go"), "").unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
+    let v = client.get(&id).await.unwrap();
+    assert!(
+        !v.record.state.is_terminal(),
+        "state after restart: {:?}",
+        v.record.state
+    );
+
+    let start = std::time::Instant::now();
+    loop {
+        let v = client.get(&id).await.unwrap();
+        if v.record.state.is_terminal() {
+            assert_eq!(v.record.state, DelegationState::Completed, "{v:#?}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "never completed: {v:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        std::fs::read_to_string(repo.join("after.txt")).unwrap(),
+        "after\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(repo.join("before.txt")).unwrap(),
+        "before\n"
+    );
+    executor.stop().await;
+    daemon.stop().await;
+}
