@@ -34,6 +34,9 @@ usage: bash scripts/bench.sh [options]
                       (env AWCP_BENCH_OUT_DIR; default /var/tmp/awcpfs-bench-results)
   --keep              keep the work directory (dataset, logs) at exit
   --step-timeout S    upper bound on any single timed command (default 900)
+  --cell-budget S     stop repeating a cell once its runs took this long, keeping the
+                      samples so far (default 300; 60 with --quick); the table marks
+                      cells with fewer than --runs samples
   -h, --help          this text
 EOF
 }
@@ -43,7 +46,7 @@ REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HELPERS=$REPO_DIR/scripts/bench
 
 FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0
-SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900
+SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET=
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
 OUT_DIR=${AWCP_BENCH_OUT_DIR:-/var/tmp/awcpfs-bench-results}
@@ -65,18 +68,19 @@ while [[ $# -gt 0 ]]; do
         --out-dir) need_arg "$@"; OUT_DIR=$2; shift ;;
         --keep) KEEP=1 ;;
         --step-timeout) need_arg "$@"; STEP_TIMEOUT=$2; shift ;;
+        --cell-budget) need_arg "$@"; CELL_BUDGET=$2; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "bench: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
 done
 if [[ $QUICK == 1 ]]; then
-    : "${FILES:=2000}" "${BIG_MIB:=64}" "${C_UNITS:=30}" "${RUNS:=3}" "${FIO_SECS:=2}"
+    : "${FILES:=2000}" "${BIG_MIB:=64}" "${C_UNITS:=30}" "${RUNS:=3}" "${FIO_SECS:=2}" "${CELL_BUDGET:=60}"
 else
-    : "${FILES:=20000}" "${BIG_MIB:=512}" "${C_UNITS:=300}" "${RUNS:=5}" "${FIO_SECS:=5}"
+    : "${FILES:=20000}" "${BIG_MIB:=512}" "${C_UNITS:=300}" "${RUNS:=5}" "${FIO_SECS:=5}" "${CELL_BUDGET:=300}"
 fi
-for v in FILES BIG_MIB C_UNITS RUNS FIO_SECS SAMPLES STEP_TIMEOUT; do
-    [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "bench: --${v,,} must be a positive integer" >&2; exit 2; }
+for v in FILES BIG_MIB C_UNITS RUNS FIO_SECS SAMPLES STEP_TIMEOUT CELL_BUDGET; do
+    [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { o=${v,,}; echo "bench: --${o//_/-} must be a positive integer" >&2; exit 2; }
 done
 [[ $TTL_SLEEP =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "bench: --ttl-sleep must be a number" >&2; exit 2; }
 ALL_WORKLOADS=(delegate git stat read seq fio make visible)
@@ -396,10 +400,12 @@ run_step() {
     return $rc
 }
 
-# measure WORKLOAD VARIANT CONFIG DIR PREP CMD: RUNS times, eval PREP (untimed; "-" for
-# nothing), then time CMD in DIR. The first failure records "fail" and ends the cell.
+# measure WORKLOAD VARIANT CONFIG DIR PREP CMD [CHECK]: RUNS times, eval PREP (untimed; "-"
+# for nothing), time CMD in DIR, then eval CHECK (untimed; it must succeed for the sample to
+# count). The first failure records "fail" and ends the cell; so does the cell budget.
 measure() {
-    local w=$1 v=$2 c=$3 dir=$4 prep=$5 cmd=$6 i t0 t1 d s rc
+    local w=$1 v=$2 c=$3 dir=$4 prep=$5 cmd=$6 check=${7:-} i t0 t1 d s rc
+    local cell_start=$SECONDS
     log "  $w/$v on $c: $cmd"
     for ((i = 1; i <= RUNS; i++)); do
         if [[ $prep != - ]] && ! eval "$prep" >>"$STEPLOG" 2>&1; then
@@ -418,10 +424,20 @@ measure() {
             record "$w" "$v" "$c" s fail
             return 0
         fi
+        if [[ -n $check ]] && ! eval "$check" >>"$STEPLOG" 2>&1; then
+            log "  FAILED: $w/$v on $c (run $i): the result check failed: $check"
+            tail -n 3 "$STEPLOG" | sed 's/^/      /' >&2
+            record "$w" "$v" "$c" s fail
+            return 0
+        fi
         d=$((t1 - t0 - OVERHEAD_US))
         ((d > 0)) || d=1
         us_to_s s "$d"
         record "$w" "$v" "$c" s "$s"
+        if ((i < RUNS && SECONDS - cell_start > CELL_BUDGET)); then
+            log "  $w/$v on $c: $i run(s) took $((SECONDS - cell_start))s, over the cell budget (${CELL_BUDGET}s); keeping $i sample(s)"
+            break
+        fi
     done
 }
 
@@ -589,78 +605,95 @@ wl_seq() {
     measure seq warm sshfs "$SSHFS_MNT/big" - "$SEQ_CMD"
 }
 
-# measure_fio CONFIG DIR: RUNS fio jobs of FIO_SECS each; records IOPS.
+# measure_fio CONFIG DIR VARIANT INVALIDATE: RUNS fio jobs of FIO_SECS each; records IOPS.
+# INVALIDATE=0: the page cache is used as it is (warm); 1: fio drops the file's cached pages
+# (fadvise DONTNEED) before the job, so the filesystem's own read path is measured.
 measure_fio() {
-    local c=$1 dir=$2 i out=$RUN/fio.json iops
+    local c=$1 dir=$2 v=$3 inval=$4 i out=$RUN/fio.json iops
     local cmd="fio --name=randread --filename=big.bin --readonly --rw=randread --bs=4k \
 --ioengine=psync --iodepth=1 --numjobs=1 --size=$BIG_BYTES --runtime=$FIO_SECS --time_based \
---invalidate=0 --randrepeat=1 --output-format=json --output=$out"
-    log "  fio/warm on $c: 4 KiB random reads, psync, 1 job, ${FIO_SECS}s"
+--invalidate=$inval --randrepeat=1 --output-format=json --output=$out"
+    log "  fio/$v on $c: 4 KiB random reads, psync, 1 job, ${FIO_SECS}s, invalidate=$inval"
     for ((i = 1; i <= RUNS; i++)); do
         rm -f "$out"
+        echo "== fio/$v/$c run $i" >>"$STEPLOG"
         if ! run_step "$dir" "$cmd" ||
             ! iops=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["jobs"][0]["read"]["iops"])' "$out"); then
-            log "  FAILED: fio on $c (run $i); see $STEPLOG"
-            record fio warm "$c" iops fail
+            log "  FAILED: fio/$v on $c (run $i); see $STEPLOG"
+            record fio "$v" "$c" iops fail
             return 0
         fi
-        record fio warm "$c" iops "$iops"
+        record fio "$v" "$c" iops "$iops"
     done
 }
 
 wl_fio() {
-    log "workload: fio 4 KiB random reads on big.bin (warm)"
+    log "workload: fio 4 KiB random reads on big.bin"
     local B=$SRC/big
     warmup native "$B" "$SEQ_CMD"
-    measure_fio native "$B"
+    measure_fio native "$B" warm 0
+    measure_fio native "$B" uncached 1
     if awcpfs_up big "$B" && warmup awcpfs "$MNT/big" "$SEQ_CMD"; then
-        measure_fio awcpfs "$MNT/big"
+        measure_fio awcpfs "$MNT/big" warm 0
+        measure_fio awcpfs "$MNT/big" uncached 1
     else
         record fio warm awcpfs iops fail
+        record fio uncached awcpfs iops fail
     fi
     awcpfs_down big
     sshfs_fresh && warmup sshfs "$SSHFS_MNT/big" "$SEQ_CMD" || true
-    measure_fio sshfs "$SSHFS_MNT/big"
+    measure_fio sshfs "$SSHFS_MNT/big" warm 0
+    measure_fio sshfs "$SSHFS_MNT/big" uncached 1
 }
 
-MAKE_CMD='make -j2 >/dev/null'
+MAKE_OUT=$RUN/make.out
+MAKE_CMD="make -j2 >'$MAKE_OUT'"
 EDIT_N=0
-# edit 5 C files below DIR (append a line, so their content and mtime change)
+# edit 5 C files below DIR (append a line, so their content and mtime change). The sleep
+# first keeps the edit out of the second the last build finished in: sshfs (SFTP v3) keeps
+# mtimes in whole seconds, so make would otherwise see nothing to do.
 edit5() {
     local dir=$1 u
+    sleep 1.1
     EDIT_N=$((EDIT_N + 1))
     for u in 001 003 005 007 009; do
         printf '/* edit %d */\n' "$EDIT_N" >>"$dir/src/unit$u.c"
     done
 }
 make_clean_src() { make -s -C "$SRC/cproj" clean >/dev/null; }
+# compiled N: the last make compiled exactly N units
+compiled() {
+    local n
+    n=$(grep -c -- ' -c ' "$MAKE_OUT" || true)
+    [[ $n == "$1" ]] || { echo "make compiled $n units, expected $1"; return 1; }
+}
 
 wl_make() {
     log "workload: make -j2 ($C_UNITS units)"
-    local C=$SRC/cproj M=$MNT/cproj S=$SSHFS_MNT/cproj
+    local C=$SRC/cproj M=$MNT/cproj S=$SSHFS_MNT/cproj all=$((C_UNITS + 1))
     # native
-    measure make clean-cold native "$C" "make_clean_src && drop_caches" "$MAKE_CMD"
+    measure make clean-cold native "$C" "make_clean_src && drop_caches" "$MAKE_CMD" "compiled $all"
     warmup native "$C" "make clean >/dev/null && $MAKE_CMD" || true
-    measure make clean-warm native "$C" "make -s -C '$C' clean" "$MAKE_CMD"
-    measure make rebuild native "$C" "edit5 '$C'" "$MAKE_CMD"
+    measure make clean-warm native "$C" "make -s -C '$C' clean" "$MAKE_CMD" "compiled $all"
+    measure make rebuild native "$C" "edit5 '$C'" "$MAKE_CMD" "compiled 5"
     make_clean_src
     # awcpfs: remote-cold = fresh export and mount of a clean tree, caches dropped
-    measure make clean-cold awcpfs "$M" "awcpfs_down cproj && make_clean_src && awcpfs_up cproj $C && drop_caches" "$MAKE_CMD"
+    measure make clean-cold awcpfs "$M" "awcpfs_down cproj && make_clean_src && awcpfs_up cproj $C && drop_caches" "$MAKE_CMD" "compiled $all"
     awcpfs_down cproj
     make_clean_src
     if awcpfs_up cproj "$C" && warmup awcpfs "$M" "$MAKE_CMD"; then
-        measure make clean-warm awcpfs "$M" "make -s -C '$M' clean" "$MAKE_CMD"
-        measure make rebuild awcpfs "$M" "edit5 '$M'" "$MAKE_CMD"
+        measure make clean-warm awcpfs "$M" "make -s -C '$M' clean" "$MAKE_CMD" "compiled $all"
+        measure make rebuild awcpfs "$M" "edit5 '$M'" "$MAKE_CMD" "compiled 5"
     else
         fail_cells make awcpfs clean-warm rebuild
     fi
     awcpfs_down cproj
     make_clean_src
     # sshfs
-    measure make clean-cold sshfs "$S" "make_clean_src && sshfs_fresh && drop_caches" "$MAKE_CMD"
+    measure make clean-cold sshfs "$S" "make_clean_src && sshfs_fresh && drop_caches" "$MAKE_CMD" "compiled $all"
     warmup sshfs "$S" "make clean >/dev/null && $MAKE_CMD" || true
-    measure make clean-warm sshfs "$S" "make -s -C '$S' clean" "$MAKE_CMD"
-    measure make rebuild sshfs "$S" "edit5 '$S'" "$MAKE_CMD"
+    measure make clean-warm sshfs "$S" "make -s -C '$S' clean" "$MAKE_CMD" "compiled $all"
+    measure make rebuild sshfs "$S" "edit5 '$S'" "$MAKE_CMD" "compiled 5"
     make_clean_src
 }
 
@@ -718,7 +751,7 @@ STAMP_T=$(date +%Y%m%d-%H%M%S)
 RESULT_MD=$OUT_DIR/results-$STAMP_T.md
 RESULT_TSV=$OUT_DIR/results-$STAMP_T.tsv
 cp "$RAW" "$RESULT_TSV"
-printf '{"files": %d, "big_bytes": %d}\n' "$FILES" "$BIG_BYTES" >"$RUN/meta.json"
+printf '{"files": %d, "big_bytes": %d, "runs": %d, "samples": %d}\n' "$FILES" "$BIG_BYTES" "$RUNS" "$SAMPLES" >"$RUN/meta.json"
 ELAPSED=$((SECONDS - T_START))
 {
     echo "# awcpfs benchmark, $(date -u +%Y-%m-%dT%H:%MZ)"

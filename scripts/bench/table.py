@@ -91,6 +91,8 @@ def main():
     a = ap.parse_args()
     meta = json.load(open(a.meta)) if a.meta else {}
     files = meta.get("files", 20000)
+    runs = meta.get("runs")
+    samples = meta.get("samples")
     big = meta.get("big_bytes")
     data = load(a.raw)
 
@@ -107,6 +109,7 @@ def main():
         ("seq", "cold"): f"{(big or 0) >> 20} MiB sequential read, cold",
         ("seq", "warm"): f"{(big or 0) >> 20} MiB sequential read, warm",
         ("fio", "warm"): "fio 4 KiB random read, warm",
+        ("fio", "uncached"): "fio 4 KiB random read, file's pages dropped",
         ("make", "clean-cold"): "`make -j2` from clean, cold",
         ("make", "clean-warm"): "`make -j2` from clean, warm",
         ("make", "rebuild"): "`make -j2` rebuild after editing 5 files",
@@ -182,15 +185,22 @@ def main():
         med = {c: median(cells.get(c)) for c in CONFIGS}
         eb = big if key[0] == "seq" else None
         row = [labels.get(key, f"{key[0]} {key[1]}")]
+        want = samples if key[0] == "visible" else (1 if key[0] == "rss" else runs)
         for c in CONFIGS:
-            row.append(fmt_val(med[c], unit, eb) if c in cells else "—")
+            txt = fmt_val(med[c], unit, eb) if c in cells else "—"
+            n = len(cells[c]["vals"]) if c in cells else 0
+            if want and 0 < n < want:
+                txt += f" (n={n})"
+            row.append(txt)
         row.append(fmt_ratio(slowdown(med["awcpfs"], med["native"], unit)))
         row.append(fmt_ratio(slowdown(med["awcpfs"], med["sshfs"], unit)))
         row.append(targets.get(key, ""))
         row.append(verdict(key, med, unit))
         out.append("| " + " | ".join(row) + " |")
     out.append("")
-    out.append("Ratios are slowdowns (time ratio, or inverse throughput ratio for IOPS): "
+    out.append("Figures are medians; (n=k) marks a cell with fewer samples than asked for "
+               "(its runs exceeded the cell budget, or a later run failed). "
+               "Ratios are slowdowns (time ratio, or inverse throughput ratio for IOPS): "
                "above 1 means awcpfs is slower. Cold = page cache dropped; for awcpfs, "
                "remote-cold = fresh export and mount with an empty state directory.")
     out.append("")

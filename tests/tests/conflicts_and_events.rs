@@ -146,8 +146,7 @@ async fn a_dropped_event_stream_resumes_with_last_event_id() {
     );
     assert!(
         rest.lines()
-            .filter(|l| l.starts_with("data:"))
-            .last()
+            .rfind(|l| l.starts_with("data:"))
             .unwrap()
             .contains("\"type\":\"done\"")
     );
