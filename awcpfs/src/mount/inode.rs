@@ -252,8 +252,8 @@ impl InodeTable {
                     path: e.path.clone(),
                 });
             }
-            table.insert_child(parent, name.to_string(), ino);
             table.nodes.insert(ino, node);
+            table.insert_child(parent, name.to_string(), ino);
         }
         Ok(table)
     }
@@ -443,6 +443,8 @@ mod tests {
         let a = t.child(src, "a.py").unwrap();
         assert_eq!(t.path_of(a).as_deref(), Some("src/a.py"));
         assert_eq!(t.get(src).unwrap().nlink(), 2);
+        // The root has one subdirectory, `src`: 2 + 1.
+        assert_eq!(t.get(ROOT_INO).unwrap().nlink(), 3);
         let t2 = InodeTable::from_manifest(&m, 0, 0).unwrap();
         assert_eq!(
             t2.child(src, "a.py"),
