@@ -123,6 +123,10 @@ struct ExecutorArgs {
     /// Keep fetched and written file content after unmount.
     #[arg(long)]
     keep_cache: bool,
+    /// Serve read-only opens with FUSE passthrough: native read speed, but a revocation
+    /// cannot stop reads on files opened before it.
+    #[arg(long)]
+    passthrough: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -203,7 +207,7 @@ pub fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AWCP_LOG").unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("warn,awcp_ctl=info,awcpfs=info")
+                tracing_subscriber::EnvFilter::new("warn,awcp_ctl=info,awcpfs=info,fuser=error")
             }),
         )
         .with_writer(std::io::stderr)
@@ -248,6 +252,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.max_ttl = a.max_ttl;
             cfg.max_concurrent = a.max_concurrent;
             cfg.keep_cache = a.keep_cache;
+            cfg.passthrough = a.passthrough;
             awcp_ctl::executor::serve(cfg).await?;
             Ok(ExitCode::SUCCESS)
         }

@@ -43,6 +43,9 @@ pub struct ExecutorConfig {
     pub max_concurrent: usize,
     /// Keep upper files after unmount.
     pub keep_cache: bool,
+    /// Serve read-only opens with FUSE passthrough (faster; a revocation cannot stop reads
+    /// on files opened before it).
+    pub passthrough: bool,
 }
 
 impl ExecutorConfig {
@@ -56,6 +59,7 @@ impl ExecutorConfig {
             max_ttl: Duration::from_secs(24 * 3600),
             max_concurrent: 8,
             keep_cache: false,
+            passthrough: false,
         }
     }
 }

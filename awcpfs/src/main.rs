@@ -64,6 +64,10 @@ enum Command {
         /// Keep local file content after unmount.
         #[arg(long)]
         keep_cache: bool,
+        /// Let the kernel read and write local copies directly (FUSE passthrough): faster,
+        /// but a revocation cannot stop I/O on files opened before it.
+        #[arg(long)]
+        passthrough: bool,
     },
 }
 
@@ -166,6 +170,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             state_dir,
             ro,
             keep_cache,
+            passthrough,
         } => {
             let bytes = std::fs::read(&handle)
                 .with_context(|| format!("reading the handle {}", handle.display()))?;
@@ -187,6 +192,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.expires_at = Some(h.expires_at.clone());
             cfg.read_only = ro;
             cfg.keep_cache = keep_cache;
+            cfg.kernel.passthrough = passthrough;
             let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
             eprintln!(
                 "awcpfs: mounted at {}; Ctrl-C unmounts (after writing changes back)",

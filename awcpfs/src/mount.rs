@@ -11,6 +11,7 @@ pub mod content;
 pub mod error;
 pub mod fs;
 mod fuse;
+pub use fuse::KernelOptions;
 pub mod inode;
 pub mod journal;
 pub mod remote;

@@ -86,6 +86,11 @@ pub struct Harness {
 impl Harness {
     /// Start both services; the Executor runs `agent_cmd` in each mounted workspace.
     pub async fn start(agent_cmd: &str) -> Harness {
+        Self::start_with(agent_cmd, |_| {}).await
+    }
+
+    /// Start both services, adjusting the Executor's config first.
+    pub async fn start_with(agent_cmd: &str, adjust: impl FnOnce(&mut ExecutorConfig)) -> Harness {
         if let Ok(filter) = std::env::var("AWCP_LOG") {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
@@ -100,6 +105,7 @@ impl Harness {
         let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
         let mut ecfg = ExecutorConfig::new(agent_cmd.to_string(), tmp.path().join("executor"));
         ecfg.listen = "127.0.0.1:0".parse().unwrap();
+        adjust(&mut ecfg);
         let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
         let client = DaemonClient::new(&daemon.url());
         Harness {

@@ -13,6 +13,15 @@ const TASK_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn git_workflow_on_the_mount_lands_in_the_delegators_repo() {
+    git_workflow(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn git_workflow_with_fuse_passthrough() {
+    git_workflow(true).await;
+}
+
+async fn git_workflow(passthrough: bool) {
     if !fuse_available() {
         return;
     }
@@ -26,7 +35,7 @@ async fn git_workflow_on_the_mount_lands_in_the_delegators_repo() {
         git log --oneline | grep -q "agent: add notes"
         test -z "$(git status --porcelain)"
         echo "git ok""#;
-    let h = Harness::start(agent).await;
+    let h = Harness::start_with(agent, |c| c.passthrough = passthrough).await;
     let repo = h.path("repo");
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
@@ -52,6 +61,14 @@ async fn git_workflow_on_the_mount_lands_in_the_delegators_repo() {
     assert!(t["bytesServed"].as_u64().unwrap() > 0, "{t}");
     assert!(t["filesWritten"].as_u64().unwrap() >= 3, "{t}");
     assert!(!is_mounted(&h.mountpoint(&id)), "mount left behind");
+    // The mount's own status file says how it served files.
+    let status: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(h.path(&format!("executor/state/{id}/status.json"))).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(status["state"], "ended", "{status}");
+    let pt_opens = status["stats"]["passthroughOpens"].as_u64().unwrap();
+    assert_eq!(pt_opens > 0, passthrough, "passthrough opens: {pt_opens}");
     h.stop().await;
 }
 

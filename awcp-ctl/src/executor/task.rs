@@ -171,6 +171,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     mcfg.expires_at = Some(h.expires_at.clone());
     mcfg.read_only = start.lease.access_mode == AccessMode::Ro;
     mcfg.keep_cache = ex.cfg.keep_cache;
+    mcfg.kernel.passthrough = ex.cfg.passthrough;
     let mount = match tokio::task::spawn_blocking(move || Mount::start(mcfg)).await {
         Ok(Ok(m)) => m,
         Ok(Err(e)) => {

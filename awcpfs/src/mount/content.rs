@@ -177,6 +177,13 @@ impl AwcpFs {
         }
         if let Some(t) = set.mtime {
             node.mtime = t;
+            // Keep the upper file's mtime in step: open handles compare it to notice changes
+            // made by the kernel directly (passthrough).
+            if matches!(node.data, Data::Local { .. })
+                && let Ok(f) = OpenOptions::new().write(true).open(self.upper_path(ino))
+            {
+                let _ = f.set_modified(t);
+            }
         }
         node.ctime = now;
         let attr = self.attr_of(node);
@@ -202,6 +209,7 @@ impl AwcpFs {
                 node.open_writers += 1;
             }
         }
+        let seen = upper_state(&file);
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.handles.lock().insert(
             fh,
@@ -211,6 +219,7 @@ impl AwcpFs {
                 writable: mode.write,
                 append: mode.append,
                 wrote: AtomicBool::new(false),
+                seen: Mutex::new(seen),
             }),
         );
         Ok(fh)
@@ -305,7 +314,9 @@ impl AwcpFs {
         self.add_child_node(&mut table, node)
     }
 
-    fn handle(&self, fh: u64) -> Result<Arc<Handle>, FsError> {
+    /// The open file behind `fh` (the FUSE adapter hands its upper file to the kernel for
+    /// passthrough).
+    pub fn handle(&self, fh: u64) -> Result<Arc<Handle>, FsError> {
         self.handles
             .lock()
             .get(&fh)
@@ -422,6 +433,14 @@ impl AwcpFs {
     /// Number of open file handles.
     pub fn open_handle_count(&self) -> usize {
         self.handles.lock().len()
+    }
+}
+
+/// Size and mtime of an upper file.
+fn upper_state(file: &std::fs::File) -> (u64, SystemTime) {
+    match file.metadata() {
+        Ok(m) => (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)),
+        Err(_) => (0, SystemTime::UNIX_EPOCH),
     }
 }
 

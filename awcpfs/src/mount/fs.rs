@@ -45,6 +45,9 @@ pub struct Handle {
     pub append: bool,
     /// Written through since the last flush.
     pub wrote: AtomicBool,
+    /// Size and mtime of the upper file when last settled: with FUSE passthrough the kernel
+    /// writes to the upper file directly, so changes are detected by comparing these.
+    pub seen: parking_lot::Mutex<(u64, SystemTime)>,
 }
 
 /// One entry of an open directory's listing.
@@ -144,6 +147,14 @@ impl AwcpFs {
             sync,
             stats,
         }
+    }
+
+    /// Inodes with open files (the unlinked-but-open included).
+    pub fn open_inodes(&self) -> Vec<Ino> {
+        let mut inos: Vec<Ino> = self.handles.lock().values().map(|h| h.ino).collect();
+        inos.sort_unstable();
+        inos.dedup();
+        inos
     }
 
     /// Its counters.
@@ -304,11 +315,21 @@ impl AwcpFs {
         Ok(self.attr_of(node))
     }
 
-    /// `getattr`.
+    /// `getattr`. A file open for writing may be written by the kernel directly (FUSE
+    /// passthrough), so its size and mtime come from the upper file.
     pub fn getattr(&self, ino: Ino) -> Result<FileAttr, FsError> {
         self.check()?;
-        let table = self.table.lock();
-        let node = table.get(ino).ok_or(FsError::NotFound)?;
+        let mut table = self.table.lock();
+        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+        if node.open_writers > 0
+            && matches!(node.data, Data::Local { .. })
+            && let Ok(m) = std::fs::metadata(self.upper_path(ino))
+        {
+            node.size = m.len();
+            if let Ok(t) = m.modified() {
+                node.mtime = t;
+            }
+        }
         Ok(self.attr_of(node))
     }
 

@@ -3,35 +3,120 @@
 //! Nothing here is worth a unit test: all logic is in `fs.rs` and `content.rs`, and the
 //! errno of every failure comes from [`FsError::errno`](super::error::FsError::errno).
 
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
+use parking_lot::Mutex;
+
 use fuser::{
-    AccessFlags, Errno, FileHandle, Filesystem, FopenFlags, Generation, INodeNo, KernelConfig,
-    LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
-    WriteFlags,
+    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use super::content::{OpenMode, SetAttr};
 use super::fs::{AwcpFs, kind_to_fuse};
 
-/// How long the kernel may cache entries and attributes. Short for now: changes made on
-/// the Delegator's side are not pushed to the kernel yet.
-const TTL: Duration = Duration::from_secs(1);
+/// How the adapter talks to the kernel.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelOptions {
+    /// How long the kernel may cache entries (positive and negative) and attributes. The
+    /// mount's namespace changes only through the kernel itself during a lease (changes on
+    /// the Delegator's side are not shown to a running mount), so long is safe.
+    pub ttl: Duration,
+    /// Hand files opened read-only to the kernel with FUSE passthrough where it supports it.
+    /// Off by default: the kernel then reads the local copy without asking the filesystem,
+    /// so a revocation cannot stop reads on files that were opened before it.
+    pub passthrough: bool,
+}
+
+impl Default for KernelOptions {
+    fn default() -> Self {
+        KernelOptions {
+            ttl: Duration::from_secs(3600),
+            passthrough: false,
+        }
+    }
+}
 
 /// The adapter.
 #[derive(Debug)]
 pub struct FuseAdapter {
     fs: Arc<AwcpFs>,
+    ttl: Duration,
+    want_passthrough: bool,
+    /// Set in `init` when the kernel accepted passthrough.
+    passthrough: AtomicBool,
+    /// Backing ids of passthrough handles, dropped (closed) at release.
+    backing: Mutex<HashMap<u64, BackingId>>,
 }
 
 impl FuseAdapter {
     /// Wrap the filesystem.
-    pub fn new(fs: Arc<AwcpFs>) -> Self {
-        FuseAdapter { fs }
+    pub fn new(fs: Arc<AwcpFs>, opts: KernelOptions) -> Self {
+        FuseAdapter {
+            fs,
+            ttl: opts.ttl,
+            want_passthrough: opts.passthrough,
+            passthrough: AtomicBool::new(false),
+            backing: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether files are opened with FUSE passthrough.
+    pub fn passthrough(&self) -> bool {
+        self.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// A negative entry: `lookup` of a missing name answered with inode 0 is cached by the
+    /// kernel for the entry TTL (git probes many names that do not exist).
+    fn negative_attr() -> FileAttr {
+        FileAttr {
+            ino: INodeNo(0),
+            size: 0,
+            blocks: 0,
+            atime: SystemTime::UNIX_EPOCH,
+            mtime: SystemTime::UNIX_EPOCH,
+            ctime: SystemTime::UNIX_EPOCH,
+            crtime: SystemTime::UNIX_EPOCH,
+            kind: FileType::RegularFile,
+            perm: 0,
+            nlink: 0,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            blksize: 4096,
+            flags: 0,
+        }
+    }
+
+    /// Register `fh`'s upper file with the kernel for passthrough.
+    fn backing_for(
+        &self,
+        fh: u64,
+        open: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
+    ) -> Option<u64> {
+        if !self.passthrough() {
+            return None;
+        }
+        let handle = self.fs.handle(fh).ok()?;
+        match open(&handle.file) {
+            Ok(id) => {
+                self.backing.lock().insert(fh, id);
+                self.fs.stats().add_passthrough_open();
+                Some(fh)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "FUSE passthrough refused; serving reads and writes ourselves");
+                self.passthrough.store(false, Ordering::Relaxed);
+                None
+            }
+        }
     }
 }
 
@@ -55,27 +140,63 @@ macro_rules! reply_err {
 
 impl Filesystem for FuseAdapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        // O_TRUNC passed to open: without it the kernel opens (fetching the whole file) and
-        // then truncates, and `echo x > f` fails if the Delegator changed `f` meanwhile.
-        if config
-            .add_capabilities(fuser::InitFlags::FUSE_ATOMIC_O_TRUNC)
-            .is_err()
-        {
-            tracing::warn!("the kernel lacks FUSE_ATOMIC_O_TRUNC; O_TRUNC opens fetch first");
+        for (flag, why) in [
+            // O_TRUNC passed to open: without it the kernel opens (fetching the whole file)
+            // and then truncates, and `echo x > f` fails if the Delegator changed `f`.
+            (InitFlags::FUSE_ATOMIC_O_TRUNC, "O_TRUNC opens fetch first"),
+            // Listing a directory returns attributes too: no lookup per entry.
+            (
+                InitFlags::FUSE_DO_READDIRPLUS,
+                "listings need a lookup per entry",
+            ),
+            (InitFlags::FUSE_READDIRPLUS_AUTO, "readdirplus always on"),
+            // Lookups in one directory run in parallel.
+            (
+                InitFlags::FUSE_PARALLEL_DIROPS,
+                "directory operations are serialised",
+            ),
+            (
+                InitFlags::FUSE_CACHE_SYMLINKS,
+                "symlinks are read on every traversal",
+            ),
+            (
+                InitFlags::FUSE_AUTO_INVAL_DATA,
+                "cached pages are not checked against mtime",
+            ),
+        ] {
+            if config.add_capabilities(flag).is_err() {
+                tracing::debug!(?flag, "kernel lacks this FUSE feature: {why}");
+            }
+        }
+        let _ = config.set_max_background(64);
+        let _ = config.set_congestion_threshold(48);
+        if self.want_passthrough {
+            let ok = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+                // Depth 2: the state directory may itself be on a stacked fs (overlayfs).
+                && config.set_max_stack_depth(2).is_ok();
+            self.passthrough.store(ok, Ordering::Relaxed);
+            if !ok {
+                tracing::info!(
+                    "the kernel lacks FUSE passthrough; serving reads and writes ourselves"
+                );
+            }
         }
         Ok(())
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         match self.fs.lookup(parent.0, name) {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+            Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
+            Err(crate::mount::FsError::NotFound) => {
+                reply.entry(&self.ttl, &Self::negative_attr(), Generation(0))
+            }
             Err(e) => reply_err!(reply, "lookup", e),
         }
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         match self.fs.getattr(ino.0) {
-            Ok(attr) => reply.attr(&TTL, &attr),
+            Ok(attr) => reply.attr(&self.ttl, &attr),
             Err(e) => reply_err!(reply, "getattr", e),
         }
     }
@@ -108,7 +229,7 @@ impl Filesystem for FuseAdapter {
             fh: fh.map(|f| f.0),
         };
         match self.fs.setattr(ino.0, set) {
-            Ok(attr) => reply.attr(&TTL, &attr),
+            Ok(attr) => reply.attr(&self.ttl, &attr),
             Err(e) => reply_err!(reply, "setattr", e),
         }
     }
@@ -131,7 +252,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         match self.fs.mknod(parent.0, name, mode & !umask) {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+            Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "mknod", e),
         }
     }
@@ -146,7 +267,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         match self.fs.mkdir(parent.0, name, mode & !umask) {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+            Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "mkdir", e),
         }
     }
@@ -174,7 +295,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         match self.fs.symlink(parent.0, link_name, target.as_os_str()) {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+            Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "symlink", e),
         }
     }
@@ -209,14 +330,28 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         match self.fs.link() {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+            Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "link", e),
         }
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        match self.fs.open(ino.0, OpenMode::from_flags(flags.0)) {
-            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+        let mode = OpenMode::from_flags(flags.0);
+        match self.fs.open(ino.0, mode) {
+            Ok(fh) => {
+                // Passthrough for read-only opens only: the kernel does not keep the FUSE
+                // inode's size in step with writes it passes through, so writers stay on the
+                // ordinary path, where every write is seen.
+                if !mode.write && self.backing_for(fh, |f| reply.open_backing(f)).is_some() {
+                    let backing = self.backing.lock();
+                    if let Some(id) = backing.get(&fh) {
+                        return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id);
+                    }
+                }
+                // Every change to the content goes through this kernel, so its page cache
+                // stays valid across opens. (Passthrough cannot be combined with it.)
+                reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
+            }
             Err(e) => reply_err!(reply, "open", e),
         }
     }
@@ -280,7 +415,10 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        match self.fs.release(fh.0) {
+        let result = self.fs.release(fh.0);
+        // Closing the backing id after the file's last release.
+        self.backing.lock().remove(&fh.0);
+        match result {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "release", e),
         }
@@ -330,6 +468,37 @@ impl Filesystem for FuseAdapter {
                 reply.ok()
             }
             Err(e) => reply_err!(reply, "readdir", e),
+        }
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        match self.fs.readdir(fh.0) {
+            Ok(entries) => {
+                for (i, e) in entries.iter().enumerate().skip(offset as usize) {
+                    let Ok(attr) = self.fs.getattr(e.ino) else {
+                        continue;
+                    };
+                    if reply.add(
+                        INodeNo(e.ino),
+                        (i + 1) as u64,
+                        &e.name,
+                        &self.ttl,
+                        &attr,
+                        Generation(0),
+                    ) {
+                        break;
+                    }
+                }
+                reply.ok()
+            }
+            Err(e) => reply_err!(reply, "readdirplus", e),
         }
     }
 
@@ -394,11 +563,11 @@ impl Filesystem for FuseAdapter {
     ) {
         match self.fs.create(parent.0, name, mode & !umask, flags) {
             Ok((attr, fh)) => reply.created(
-                &TTL,
+                &self.ttl,
                 &attr,
                 Generation(0),
                 FileHandle(fh),
-                FopenFlags::empty(),
+                FopenFlags::FOPEN_KEEP_CACHE,
             ),
             Err(e) => reply_err!(reply, "create", e),
         }

@@ -27,7 +27,7 @@ use awcp_protocol::dataplane::{ExportEvent, LeaseState};
 
 use super::error::EndReason;
 use super::fs::{AwcpFs, FsOptions};
-use super::fuse::FuseAdapter;
+use super::fuse::{FuseAdapter, KernelOptions};
 use super::inode::InodeTable;
 use super::journal::Journal;
 use super::remote::{HttpRemote, Remote, RemoteError, StreamItem};
@@ -63,6 +63,8 @@ pub struct MountConfig {
     pub final_flush_timeout: Duration,
     /// Keep upper files after unmount.
     pub keep_cache: bool,
+    /// Kernel caching and passthrough.
+    pub kernel: KernelOptions,
 }
 
 impl MountConfig {
@@ -88,6 +90,7 @@ impl MountConfig {
             sync_debounce: Duration::from_millis(20),
             final_flush_timeout: Duration::from_secs(30),
             keep_cache: false,
+            kernel: KernelOptions::default(),
         }
     }
 }
@@ -316,12 +319,16 @@ impl Mount {
         fcfg.n_threads = Some(cfg.fuse_threads.max(1));
         fcfg.clone_fd = cfg.fuse_threads > 1;
         ensure_fusectl();
-        let session = fuser::Session::new(FuseAdapter::new(fs.clone()), &cfg.mountpoint, &fcfg)
-            .and_then(|s| s.spawn())
-            .map_err(|source| MountError::Fuse {
-                mountpoint: cfg.mountpoint.clone(),
-                source,
-            })?;
+        let session = fuser::Session::new(
+            FuseAdapter::new(fs.clone(), cfg.kernel),
+            &cfg.mountpoint,
+            &fcfg,
+        )
+        .and_then(|s| s.spawn())
+        .map_err(|source| MountError::Fuse {
+            mountpoint: cfg.mountpoint.clone(),
+            source,
+        })?;
         let conn_id = std::fs::metadata(&cfg.mountpoint).ok().map(|m| {
             let dev = m.dev();
             (u64::from(libc::major(dev)) << 20) | u64::from(libc::minor(dev))
@@ -563,6 +570,7 @@ impl Mount {
             return;
         }
         self.inner.fs.fence(reason.clone());
+        self.drop_kernel_caches();
         self.inner.signal.stop();
         let flushed = match flush_budget {
             Some(budget) => self.final_flush(budget),
@@ -609,6 +617,21 @@ impl Mount {
             if Instant::now() >= deadline {
                 return false;
             }
+        }
+    }
+
+    /// Make the kernel forget cached attributes and pages of every open file, so reads on
+    /// files opened before the fence come to the (fenced) filesystem and fail, instead of
+    /// being served from the page cache. (New opens reach the filesystem anyway.)
+    fn drop_kernel_caches(&self) {
+        let notifier = match self.inner.session.lock().as_ref() {
+            Some(s) => s.notifier(),
+            None => return,
+        };
+        let inos = self.inner.fs.open_inodes();
+        for ino in inos {
+            // ENOENT just means the kernel never cached that inode.
+            let _ = notifier.inval_inode(fuser::INodeNo(ino), 0, -1);
         }
     }
 

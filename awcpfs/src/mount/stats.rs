@@ -17,6 +17,7 @@ pub struct Stats {
     bytes_uploaded: AtomicU64,
     commits: AtomicU64,
     sync_errors: AtomicU64,
+    passthrough_opens: AtomicU64,
     conflicts: Mutex<Vec<Conflict>>,
     last_sync_error: Mutex<Option<String>>,
 }
@@ -37,6 +38,8 @@ pub struct StatsSnapshot {
     pub commits: u64,
     /// Failed sync rounds.
     pub sync_errors: u64,
+    /// Opens handed to the kernel with FUSE passthrough.
+    pub passthrough_opens: u64,
     /// Changes the export kept beside instead of applying.
     pub conflicts: Vec<Conflict>,
     /// The last sync failure, if the last round failed.
@@ -59,6 +62,11 @@ impl Stats {
         *self.last_sync_error.lock() = None;
     }
 
+    /// Count an open served with FUSE passthrough.
+    pub fn add_passthrough_open(&self) {
+        self.passthrough_opens.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Count a failed sync round.
     pub fn add_sync_error(&self, message: String) {
         self.sync_errors.fetch_add(1, Ordering::Relaxed);
@@ -74,6 +82,7 @@ impl Stats {
             bytes_uploaded: self.bytes_uploaded.load(Ordering::Relaxed),
             commits: self.commits.load(Ordering::Relaxed),
             sync_errors: self.sync_errors.load(Ordering::Relaxed),
+            passthrough_opens: self.passthrough_opens.load(Ordering::Relaxed),
             conflicts: self.conflicts.lock().clone(),
             last_sync_error: self.last_sync_error.lock().clone(),
         }
