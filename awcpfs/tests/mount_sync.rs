@@ -405,3 +405,22 @@ fn a_state_directory_with_an_unfinished_journal_is_not_reused() {
         other => panic!("expected StateDirInUse, got {other:?}"),
     }
 }
+
+#[test]
+fn background_hydration_fetches_small_files_in_one_request() {
+    let f = fixture(false, tree);
+    let small = f.fs.remote_small_files(64 << 10);
+    // src/a.txt, src/deep/b.txt, ref, big (10 kB): all small; the symlink is not a file.
+    assert_eq!(small.len(), 4, "{small:?}");
+    let inos: Vec<u64> = small.iter().map(|(i, _)| *i).collect();
+    assert_eq!(f.fs.prefetch(&inos).unwrap(), 4);
+    let fetched = f.fs.stats().snapshot();
+    assert_eq!(fetched.bytes_fetched, 6 + 5 + 8 + 10_000);
+    // Everything is local now: reading fetches nothing more.
+    assert_eq!(f.read("src/deep/b.txt"), b"beta\n");
+    assert_eq!(f.read("big"), vec![7u8; 10_000]);
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, fetched.bytes_fetched);
+    assert!(f.fs.remote_small_files(64 << 10).is_empty());
+    assert_eq!(f.fs.prefetch(&inos).unwrap(), 0, "nothing left to fetch");
+    assert_eq!(f.sync().changes, 0, "hydration is not a change");
+}

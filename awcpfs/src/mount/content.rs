@@ -121,13 +121,107 @@ impl AwcpFs {
                 generation: 0,
             };
         }
+        // The lock stays in the map: replacing it while someone holds a clone would let two
+        // writers of this upper file proceed at once.
         drop(table);
-        self.hydrating.lock().remove(&ino);
         Ok(())
+    }
+
+    /// Fetch several small files in one request (background hydration). Files someone else
+    /// is fetching right now, or that became local meanwhile, are skipped. Returns the number
+    /// of files made local.
+    pub fn prefetch(&self, files: &[Ino]) -> Result<usize, FsError> {
+        self.check()?;
+        let mut wanted: Vec<(Ino, String, Vec<String>)> = Vec::with_capacity(files.len());
+        {
+            let table = self.table.lock();
+            for ino in files {
+                if let Some(n) = table.get(*ino)
+                    && let Data::Remote { hash, blocks } = &n.data
+                {
+                    wanted.push((*ino, hash.clone(), blocks.clone()));
+                }
+            }
+        }
+        let mut hashes: Vec<String> = wanted.iter().flat_map(|w| w.2.iter().cloned()).collect();
+        hashes.sort_unstable();
+        hashes.dedup();
+        if hashes.is_empty() {
+            return Ok(0);
+        }
+        let data = self.remote.fetch_blocks(&hashes)?;
+        let by_hash: std::collections::HashMap<&str, &[u8]> = hashes
+            .iter()
+            .map(String::as_str)
+            .zip(data.iter().map(Vec::as_slice))
+            .collect();
+        let mut done = 0;
+        for (ino, hash, blocks) in wanted {
+            let lock = self.fetch_lock(ino);
+            // An on-demand open is fetching it: leave it to that.
+            let Some(_guard) = lock.try_lock() else {
+                continue;
+            };
+            let still_remote = matches!(
+                self.table.lock().get(ino).map(|n| &n.data),
+                Some(Data::Remote { hash: h, .. }) if *h == hash
+            );
+            if !still_remote {
+                continue;
+            }
+            let tmp = self.opts.upper_dir.join(format!(".prefetch-{ino}"));
+            let mut out = std::fs::File::create(&tmp)?;
+            let mut size = 0u64;
+            for b in &blocks {
+                let d = by_hash.get(b.as_str()).copied().unwrap_or_default();
+                out.write_all(d)?;
+                size += d.len() as u64;
+            }
+            drop(out);
+            std::fs::rename(&tmp, self.upper_path(ino))?;
+            self.stats.add_fetched(size, blocks.len() as u64);
+            let mut table = self.table.lock();
+            if let Some(node) = table.get_mut(ino)
+                && matches!(&node.data, Data::Remote { hash: h, .. } if *h == hash)
+            {
+                node.data = Data::Local {
+                    dirty: false,
+                    hash: Some(hash),
+                    generation: 0,
+                };
+                done += 1;
+            }
+        }
+        Ok(done)
+    }
+
+    /// Files still remote whose size is at most `max_size`, in tree order.
+    pub fn remote_small_files(&self, max_size: u64) -> Vec<(Ino, u64)> {
+        let table = self.table.lock();
+        let mut out = Vec::new();
+        table.walk(|_, n| {
+            if n.size <= max_size && matches!(n.data, Data::Remote { .. }) {
+                out.push((n.ino, n.size));
+            }
+        });
+        out
+    }
+
+    /// The per-inode fetch lock: whoever holds it may replace the inode's upper file.
+    fn fetch_lock(&self, ino: Ino) -> Arc<Mutex<()>> {
+        self.hydrating
+            .lock()
+            .entry(ino)
+            .or_insert_with(|| Arc::new(Mutex::new(())))
+            .clone()
     }
 
     /// Replace `ino`'s content with an empty local file (no fetch needed).
     fn make_local_empty(&self, ino: Ino) -> Result<(), FsError> {
+        // Wait for a background fetch of this file, which would otherwise rename its result
+        // over the emptied upper file.
+        let lock = self.fetch_lock(ino);
+        let _guard = lock.lock();
         let mut table = self.table.lock();
         let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
         if node.kind != Kind::File {

@@ -65,6 +65,9 @@ pub struct MountConfig {
     pub keep_cache: bool,
     /// Kernel caching and passthrough.
     pub kernel: KernelOptions,
+    /// Fetch files up to this size in the background, many per request, so that a tree
+    /// walk that reads everything finds it local (0: off). On-demand reads go first.
+    pub hydrate_max_size: u64,
 }
 
 impl MountConfig {
@@ -91,6 +94,7 @@ impl MountConfig {
             final_flush_timeout: Duration::from_secs(30),
             keep_cache: false,
             kernel: KernelOptions::default(),
+            hydrate_max_size: 256 << 10,
         }
     }
 }
@@ -378,6 +382,13 @@ impl Mount {
             .name("awcpfs-events".into())
             .spawn(move || m.event_reader())
             .expect("spawning a thread");
+        if self.inner.cfg.hydrate_max_size > 0 {
+            let m = self.clone();
+            std::thread::Builder::new()
+                .name("awcpfs-hydrate".into())
+                .spawn(move || m.hydrate_small_files())
+                .expect("spawning a thread");
+        }
         let m = self.clone();
         std::thread::Builder::new()
             .name("awcpfs-status".into())
@@ -388,6 +399,43 @@ impl Mount {
                 m.write_status();
             })
             .expect("spawning a thread");
+    }
+
+    /// Background hydration: small files in batches of at most 4 MiB / 1024 files per
+    /// request, stopping at the first failure (on-demand fetches still work then).
+    fn hydrate_small_files(&self) {
+        const BATCH_BYTES: u64 = 4 << 20;
+        const BATCH_FILES: usize = 1024;
+        let candidates = self
+            .inner
+            .fs
+            .remote_small_files(self.inner.cfg.hydrate_max_size);
+        let total = candidates.len();
+        let started = Instant::now();
+        let mut batch: Vec<u64> = Vec::new();
+        let mut bytes = 0u64;
+        let mut done = 0usize;
+        let mut iter = candidates.into_iter().peekable();
+        while let Some((ino, size)) = iter.next() {
+            batch.push(ino);
+            bytes += size;
+            if bytes < BATCH_BYTES && batch.len() < BATCH_FILES && iter.peek().is_some() {
+                continue;
+            }
+            if self.inner.ending.load(Ordering::SeqCst) {
+                return;
+            }
+            match self.inner.fs.prefetch(&batch) {
+                Ok(n) => done += n,
+                Err(e) => {
+                    tracing::debug!(error = %e, "background hydration stopped");
+                    return;
+                }
+            }
+            batch.clear();
+            bytes = 0;
+        }
+        tracing::debug!(files = done, of = total, elapsed = ?started.elapsed(), "small files hydrated");
     }
 
     fn lease_timer(&self) {
