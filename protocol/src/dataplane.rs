@@ -86,6 +86,14 @@ pub struct ManifestEntry {
     /// Target of a symlink, as stored (may point outside: shown, never followed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
+    /// Inode number on the Delegator. A mount reports it as `st_ino`, so an index that
+    /// records inode numbers (git's) still matches on the mount.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ino: Option<u64>,
+    /// Status change time on the Delegator, nanoseconds since the Unix epoch (for the same
+    /// reason).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ctime_ns: Option<i64>,
 }
 
 /// A list of block hashes: what to fetch, or what to check for.

@@ -26,7 +26,7 @@ use nix::dir::Dir;
 use nix::fcntl::{AtFlags, OFlag, readlinkat};
 use nix::sys::stat::{FileStat, Mode, fstat, fstatat};
 
-use super::rootfs::{NodeKind, RootDir, mtime_ns, open_file_at};
+use super::rootfs::{NodeKind, RootDir, ctime_ns, mtime_ns, open_file_at};
 use super::store::{BlockIndex, BlockLoc, TMP_PREFIX};
 
 /// Deepest directory level walked. Each level holds one open descriptor and one stack frame;
@@ -188,6 +188,8 @@ impl Walker {
                     hash: None,
                     blocks: Vec::new(),
                     target: None,
+                    ino: Some(st.st_ino),
+                    ctime_ns: Some(ctime_ns(&st)),
                 });
                 self.walk_dir(sub, rel, depth + 1)
             }
@@ -220,6 +222,8 @@ impl Walker {
                     hash: Some(hashes.hash.to_hex().to_string()),
                     blocks,
                     target: None,
+                    ino: Some(st.st_ino),
+                    ctime_ns: Some(ctime_ns(&st)),
                 });
                 Ok(())
             }
@@ -238,6 +242,8 @@ impl Walker {
                     hash: None,
                     blocks: Vec::new(),
                     target: Some(target.to_owned()),
+                    ino: Some(st.st_ino),
+                    ctime_ns: Some(ctime_ns(&st)),
                 });
                 Ok(())
             }

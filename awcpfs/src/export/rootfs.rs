@@ -334,6 +334,13 @@ pub(crate) fn hash_file_at(
     Ok(hasher.finalize())
 }
 
+/// Status change time of a stat result in nanoseconds since the epoch (saturating).
+pub(crate) fn ctime_ns(st: &FileStat) -> i64 {
+    st.st_ctime
+        .saturating_mul(1_000_000_000)
+        .saturating_add(st.st_ctime_nsec)
+}
+
 /// Modification time of a stat result in nanoseconds since the epoch (saturating).
 pub(crate) fn mtime_ns(st: &FileStat) -> i64 {
     st.st_mtime

@@ -197,6 +197,23 @@ impl InodeTable {
                 unlinked: false,
             },
         );
+        // Inode numbers: the Delegator's own where they are usable (unique, not the root's
+        // 1), so git's index, which records st_ino, still matches on the mount; otherwise,
+        // and for new files, numbers above every one of them.
+        let mut seen_ino = std::collections::HashSet::with_capacity(m.entries.len());
+        let use_source = m
+            .entries
+            .iter()
+            .all(|e| e.ino.is_some_and(|i| i > ROOT_INO && seen_ino.insert(i)));
+        if use_source {
+            let max = m
+                .entries
+                .iter()
+                .filter_map(|e| e.ino)
+                .max()
+                .unwrap_or(ROOT_INO);
+            table.next_ino = max.saturating_add(1);
+        }
         let mut by_path: HashMap<&str, Ino> = HashMap::with_capacity(m.entries.len());
         for e in &m.entries {
             awcp_protocol::dataplane::validate_rel_path(&e.path)
@@ -218,7 +235,10 @@ impl InodeTable {
             }
             let kind = Kind::from(e.kind);
             let t = time_from_ns(e.mtime_ns);
-            let ino = table.alloc_ino();
+            let ino = match e.ino {
+                Some(ino) if use_source => ino,
+                _ => table.alloc_ino(),
+            };
             let data = match kind {
                 Kind::File => Data::Remote {
                     hash: e.hash.clone().unwrap_or_default(),
@@ -237,8 +257,9 @@ impl InodeTable {
                 size: e.size,
                 atime: t,
                 mtime: t,
-                // ctime = mtime so it is stable across remounts of the same tree.
-                ctime: t,
+                // The Delegator's ctime when known (git compares it), else mtime: stable
+                // across remounts of the same tree either way.
+                ctime: e.ctime_ns.map(time_from_ns).unwrap_or(t),
                 children: BTreeMap::new(),
                 subdirs: 0,
                 target: e.target.clone(),
@@ -416,6 +437,8 @@ mod tests {
             hash: (kind == EntryKind::File).then(|| "h".into()),
             blocks: vec![],
             target: (kind == EntryKind::Symlink).then(|| "t".into()),
+            ino: None,
+            ctime_ns: None,
         }
     }
 
@@ -454,6 +477,29 @@ mod tests {
         let mut paths = Vec::new();
         t.walk(|p, _| paths.push(p.to_string()));
         assert_eq!(paths, vec!["link", "src", "src/a.py"]);
+    }
+
+    #[test]
+    fn uses_the_delegators_inode_numbers_when_they_are_usable() {
+        let mut m = manifest(vec![
+            entry("src", EntryKind::Dir),
+            entry("src/a.py", EntryKind::File),
+        ]);
+        m.entries[0].ino = Some(500);
+        m.entries[1].ino = Some(77);
+        m.entries[1].ctime_ns = Some(5_000_000_000);
+        let mut t = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        assert_eq!(t.child(ROOT_INO, "src"), Some(500));
+        assert_eq!(t.child(500, "a.py"), Some(77));
+        assert_eq!(t.get(77).unwrap().ctime, time_from_ns(5_000_000_000));
+        assert_eq!(t.alloc_ino(), 501, "new files above every source inode");
+        // A duplicate (two filesystems in one tree) or the root's number: fall back.
+        m.entries[1].ino = Some(500);
+        let t = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        assert_eq!(t.child(ROOT_INO, "src"), Some(2));
+        m.entries[1].ino = Some(ROOT_INO);
+        let t = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        assert_eq!(t.child(ROOT_INO, "src"), Some(2));
     }
 
     #[test]
