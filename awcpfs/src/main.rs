@@ -49,6 +49,15 @@ enum Command {
         #[arg(long, default_value = ".awcpfs-export")]
         state_dir: PathBuf,
     },
+    /// Write back what a mount that crashed (or was killed) had journaled but not yet
+    /// committed. Give the same handle and --state-dir the mount had.
+    Recover {
+        /// The mount's transport handle.
+        handle: PathBuf,
+        /// The mount's state directory (as given to `awcpfs mount`).
+        #[arg(long, default_value = ".awcpfs-mount")]
+        state_dir: PathBuf,
+    },
     /// Mount the export a handle describes, until its lease ends or Ctrl-C.
     Mount {
         /// File holding the transport handle (`awcpfs export` prints it).
@@ -94,6 +103,22 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::from(1)
         }
+    }
+}
+
+/// Read an awcpfs transport handle (as `awcpfs export` prints it, or a bare one).
+fn read_handle(path: &std::path::Path) -> anyhow::Result<AwcpfsHandle> {
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading the handle {}", path.display()))?;
+    match awcp_protocol::parse_transport_handle(&bytes) {
+        Ok(TransportHandle::Awcpfs(h)) => Ok(h),
+        Ok(other) => anyhow::bail!(
+            "{} holds a {} handle; awcpfs mounts only awcpfs handles",
+            path.display(),
+            other.transport_type().as_str()
+        ),
+        Err(e) => serde_json::from_slice::<AwcpfsHandle>(&bytes)
+            .map_err(|_| anyhow::anyhow!("{} is not a transport handle: {e}", path.display())),
     }
 }
 
@@ -164,6 +189,37 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Recover { handle, state_dir } => {
+            let h = read_handle(&handle)?;
+            let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
+            let remote = Arc::new(awcpfs::mount::remote::HttpRemote::new(
+                &h.endpoint,
+                &h.export_id,
+                &h.token,
+                Duration::from_secs(30),
+            ));
+            let sd = state_dir.clone();
+            let report =
+                tokio::task::spawn_blocking(move || awcpfs::mount::recover::recover(&sd, remote))
+                    .await??;
+            eprintln!(
+                "awcpfs: recovered {}: {} journal record(s), {} change(s) committed, {} file(s) written, {} conflict(s)",
+                state_dir.display(),
+                report.records,
+                report.changes,
+                report.files_written,
+                report.conflicts.len()
+            );
+            for c in &report.conflicts {
+                eprintln!(
+                    "  conflict at {}: {} (kept as {})",
+                    c.path,
+                    c.reason,
+                    c.kept_as.as_deref().unwrap_or("-")
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Mount {
             handle,
             mountpoint,
@@ -172,19 +228,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             keep_cache,
             passthrough,
         } => {
-            let bytes = std::fs::read(&handle)
-                .with_context(|| format!("reading the handle {}", handle.display()))?;
-            let h = match awcp_protocol::parse_transport_handle(&bytes) {
-                Ok(TransportHandle::Awcpfs(h)) => h,
-                Ok(other) => anyhow::bail!(
-                    "{} holds a {} handle; awcpfs mounts only awcpfs handles",
-                    handle.display(),
-                    other.transport_type().as_str()
-                ),
-                Err(e) => serde_json::from_slice::<AwcpfsHandle>(&bytes).map_err(|_| {
-                    anyhow::anyhow!("{} is not a transport handle: {e}", handle.display())
-                })?,
-            };
+            let h = read_handle(&handle)?;
             let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
             let mut cfg =
                 MountConfig::new(&h.endpoint, &h.export_id, &h.token, &mountpoint, &state_dir);

@@ -14,6 +14,7 @@ mod fuse;
 pub use fuse::KernelOptions;
 pub mod inode;
 pub mod journal;
+pub mod recover;
 pub mod remote;
 pub mod session;
 pub mod stats;

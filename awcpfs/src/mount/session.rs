@@ -138,7 +138,7 @@ pub enum MountError {
     /// The state directory holds the journal of an earlier mount that did not end cleanly.
     #[error(
         "the state directory {path} holds changes of an earlier mount that were not written back; \
-         recover them or choose another state directory"
+         run `awcpfs recover` with that mount's handle and state directory, or choose another one"
     )]
     StateDirInUse {
         /// Where.
@@ -288,6 +288,17 @@ impl Mount {
         let table = InodeTable::from_manifest(&manifest, uid, gid)
             .map_err(|source| MountError::BadManifest { source })?;
         let journal = Journal::open(&journal_path).map_err(state_err)?;
+        // What recovery needs to rebuild this mount's tree: the manifest it started from
+        // (the export's may be rebuilt meanwhile) and the log of what reached the Delegator.
+        let manifest_json = serde_json::to_vec(&manifest).map_err(|e| state_err(e.into()))?;
+        std::fs::write(
+            cfg.state_dir.join(super::recover::MANIFEST_FILE),
+            manifest_json,
+        )
+        .map_err(state_err)?;
+        let synced_path = cfg.state_dir.join(super::recover::SYNCED_FILE);
+        let _ = std::fs::remove_file(&synced_path);
+        let synced_log = super::sync::SyncedLog::open(&synced_path).map_err(state_err)?;
         let read_only = cfg.read_only || manifest.read_only;
         let signal = Arc::new(SyncSignal::default());
         let stats = Arc::new(Stats::default());
@@ -305,7 +316,12 @@ impl Mount {
             signal.clone(),
             stats,
         ));
-        let syncer = Arc::new(Syncer::new(fs.clone(), &manifest));
+        let syncer = Arc::new(Syncer::with_log(
+            fs.clone(),
+            &manifest,
+            &[],
+            Some(synced_log),
+        ));
 
         let mut options = vec![
             fuser::MountOption::FSName(format!("awcpfs:{}", cfg.export_id)),
@@ -631,7 +647,7 @@ impl Mount {
                 "changes could not be written back; they are kept in the state directory");
         } else {
             // Everything is written back: the journal has served its purpose.
-            let _ = std::fs::remove_file(self.inner.cfg.state_dir.join("journal.log"));
+            super::recover::remove_logs(&self.inner.cfg.state_dir);
             if !self.inner.cfg.keep_cache {
                 let _ = std::fs::remove_dir_all(self.inner.cfg.state_dir.join("upper"));
             }

@@ -65,11 +65,83 @@ impl SyncSignal {
 }
 
 /// What the export has at a path, as far as this mount knows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Synced {
-    Dir { mode: u32 },
-    File { hash: String, mode: u32 },
-    Symlink { target: String },
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Synced {
+    /// A directory.
+    Dir {
+        /// Permission bits.
+        mode: u32,
+    },
+    /// A file.
+    File {
+        /// Content hash.
+        hash: String,
+        /// Permission bits.
+        mode: u32,
+    },
+    /// A symlink.
+    Symlink {
+        /// Target.
+        target: String,
+    },
+}
+
+/// One line of `synced.log`: what a successful commit left at a path (`None`: nothing).
+/// Replayed over the manifest on recovery, it tells which changes already reached the
+/// Delegator, so recovery sends only the rest.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SyncedRecord {
+    /// The path.
+    pub path: String,
+    /// Its state at the export after the commit.
+    pub state: Option<Synced>,
+}
+
+/// Append-only log of committed state (see [`SyncedRecord`]).
+#[derive(Debug)]
+pub struct SyncedLog {
+    file: Mutex<std::fs::File>,
+}
+
+impl SyncedLog {
+    /// Open (or create) the log at `path`.
+    pub fn open(path: &std::path::Path) -> std::io::Result<SyncedLog> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(SyncedLog {
+            file: Mutex::new(file),
+        })
+    }
+
+    fn append(&self, records: &[SyncedRecord]) -> std::io::Result<()> {
+        use std::io::Write;
+        let mut buf = Vec::new();
+        for r in records {
+            serde_json::to_writer(&mut buf, r).map_err(std::io::Error::other)?;
+            buf.push(b'\n');
+        }
+        self.file.lock().write_all(&buf)
+    }
+
+    /// Every complete record at `path` (a torn last line is ignored).
+    pub fn read_all(path: &std::path::Path) -> std::io::Result<Vec<SyncedRecord>> {
+        use std::io::BufRead;
+        let file = match std::fs::File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let mut out = Vec::new();
+        for line in std::io::BufReader::new(file).split(b'\n') {
+            if let Ok(r) = serde_json::from_slice(&line?) {
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// Why a round failed.
@@ -145,6 +217,7 @@ struct Hashed {
 pub struct Syncer {
     fs: Arc<AwcpFs>,
     synced: Mutex<HashMap<String, Synced>>,
+    log: Option<SyncedLog>,
     seq: AtomicU64,
     instance: String,
 }
@@ -158,6 +231,28 @@ impl std::fmt::Debug for Syncer {
 }
 
 impl Syncer {
+    /// A syncer whose starting point is the manifest the mount was built from, plus what
+    /// `log_records` say later commits left; new commits are appended to `log`.
+    pub fn with_log(
+        fs: Arc<AwcpFs>,
+        manifest: &Manifest,
+        log_records: &[SyncedRecord],
+        log: Option<SyncedLog>,
+    ) -> Syncer {
+        let mut s = Self::new(fs, manifest);
+        {
+            let mut synced = s.synced.lock();
+            for r in log_records {
+                match &r.state {
+                    Some(st) => synced.insert(r.path.clone(), st.clone()),
+                    None => synced.remove(&r.path),
+                };
+            }
+        }
+        s.log = log;
+        s
+    }
+
     /// A syncer whose starting point is the manifest the mount was built from.
     pub fn new(fs: Arc<AwcpFs>, manifest: &Manifest) -> Syncer {
         let synced = manifest
@@ -182,6 +277,7 @@ impl Syncer {
         Syncer {
             fs,
             synced: Mutex::new(synced),
+            log: None,
             seq: AtomicU64::new(0),
             instance: hex::encode(rand::random::<[u8; 8]>()),
         }
@@ -498,6 +594,19 @@ impl Syncer {
         }
         // Conflicting changes count as done too: the export kept our version beside its own,
         // and re-sending would only make more copies.
+        if let Some(log) = &self.log {
+            let records: Vec<SyncedRecord> = next
+                .iter()
+                .map(|(path, state)| SyncedRecord {
+                    path: path.clone(),
+                    state: state.clone(),
+                })
+                .collect();
+            if let Err(e) = log.append(&records) {
+                // Recovery would re-send these changes; the export treats them as no-ops.
+                tracing::warn!(error = %e, "cannot append to synced.log");
+            }
+        }
         for (path, s) in next {
             match s {
                 Some(s) => synced.insert(path, s),
