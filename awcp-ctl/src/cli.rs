@@ -416,7 +416,7 @@ async fn follow(client: &DaemonClient, id: &str, json: bool) -> anyhow::Result<E
             eprintln!(
                 "the event stream ended before the delegation did; `awcp-ctl status {id}` shows where it stands"
             );
-            Ok(ExitCode::from(2))
+            Ok(ExitCode::from(1))
         }
     }
 }

@@ -156,6 +156,7 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         .await
         .with_context(|| format!("binding the executor to {} (use --listen)", cfg.listen))?;
     let addr = listener.local_addr()?;
+    recover_leftovers(&cfg).await;
     let executor = Arc::new(Executor {
         cfg,
         tasks: Mutex::new(HashMap::new()),
@@ -179,6 +180,61 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         shutdown,
         task,
     })
+}
+
+/// After a crash: unmount what the previous process left mounted under the work directory,
+/// and write back what its mounts journaled but never committed (`awcpfs` recovery, using
+/// the handle each mount saved). A mount whose lease is over by now cannot be recovered
+/// over the network; its state stays in place and is reported.
+pub async fn recover_leftovers(cfg: &ExecutorConfig) {
+    let work = cfg.work_dir.display().to_string();
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for mp in mounts.lines().filter_map(|l| l.split(' ').nth(4)) {
+        if mp.starts_with(&format!("{work}/")) {
+            tracing::warn!(
+                mountpoint = mp,
+                "unmounting a mount left by a previous executor"
+            );
+            let _ = nix::mount::umount2(mp, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    let Ok(dirs) = std::fs::read_dir(&cfg.state_dir) else {
+        return;
+    };
+    for dir in dirs.flatten() {
+        let state = dir.path();
+        let journal = state.join(awcpfs::mount::recover::JOURNAL_FILE);
+        if !std::fs::metadata(&journal).is_ok_and(|m| m.len() > 0) {
+            continue;
+        }
+        let handle: Option<awcp_protocol::transport::AwcpfsHandle> =
+            std::fs::read(state.join(task::HANDLE_FILE))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+        let Some(h) = handle else {
+            tracing::error!(state = %state.display(), "unsynced changes but no saved handle: recover by hand with `awcpfs recover`");
+            continue;
+        };
+        let remote = Arc::new(awcpfs::mount::remote::HttpRemote::new(
+            &h.endpoint,
+            &h.export_id,
+            &h.token,
+            Duration::from_secs(30),
+        ));
+        let st = state.clone();
+        match tokio::task::spawn_blocking(move || awcpfs::mount::recover::recover(&st, remote))
+            .await
+        {
+            Ok(Ok(r)) => {
+                tracing::info!(state = %state.display(), changes = r.changes, files = r.files_written,
+                    conflicts = r.conflicts.len(), "recovered a crashed mount's changes");
+                let _ = std::fs::remove_file(state.join(task::HANDLE_FILE));
+            }
+            Ok(Err(e)) => tracing::error!(state = %state.display(), error = %e,
+                "could not recover a crashed mount's changes; they stay in its state directory"),
+            Err(e) => tracing::error!(error = %e, "recovery task failed"),
+        }
+    }
 }
 
 /// Run until Ctrl-C.

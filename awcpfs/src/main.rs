@@ -73,8 +73,8 @@ enum Command {
         /// Keep local file content after unmount.
         #[arg(long)]
         keep_cache: bool,
-        /// Let the kernel read and write local copies directly (FUSE passthrough): faster,
-        /// but a revocation cannot stop I/O on files opened before it.
+        /// Serve read-only opens with FUSE passthrough (the kernel reads the local copy
+        /// directly): faster, but a revocation cannot stop reads on files opened before it.
         #[arg(long)]
         passthrough: bool,
     },

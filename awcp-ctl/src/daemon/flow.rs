@@ -137,10 +137,17 @@ impl Daemon {
                 .await
                 .map_err(|e| Refusal::internal(format!("building the manifest panicked: {e}")))?
                 .map_err(|e| {
+                    let hint = match &e {
+                        awcpfs::export::ExportError::StagingInsideRoot { .. } => {
+                            "The daemon's --state-dir is inside the workspace; restart \
+                             `awcp-ctl serve` with a --state-dir outside it"
+                        }
+                        _ => "Check that the workspace is a readable directory",
+                    };
                     Refusal::bad(
                         ErrorCode::WorkspaceInvalid,
                         format!("cannot export {}: {e}", source.display()),
-                        "Check that the workspace is readable",
+                        hint,
                     )
                 })?;
         let now = crate::now_iso();

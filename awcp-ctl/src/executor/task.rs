@@ -113,6 +113,24 @@ fn lease_error(reason: &EndReason) -> (ErrorCode, String, Option<String>) {
     }
 }
 
+/// File in a mount's state directory holding its transport handle.
+pub(super) const HANDLE_FILE: &str = "handle.json";
+
+fn save_handle(
+    state_dir: &std::path::Path,
+    h: &awcp_protocol::transport::AwcpfsHandle,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(state_dir.join(HANDLE_FILE))?;
+    f.write_all(&serde_json::to_vec(h).map_err(std::io::Error::other)?)
+}
+
 fn kill_group(pid: Option<u32>) {
     if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
         let _ = nix::sys::signal::killpg(
@@ -159,6 +177,11 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
             None,
         );
         return;
+    }
+    // Kept (owner-only) so that, should this process die, the next start can write back
+    // what the mount journaled (see `executor::recover_leftovers`).
+    if let Err(e) = save_handle(&state_dir, &h) {
+        tracing::warn!(error = %e, "cannot save the transport handle; a crash would need manual recovery");
     }
     let mut mcfg = MountConfig::new(
         &h.endpoint,
@@ -365,4 +388,8 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     }
     *a.mount.lock() = None;
     let _ = std::fs::remove_dir(&a.work_path);
+    if !mount.unsynced() {
+        // Everything is written back: the handle (a credential) is no longer needed.
+        let _ = std::fs::remove_file(state_dir.join(HANDLE_FILE));
+    }
 }

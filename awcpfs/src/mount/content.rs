@@ -303,7 +303,6 @@ impl AwcpFs {
                 node.open_writers += 1;
             }
         }
-        let seen = upper_state(&file);
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.handles.lock().insert(
             fh,
@@ -313,7 +312,6 @@ impl AwcpFs {
                 writable: mode.write,
                 append: mode.append,
                 wrote: AtomicBool::new(false),
-                seen: Mutex::new(seen),
             }),
         );
         Ok(fh)
@@ -527,14 +525,6 @@ impl AwcpFs {
     /// Number of open file handles.
     pub fn open_handle_count(&self) -> usize {
         self.handles.lock().len()
-    }
-}
-
-/// Size and mtime of an upper file.
-fn upper_state(file: &std::fs::File) -> (u64, SystemTime) {
-    match file.metadata() {
-        Ok(m) => (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)),
-        Err(_) => (0, SystemTime::UNIX_EPOCH),
     }
 }
 

@@ -45,9 +45,6 @@ pub struct Handle {
     pub append: bool,
     /// Written through since the last flush.
     pub wrote: AtomicBool,
-    /// Size and mtime of the upper file when last settled: with FUSE passthrough the kernel
-    /// writes to the upper file directly, so changes are detected by comparing these.
-    pub seen: parking_lot::Mutex<(u64, SystemTime)>,
 }
 
 /// One entry of an open directory's listing.

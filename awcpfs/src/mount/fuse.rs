@@ -573,23 +573,44 @@ impl Filesystem for FuseAdapter {
         }
     }
 
-    fn getxattr(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _name: &OsStr,
-        _size: u32,
-        reply: ReplyXattr,
-    ) {
+    fn getxattr(&self, _req: &Request, ino: INodeNo, _name: &OsStr, _size: u32, reply: ReplyXattr) {
         // No extended attributes are stored: "no such attribute" for every name.
-        reply.error(Errno::ENODATA)
+        match self.fs.access(ino.0, false) {
+            Ok(()) => reply.error(Errno::ENODATA),
+            Err(e) => reply_err!(reply, "getxattr", e),
+        }
     }
 
-    fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: ReplyXattr) {
-        if size == 0 {
-            reply.size(0)
-        } else {
-            reply.data(&[])
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        match self.fs.access(ino.0, false) {
+            Ok(()) if size == 0 => reply.size(0),
+            Ok(()) => reply.data(&[]),
+            Err(e) => reply_err!(reply, "listxattr", e),
+        }
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _name: &OsStr,
+        _value: &[u8],
+        _flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        // Extended attributes are not stored (yet): say so, as filesystems without xattr
+        // support do; `cp -a` and editors then carry on without them.
+        match self.fs.access(ino.0, true) {
+            Ok(()) => reply.error(Errno::EOPNOTSUPP),
+            Err(e) => reply_err!(reply, "setxattr", e),
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.access(ino.0, true) {
+            Ok(()) => reply.error(Errno::ENODATA),
+            Err(e) => reply_err!(reply, "removexattr", e),
         }
     }
 }

@@ -1,8 +1,10 @@
 //! The inode table: the whole namespace of a mount, in memory.
 //!
 //! Built from the export's manifest when the mount starts, then changed by the filesystem
-//! operations. Inode numbers are assigned in manifest order starting after the root, so the
-//! same manifest always yields the same numbers; new entries take the next free number.
+//! operations. Inode numbers are the Delegator's own where the manifest carries usable ones
+//! (so git's index, which records them, still matches), else assigned in manifest order
+//! after the root; either way the same manifest always yields the same numbers. New entries
+//! take numbers above all of them.
 //!
 //! Invariants:
 //! * every node reachable from the root has `parent`/`name` naming its one dentry

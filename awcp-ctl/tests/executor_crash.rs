@@ -1,0 +1,160 @@
+//! The Executor process is killed (SIGKILL) while its agent writes: when the Executor
+//! starts again with the same directory, it unmounts the leftover mount and writes back
+//! every change the agent's `close` had returned for.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_awcp-ctl");
+
+fn fuse_available() -> bool {
+    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
+    if !ok {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
+        );
+        eprintln!(
+            "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
+        );
+    }
+    ok
+}
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+fn executor(dir: &Path, port: u16, agent: &str) -> Proc {
+    Proc(
+        Command::new(BIN)
+            .arg("executor")
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--agent-cmd",
+                agent,
+                "--dir",
+            ])
+            .arg(dir)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+#[test]
+fn a_killed_executor_recovers_its_mounts_writes_on_restart() {
+    if !fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = tmp.path().join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    std::fs::write(repo.join("seed.txt"), "seed\n").unwrap();
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let (api, data, exec) = (free_port(), free_port(), free_port());
+    let _serve = Proc(
+        Command::new(BIN)
+            .args(["serve", "--listen", &format!("127.0.0.1:{api}")])
+            .args([
+                "--export-listen",
+                &format!("127.0.0.1:{data}"),
+                "--state-dir",
+            ])
+            .arg(tmp.path().join("delegator"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // Writes files one by one; after each close returns, records it outside the mount.
+    let agent = format!(
+        r#"echo $$ > {o}/agent.pid
+        i=0
+        while true; do
+          printf 'file %s\n' $i > f$i.txt || exit 1
+          echo $i >> {o}/acked
+          i=$((i+1))
+        done"#,
+        o = out.display()
+    );
+    let exec_dir = tmp.path().join("executor");
+    let mut first = executor(&exec_dir, exec, &agent);
+    let daemon = format!("http://127.0.0.1:{api}");
+    wait_for("the daemon", || {
+        std::net::TcpStream::connect(("127.0.0.1", api)).is_ok()
+            && std::net::TcpStream::connect(("127.0.0.1", exec)).is_ok()
+    });
+    let st = Command::new(BIN)
+        .args(["--daemon", &daemon, "delegate"])
+        .arg(&repo)
+        .args([
+            "--to",
+            &format!("http://127.0.0.1:{exec}/awcp"),
+            "--task",
+            "write",
+        ])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let acked = out.join("acked");
+    wait_for("acknowledged writes", || {
+        std::fs::read_to_string(&acked).is_ok_and(|s| s.lines().count() >= 200)
+    });
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+    // The agent runs in its own process group; it dies with its mount's errors or here.
+    if let Ok(pid) = std::fs::read_to_string(out.join("agent.pid")) {
+        let pid: i32 = pid.trim().parse().unwrap();
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let acked: Vec<u64> = std::fs::read_to_string(&acked)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect();
+
+    // A new Executor on the same directory recovers before it serves.
+    let _second = executor(&exec_dir, exec, "true");
+    wait_for("every acknowledged write at the Delegator", || {
+        acked.iter().all(|i| {
+            std::fs::read_to_string(repo.join(format!("f{i}.txt")))
+                .is_ok_and(|c| c == format!("file {i}\n"))
+        })
+    });
+    let work = exec_dir.join("work");
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(&work.display().to_string()),
+        "the crashed executor's mount was left behind"
+    );
+}
