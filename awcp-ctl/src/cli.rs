@@ -164,9 +164,16 @@ struct DelegateArgs {
 
 /// `$XDG_STATE_HOME/awcp/<what>`, else `~/.local/state/awcp/<what>`, else `./.awcp/<what>`.
 fn default_state_dir(what: &str) -> PathBuf {
+    // The XDG spec: an empty or relative XDG_STATE_HOME is to be ignored.
     let base = std::env::var_os("XDG_STATE_HOME")
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")));
+        .filter(|p| p.is_absolute())
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .filter(|p| p.is_absolute())
+                .map(|h| h.join(".local/state"))
+        });
     match base {
         Some(b) => b.join("awcp").join(what),
         None => PathBuf::from(".awcp").join(what),

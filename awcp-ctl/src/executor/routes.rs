@@ -23,7 +23,7 @@ use awcp_protocol::messages::{
     AcceptMessage, ExecutorConstraints, ExecutorWorkDir, InviteMessage, ProtocolVersion,
     SandboxProfile,
 };
-use awcp_protocol::{AssignmentEvent, AssignmentState, AwcpMessage, ErrorCode, TransportType};
+use awcp_protocol::{AssignmentState, AwcpMessage, ErrorCode, TransportType};
 
 use super::{Assignment, Executor};
 
@@ -93,10 +93,17 @@ async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
                 return fail(StatusCode::NOT_FOUND, format!("Unknown delegation: {id}"));
             };
             tracing::warn!(%id, code = e.code.as_str(), message = %e.message, "the delegator sent ERROR");
-            a.cancel.notify_one();
-            let mut st = a.state.lock();
-            if let Ok(next) = st.apply(AssignmentEvent::ReceiveError) {
-                *st = next;
+            if *a.state.lock() == AssignmentState::Pending {
+                // Never started: end it here, so streams and /result say so.
+                super::task::finish_error(
+                    &a,
+                    e.code.clone(),
+                    format!("the Delegator ended the delegation: {}", e.message),
+                    e.hint.clone(),
+                );
+            } else {
+                // A running task: its runner ends the mount and reports.
+                a.cancel.notify_one();
             }
             Json(OkResponse::OK).into_response()
         }

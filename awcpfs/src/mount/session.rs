@@ -443,6 +443,12 @@ impl Mount {
             }
             match self.inner.fs.prefetch(&batch) {
                 Ok(n) => done += n,
+                // A file of the batch changed on the Delegator (its block is gone): skip the
+                // batch; those files fail or conflict when opened, the others are fetched
+                // on demand.
+                Err(crate::mount::FsError::Remote {
+                    source: RemoteError::BadBlock { .. } | RemoteError::Refused { .. },
+                }) => {}
                 Err(e) => {
                     tracing::debug!(error = %e, "background hydration stopped");
                     return;
