@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Longer runs of the random-operation exerciser (tests/tests/exerciser.rs) and of the crash
+# recovery tests, each with a fresh seed, until a time budget is used up. Prints the seeds,
+# the operations done and the failures; a failure's seed reproduces it:
+#   AWCP_SEED=<seed> AWCP_EXERCISER_OPS=<n> cargo test -p awcp-tests --test exerciser
+# Usage: scripts/soak.sh [minutes (default 10)] [ops per exerciser run (default 10000)]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+minutes=${1:-10}
+ops=${2:-10000}
+deadline=$(( $(date +%s) + minutes * 60 ))
+cargo test -q -p awcp-tests --test exerciser --no-run
+cargo test -q -p awcpfs --test crash_recovery --no-run
+runs=0; failures=0; total_ops=0
+while [ "$(date +%s)" -lt "$deadline" ]; do
+  seed=$(python3 -c 'import random; print(random.getrandbits(63))')
+  if AWCP_SEED=$seed AWCP_EXERCISER_OPS=$ops cargo test -q -p awcp-tests --test exerciser >/tmp/awcp-soak.log 2>&1; then
+    echo "exerciser seed $seed: ok ($ops ops)"
+  else
+    failures=$((failures + 1)); echo "exerciser seed $seed: FAILED (log: /tmp/awcp-soak.$seed.log)"
+    cp /tmp/awcp-soak.log "/tmp/awcp-soak.$seed.log"
+  fi
+  if cargo test -q -p awcpfs --test crash_recovery >/tmp/awcp-soak.log 2>&1; then
+    echo "kill -9 + recover: ok (no acknowledged write lost)"
+  else
+    failures=$((failures + 1)); echo "kill -9 + recover: FAILED"; cp /tmp/awcp-soak.log "/tmp/awcp-soak.crash.$runs.log"
+  fi
+  runs=$((runs + 1)); total_ops=$((total_ops + ops))
+done
+echo "soak: $runs round(s), $total_ops exerciser operations, $failures failure(s)"
+[ "$failures" -eq 0 ]
