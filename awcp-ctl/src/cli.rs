@@ -334,6 +334,24 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         n("conflicts")
                     );
                 }
+                if let Some(m) = &v.executor_mount {
+                    let s = &m["stats"];
+                    let n = |k: &str| s.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+                    let ops: u64 = s
+                        .get("ops")
+                        .and_then(|o| o.as_object())
+                        .map(|o| o.values().filter_map(|v| v.as_u64()).sum())
+                        .unwrap_or(0);
+                    println!(
+                        "mount       {} on the executor: {} FUSE request(s), {} bytes fetched, {} open file(s), {} passthrough open(s), {} sync error(s)",
+                        m["state"].as_str().unwrap_or("?"),
+                        ops,
+                        n("bytesFetched"),
+                        m["openHandles"].as_u64().unwrap_or(0),
+                        n("passthroughOpens"),
+                        n("syncErrors")
+                    );
+                }
                 if let Some(res) = &r.result {
                     println!("result      {}", res.summary);
                 }

@@ -519,6 +519,10 @@ pub struct ExecutorDelegationInfo {
     pub work_path: String,
     /// When START arrived, ISO 8601.
     pub started_at: String,
+    /// Ours (additive): the `awcpfs` mount's status (state, lease left, open files,
+    /// counters), as its `status.json` holds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount: Option<serde_json::Value>,
 }
 
 #[cfg(test)]

@@ -67,6 +67,10 @@ async fn git_workflow(passthrough: bool) {
     )
     .unwrap();
     assert_eq!(status["state"], "ended", "{status}");
+    assert!(
+        status["stats"]["ops"]["lookup"].as_u64().unwrap() > 0,
+        "{status}"
+    );
     let pt_opens = status["stats"]["passthroughOpens"].as_u64().unwrap();
     assert_eq!(pt_opens > 0, passthrough, "passthrough opens: {pt_opens}");
     h.stop().await;

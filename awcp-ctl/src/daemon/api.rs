@@ -39,6 +39,9 @@ pub struct DelegationView {
     /// Data-plane counters of the export.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transfer: Option<serde_json::Value>,
+    /// The Executor's view of its mount while the task runs (its `/awcp/status`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor_mount: Option<serde_json::Value>,
 }
 
 /// Lease state in [`DelegationView`].
@@ -187,8 +190,14 @@ async fn show(
         .as_ref()
         .and_then(|e| serde_json::to_value(e.stats()).ok());
     let record = live.d.lock().record.clone();
+    let executor_mount = if record.state.is_terminal() {
+        None
+    } else {
+        d.executor_mount(&record.peer_url, &id).await
+    };
     Ok(Json(DelegationView {
         record,
+        executor_mount,
         transport: "awcpfs".into(),
         lease: LeaseView {
             state: snap.state,

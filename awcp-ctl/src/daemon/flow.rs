@@ -573,6 +573,29 @@ impl Daemon {
         Ok(())
     }
 
+    /// The Executor's mount status for `id`, from its `/awcp/status` (best effort, 1 s).
+    pub(crate) async fn executor_mount(
+        &self,
+        executor_url: &str,
+        id: &str,
+    ) -> Option<serde_json::Value> {
+        let status: awcp_protocol::api::ExecutorStatus = self
+            .http
+            .get(format!("{}/status", awcp_base(executor_url)))
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        status
+            .delegations
+            .into_iter()
+            .find(|d| d.id.as_str() == id)
+            .and_then(|d| d.mount)
+    }
+
     /// Renew the lease by `ttl`.
     pub(crate) fn renew(&self, id: &str, ttl: Duration) -> Result<String, Refusal> {
         let live = self.get_live(id).ok_or_else(|| Refusal {

@@ -335,6 +335,11 @@ async fn status(State(ex): State<Arc<Executor>>) -> Json<ExecutorStatus> {
                     id: a.invite.delegation_id.clone(),
                     work_path: a.work_path.display().to_string(),
                     started_at: a.started_at.lock().clone().unwrap_or_default(),
+                    mount: a
+                        .mount
+                        .lock()
+                        .as_ref()
+                        .and_then(|m| serde_json::to_value(m.status()).ok()),
                 });
             }
             AssignmentState::Completed | AssignmentState::Error => st.completed_delegations += 1,

@@ -185,6 +185,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        self.fs.stats().count_op("lookup");
         match self.fs.lookup(parent.0, name) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(crate::mount::FsError::NotFound) => {
@@ -195,6 +196,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        self.fs.stats().count_op("getattr");
         match self.fs.getattr(ino.0) {
             Ok(attr) => reply.attr(&self.ttl, &attr),
             Err(e) => reply_err!(reply, "getattr", e),
@@ -219,6 +221,7 @@ impl Filesystem for FuseAdapter {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        self.fs.stats().count_op("setattr");
         let set = SetAttr {
             mode,
             uid,
@@ -235,6 +238,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        self.fs.stats().count_op("readlink");
         match self.fs.readlink(ino.0) {
             Ok(t) => reply.data(t.as_bytes()),
             Err(e) => reply_err!(reply, "readlink", e),
@@ -251,6 +255,7 @@ impl Filesystem for FuseAdapter {
         _rdev: u32,
         reply: ReplyEntry,
     ) {
+        self.fs.stats().count_op("mknod");
         match self.fs.mknod(parent.0, name, mode & !umask) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "mknod", e),
@@ -266,6 +271,7 @@ impl Filesystem for FuseAdapter {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        self.fs.stats().count_op("mkdir");
         match self.fs.mkdir(parent.0, name, mode & !umask) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "mkdir", e),
@@ -273,6 +279,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.fs.stats().count_op("unlink");
         match self.fs.unlink(parent.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "unlink", e),
@@ -280,6 +287,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        self.fs.stats().count_op("rmdir");
         match self.fs.rmdir(parent.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "rmdir", e),
@@ -294,6 +302,7 @@ impl Filesystem for FuseAdapter {
         target: &Path,
         reply: ReplyEntry,
     ) {
+        self.fs.stats().count_op("symlink");
         match self.fs.symlink(parent.0, link_name, target.as_os_str()) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "symlink", e),
@@ -310,6 +319,7 @@ impl Filesystem for FuseAdapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        self.fs.stats().count_op("rename");
         let noreplace = flags.contains(RenameFlags::RENAME_NOREPLACE);
         let exchange = flags.contains(RenameFlags::RENAME_EXCHANGE);
         match self
@@ -329,6 +339,7 @@ impl Filesystem for FuseAdapter {
         _newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        self.fs.stats().count_op("link");
         match self.fs.link() {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "link", e),
@@ -336,6 +347,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        self.fs.stats().count_op("open");
         let mode = OpenMode::from_flags(flags.0);
         match self.fs.open(ino.0, mode) {
             Ok(fh) => {
@@ -367,6 +379,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        self.fs.stats().count_op("read");
         match self.fs.read(fh.0, offset, size) {
             Ok(data) => reply.data(&data),
             Err(e) => reply_err!(reply, "read", e),
@@ -385,6 +398,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        self.fs.stats().count_op("write");
         match self.fs.write(fh.0, offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply_err!(reply, "write", e),
@@ -399,6 +413,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        self.fs.stats().count_op("flush");
         match self.fs.flush(fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "flush", e),
@@ -415,6 +430,7 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        self.fs.stats().count_op("release");
         let result = self.fs.release(fh.0);
         // Closing the backing id after the file's last release.
         self.backing.lock().remove(&fh.0);
@@ -432,6 +448,7 @@ impl Filesystem for FuseAdapter {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        self.fs.stats().count_op("fsync");
         match self.fs.fsync(fh.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "fsync", e),
@@ -439,6 +456,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        self.fs.stats().count_op("opendir");
         match self.fs.opendir(ino.0) {
             Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
             Err(e) => reply_err!(reply, "opendir", e),
@@ -453,6 +471,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        self.fs.stats().count_op("readdir");
         match self.fs.readdir(fh.0) {
             Ok(entries) => {
                 for (i, e) in entries.iter().enumerate().skip(offset as usize) {
@@ -479,6 +498,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
+        self.fs.stats().count_op("readdirplus");
         match self.fs.readdir(fh.0) {
             Ok(entries) => {
                 for (i, e) in entries.iter().enumerate().skip(offset as usize) {
@@ -510,6 +530,7 @@ impl Filesystem for FuseAdapter {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        self.fs.stats().count_op("releasedir");
         self.fs.releasedir(fh.0);
         reply.ok()
     }
@@ -522,6 +543,7 @@ impl Filesystem for FuseAdapter {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        self.fs.stats().count_op("fsyncdir");
         match self.fs.access(fuser::INodeNo::ROOT.0, false) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "fsyncdir", e),
@@ -529,6 +551,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        self.fs.stats().count_op("statfs");
         match self.fs.statfs() {
             Ok(s) => reply.statfs(
                 s.blocks(),
@@ -545,6 +568,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn access(&self, _req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        self.fs.stats().count_op("access");
         match self.fs.access(ino.0, mask.contains(AccessFlags::W_OK)) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "access", e),
@@ -561,6 +585,7 @@ impl Filesystem for FuseAdapter {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        self.fs.stats().count_op("create");
         match self.fs.create(parent.0, name, mode & !umask, flags) {
             Ok((attr, fh)) => reply.created(
                 &self.ttl,
@@ -574,6 +599,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, _name: &OsStr, _size: u32, reply: ReplyXattr) {
+        self.fs.stats().count_op("getxattr");
         // No extended attributes are stored: "no such attribute" for every name.
         match self.fs.access(ino.0, false) {
             Ok(()) => reply.error(Errno::ENODATA),
@@ -582,6 +608,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        self.fs.stats().count_op("listxattr");
         match self.fs.access(ino.0, false) {
             Ok(()) if size == 0 => reply.size(0),
             Ok(()) => reply.data(&[]),
@@ -599,6 +626,7 @@ impl Filesystem for FuseAdapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        self.fs.stats().count_op("setxattr");
         // Extended attributes are not stored (yet): say so, as filesystems without xattr
         // support do; `cp -a` and editors then carry on without them.
         match self.fs.access(ino.0, true) {
@@ -608,6 +636,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        self.fs.stats().count_op("removexattr");
         match self.fs.access(ino.0, true) {
             Ok(()) => reply.error(Errno::ENODATA),
             Err(e) => reply_err!(reply, "removexattr", e),

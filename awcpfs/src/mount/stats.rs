@@ -1,6 +1,7 @@
 //! Counters of one mount. Names are defined once here; `awcp-ctl status` reads them from
 //! the status file the mount writes (`status.json` in its state directory).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
@@ -8,9 +9,43 @@ use serde::Serialize;
 
 use awcp_protocol::dataplane::Conflict;
 
+/// The FUSE operations counted, by name (the `fuser::Filesystem` method names).
+pub const OPS: [&str; 29] = [
+    "lookup",
+    "getattr",
+    "setattr",
+    "readlink",
+    "mknod",
+    "mkdir",
+    "unlink",
+    "rmdir",
+    "symlink",
+    "rename",
+    "link",
+    "open",
+    "read",
+    "write",
+    "flush",
+    "release",
+    "fsync",
+    "opendir",
+    "readdir",
+    "readdirplus",
+    "releasedir",
+    "fsyncdir",
+    "statfs",
+    "access",
+    "create",
+    "getxattr",
+    "listxattr",
+    "setxattr",
+    "removexattr",
+];
+
 /// Live counters, updated lock-free on the hot path.
 #[derive(Debug, Default)]
 pub struct Stats {
+    ops: [AtomicU64; OPS.len()],
     bytes_fetched: AtomicU64,
     blocks_fetched: AtomicU64,
     files_written_back: AtomicU64,
@@ -40,6 +75,8 @@ pub struct StatsSnapshot {
     pub sync_errors: u64,
     /// Opens handed to the kernel with FUSE passthrough.
     pub passthrough_opens: u64,
+    /// FUSE requests served, by operation (operations never requested are left out).
+    pub ops: BTreeMap<String, u64>,
     /// Changes the export kept beside instead of applying.
     pub conflicts: Vec<Conflict>,
     /// The last sync failure, if the last round failed.
@@ -60,6 +97,13 @@ impl Stats {
         self.bytes_uploaded.fetch_add(uploaded, Ordering::Relaxed);
         self.conflicts.lock().extend_from_slice(conflicts);
         *self.last_sync_error.lock() = None;
+    }
+
+    /// Count one FUSE request of operation `name` (one of [`OPS`]; others are ignored).
+    pub fn count_op(&self, name: &str) {
+        if let Some(i) = OPS.iter().position(|o| *o == name) {
+            self.ops[i].fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Count an open served with FUSE passthrough.
@@ -83,8 +127,32 @@ impl Stats {
             commits: self.commits.load(Ordering::Relaxed),
             sync_errors: self.sync_errors.load(Ordering::Relaxed),
             passthrough_opens: self.passthrough_opens.load(Ordering::Relaxed),
+            ops: OPS
+                .iter()
+                .zip(&self.ops)
+                .map(|(name, n)| (name.to_string(), n.load(Ordering::Relaxed)))
+                .filter(|(_, n)| *n > 0)
+                .collect(),
             conflicts: self.conflicts.lock().clone(),
             last_sync_error: self.last_sync_error.lock().clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn op_counters_count_known_operations_only() {
+        let s = Stats::default();
+        s.count_op("lookup");
+        s.count_op("lookup");
+        s.count_op("read");
+        s.count_op("no-such-op");
+        let snap = s.snapshot();
+        assert_eq!(snap.ops.get("lookup"), Some(&2));
+        assert_eq!(snap.ops.get("read"), Some(&1));
+        assert_eq!(snap.ops.len(), 2, "{:?}", snap.ops);
     }
 }
