@@ -1,0 +1,265 @@
+//! Faults between the mount and the export, injected by a TCP proxy in the test: a blackholed
+//! network makes reads fail with EIO after the request deadline (never a hang), and
+//! everything works again once the network returns; writes made meanwhile are committed
+//! exactly once. And a full disk under the mount's state gives the writer ENOSPC without
+//! corrupting anything.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+use awcp_lease::{Lease, LeaseTerms, SystemClock};
+use awcpfs::export::{ExportConfig, ExportRegistry};
+use awcpfs::mount::{Mount, MountConfig};
+
+const PASS: u8 = 0;
+const BLACKHOLE: u8 = 1;
+
+fn fuse_available() -> bool {
+    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
+    if !ok {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
+        );
+        eprintln!(
+            "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
+        );
+    }
+    ok
+}
+
+/// A TCP proxy whose mode can be switched: pass bytes through, or swallow them (blackhole:
+/// connections are accepted and then nothing ever comes back).
+async fn proxy(target: std::net::SocketAddr, mode: Arc<AtomicU8>) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut inbound, _)) = listener.accept().await else {
+                return;
+            };
+            let mode = mode.clone();
+            tokio::spawn(async move {
+                if mode.load(Ordering::SeqCst) == BLACKHOLE {
+                    // Hold the connection open and say nothing.
+                    let mut sink = [0u8; 4096];
+                    use tokio::io::AsyncReadExt;
+                    while let Ok(n) = inbound.read(&mut sink).await {
+                        if n == 0 {
+                            break;
+                        }
+                    }
+                    return;
+                }
+                let Ok(outbound) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                // Forward chunk by chunk, swallowing everything while the mode is blackhole,
+                // so pooled connections go dark too.
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                let m2 = mode.clone();
+                tokio::spawn(pump(ri, wo, mode));
+                tokio::spawn(pump(ro, wi, m2));
+            });
+        }
+    });
+    addr
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mode: Arc<AtomicU8>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if mode.load(Ordering::SeqCst) == BLACKHOLE {
+            continue;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+struct Setup {
+    _tmp: tempfile::TempDir,
+    src: std::path::PathBuf,
+    mnt: std::path::PathBuf,
+    mount: Mount,
+    mode: Arc<AtomicU8>,
+    _rt: tokio::runtime::Runtime,
+}
+
+fn setup(state_dir: Option<&Path>) -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir_all(src.join("cold")).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
+    // Over the background hydration threshold, so they stay remote until opened.
+    for i in 0..4 {
+        std::fs::write(src.join(format!("cold/big{i}")), vec![i as u8; 400_000]).unwrap();
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let registry = ExportRegistry::new();
+    let lease = Arc::new(Lease::grant(
+        Arc::new(SystemClock::new()),
+        LeaseTerms {
+            ttl: Duration::from_secs(600),
+            max_ttl: Duration::from_secs(600),
+            flush_grace: Duration::from_secs(5),
+        },
+    ));
+    let export = registry
+        .register(
+            "faults".into(),
+            "tok".into(),
+            ExportConfig {
+                root: src.clone(),
+                read_only: false,
+                block_size: 1 << 20,
+                staging_dir: tmp.path().join("staging"),
+            },
+            lease,
+        )
+        .unwrap();
+    let mode = Arc::new(AtomicU8::new(PASS));
+    let addr = rt.block_on(async {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = l.local_addr().unwrap();
+        let router = registry.router();
+        tokio::spawn(async move { axum::serve(l, router).await });
+        proxy(a, mode.clone()).await
+    });
+    let state = state_dir
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| tmp.path().join("state"));
+    let mut cfg = MountConfig::new(&format!("http://{addr}"), "faults", "tok", &mnt, &state);
+    cfg.manifest_digest = Some(export.manifest_digest());
+    cfg.request_timeout = Duration::from_secs(2);
+    let mount = Mount::start(cfg).unwrap();
+    Setup {
+        _tmp: tmp,
+        src,
+        mnt,
+        mount,
+        mode,
+        _rt: rt,
+    }
+}
+
+#[test]
+fn a_blackholed_network_fails_reads_in_bounded_time_and_recovers() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup(None);
+    s.mode.store(BLACKHOLE, Ordering::SeqCst);
+    let started = Instant::now();
+    let err = match std::fs::read(s.mnt.join("cold/big0")) {
+        Ok(data) => panic!("read {} bytes through a blackholed network", data.len()),
+        Err(e) => e,
+    };
+    let took = started.elapsed();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(
+        took < Duration::from_secs(10),
+        "a read waited {took:?} on a dead network"
+    );
+    // Writes while the network is down are journaled and retried.
+    std::fs::write(s.mnt.join("written-offline.txt"), "offline\n").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!s.src.join("written-offline.txt").exists());
+
+    s.mode.store(PASS, Ordering::SeqCst);
+    assert_eq!(
+        std::fs::read(s.mnt.join("cold/big0")).unwrap(),
+        vec![0u8; 400_000]
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !s.src.join("written-offline.txt").exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the offline write never reached the Delegator"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        std::fs::read_to_string(s.src.join("written-offline.txt")).unwrap(),
+        "offline\n"
+    );
+    s.mount.finish();
+    let names: Vec<_> = std::fs::read_dir(&s.src)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.to_string_lossy().contains("awcp-conflict")),
+        "a retried commit was applied twice: {names:?}"
+    );
+    assert!(
+        s.mount.stats().sync_errors > 0,
+        "the outage was not noticed"
+    );
+    assert!(!s.mount.unsynced());
+}
+
+#[test]
+fn a_full_disk_gives_the_writer_enospc_and_nothing_breaks() {
+    if !fuse_available() {
+        return;
+    }
+    let small = tempfile::tempdir().unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2m", "tmpfs"])
+        .arg(small.path())
+        .status()
+        .unwrap();
+    assert!(mounted.success());
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(self.0)
+                .status();
+        }
+    }
+    let _guard = Unmount(small.path());
+    let s = setup(Some(&small.path().join("state")));
+    std::fs::write(s.mnt.join("small.txt"), "fits\n").unwrap();
+    let err = match std::fs::write(s.mnt.join("huge.bin"), vec![7u8; 4 << 20]) {
+        Ok(()) => panic!("4 MiB written to a 2 MiB disk"),
+        Err(e) => e,
+    };
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    // Space comes back: writing works again, and what fit is intact.
+    std::fs::remove_file(s.mnt.join("huge.bin")).unwrap();
+    std::fs::write(s.mnt.join("after.txt"), "after\n").unwrap();
+    assert_eq!(
+        std::fs::read_to_string(s.mnt.join("small.txt")).unwrap(),
+        "fits\n"
+    );
+    s.mount.finish();
+    assert!(!s.mount.unsynced());
+    assert_eq!(
+        std::fs::read_to_string(s.src.join("small.txt")).unwrap(),
+        "fits\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(s.src.join("after.txt")).unwrap(),
+        "after\n"
+    );
+    assert!(!s.src.join("huge.bin").exists());
+}
