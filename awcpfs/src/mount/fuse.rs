@@ -362,7 +362,14 @@ impl Filesystem for FuseAdapter {
                 }
                 // Every change to the content goes through this kernel, so its page cache
                 // stays valid across opens. (Passthrough cannot be combined with it.)
-                reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
+                // A descriptor that cannot write has nothing to flush at close: spare the
+                // round trip.
+                let noflush = if mode.write {
+                    FopenFlags::empty()
+                } else {
+                    FopenFlags::FOPEN_NOFLUSH
+                };
+                reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE | noflush)
             }
             Err(e) => reply_err!(reply, "open", e),
         }
@@ -458,7 +465,12 @@ impl Filesystem for FuseAdapter {
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         self.fs.stats().count_op("opendir");
         match self.fs.opendir(ino.0) {
-            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+            // The kernel may keep the listing: every change to this directory goes through
+            // it, and it drops the cached listing when the directory changes.
+            Ok(fh) => reply.opened(
+                FileHandle(fh),
+                FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE,
+            ),
             Err(e) => reply_err!(reply, "opendir", e),
         }
     }
