@@ -198,7 +198,13 @@ impl HttpRemote {
 }
 
 fn read_body(resp: ureq::Response, limit: u64) -> Result<Vec<u8>, RemoteError> {
-    let mut buf = Vec::new();
+    // Size the buffer once when the length is announced (bounded, in case it lies).
+    let announced = resp
+        .header("content-length")
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0)
+        .min(256 << 20);
+    let mut buf = Vec::with_capacity(announced);
     resp.into_reader()
         .take(limit)
         .read_to_end(&mut buf)
