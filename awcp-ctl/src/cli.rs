@@ -96,9 +96,12 @@ struct ServeArgs {
     /// `~/.local/state/awcp/delegator`.
     #[arg(long, env = "AWCP_STATE_DIR")]
     state_dir: Option<PathBuf>,
-    /// Longest lease granted.
+    /// Longest lease granted (and longest single renewal).
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_ttl: Duration,
+    /// Longest a lease may live in all, renewals included.
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    max_lease: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -127,6 +130,11 @@ struct ExecutorArgs {
     /// cannot stop reads on files opened before it.
     #[arg(long)]
     passthrough: bool,
+    /// Renew each lease with the Delegator when less than this is left (e.g. `30s`), up to
+    /// the Delegator's --max-lease. Without it, a lease ends when its TTL runs out unless
+    /// the Delegator renews it.
+    #[arg(long, value_parser = parse_duration)]
+    renew_margin: Option<Duration>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -247,6 +255,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.export_listen = a.export_listen;
             cfg.export_url = a.export_url;
             cfg.max_ttl = a.max_ttl;
+            cfg.max_lease = a.max_lease;
             awcp_ctl::daemon::serve(cfg).await?;
             Ok(ExitCode::SUCCESS)
         }
@@ -260,6 +269,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.max_concurrent = a.max_concurrent;
             cfg.keep_cache = a.keep_cache;
             cfg.passthrough = a.passthrough;
+            cfg.renew_margin = a.renew_margin;
             awcp_ctl::executor::serve(cfg).await?;
             Ok(ExitCode::SUCCESS)
         }

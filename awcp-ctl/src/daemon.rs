@@ -50,6 +50,9 @@ pub struct DaemonConfig {
     pub flush_grace: Duration,
     /// Block size of exports.
     pub block_size: u32,
+    /// Longest a lease may live in all, however often it is renewed (by the Executor on
+    /// its own, or with `awcp-ctl renew`).
+    pub max_lease: Duration,
 }
 
 impl DaemonConfig {
@@ -63,6 +66,7 @@ impl DaemonConfig {
             max_ttl: Duration::from_secs(24 * 3600),
             flush_grace: Duration::from_secs(10),
             block_size: awcp_protocol::dataplane::DEFAULT_BLOCK_SIZE,
+            max_lease: Duration::from_secs(24 * 3600),
         }
     }
 }

@@ -46,6 +46,9 @@ pub struct ExecutorConfig {
     /// Serve read-only opens with FUSE passthrough (faster; a revocation cannot stop reads
     /// on files opened before it).
     pub passthrough: bool,
+    /// Renew each lease with the Delegator's export when less than this is left (`None`:
+    /// leases end when the Delegator's TTL runs out unless it renews them).
+    pub renew_margin: Option<Duration>,
 }
 
 impl ExecutorConfig {
@@ -60,6 +63,7 @@ impl ExecutorConfig {
             max_concurrent: 8,
             keep_cache: false,
             passthrough: false,
+            renew_margin: None,
         }
     }
 }

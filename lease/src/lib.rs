@@ -179,6 +179,8 @@ struct State {
     wall_deadline: SystemTime,
     ended: Option<Ended>,
     renewals: u64,
+    /// Monotonic instant no renewal may extend the lease past (`None`: no limit).
+    renew_limit: Option<Duration>,
 }
 
 /// A lease: the time-bounded right of one Executor to access one export.
@@ -208,6 +210,7 @@ impl Lease {
             wall_deadline: wall_after(clock.wall_now(), terms.ttl),
             ended: None,
             renewals: 0,
+            renew_limit: None,
         };
         let (tx, _) = watch::channel(snapshot_of(&state, &terms, now));
         let lease = Lease {
@@ -257,7 +260,12 @@ impl Lease {
         if let Some(e) = st.ended {
             return Err(end_error(&e));
         }
-        let ttl = ttl.min(self.terms.max_ttl);
+        let mut ttl = ttl.min(self.terms.max_ttl);
+        if let Some(limit) = st.renew_limit {
+            // Never past the lifetime the Delegator allows; never shorter than it already is.
+            let current = st.deadline.saturating_sub(now);
+            ttl = ttl.min(limit.saturating_sub(now)).max(current);
+        }
         st.deadline = now.saturating_add(ttl);
         st.wall_deadline = wall_after(self.clock.wall_now(), ttl);
         st.renewals += 1;
@@ -266,6 +274,14 @@ impl Lease {
         let snap = snapshot_of(&st, &self.terms, now);
         self.tx.send_replace(snap);
         Ok(snap)
+    }
+
+    /// Cap the lease's whole life: no renewal extends it beyond `lifetime` after now (the
+    /// Delegator's maximum when the Executor renews on its own).
+    pub fn limit_renewals(&self, lifetime: Duration) {
+        let mut st = self.state.lock();
+        let now = self.clock.now();
+        st.renew_limit = Some(now.saturating_add(lifetime));
     }
 
     /// End the lease now. With `flush`, a final flush is still accepted for the flush grace.

@@ -358,3 +358,27 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn renewals_stop_at_the_lifetime_the_delegator_allows() {
+    let (clock, l) = lease(terms(10, 60, 0));
+    l.limit_renewals(25 * S);
+    clock.advance(8 * S);
+    // Renewing at 8 s for 10 s: deadline 18 s, within the 25 s lifetime.
+    assert_eq!(l.renew(10 * S).unwrap().remaining, 10 * S);
+    clock.advance(8 * S);
+    // At 16 s: a 10 s renewal would reach 26 s; it is cut to the lifetime, 25 s.
+    assert_eq!(l.renew(10 * S).unwrap().remaining, 9 * S);
+    clock.advance(9 * S);
+    assert_eq!(l.check_access().unwrap_err().state(), LeaseState::Expired);
+    assert!(l.renew(10 * S).is_err(), "no renewal after expiry");
+}
+
+#[test]
+fn a_renewal_near_the_limit_never_shortens_the_lease() {
+    let (clock, l) = lease(terms(10, 60, 0));
+    l.limit_renewals(5 * S);
+    clock.advance(S);
+    // The grant already runs to 10 s, past the 5 s renewal limit: renewing keeps 10 s.
+    assert_eq!(l.renew(10 * S).unwrap().remaining, 9 * S);
+}

@@ -91,6 +91,15 @@ impl Harness {
 
     /// Start both services, adjusting the Executor's config first.
     pub async fn start_with(agent_cmd: &str, adjust: impl FnOnce(&mut ExecutorConfig)) -> Harness {
+        Self::start_full(agent_cmd, |_| {}, adjust).await
+    }
+
+    /// Start both services, adjusting both configs first.
+    pub async fn start_full(
+        agent_cmd: &str,
+        adjust_daemon: impl FnOnce(&mut DaemonConfig),
+        adjust: impl FnOnce(&mut ExecutorConfig),
+    ) -> Harness {
         if let Ok(filter) = std::env::var("AWCP_LOG") {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
@@ -102,6 +111,7 @@ impl Harness {
         dcfg.listen = "127.0.0.1:0".parse().unwrap();
         dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
         dcfg.flush_grace = Duration::from_secs(5);
+        adjust_daemon(&mut dcfg);
         let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
         let mut ecfg = ExecutorConfig::new(agent_cmd.to_string(), tmp.path().join("executor"));
         ecfg.listen = "127.0.0.1:0".parse().unwrap();

@@ -123,6 +123,7 @@ impl Daemon {
                 flush_grace: self.cfg.flush_grace,
             },
         ));
+        lease.limit_renewals(self.cfg.max_lease);
         let staging_dir = self.cfg.state_dir.join("staging").join(id.as_str());
         let export_cfg = ExportConfig {
             root: source.clone(),
@@ -695,6 +696,7 @@ impl Daemon {
                     flush_grace: self.cfg.flush_grace,
                 },
             ));
+            lease.limit_renewals(self.cfg.max_lease);
             let terminal = d.record.state.is_terminal();
             if terminal {
                 lease.revoke(false);

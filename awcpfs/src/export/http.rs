@@ -76,6 +76,7 @@ pub(crate) fn router(reg: ExportRegistry) -> Router {
         .route("/v1/exports/{id}/manifest", get(manifest))
         .route("/v1/exports/{id}/blocks", post(blocks))
         .route("/v1/exports/{id}/events", get(events))
+        .route("/v1/exports/{id}/renew", post(renew))
         .route_layer(from_fn_with_state((reg.clone(), Gate::Read), gate));
     let flush = Router::new()
         .route("/v1/exports/{id}/missing", post(missing))
@@ -239,6 +240,24 @@ async fn manifest(Extension(export): Extension<Arc<Export>>) -> Response {
         export.manifest_json.clone(),
     )
         .into_response()
+}
+
+/// `POST /renew`: the Executor extends its lease by the lease's own TTL (capped by the
+/// Delegator's maximum per renewal and lifetime); answers the lease event JSON. Only an
+/// active lease can be renewed (the gate refuses others).
+async fn renew(Extension(export): Extension<Arc<Export>>) -> Response {
+    let ttl = export.lease().terms().ttl;
+    match export.lease().renew(ttl) {
+        Ok(snap) => (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            lease_event_json(&snap),
+        )
+            .into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    }
 }
 
 async fn blocks(

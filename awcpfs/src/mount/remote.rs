@@ -93,6 +93,8 @@ pub trait Remote: Send + Sync {
     fn upload(&self, blocks: &[([u8; 32], &[u8])]) -> Result<(), RemoteError>;
     /// Commit a change set.
     fn commit(&self, changes: &ChangeSet) -> Result<CommitResult, RemoteError>;
+    /// Ask the export to extend the lease; answers the lease as it now stands.
+    fn renew(&self) -> Result<ExportEvent, RemoteError>;
     /// Open the lease event stream; the iterator ends when the stream does. It also yields
     /// [`StreamItem::KeepAlive`] for comment lines, so a reader can check for shutdown.
     fn events(&self) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError>;
@@ -286,6 +288,18 @@ impl Remote for HttpRemote {
 
     fn commit(&self, changes: &ChangeSet) -> Result<CommitResult, RemoteError> {
         self.post_json("commit", changes)
+    }
+
+    fn renew(&self) -> Result<ExportEvent, RemoteError> {
+        let resp = self
+            .agent
+            .post(&format!("{}/renew", self.base))
+            .set("Authorization", &self.auth)
+            .call()
+            .map_err(|e| self.map_err(e))?;
+        resp.into_json().map_err(|e| RemoteError::Protocol {
+            what: format!("renew: {e}"),
+        })
     }
 
     fn events(&self) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError> {

@@ -68,6 +68,9 @@ pub struct MountConfig {
     /// Fetch files up to this size in the background, many per request, so that a tree
     /// walk that reads everything finds it local (0: off). On-demand reads go first.
     pub hydrate_max_size: u64,
+    /// Renew the lease with the export when less than this is left (`None`: never; the
+    /// Delegator then decides alone, with `awcp-ctl renew`).
+    pub renew_margin: Option<Duration>,
 }
 
 impl MountConfig {
@@ -95,6 +98,7 @@ impl MountConfig {
             keep_cache: false,
             kernel: KernelOptions::default(),
             hydrate_max_size: 256 << 10,
+            renew_margin: None,
         }
     }
 }
@@ -398,6 +402,13 @@ impl Mount {
             .name("awcpfs-events".into())
             .spawn(move || m.event_reader())
             .expect("spawning a thread");
+        if let Some(margin) = self.inner.cfg.renew_margin {
+            let m = self.clone();
+            std::thread::Builder::new()
+                .name("awcpfs-renew".into())
+                .spawn(move || m.renewer(margin))
+                .expect("spawning a thread");
+        }
         if self.inner.cfg.hydrate_max_size > 0 {
             let m = self.clone();
             std::thread::Builder::new()
@@ -458,6 +469,45 @@ impl Mount {
             bytes = 0;
         }
         tracing::debug!(files = done, of = total, elapsed = ?started.elapsed(), "small files hydrated");
+    }
+
+    /// Renew the lease whenever less than `margin` is left. Its own thread, so a slow or
+    /// unreachable export never delays the lease timer: a partitioned Executor still fences
+    /// itself at the deadline it knows.
+    fn renewer(&self, margin: Duration) {
+        while !self.inner.ending.load(Ordering::SeqCst) {
+            let remaining = self
+                .inner
+                .deadline
+                .lock()
+                .saturating_duration_since(Instant::now());
+            if remaining > margin {
+                std::thread::sleep((remaining - margin).min(Duration::from_millis(200)));
+                continue;
+            }
+            match self.inner.remote.renew() {
+                Ok(ExportEvent::Lease {
+                    state: LeaseState::Active,
+                    remaining_ms,
+                    ..
+                }) => {
+                    let granted = Duration::from_millis(remaining_ms);
+                    *self.inner.deadline.lock() = Instant::now() + granted;
+                    self.inner.fs.stats.add_renewal();
+                    if granted <= margin {
+                        // The Delegator's lifetime limit is near: nothing more to gain.
+                        tracing::info!(?granted, "the lease cannot be renewed further");
+                        return;
+                    }
+                }
+                Ok(_) => return,
+                Err(e) if e.is_fatal() => return,
+                Err(e) => {
+                    tracing::debug!(error = %e, "lease renewal failed; retrying");
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            }
+        }
     }
 
     fn lease_timer(&self) {

@@ -53,6 +53,7 @@ pub struct Stats {
     commits: AtomicU64,
     sync_errors: AtomicU64,
     passthrough_opens: AtomicU64,
+    renewals: AtomicU64,
     conflicts: Mutex<Vec<Conflict>>,
     last_sync_error: Mutex<Option<String>>,
 }
@@ -75,6 +76,8 @@ pub struct StatsSnapshot {
     pub sync_errors: u64,
     /// Opens handed to the kernel with FUSE passthrough.
     pub passthrough_opens: u64,
+    /// Lease renewals this mount obtained.
+    pub renewals: u64,
     /// FUSE requests served, by operation (operations never requested are left out).
     pub ops: BTreeMap<String, u64>,
     /// Changes the export kept beside instead of applying.
@@ -106,6 +109,11 @@ impl Stats {
         }
     }
 
+    /// Count a lease renewal.
+    pub fn add_renewal(&self) {
+        self.renewals.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Count an open served with FUSE passthrough.
     pub fn add_passthrough_open(&self) {
         self.passthrough_opens.fetch_add(1, Ordering::Relaxed);
@@ -127,6 +135,7 @@ impl Stats {
             commits: self.commits.load(Ordering::Relaxed),
             sync_errors: self.sync_errors.load(Ordering::Relaxed),
             passthrough_opens: self.passthrough_opens.load(Ordering::Relaxed),
+            renewals: self.renewals.load(Ordering::Relaxed),
             ops: OPS
                 .iter()
                 .zip(&self.ops)
