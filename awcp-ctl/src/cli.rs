@@ -73,6 +73,15 @@ enum Command {
         #[arg(long, default_value = "30m", value_parser = parse_duration)]
         ttl: Duration,
     },
+    /// Bring back the changes an Executor kept because it could not write them back before
+    /// the lease ended (e.g. after `revoke --no-flush`), applying them with conflict checks.
+    Collect {
+        /// Delegation id.
+        id: String,
+        /// Drop the kept changes instead.
+        #[arg(long)]
+        discard: bool,
+    },
     /// Follow a delegation's events as they come, until it ends.
     Watch {
         /// Delegation id.
@@ -413,6 +422,29 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 println!("renewed {id}: lease now expires {}", r.expires_at);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Collect { id, discard } => {
+            let r = client.collect(&id, discard).await?;
+            if cli.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else if r.discarded {
+                println!("discarded the changes the executor kept for {id}");
+            } else {
+                println!(
+                    "collected {id}: {} change(s) applied, {} conflict(s)",
+                    r.applied,
+                    r.conflicts.len()
+                );
+                for c in &r.conflicts {
+                    println!(
+                        "  conflict at {}: {} (kept as {})",
+                        c.path,
+                        c.reason,
+                        c.kept_as.as_deref().unwrap_or("-")
+                    );
+                }
             }
             Ok(ExitCode::SUCCESS)
         }

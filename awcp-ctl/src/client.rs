@@ -117,6 +117,20 @@ impl DaemonClient {
         .await
     }
 
+    /// `POST /delegation/:id/collect`.
+    pub async fn collect(
+        &self,
+        id: &str,
+        discard: bool,
+    ) -> Result<crate::daemon::api::CollectResponse, ClientError> {
+        self.send(
+            self.http
+                .post(format!("{}/delegation/{id}/collect", self.base))
+                .json(&crate::daemon::api::CollectRequest { discard }),
+        )
+        .await
+    }
+
     /// `POST /delegation/:id/renew`.
     pub async fn renew(&self, id: &str, ttl_seconds: u64) -> Result<RenewResponse, ClientError> {
         self.send(

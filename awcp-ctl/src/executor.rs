@@ -49,6 +49,8 @@ pub struct ExecutorConfig {
     /// Renew each lease with the Delegator's export when less than this is left (`None`:
     /// leases end when the Delegator's TTL runs out unless it renews them).
     pub renew_margin: Option<Duration>,
+    /// How long a mount waits after a change before writing back (batching bursts).
+    pub sync_debounce: Duration,
 }
 
 impl ExecutorConfig {
@@ -64,6 +66,7 @@ impl ExecutorConfig {
             keep_cache: false,
             passthrough: false,
             renew_margin: None,
+            sync_debounce: Duration::from_millis(20),
         }
     }
 }

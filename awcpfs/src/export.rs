@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use awcp_lease::Lease;
-use awcp_protocol::dataplane::{Conflict, Manifest};
+use awcp_protocol::dataplane::{ChangeSet, CommitResult, Conflict, Manifest};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
@@ -272,11 +272,61 @@ impl Export {
         self.stats.snapshot()
     }
 
+    /// Apply a change set that arrives with its new blocks in hand — a recovery bundle an
+    /// Executor kept when it could not write back in time (`awcp-ctl collect`). Blocks are
+    /// verified and staged, then the change set is committed exactly as `POST /commit`
+    /// would: same path checks, same base-hash conflict handling (both versions kept). The
+    /// lease is not consulted: the Delegator itself asked for this.
+    pub fn apply_bundle(
+        &self,
+        changes: &ChangeSet,
+        blocks: &[([u8; 32], Vec<u8>)],
+    ) -> Result<CommitResult, BundleError> {
+        for (hash, data) in blocks {
+            if blake3::hash(data).as_bytes() != hash {
+                return Err(BundleError::Checksum {
+                    hash: hex::encode(hash),
+                });
+            }
+            self.blocks
+                .staging
+                .store(hash, data)
+                .map_err(|source| BundleError::Staging { source })?;
+        }
+        commit::run(self, changes).map_err(|e| BundleError::Commit {
+            message: e.to_string(),
+        })
+    }
+
     /// Whether `token` is this export's token (constant time).
     fn token_matches(&self, token: &str) -> bool {
         // `blake3::Hash`'s `PartialEq` is constant-time.
         blake3::hash(token.as_bytes()) == self.token_hash
     }
+}
+
+/// Why a recovery bundle could not be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum BundleError {
+    /// A block's content does not match its hash.
+    #[error("bundle block {hash} does not match its hash")]
+    Checksum {
+        /// The block.
+        hash: String,
+    },
+    /// Staging a block failed.
+    #[error("staging a bundle block failed")]
+    Staging {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The commit was refused as a whole (bad paths, missing blocks).
+    #[error("the bundle's change set was refused: {message}")]
+    Commit {
+        /// The export's words.
+        message: String,
+    },
 }
 
 /// All exports of a process. Cheap to clone (shared state).

@@ -91,6 +91,25 @@ async fn concurrent_delegations_with_one_revoked_midway() {
         };
         assert_eq!(state, want, "{id}");
     }
+    // Every task has ended on the Executor, final flushes included.
+    let status_url = format!("{}/status", h.executor.awcp_url());
+    let start = Instant::now();
+    loop {
+        let st: serde_json::Value = reqwest::get(&status_url)
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if st["activeDelegations"] == 0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "tasks still active: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // No acknowledged write lost: every file the agents acknowledged (and did not move or
     // remove afterwards) is at its Delegator with the right content — the revoked one
     // included, for what it acknowledged before the revoke.

@@ -135,6 +135,7 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
         .route("/delegation/{id}/revoke", post(revoke))
         .route("/delegation/{id}/renew", post(renew))
         .route("/delegation/{id}/events", get(events))
+        .route("/delegation/{id}/collect", post(collect))
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
         .with_state(d)
         .layer(axum::extract::DefaultBodyLimit::max(16 << 20))
@@ -238,6 +239,36 @@ async fn renew(
         ok: true,
         expires_at,
     }))
+}
+
+/// `POST /delegation/:id/collect` body.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CollectRequest {
+    /// Drop the Executor's kept changes instead of applying them.
+    #[serde(default)]
+    pub discard: bool,
+}
+
+/// `POST /delegation/:id/collect` answer.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CollectResponse {
+    /// Changes applied.
+    pub applied: u64,
+    /// Changes kept beside instead (the Delegator's copy had changed).
+    pub conflicts: Vec<awcp_protocol::dataplane::Conflict>,
+    /// True when the kept changes were discarded.
+    pub discarded: bool,
+}
+
+async fn collect(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    body: Option<Json<CollectRequest>>,
+) -> Result<Json<CollectResponse>, ApiFailure> {
+    let discard = body.map(|b| b.0.discard).unwrap_or(false);
+    Ok(Json(d.collect(&id, discard).await?))
 }
 
 async fn snapshots(

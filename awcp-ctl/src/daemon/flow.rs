@@ -597,6 +597,145 @@ impl Daemon {
             .and_then(|d| d.mount)
     }
 
+    /// Collect (or discard) the changes an Executor kept because it could not write them
+    /// back before the lease ended: apply them to the workspace with the usual conflict
+    /// checks, then tell the Executor to drop them.
+    pub(crate) async fn collect(
+        &self,
+        id: &str,
+        discard: bool,
+    ) -> Result<super::api::CollectResponse, Refusal> {
+        let live = self.get_live(id).ok_or_else(|| Refusal {
+            status: 404,
+            message: format!("Unknown delegation: {id}"),
+            code: None,
+            hint: None,
+        })?;
+        let (state, peer, source, read_only) = {
+            let d = live.d.lock();
+            (
+                d.record.state,
+                d.record.peer_url.clone(),
+                d.source.clone(),
+                d.read_only,
+            )
+        };
+        if !state.is_terminal() {
+            return Err(Refusal {
+                status: 409,
+                message: format!(
+                    "delegation {id} is still {}; its changes are being written back live",
+                    state.as_str()
+                ),
+                code: None,
+                hint: Some("Revoke it first, or wait for it to end".into()),
+            });
+        }
+        let url = format!("{}/tasks/{id}/bundle", awcp_base(&peer));
+        let mut response = super::api::CollectResponse::default();
+        if !discard {
+            // Right after a revoke the Executor may still be unmounting: give it a moment.
+            let mut tries = 0;
+            let resp = loop {
+                let resp = self.http.get(&url).send().await.map_err(|e| {
+                    Refusal::internal(format!("asking the executor for its kept changes: {e}"))
+                })?;
+                if resp.status().as_u16() != 409 || tries >= 50 {
+                    break resp;
+                }
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            };
+            if resp.status().as_u16() == 404 {
+                return Err(Refusal {
+                    status: 404,
+                    message: format!("the executor keeps no unwritten changes for {id}"),
+                    code: None,
+                    hint: Some("Everything was written back, or it was already collected".into()),
+                });
+            }
+            if !resp.status().is_success() {
+                let status = resp.status();
+                let body = resp.text().await.unwrap_or_default();
+                return Err(Refusal::internal(format!(
+                    "the executor answered {status}: {body}"
+                )));
+            }
+            let bytes = resp
+                .bytes()
+                .await
+                .map_err(|e| Refusal::internal(format!("reading the recovery bundle: {e}")))?;
+            let (changes, blocks) = awcp_protocol::dataplane::decode_bundle(&bytes)
+                .map_err(|e| Refusal::internal(format!("the recovery bundle is malformed: {e}")))?;
+            if read_only {
+                return Err(Refusal::bad(
+                    ErrorCode::WorkspaceInvalid,
+                    format!("delegation {id} was read-only; it has nothing to collect"),
+                    "Discard the kept changes with --discard",
+                ));
+            }
+            // A short-lived export of the workspace applies it with the usual checks.
+            let exports = self.exports.clone();
+            let staging = self
+                .cfg
+                .state_dir
+                .join("staging")
+                .join(format!("collect-{id}"));
+            let block_size = self.cfg.block_size;
+            let cid = format!("collect-{id}");
+            let result = tokio::task::spawn_blocking(move || {
+                let lease = Arc::new(Lease::grant(
+                    Arc::new(SystemClock::new()),
+                    LeaseTerms {
+                        ttl: Duration::from_secs(60),
+                        max_ttl: Duration::from_secs(60),
+                        flush_grace: Duration::ZERO,
+                    },
+                ));
+                let cfg = ExportConfig {
+                    root: source,
+                    read_only: false,
+                    block_size,
+                    staging_dir: staging,
+                };
+                let export = exports
+                    .register(cid.clone(), crate::random_token(), cfg, lease)
+                    .map_err(|e| e.to_string())?;
+                let r = export
+                    .apply_bundle(&changes, &blocks)
+                    .map_err(|e| e.to_string());
+                exports.remove(&cid);
+                r
+            })
+            .await
+            .map_err(|e| Refusal::internal(format!("applying the bundle: {e}")))?
+            .map_err(|e| Refusal::internal(format!("applying the bundle: {e}")))?;
+            response.applied = result.applied;
+            response.conflicts = result.conflicts;
+        } else {
+            response.discarded = true;
+        }
+        // Applied (or discarded): the Executor may drop its copy.
+        let _ = self.http.delete(&url).send().await;
+        self.record(
+            &live,
+            WatchEvent::State {
+                state,
+                at: crate::now_iso(),
+                detail: Some(if discard {
+                    "kept changes discarded".into()
+                } else {
+                    format!(
+                        "collected {} change(s), {} conflict(s)",
+                        response.applied,
+                        response.conflicts.len()
+                    )
+                }),
+            },
+        );
+        Ok(response)
+    }
+
     /// Renew the lease by `ttl`.
     pub(crate) fn renew(&self, id: &str, ttl: Duration) -> Result<String, Refusal> {
         let live = self.get_live(id).ok_or_else(|| Refusal {

@@ -44,6 +44,10 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
         .route("/awcp/tasks/{id}/events", get(events))
         .route("/awcp/tasks/{id}/result", get(result))
         .route("/awcp/tasks/{id}/ack", post(ack))
+        .route(
+            "/awcp/tasks/{id}/bundle",
+            get(bundle).delete(discard_bundle),
+        )
         .route("/awcp/cancel/{id}", post(cancel))
         .route("/awcp/status", get(status))
         .with_state(ex)
@@ -272,6 +276,72 @@ async fn result(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Resp
         reason: None,
     });
     Json(r).into_response()
+}
+
+/// The state directory of delegation `id` (the id is validated first: it becomes a path).
+fn state_dir_of(ex: &Executor, id: &str) -> Result<std::path::PathBuf, Box<Response>> {
+    awcp_protocol::DelegationId::parse(id)
+        .map(|_| ex.cfg.state_dir.join(id))
+        .map_err(|e| {
+            Box::new(fail(
+                StatusCode::BAD_REQUEST,
+                format!("invalid delegation id: {e}"),
+            ))
+        })
+}
+
+/// Ours: `GET /tasks/:id/bundle`: the changes a mount could not write back in time, as a
+/// recovery bundle (`awcp-ctl collect`). 404 when nothing is kept.
+async fn bundle(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
+    let dir = match state_dir_of(&ex, &id) {
+        Ok(d) => d,
+        Err(r) => return *r,
+    };
+    let running = ex
+        .tasks
+        .lock()
+        .get(&id)
+        .is_some_and(|a| a.mount.lock().is_some());
+    if running {
+        return fail(
+            StatusCode::CONFLICT,
+            format!("delegation {id} is still mounted; its changes are being written back"),
+        );
+    }
+    match tokio::task::spawn_blocking(move || awcpfs::mount::recover::bundle(&dir)).await {
+        Ok(Ok(Some(bytes))) => (
+            [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
+            bytes,
+        )
+            .into_response(),
+        Ok(Ok(None)) => fail(
+            StatusCode::NOT_FOUND,
+            format!("no unsynced changes are kept for {id}"),
+        ),
+        Ok(Err(e)) => fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("building the recovery bundle failed: {e}"),
+        ),
+        Err(e) => fail(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}")),
+    }
+}
+
+/// Ours: `DELETE /tasks/:id/bundle`: drop the kept changes (after a collect, or to discard).
+async fn discard_bundle(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
+    let dir = match state_dir_of(&ex, &id) {
+        Ok(d) => d,
+        Err(r) => return *r,
+    };
+    if !awcpfs::mount::recover::has_unsynced(&dir) {
+        return fail(
+            StatusCode::NOT_FOUND,
+            format!("no unsynced changes are kept for {id}"),
+        );
+    }
+    awcpfs::mount::recover::remove_logs(&dir);
+    let _ = std::fs::remove_dir_all(dir.join("upper"));
+    let _ = std::fs::remove_file(dir.join(super::task::HANDLE_FILE));
+    Json(OkResponse::OK).into_response()
 }
 
 async fn ack(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Json<OkResponse> {

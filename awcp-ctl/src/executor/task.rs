@@ -196,6 +196,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     mcfg.keep_cache = ex.cfg.keep_cache;
     mcfg.kernel.passthrough = ex.cfg.passthrough;
     mcfg.renew_margin = ex.cfg.renew_margin;
+    mcfg.sync_debounce = ex.cfg.sync_debounce;
     let mount = match tokio::task::spawn_blocking(move || Mount::start(mcfg)).await {
         Ok(Ok(m)) => m,
         Ok(Err(e)) => {

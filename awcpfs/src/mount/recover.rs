@@ -146,3 +146,122 @@ pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryRepo
     }
     Ok(report)
 }
+
+/// A [`Remote`] that records instead of sending: what a final flush would upload and
+/// commit becomes a recovery bundle.
+#[derive(Default)]
+struct Capture {
+    blocks: parking_lot::Mutex<Vec<([u8; 32], Vec<u8>)>>,
+    changes: parking_lot::Mutex<Option<awcp_protocol::dataplane::ChangeSet>>,
+}
+
+impl Remote for Capture {
+    fn manifest(&self) -> Result<(Manifest, String), super::remote::RemoteError> {
+        Err(offline())
+    }
+    fn fetch_blocks(&self, _: &[String]) -> Result<Vec<Vec<u8>>, super::remote::RemoteError> {
+        Err(offline())
+    }
+    fn missing(&self, hashes: &[String]) -> Result<Vec<String>, super::remote::RemoteError> {
+        // Everything the bundle has, it carries: the Delegator may no longer have any of it.
+        Ok(hashes.to_vec())
+    }
+    fn upload(&self, blocks: &[([u8; 32], &[u8])]) -> Result<(), super::remote::RemoteError> {
+        self.blocks
+            .lock()
+            .extend(blocks.iter().map(|(h, d)| (*h, d.to_vec())));
+        Ok(())
+    }
+    fn commit(
+        &self,
+        changes: &awcp_protocol::dataplane::ChangeSet,
+    ) -> Result<awcp_protocol::dataplane::CommitResult, super::remote::RemoteError> {
+        *self.changes.lock() = Some(changes.clone());
+        Ok(awcp_protocol::dataplane::CommitResult {
+            commit_id: changes.commit_id.clone(),
+            applied: changes.changes.len() as u64,
+            conflicts: Vec::new(),
+        })
+    }
+    fn events(
+        &self,
+    ) -> Result<
+        Box<dyn Iterator<Item = super::remote::StreamItem> + Send>,
+        super::remote::RemoteError,
+    > {
+        Err(offline())
+    }
+    fn renew(&self) -> Result<awcp_protocol::dataplane::ExportEvent, super::remote::RemoteError> {
+        Err(offline())
+    }
+}
+
+fn offline() -> super::remote::RemoteError {
+    super::remote::RemoteError::Protocol {
+        what: "building a recovery bundle needs no export".into(),
+    }
+}
+
+/// Whether `state_dir` holds changes that were never written back.
+pub fn has_unsynced(state_dir: &Path) -> bool {
+    std::fs::metadata(state_dir.join(JOURNAL_FILE)).is_ok_and(|m| m.len() > 0)
+        && state_dir.join(MANIFEST_FILE).exists()
+}
+
+/// Package what the mount in `state_dir` never wrote back as a recovery bundle (see
+/// [`awcp_protocol::dataplane::encode_bundle`]), without contacting the export and
+/// without changing the state. `None` when there is nothing to write back.
+pub fn bundle(state_dir: &Path) -> Result<Option<Vec<u8>>, RecoverError> {
+    let state_err = |source| RecoverError::State {
+        path: state_dir.to_path_buf(),
+        source,
+    };
+    let manifest_bytes = match std::fs::read(state_dir.join(MANIFEST_FILE)) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(state_err(e)),
+    };
+    let manifest: Manifest =
+        serde_json::from_slice(&manifest_bytes).map_err(|e| state_err(e.into()))?;
+    let uid = nix::unistd::geteuid().as_raw();
+    let gid = nix::unistd::getegid().as_raw();
+    let mut table = InodeTable::from_manifest(&manifest, uid, gid)
+        .map_err(|source| RecoverError::Manifest { source })?;
+    let records = Journal::read_all(&state_dir.join(JOURNAL_FILE)).map_err(state_err)?;
+    journal::replay(&mut table, &records, uid, gid);
+    let synced = SyncedLog::read_all(&state_dir.join(SYNCED_FILE)).map_err(state_err)?;
+    let capture = Arc::new(Capture::default());
+    // A scratch journal: building the bundle must not touch the real one.
+    let scratch = tempfile_in(state_dir).map_err(state_err)?;
+    let fs = Arc::new(AwcpFs::new(
+        table,
+        capture.clone(),
+        Journal::open(&scratch).map_err(state_err)?,
+        FsOptions {
+            read_only: manifest.read_only,
+            uid,
+            gid,
+            upper_dir: state_dir.join("upper"),
+            block_size: manifest.block_size,
+        },
+        Arc::new(SyncSignal::default()),
+        Arc::new(Stats::default()),
+    ));
+    let syncer = Syncer::with_log(fs, &manifest, &synced, None);
+    let round = syncer.round(true);
+    let _ = std::fs::remove_file(&scratch);
+    round.map_err(|source| RecoverError::Sync { source })?;
+    let Some(changes) = capture.changes.lock().take() else {
+        return Ok(None);
+    };
+    let blocks = std::mem::take(&mut *capture.blocks.lock());
+    Ok(Some(awcp_protocol::dataplane::encode_bundle(
+        &changes, &blocks,
+    )))
+}
+
+fn tempfile_in(dir: &Path) -> std::io::Result<std::path::PathBuf> {
+    let p = dir.join(format!(".bundle-journal-{}", std::process::id()));
+    std::fs::File::create(&p)?;
+    Ok(p)
+}

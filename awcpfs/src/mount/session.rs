@@ -6,11 +6,12 @@
 //! cannot extend a lease), and the event reader (revocations and renewals pushed by the
 //! export). Whichever learns first that access is over calls [`Mount::end`]:
 //!
-//! 1. fence — every operation now fails with `EACCES`, so nothing new can be written;
-//! 2. final flush — what was written before the fence is committed, within the export's
-//!    flush grace;
-//! 3. unmount — lazy detach, then abort the FUSE connection through fusectl so processes
+//! 1. fence — every operation now fails with `EACCES`, so nothing new can be written, and
+//!    the kernel's cached pages of open files are dropped;
+//! 2. unmount — lazy detach, then abort the FUSE connection through fusectl so processes
 //!    that still hold files open get an error instead of hanging;
+//! 3. final flush — what was written before the fence is committed, within the export's
+//!    flush grace (it needs the inode table and the upper files, not the mount);
 //! 4. wipe the upper files, unless the operator keeps the cache or the flush failed (then
 //!    the state directory is kept, so nothing is lost).
 
@@ -692,12 +693,14 @@ impl Mount {
         self.inner.fs.fence(reason.clone());
         self.drop_kernel_caches();
         self.inner.signal.stop();
+        // Unmount first: the final flush reads the inode table and the upper files, not the
+        // mount, so access ends at once however long the flush takes.
+        self.unmount();
         let flushed = match flush_budget {
             Some(budget) => self.final_flush(budget),
             None => false,
         };
         self.inner.unsynced.store(!flushed, Ordering::Relaxed);
-        self.unmount();
         if !flushed {
             tracing::error!(state_dir = %self.inner.cfg.state_dir.display(),
                 "changes could not be written back; they are kept in the state directory");
