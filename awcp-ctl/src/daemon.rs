@@ -77,6 +77,8 @@ pub(crate) struct Live {
     pub(crate) lease: Arc<Lease>,
     pub(crate) tx: broadcast::Sender<WatchEvent>,
     pub(crate) export: Mutex<Option<Arc<Export>>>,
+    /// Renewals already recorded in the history (the Executor renews through the export).
+    pub(crate) seen_renewals: std::sync::atomic::AtomicU64,
 }
 
 /// The daemon's shared state.

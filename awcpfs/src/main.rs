@@ -147,6 +147,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     flush_grace: Duration::from_secs(10),
                 },
             ));
+            // A standalone export lives exactly --ttl-secs: renewals cannot extend it.
+            lease.limit_renewals(Duration::from_secs(ttl_secs));
             let registry = ExportRegistry::new();
             let export_id = format!("exp_{}", hex::encode(rand::random::<[u8; 8]>()));
             let token = hex::encode(rand::random::<[u8; 32]>());

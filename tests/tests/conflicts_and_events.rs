@@ -216,3 +216,57 @@ async fn cancelling_before_start_ends_the_assignment_visibly() {
     assert_eq!(r.status().as_u16(), 409);
     h.stop().await;
 }
+
+// Regression: an ERROR from the Delegator before START left the assignment `pending`
+// (counting against --max-concurrent, never acked away) although its stream had ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_error_before_start_ends_the_assignment() {
+    let h = Harness::start("true").await;
+    let awcp = h.executor.awcp_url();
+    let id = "dlg_ffeeddccbbaa99887766554433221100";
+    let http = reqwest::Client::new();
+    let invite = serde_json::json!({
+        "version": "1", "type": "INVITE", "delegationId": id,
+        "task": {"description": "d", "prompt": "p"},
+        "lease": {"ttlSeconds": 60, "accessMode": "rw"},
+        "retentionMs": 1000,
+        "environment": {"resources": [{"name": "w", "type": "fs", "mode": "rw"}]}
+    });
+    let accept: serde_json::Value = http
+        .post(&awcp)
+        .json(&invite)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(accept["type"], "ACCEPT");
+    let error = serde_json::json!({
+        "version": "1", "type": "ERROR", "delegationId": id,
+        "code": "SETUP_FAILED", "message": "the delegator gave up"
+    });
+    let r = http.post(&awcp).json(&error).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let status: serde_json::Value = http
+        .get(format!("{awcp}/status"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(status["pendingInvitations"], 0, "{status}");
+    assert_eq!(status["completedDelegations"], 1, "{status}");
+    let result: serde_json::Value = http
+        .get(format!("{awcp}/tasks/{id}/result"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(result["status"], "error", "{result}");
+    assert_eq!(result["error"]["code"], "SETUP_FAILED", "{result}");
+    h.stop().await;
+}

@@ -192,6 +192,7 @@ impl Daemon {
             lease: lease.clone(),
             tx,
             export: Mutex::new(Some(export.clone())),
+            seen_renewals: Default::default(),
         });
         self.live
             .lock()
@@ -750,18 +751,32 @@ impl Daemon {
             code: Some(ErrorCode::Expired),
             hint: None,
         })?;
+        Ok(self
+            .record_renewals(&live)
+            .unwrap_or_else(|| live.lease.expires_at_rfc3339()))
+    }
+
+    /// Record renewals not yet in the history (ours, or the Executor's through the
+    /// export) and keep the stored expiry current, so a restart restores the right one.
+    fn record_renewals(&self, live: &Live) -> Option<String> {
+        use std::sync::atomic::Ordering;
+        let snap = live.lease.snapshot();
+        let seen = live.seen_renewals.swap(snap.renewals, Ordering::SeqCst);
+        if snap.renewals <= seen || snap.state != LeaseState::Active {
+            return None;
+        }
         let expires_at = live.lease.expires_at_rfc3339();
         if let Some(l) = live.d.lock().record.active_lease.as_mut() {
             l.expires_at = expires_at.clone();
         }
         self.record(
-            &live,
+            live,
             WatchEvent::Lease {
                 state: LeaseState::Active,
                 expires_at: expires_at.clone(),
             },
         );
-        Ok(expires_at)
+        Some(expires_at)
     }
 
     /// End the delegation when its lease runs out.
@@ -770,6 +785,7 @@ impl Daemon {
             if live.d.lock().record.state.is_terminal() {
                 return;
             }
+            self.record_renewals(&live);
             let snap = live.lease.snapshot();
             if snap.state == LeaseState::Expired {
                 self.record(
@@ -827,14 +843,18 @@ impl Daemon {
                         .unwrap_or_default()
                 })
                 .unwrap_or_default();
+            // The lease's own TTL stays what was granted (renewals extend by it); its
+            // deadline is what was left when the daemon stopped.
+            let granted_ttl = Duration::from_secs(d.record.lease_config.ttl_seconds.max(1));
             let lease = Arc::new(Lease::grant(
                 Arc::new(SystemClock::new()),
                 LeaseTerms {
-                    ttl: remaining,
+                    ttl: granted_ttl,
                     max_ttl: self.cfg.max_ttl,
                     flush_grace: self.cfg.flush_grace,
                 },
             ));
+            let _ = lease.renew(remaining);
             lease.limit_renewals(self.cfg.max_lease);
             let terminal = d.record.state.is_terminal();
             if terminal {
@@ -864,6 +884,7 @@ impl Daemon {
                 lease,
                 tx,
                 export: Mutex::new(export),
+                seen_renewals: Default::default(),
             });
             self.live.lock().insert(id.clone(), live.clone());
             if !terminal {

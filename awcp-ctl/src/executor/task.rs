@@ -39,7 +39,12 @@ pub(super) fn finish_error(a: &Assignment, code: ErrorCode, message: String, hin
     };
     {
         let mut st = a.state.lock();
-        if let Ok(next) = st.apply(event) {
+        // A pending assignment cannot "fail a task" it never started: an error received
+        // from the Delegator ends it instead.
+        if let Ok(next) = st
+            .apply(event)
+            .or_else(|_| st.apply(AssignmentEvent::ReceiveError))
+        {
             *st = next;
         }
     }

@@ -60,6 +60,12 @@ pub enum RecoverError {
         #[source]
         source: super::inode::ManifestError,
     },
+    /// Changes kept appearing round after round; the state is kept.
+    #[error("recovery did not converge after {rounds} rounds; the state is kept, run it again")]
+    Incomplete {
+        /// Rounds run.
+        rounds: usize,
+    },
     /// Writing back failed; the state is kept, so recovery can run again.
     #[error("writing the recovered changes back failed; the state is kept, run recovery again")]
     Sync {
@@ -144,7 +150,7 @@ pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryRepo
         report.files_written += r.files_written;
         report.conflicts.extend(r.conflicts);
     }
-    Ok(report)
+    Err(RecoverError::Incomplete { rounds: 4 })
 }
 
 /// A [`Remote`] that records instead of sending: what a final flush would upload and

@@ -227,6 +227,14 @@ fn remaining_until(iso: &str) -> Option<Duration> {
     )
 }
 
+/// Write `bytes` to `path` and fsync it: recovery after a machine crash needs it.
+fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
 /// Make sure fusectl is mounted so connections can be aborted.
 fn ensure_fusectl() {
     let dir = Path::new("/sys/fs/fuse/connections");
@@ -296,9 +304,9 @@ impl Mount {
         // What recovery needs to rebuild this mount's tree: the manifest it started from
         // (the export's may be rebuilt meanwhile) and the log of what reached the Delegator.
         let manifest_json = serde_json::to_vec(&manifest).map_err(|e| state_err(e.into()))?;
-        std::fs::write(
-            cfg.state_dir.join(super::recover::MANIFEST_FILE),
-            manifest_json,
+        write_durably(
+            &cfg.state_dir.join(super::recover::MANIFEST_FILE),
+            &manifest_json,
         )
         .map_err(state_err)?;
         let synced_path = cfg.state_dir.join(super::recover::SYNCED_FILE);
@@ -430,7 +438,8 @@ impl Mount {
     }
 
     /// Background hydration: small files in batches of at most 4 MiB / 1024 files per
-    /// request, stopping at the first failure (on-demand fetches still work then).
+    /// request. A batch the export refuses (a file changed on the Delegator) is skipped;
+    /// any other failure stops it (on-demand fetches still work then).
     fn hydrate_small_files(&self) {
         const BATCH_BYTES: u64 = 4 << 20;
         const BATCH_FILES: usize = 1024;
@@ -495,10 +504,16 @@ impl Mount {
                     let granted = Duration::from_millis(remaining_ms);
                     *self.inner.deadline.lock() = Instant::now() + granted;
                     self.inner.fs.stats.add_renewal();
-                    if granted <= margin {
-                        // The Delegator's lifetime limit is near: nothing more to gain.
+                    if granted <= remaining + Duration::from_millis(100) {
+                        // The renewal gained nothing: the Delegator's lifetime limit is
+                        // reached. The lease ends at its deadline.
                         tracing::info!(?granted, "the lease cannot be renewed further");
                         return;
+                    }
+                    if granted <= margin {
+                        // A margin at or above the lease's TTL: renewing as soon as allowed
+                        // would spin; pace it.
+                        std::thread::sleep(Duration::from_millis(500));
                     }
                 }
                 Ok(_) => return,

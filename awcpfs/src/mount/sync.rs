@@ -123,7 +123,11 @@ impl SyncedLog {
             serde_json::to_writer(&mut buf, r).map_err(std::io::Error::other)?;
             buf.push(b'\n');
         }
-        self.file.lock().write_all(&buf)
+        // Synced to disk: after a machine crash, recovery must not re-send (and turn into
+        // conflicts) what the Delegator already has.
+        let mut f = self.file.lock();
+        f.write_all(&buf)?;
+        f.sync_data()
     }
 
     /// Every complete record at `path` (a torn last line is ignored).
