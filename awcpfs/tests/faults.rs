@@ -15,6 +15,10 @@ use awcpfs::mount::{Mount, MountConfig};
 
 const PASS: u8 = 0;
 const BLACKHOLE: u8 = 1;
+/// Connections are cut (reset) as soon as they carry anything.
+const RESET: u8 = 2;
+/// Every chunk is held back 150 ms.
+const DELAY: u8 = 3;
 
 fn fuse_available() -> bool {
     let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
@@ -42,6 +46,18 @@ async fn proxy(target: std::net::SocketAddr, mode: Arc<AtomicU8>) -> std::net::S
             };
             let mode = mode.clone();
             tokio::spawn(async move {
+                if mode.load(Ordering::SeqCst) == RESET {
+                    // Linger 0: closing sends RST.
+                    let _ = nix::sys::socket::setsockopt(
+                        &inbound,
+                        nix::sys::socket::sockopt::Linger,
+                        &libc::linger {
+                            l_onoff: 1,
+                            l_linger: 0,
+                        },
+                    );
+                    return;
+                }
                 if mode.load(Ordering::SeqCst) == BLACKHOLE {
                     // Hold the connection open and say nothing.
                     let mut sink = [0u8; 4096];
@@ -81,8 +97,12 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if mode.load(Ordering::SeqCst) == BLACKHOLE {
-            continue;
+        match mode.load(Ordering::SeqCst) {
+            BLACKHOLE => continue,
+            // Cut the connection: dropping both halves closes it.
+            RESET => return,
+            DELAY => tokio::time::sleep(Duration::from_millis(150)).await,
+            _ => {}
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
@@ -213,6 +233,55 @@ fn a_blackholed_network_fails_reads_in_bounded_time_and_recovers() {
         "the outage was not noticed"
     );
     assert!(!s.mount.unsynced());
+}
+
+#[test]
+fn resets_fail_fast_and_a_slow_network_only_slows_things_down() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup(None);
+    // Connections reset: the read fails at once with EIO, no waiting for a deadline.
+    s.mode.store(RESET, Ordering::SeqCst);
+    let started = Instant::now();
+    match std::fs::read(s.mnt.join("cold/big1")) {
+        Ok(data) => panic!("read {} bytes through reset connections", data.len()),
+        Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    std::fs::write(s.mnt.join("during-resets.txt"), "reset\n").unwrap();
+    // A slow network: everything works, just later.
+    s.mode.store(DELAY, Ordering::SeqCst);
+    assert_eq!(
+        std::fs::read(s.mnt.join("cold/big2")).unwrap(),
+        vec![2u8; 400_000]
+    );
+    std::fs::write(s.mnt.join("while-slow.txt"), "slow\n").unwrap();
+    s.mode.store(PASS, Ordering::SeqCst);
+    s.mount.finish();
+    assert!(!s.mount.unsynced());
+    assert_eq!(
+        std::fs::read_to_string(s.src.join("during-resets.txt")).unwrap(),
+        "reset\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(s.src.join("while-slow.txt")).unwrap(),
+        "slow\n"
+    );
+    let names: Vec<_> = std::fs::read_dir(&s.src)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.to_string_lossy().contains("awcp-conflict")),
+        "a retried commit was applied twice: {names:?}"
+    );
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! and to a native directory side by side, comparing contents and metadata after every step;
 //! at the end the Delegator's directory must equal the native one (write-back is complete).
 //!
-//! `AWCP_SEED=<n>` reproduces a run; `AWCP_EXERCISER_OPS=<n>` sets its length (default 1200).
+//! `AWCP_SEED=<n>` reproduces a run; `AWCP_EXERCISER_OPS=<n>` sets its length (default 2000).
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -248,7 +248,7 @@ async fn random_operations_match_a_native_directory_and_write_back_completely() 
     let ops: usize = std::env::var("AWCP_EXERCISER_OPS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(1200);
+        .unwrap_or(2000);
     eprintln!("exerciser: AWCP_SEED={seed} AWCP_EXERCISER_OPS={ops}");
     let out = tempfile::tempdir().unwrap();
     let agent = format!(
