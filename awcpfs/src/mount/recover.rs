@@ -88,6 +88,70 @@ pub struct RecoveryReport {
     pub conflicts: Vec<Conflict>,
 }
 
+/// A mount rebuilt from its state directory: the saved manifest with the journal replayed
+/// over it, and what its commits are known to have left at the export.
+struct SavedMount {
+    manifest: Manifest,
+    table: InodeTable,
+    records: usize,
+    synced: Vec<super::sync::SyncedRecord>,
+    state_dir: std::path::PathBuf,
+    uid: u32,
+    gid: u32,
+}
+
+impl SavedMount {
+    /// Load it; `None` when the directory holds no mount state.
+    fn load(state_dir: &Path) -> Result<Option<SavedMount>, RecoverError> {
+        let state_err = |source| RecoverError::State {
+            path: state_dir.to_path_buf(),
+            source,
+        };
+        let manifest_bytes = match std::fs::read(state_dir.join(MANIFEST_FILE)) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(state_err(e)),
+        };
+        let manifest: Manifest =
+            serde_json::from_slice(&manifest_bytes).map_err(|e| state_err(e.into()))?;
+        let uid = nix::unistd::geteuid().as_raw();
+        let gid = nix::unistd::getegid().as_raw();
+        let mut table = InodeTable::from_manifest(&manifest, uid, gid)
+            .map_err(|source| RecoverError::Manifest { source })?;
+        let records = Journal::read_all(&state_dir.join(JOURNAL_FILE)).map_err(state_err)?;
+        journal::replay(&mut table, &records, uid, gid);
+        let synced = SyncedLog::read_all(&state_dir.join(SYNCED_FILE)).map_err(state_err)?;
+        std::fs::create_dir_all(state_dir.join("upper")).map_err(state_err)?;
+        Ok(Some(SavedMount {
+            manifest,
+            table,
+            records: records.len(),
+            synced,
+            state_dir: state_dir.to_path_buf(),
+            uid,
+            gid,
+        }))
+    }
+
+    /// The filesystem over the rebuilt table (no kernel), writing through `remote`.
+    fn into_fs(self, remote: Arc<dyn Remote>, journal: Journal) -> Arc<AwcpFs> {
+        Arc::new(AwcpFs::new(
+            self.table,
+            remote,
+            journal,
+            FsOptions {
+                read_only: self.manifest.read_only,
+                uid: self.uid,
+                gid: self.gid,
+                upper_dir: self.state_dir.join("upper"),
+                block_size: self.manifest.block_size,
+            },
+            Arc::new(SyncSignal::default()),
+            Arc::new(Stats::default()),
+        ))
+    }
+}
+
 /// Recover the mount state in `state_dir`, writing to the export behind `remote`. On
 /// success the logs and upper files are removed.
 pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryReport, RecoverError> {
@@ -95,44 +159,23 @@ pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryRepo
         path: state_dir.to_path_buf(),
         source,
     };
-    let manifest_bytes = match std::fs::read(state_dir.join(MANIFEST_FILE)) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(RecoverError::NothingHere {
-                path: state_dir.to_path_buf(),
-            });
-        }
-        Err(e) => return Err(state_err(e)),
+    let Some(saved) = SavedMount::load(state_dir)? else {
+        return Err(RecoverError::NothingHere {
+            path: state_dir.to_path_buf(),
+        });
     };
-    let manifest: Manifest =
-        serde_json::from_slice(&manifest_bytes).map_err(|e| state_err(e.into()))?;
-    let uid = nix::unistd::geteuid().as_raw();
-    let gid = nix::unistd::getegid().as_raw();
-    let mut table = InodeTable::from_manifest(&manifest, uid, gid)
-        .map_err(|source| RecoverError::Manifest { source })?;
-    let records = Journal::read_all(&state_dir.join(JOURNAL_FILE)).map_err(state_err)?;
-    journal::replay(&mut table, &records, uid, gid);
-    let synced = SyncedLog::read_all(&state_dir.join(SYNCED_FILE)).map_err(state_err)?;
-    let upper_dir = state_dir.join("upper");
-    std::fs::create_dir_all(&upper_dir).map_err(state_err)?;
-    let fs = Arc::new(AwcpFs::new(
-        table,
+    let records = saved.records;
+    let manifest = saved.manifest.clone();
+    let synced = saved.synced.clone();
+    let fs = saved.into_fs(
         remote,
         Journal::open(&state_dir.join(JOURNAL_FILE)).map_err(state_err)?,
-        FsOptions {
-            read_only: manifest.read_only,
-            uid,
-            gid,
-            upper_dir: upper_dir.clone(),
-            block_size: manifest.block_size,
-        },
-        Arc::new(SyncSignal::default()),
-        Arc::new(Stats::default()),
-    ));
+    );
+    let upper_dir = state_dir.join("upper");
     let log = SyncedLog::open(&state_dir.join(SYNCED_FILE)).map_err(state_err)?;
     let syncer = Syncer::with_log(fs, &manifest, &synced, Some(log));
     let mut report = RecoveryReport {
-        records: records.len(),
+        records,
         ..Default::default()
     };
     // Each round commits everything it sees; a second finds nothing unless the first
@@ -222,37 +265,15 @@ pub fn bundle(state_dir: &Path) -> Result<Option<Vec<u8>>, RecoverError> {
         path: state_dir.to_path_buf(),
         source,
     };
-    let manifest_bytes = match std::fs::read(state_dir.join(MANIFEST_FILE)) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(state_err(e)),
+    let Some(saved) = SavedMount::load(state_dir)? else {
+        return Ok(None);
     };
-    let manifest: Manifest =
-        serde_json::from_slice(&manifest_bytes).map_err(|e| state_err(e.into()))?;
-    let uid = nix::unistd::geteuid().as_raw();
-    let gid = nix::unistd::getegid().as_raw();
-    let mut table = InodeTable::from_manifest(&manifest, uid, gid)
-        .map_err(|source| RecoverError::Manifest { source })?;
-    let records = Journal::read_all(&state_dir.join(JOURNAL_FILE)).map_err(state_err)?;
-    journal::replay(&mut table, &records, uid, gid);
-    let synced = SyncedLog::read_all(&state_dir.join(SYNCED_FILE)).map_err(state_err)?;
+    let manifest = saved.manifest.clone();
+    let synced = saved.synced.clone();
     let capture = Arc::new(Capture::default());
     // A scratch journal: building the bundle must not touch the real one.
     let scratch = tempfile_in(state_dir).map_err(state_err)?;
-    let fs = Arc::new(AwcpFs::new(
-        table,
-        capture.clone(),
-        Journal::open(&scratch).map_err(state_err)?,
-        FsOptions {
-            read_only: manifest.read_only,
-            uid,
-            gid,
-            upper_dir: state_dir.join("upper"),
-            block_size: manifest.block_size,
-        },
-        Arc::new(SyncSignal::default()),
-        Arc::new(Stats::default()),
-    ));
+    let fs = saved.into_fs(capture.clone(), Journal::open(&scratch).map_err(state_err)?);
     let syncer = Syncer::with_log(fs, &manifest, &synced, None);
     let round = syncer.round(true);
     let _ = std::fs::remove_file(&scratch);
