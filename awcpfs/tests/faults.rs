@@ -116,10 +116,17 @@ struct Setup {
     mnt: std::path::PathBuf,
     mount: Mount,
     mode: Arc<AtomicU8>,
+    lease: Arc<Lease>,
+    /// Direct address of the export (not through the proxy).
+    export_addr: std::net::SocketAddr,
     _rt: tokio::runtime::Runtime,
 }
 
 fn setup(state_dir: Option<&Path>) -> Setup {
+    setup_with(state_dir, Duration::from_secs(600))
+}
+
+fn setup_with(state_dir: Option<&Path>, ttl: Duration) -> Setup {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     let mnt = tmp.path().join("mnt");
@@ -134,7 +141,7 @@ fn setup(state_dir: Option<&Path>) -> Setup {
     let lease = Arc::new(Lease::grant(
         Arc::new(SystemClock::new()),
         LeaseTerms {
-            ttl: Duration::from_secs(600),
+            ttl,
             max_ttl: Duration::from_secs(600),
             flush_grace: Duration::from_secs(5),
         },
@@ -149,22 +156,23 @@ fn setup(state_dir: Option<&Path>) -> Setup {
                 block_size: 1 << 20,
                 staging_dir: tmp.path().join("staging"),
             },
-            lease,
+            lease.clone(),
         )
         .unwrap();
     let mode = Arc::new(AtomicU8::new(PASS));
-    let addr = rt.block_on(async {
+    let (addr, export_addr) = rt.block_on(async {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let a = l.local_addr().unwrap();
         let router = registry.router();
         tokio::spawn(async move { axum::serve(l, router).await });
-        proxy(a, mode.clone()).await
+        (proxy(a, mode.clone()).await, a)
     });
     let state = state_dir
         .map(Path::to_path_buf)
         .unwrap_or_else(|| tmp.path().join("state"));
     let mut cfg = MountConfig::new(&format!("http://{addr}"), "faults", "tok", &mnt, &state);
     cfg.manifest_digest = Some(export.manifest_digest());
+    cfg.expires_at = Some(lease.expires_at_rfc3339());
     cfg.request_timeout = Duration::from_secs(2);
     let mount = Mount::start(cfg).unwrap();
     Setup {
@@ -173,8 +181,85 @@ fn setup(state_dir: Option<&Path>) -> Setup {
         mnt,
         mount,
         mode,
+        lease,
+        export_addr,
         _rt: rt,
     }
+}
+
+#[test]
+fn a_partitioned_executor_fences_itself_when_its_lease_runs_out() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup_with(None, Duration::from_secs(3));
+    std::fs::write(s.mnt.join("before.txt"), "before\n").unwrap();
+    // The network goes dark: the export cannot tell the mount that the lease ended.
+    s.mode.store(BLACKHOLE, Ordering::SeqCst);
+    let started = Instant::now();
+    let mountinfo = |p: &Path| {
+        let p = p.display().to_string();
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(p.as_str()))
+    };
+    while mountinfo(&s.mnt) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "a partitioned mount outlived its 3 s lease: {:?}",
+            started.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        std::fs::metadata(s.mnt.join("before.txt")).is_err(),
+        "still reachable"
+    );
+    // The final flush then tries within its budget and gives up; what it could not write
+    // is kept (unsynced), never dropped.
+    let reason = s.mount.wait(Duration::from_secs(15));
+    assert_eq!(reason, Some(awcpfs::mount::EndReason::Expired));
+}
+
+// Regression guard for "served before the revoke or refused after it, never after": a long
+// /blocks answer stops at the revoke instead of streaming the rest.
+#[test]
+fn a_revoke_cuts_a_long_block_answer_short() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup(None);
+    let blocks: Vec<String> = (0..4)
+        .map(|i| blake3::hash(&vec![i as u8; 400_000]).to_hex().to_string())
+        .collect();
+    // Ask for the same blocks many times over: a long answer (about 800 MB).
+    let hashes: Vec<String> = blocks.iter().cycle().take(2000).cloned().collect();
+    let url = format!("http://{}/v1/exports/faults/blocks", s.export_addr);
+    let mut resp = ureq::post(&url)
+        .set("Authorization", "Bearer tok")
+        .send_json(serde_json::json!({ "hashes": hashes }))
+        .unwrap()
+        .into_reader();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut got = 0usize;
+    while got < 4 << 20 {
+        let n = std::io::Read::read(&mut resp, &mut buf).unwrap();
+        assert!(n > 0, "answer ended early");
+        got += n;
+    }
+    s.lease.revoke(false);
+    loop {
+        match std::io::Read::read(&mut resp, &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    let full = 2000 * (36 + 400_000);
+    assert!(
+        got < full / 2,
+        "{got} of {full} bytes served, most after the revoke"
+    );
 }
 
 #[test]

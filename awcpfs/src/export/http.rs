@@ -276,13 +276,18 @@ async fn blocks(
                     .await
                     .ok()
                     .flatten();
+                // A revoke (or expiry) during a long answer: not one more byte after it.
+                // Cutting the stream short makes the client's decode fail, as it should.
+                if export.lease().check_access().is_err() {
+                    return Err(std::io::Error::other("the lease ended during the answer"));
+                }
                 let mut frame = Vec::with_capacity(36 + data.as_ref().map_or(0, Vec::len));
                 encode_block_frame(&mut frame, &hash, data.as_deref());
                 if let Some(d) = &data {
                     Stats::add(&export.stats.blocks_served, 1);
                     Stats::add(&export.stats.bytes_served, d.len() as u64);
                 }
-                Ok::<_, Infallible>(Bytes::from(frame))
+                Ok::<_, std::io::Error>(Bytes::from(frame))
             }
         })
         .buffered(READ_AHEAD);
