@@ -66,7 +66,7 @@ impl ExecutorConfig {
             keep_cache: false,
             passthrough: false,
             renew_margin: None,
-            sync_debounce: Duration::from_millis(20),
+            sync_debounce: Duration::from_millis(50),
         }
     }
 }

@@ -532,7 +532,12 @@ impl AwcpFs {
             }
         }
         drop(table);
-        self.sync.request();
+        // The last writer closing makes a file the syncer skipped syncable again. A
+        // read-only close changes nothing to write back: waking the syncer for it would
+        // make every file of a tree walk cost a sync round.
+        if h.writable {
+            self.sync.request();
+        }
         Ok(())
     }
 

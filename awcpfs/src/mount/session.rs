@@ -94,7 +94,9 @@ impl MountConfig {
             read_only: false,
             fuse_threads: 2,
             request_timeout: Duration::from_secs(30),
-            sync_debounce: Duration::from_millis(20),
+            // Batches a build's bursts of closes into fewer rounds, well within the 100 ms
+            // close-to-visible target.
+            sync_debounce: Duration::from_millis(50),
             final_flush_timeout: Duration::from_secs(30),
             keep_cache: false,
             kernel: KernelOptions::default(),
