@@ -24,7 +24,8 @@ usage: bash scripts/bench.sh [options]
   --c-units N         C compilation units (default 300)
   --fio-secs N        length of each fio job in seconds (default 5)
   --samples N         close->visible samples (default 20)
-  --ttl-sleep S       sleep before the "after the TTL" git status (default 1.5)
+  --ttl-sleep S       sleep before the "after the TTL" git status (default 1.5), which
+                      also drops the kernel's dentries and inodes
   --bin-dir DIR       directory holding awcpfs and awcp-ctl (env AWCP_BENCH_BIN_DIR);
                       default: build them with cargo into the workspace's target/release
   --work-dir DIR      where the dataset, mounts and logs live (env AWCP_BENCH_WORK_DIR;
@@ -34,6 +35,10 @@ usage: bash scripts/bench.sh [options]
                       (env AWCP_BENCH_OUT_DIR; default /var/tmp/awcpfs-bench-results)
   --keep              keep the work directory (dataset, logs) at exit
   --step-timeout S    upper bound on any single timed command (default 900)
+  --idle-wait S       before each cell, wait up to S seconds for other processes to leave
+                      the CPUs idle, at most 10*S in all (default 30; 10 with --quick;
+                      0 = don't wait); cells measured on a busy machine are counted
+  --mount-opts "..."  extra options for `awcpfs mount` (e.g. "--passthrough")
   --cell-budget S     stop repeating a cell once its runs took this long, keeping the
                       samples so far (default 300; 60 with --quick); the table marks
                       cells with fewer than --runs samples
@@ -46,7 +51,7 @@ REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HELPERS=$REPO_DIR/scripts/bench
 
 FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0
-SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET=
+SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET= IDLE_WAIT= MOUNT_OPTS=
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
 OUT_DIR=${AWCP_BENCH_OUT_DIR:-/var/tmp/awcpfs-bench-results}
@@ -69,19 +74,22 @@ while [[ $# -gt 0 ]]; do
         --keep) KEEP=1 ;;
         --step-timeout) need_arg "$@"; STEP_TIMEOUT=$2; shift ;;
         --cell-budget) need_arg "$@"; CELL_BUDGET=$2; shift ;;
+        --idle-wait) need_arg "$@"; IDLE_WAIT=$2; shift ;;
+        --mount-opts) need_arg "$@"; MOUNT_OPTS=$2; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "bench: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
 done
 if [[ $QUICK == 1 ]]; then
-    : "${FILES:=2000}" "${BIG_MIB:=64}" "${C_UNITS:=30}" "${RUNS:=3}" "${FIO_SECS:=2}" "${CELL_BUDGET:=60}"
+    : "${FILES:=2000}" "${BIG_MIB:=64}" "${C_UNITS:=30}" "${RUNS:=3}" "${FIO_SECS:=2}" "${CELL_BUDGET:=60}" "${IDLE_WAIT:=10}"
 else
-    : "${FILES:=20000}" "${BIG_MIB:=512}" "${C_UNITS:=300}" "${RUNS:=5}" "${FIO_SECS:=5}" "${CELL_BUDGET:=300}"
+    : "${FILES:=20000}" "${BIG_MIB:=512}" "${C_UNITS:=300}" "${RUNS:=5}" "${FIO_SECS:=5}" "${CELL_BUDGET:=300}" "${IDLE_WAIT:=30}"
 fi
 for v in FILES BIG_MIB C_UNITS RUNS FIO_SECS SAMPLES STEP_TIMEOUT CELL_BUDGET; do
     [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { o=${v,,}; echo "bench: --${o//_/-} must be a positive integer" >&2; exit 2; }
 done
+[[ $IDLE_WAIT =~ ^[0-9]+$ ]] || { echo "bench: --idle-wait must be a whole number" >&2; exit 2; }
 [[ $TTL_SLEEP =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "bench: --ttl-sleep must be a number" >&2; exit 2; }
 ALL_WORKLOADS=(delegate git stat read seq fio make visible)
 if [[ -n $ONLY ]]; then
@@ -101,7 +109,7 @@ wants() { [[ " ${WORKLOADS[*]} " == *" $1 "* ]]; }
 log() { printf '[bench %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-declare -A EXPORT_PID=() MOUNT_PID=() STATE_OF=()
+declare -A EXPORT_PID=() MOUNT_PID=() STATE_OF=() SRC_OF=()
 CTL_PIDS=()
 SSHD_PID=
 SSHFS_MNT=
@@ -156,6 +164,12 @@ cleanup() {
     fi
     force_unmount "$SSHFS_MNT"
     stop_pid "$SSHD_PID" 10 TERM
+    if ((rc != 0)) && [[ -n ${LOGS:-} && -d $LOGS ]]; then
+        local keep_logs
+        keep_logs=$OUT_DIR/failed-$(date +%Y%m%d-%H%M%S).logs
+        cp -r "$LOGS" "$keep_logs" 2>/dev/null && log "logs copied to $keep_logs"
+        [[ -n ${RAW:-} && -s $RAW ]] && cp "$RAW" "$keep_logs/raw.tsv" 2>/dev/null
+    fi
     if [[ $WORK_CREATED == 1 && $KEEP == 0 && -n ${WORK:-} && -d $WORK ]]; then
         if grep -qs " ${WORK}/" /proc/mounts; then
             log "something is still mounted under $WORK; leaving it in place"
@@ -215,7 +229,9 @@ ensure_tools() {
 }
 ensure_tools
 
+BUILT=0
 if [[ -z $BIN_DIR ]]; then
+    BUILT=1
     command -v cargo >/dev/null || die "cargo not found; build awcpfs and awcp-ctl and pass --bin-dir"
     BIN_DIR=${CARGO_TARGET_DIR:-$REPO_DIR/target}/release
     log "building awcpfs and awcp-ctl (release) into $BIN_DIR"
@@ -237,12 +253,15 @@ else
     mkdir -p "$WORK"
     WORK=$(cd "$WORK" && pwd)
 fi
-SRC=$WORK/src
+DATA=$WORK/data        # the generated dataset, and one copy of it per configuration:
+D_NAT=$DATA/native     #   measured in place
+D_AW=$DATA/awcpfs      #   exported by awcpfs, mounted at $MNT/<part>
+D_SSH=$DATA/sshfs      #   served by sshd, mounted at $MNT/sshfs
 MNT=$WORK/mnt
 RUN=$WORK/run
 LOGS=$WORK/logs
-mkdir -p "$MNT" "$RUN" "$LOGS" "$WORK/state" "$OUT_DIR"
-STAMP="files=$FILES big=$BIG_MIB units=$C_UNITS v1"
+mkdir -p "$DATA" "$MNT" "$RUN" "$LOGS" "$WORK/state" "$OUT_DIR"
+STAMP="files=$FILES big=$BIG_MIB units=$C_UNITS v2"
 RAW=$RUN/raw.tsv
 : >"$RAW"
 STEPLOG=$LOGS/steps.log
@@ -250,20 +269,34 @@ export GIT_CONFIG_GLOBAL=$RUN/gitconfig GIT_CONFIG_NOSYSTEM=1
 printf '[safe]\n\tdirectory = *\n[user]\n\tname = bench\n\temail = bench@example.invalid\n' \
     >"$GIT_CONFIG_GLOBAL"
 
-if [[ -f $SRC/.stamp && $(cat "$SRC/.stamp") == "$STAMP" ]]; then
-    log "reusing the dataset in $SRC ($STAMP)"
+if [[ -f $D_NAT/.stamp && $(cat "$D_NAT/.stamp") == "$STAMP" ]]; then
+    log "reusing the dataset in $D_NAT ($STAMP)"
 else
-    rm -rf "$SRC"
+    rm -rf "$DATA"
     log "generating the dataset: $FILES files, ${BIG_MIB} MiB file, $C_UNITS C units"
-    timeout 3600 python3 "$HELPERS/gen.py" --root "$SRC" --files "$FILES" \
+    timeout 3600 python3 "$HELPERS/gen.py" --root "$D_NAT" --files "$FILES" \
         --big-mib "$BIG_MIB" --c-units "$C_UNITS" || die "dataset generation failed"
-    echo "$STAMP" >"$SRC/.stamp"
+    echo "$STAMP" >"$D_NAT/.stamp"
 fi
-# start from a known state even with a reused dataset
-make -s -C "$SRC/cproj" clean >/dev/null
-find "$SRC/scratch" -mindepth 1 -delete
-git -C "$SRC/repo" status >/dev/null
-BIG_BYTES=$(stat -c %s "$SRC/big/big.bin")
+# Each configuration works on its own copy, so what one writes (git's index, build outputs,
+# edits) cannot change what another one sees while runs are interleaved. big.bin is only
+# read: the copies share it through a hard link.
+reset_copy() {
+    local d=$1
+    make -s -C "$d/cproj" clean >/dev/null
+    find "$d/scratch" -mindepth 1 -delete
+    git -C "$d/repo" status >/dev/null      # the index holds this copy's native stat data
+    git -C "$d/repo-1k" status >/dev/null
+}
+log "copying the dataset for awcpfs and sshfs"
+for d in "$D_AW" "$D_SSH"; do
+    rm -rf "$d"
+    mkdir -p "$d"
+    for part in repo repo-1k cproj scratch; do cp -a "$D_NAT/$part" "$d/$part"; done
+    cp -al "$D_NAT/big" "$d/big"
+done
+for d in "$D_NAT" "$D_AW" "$D_SSH"; do reset_copy "$d"; done
+BIG_BYTES=$(stat -c %s "$D_NAT/big/big.bin")
 
 DROP_OK=1
 drop_caches() {
@@ -279,21 +312,31 @@ drop_caches() {
 # awcpfs: export + mount, by name (repo, big, cproj, scratch); the mount is $MNT/<name>
 
 SEQ=0
-awcpfs_up() {
+# awcpfs_export_up NAME SRC: serve SRC (registering walks and hashes the whole tree)
+awcpfs_export_up() {
     local name=$1 src=$2
-    local h=$RUN/$name.handle st=$WORK/state/$name.$((++SEQ)) mnt=$MNT/$name
+    local h=$RUN/$name.handle st=$WORK/state/$name.$((++SEQ))
     rm -f "$h"
-    mkdir -p "$mnt" "$st"
+    mkdir -p "$st"
     STATE_OF[$name]=$st
+    SRC_OF[$name]=$src
     "$AWCPFS" export "$src" --listen 127.0.0.1:0 --handle-out "$h" --state-dir "$st/export" \
         >>"$LOGS/awcpfs-$name-export.log" 2>&1 &
     EXPORT_PID[$name]=$!
     wait_for "awcpfs export of $src" 900 "${EXPORT_PID[$name]}" \
-        python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$h" || return 1
-    "$AWCPFS" mount "$h" "$mnt" --state-dir "$st/mount" >>"$LOGS/awcpfs-$name-mount.log" 2>&1 &
-    MOUNT_PID[$name]=$!
-    wait_for "awcpfs mount at $mnt" 300 "${MOUNT_PID[$name]}" mount_ready "$mnt" "$src" || return 1
+        python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$RUN/$name.handle"
 }
+# awcpfs_mount_up NAME: mount NAME's export at $MNT/NAME with an empty state directory
+awcpfs_mount_up() {
+    local name=$1 mnt=$MNT/$1 st=${STATE_OF[$1]}
+    mkdir -p "$mnt"
+    # shellcheck disable=SC2086 # MOUNT_OPTS is a list of options
+    "$AWCPFS" mount "$RUN/$name.handle" "$mnt" --state-dir "$st/mount" $MOUNT_OPTS \
+        >>"$LOGS/awcpfs-$name-mount.log" 2>&1 &
+    MOUNT_PID[$name]=$!
+    wait_for "awcpfs mount at $mnt" 300 "${MOUNT_PID[$name]}" mount_ready "$mnt" "${SRC_OF[$name]}"
+}
+awcpfs_up() { awcpfs_export_up "$1" "$2" && awcpfs_mount_up "$1"; }
 # mount_ready MOUNTPOINT SOURCE: mounted, and listing it shows files when the source has any
 mount_ready() {
     mountpoint -q "$1" || return 1
@@ -304,7 +347,9 @@ mount_ready() {
 awcpfs_down() {
     local name=$1 st=${STATE_OF[$1]:-}
     if [[ -n ${MOUNT_PID[$name]:-} ]]; then
-        [[ -f $st/mount/status.json ]] && cp "$st/mount/status.json" "$LOGS/awcpfs-$name-status.$SEQ.json"
+        local sj
+        sj=$(find "$st/mount" -name status.json 2>/dev/null | head -n 1)
+        [[ -n $sj ]] && cp "$sj" "$LOGS/awcpfs-$name-status.$SEQ.json"
         stop_pid "${MOUNT_PID[$name]}" 300   # SIGINT: write back, unmount
         unset "MOUNT_PID[$name]"
     fi
@@ -314,13 +359,18 @@ awcpfs_down() {
         unset "EXPORT_PID[$name]"
     fi
     [[ -n $st ]] && rm -rf "$st"
-    unset "STATE_OF[$name]"
+    unset "STATE_OF[$name]" "SRC_OF[$name]"
     return 0
 }
 
-# a fresh export (re-registered: the manifest is a snapshot) and a fresh mount with an
-# empty state directory
-awcpfs_fresh() { awcpfs_down "$1"; awcpfs_up "$1" "$2"; }
+# awcpfs_cold NAME SRC, the remote-cold state: a fresh export (re-registered: the manifest is
+# a snapshot), the page cache dropped (so the export reads from disk, like native cold), then
+# a fresh mount with an empty state directory. The timed command starts as soon as the mount
+# is usable, as an agent's first command would.
+awcpfs_cold() {
+    awcpfs_down "$1"
+    awcpfs_export_up "$1" "$2" && drop_caches && awcpfs_mount_up "$1"
+}
 
 # ---------------------------------------------------------------------------------------------
 # sshfs over a private loopback sshd
@@ -365,14 +415,44 @@ EOF
 sshfs_up() {
     local d=$WORK/sshd
     timeout 60 sshfs -o "IdentityFile=$d/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,port=$SSH_PORT,BatchMode=yes,LogLevel=ERROR" \
-        "root@127.0.0.1:$SRC" "$SSHFS_MNT" 2>>"$LOGS/sshfs.log" || return 1
-    wait_for "sshfs mount" 30 - mount_ready "$SSHFS_MNT" "$SRC"
+        "root@127.0.0.1:$D_SSH" "$SSHFS_MNT" 2>>"$LOGS/sshfs.log" || return 1
+    wait_for "sshfs mount" 30 - mount_ready "$SSHFS_MNT" "$D_SSH"
 }
 sshfs_down() { force_unmount "$SSHFS_MNT"; }
 sshfs_fresh() { sshfs_down; sshfs_up; }
 
 # ---------------------------------------------------------------------------------------------
 # timing
+
+# CPU time used by anything on the machine over 0.5 s, in percent of all CPUs -> BUSY_PCT
+cpu_busy() {
+    local c u1 n1 s1 i1 w1 q1 sq1 st1 u2 n2 s2 i2 w2 q2 sq2 st2
+    read -r c u1 n1 s1 i1 w1 q1 sq1 st1 _ </proc/stat
+    sleep 0.5
+    read -r c u2 n2 s2 i2 w2 q2 sq2 st2 _ </proc/stat
+    local busy=$(((u2 + n2 + s2 + q2 + sq2 + st2) - (u1 + n1 + s1 + q1 + sq1 + st1)))
+    local idle=$(((i2 + w2) - (i1 + w1)))
+    BUSY_PCT=$((100 * busy / (busy + idle > 0 ? busy + idle : 1)))
+}
+# Wait (up to --idle-wait) until the machine is idle before a cell, so a build or test run
+# of someone else's does not land in one configuration's figures only.
+BUSY_CELLS=0 IDLE_WAITED=0
+wait_idle() {
+    ((IDLE_WAIT > 0)) || return 0
+    local start=$SECONDS said=0
+    while cpu_busy; ((BUSY_PCT > 25)); do
+        if ((SECONDS - start >= IDLE_WAIT || IDLE_WAITED + SECONDS - start >= 10 * IDLE_WAIT)); then
+            log "  WARNING: the machine is busy (${BUSY_PCT}% CPU used by other processes); measuring anyway"
+            BUSY_CELLS=$((BUSY_CELLS + 1))
+            IDLE_WAITED=$((IDLE_WAITED + SECONDS - start))
+            return 0
+        fi
+        ((said)) || log "  waiting for the machine to be idle (${BUSY_PCT}% CPU in use)"
+        said=1
+        sleep 2
+    done
+    IDLE_WAITED=$((IDLE_WAITED + SECONDS - start))
+}
 
 record() { printf '%s\t%s\t%s\t%s\t%s\n' "$@" >>"$RAW"; }
 us_to_s() { printf -v "$1" '%d.%06d' $(($2 / 1000000)) $(($2 % 1000000)); }
@@ -391,53 +471,116 @@ measure_overhead() {
     log "per-command overhead (timeout + sh): ${OVERHEAD_US} µs, subtracted from every sample"
 }
 
-# run_step DIR CMD: run CMD with sh in DIR, bounded by the step timeout; output to the step log.
+# mounted DIR: DIR is not below $MNT, or the mount it is on is still there (a vanished
+# FUSE mount leaves an empty directory behind, on which every workload "succeeds" at once).
+mounted() {
+    local rel=${1#"$MNT"/}
+    [[ $rel == "$1" ]] && return 0
+    if ! mountpoint -q "$MNT/${rel%%/*}"; then
+        log "  $MNT/${rel%%/*} is no longer mounted"
+        local f
+        for f in "$LOGS/awcpfs-${rel%%/*}-mount.log" "$LOGS/sshfs.log"; do
+            [[ $rel == sshfs* && $f == *awcpfs* ]] && continue
+            [[ $rel != sshfs* && $f == *sshfs.log ]] && continue
+            [[ -f $f ]] && tail -n 5 "$f" | sed 's/^/      /' >&2
+        done
+        return 1
+    fi
+}
+
+# run_step DIR CMD: run CMD with sh in DIR, bounded by the step timeout; output to the step
+# log. Fails if DIR's mount is gone before or after.
 run_step() {
     local dir=$1 cmd=$2 rc=0
+    mounted "$dir" || return 1
     cd "$dir" || return 1
     timeout -k 10 "$STEP_TIMEOUT" sh -c "$cmd" >>"$STEPLOG" 2>&1 || rc=$?
     cd "$WORK"
+    mounted "$dir" || return 1
     return $rc
 }
 
-# measure WORKLOAD VARIANT CONFIG DIR PREP CMD [CHECK]: RUNS times, eval PREP (untimed; "-"
-# for nothing), time CMD in DIR, then eval CHECK (untimed; it must succeed for the sample to
-# count). The first failure records "fail" and ends the cell; so does the cell budget.
-measure() {
-    local w=$1 v=$2 c=$3 dir=$4 prep=$5 cmd=$6 check=${7:-} i t0 t1 d s rc
-    local cell_start=$SECONDS
-    log "  $w/$v on $c: $cmd"
+# A cell is one workload variant (say git/warm) measured on every configuration. Its arms
+# (one per configuration) are run interleaved - run 1 of each, then run 2 of each, ... - so a
+# slow drift in the machine's load touches every configuration alike.
+#
+#   cell WORKLOAD VARIANT
+#   arm CONFIG DIR PREP CMD [CHECK]     PREP: eval'd before each run, untimed ("-": none)
+#   run_cell                            CHECK: eval'd after each run; must succeed
+#
+# The time of CMD (run by sh in DIR, bounded by the step timeout) less the fixed overhead is
+# one sample. With UNIT=iops the sample is instead the IOPS in fio's JSON output ($FIO_OUT).
+# An arm's first failure records "fail" and ends that arm; so does the cell budget.
+CELL_W= CELL_V= UNIT=s
+ARM_C=() ARM_DIR=() ARM_PREP=() ARM_CMD=() ARM_CHECK=()
+FIO_OUT=$RUN/fio.json
+cell() {
+    CELL_W=$1 CELL_V=$2 UNIT=${3:-s}
+    ARM_C=() ARM_DIR=() ARM_PREP=() ARM_CMD=() ARM_CHECK=()
+}
+arm() {
+    ARM_C+=("$1") ARM_DIR+=("$2") ARM_PREP+=("$3") ARM_CMD+=("$4") ARM_CHECK+=("${5:-}")
+}
+
+# run_one K I: run I of arm K; records the sample or "fail" (then returns 1).
+run_one() {
+    local k=$1 i=$2 w=$CELL_W v=$CELL_V c=${ARM_C[$1]} dir=${ARM_DIR[$1]}
+    local prep=${ARM_PREP[$1]} cmd=${ARM_CMD[$1]} check=${ARM_CHECK[$1]} t0 t1 d s rc=0 iops
+    if [[ $prep != - ]] && ! eval "$prep" >>"$STEPLOG" 2>&1; then
+        log "  FAILED to prepare $w/$v on $c (run $i): $prep"
+        record "$w" "$v" "$c" "$UNIT" fail
+        return 1
+    fi
+    echo "== $w/$v/$c run $i: $cmd" >>"$STEPLOG"
+    [[ $UNIT == iops ]] && rm -f "$FIO_OUT"
+    t0=${EPOCHREALTIME/./}
+    run_step "$dir" "$cmd" || rc=$?
+    t1=${EPOCHREALTIME/./}
+    if ((rc != 0)); then
+        log "  FAILED: $w/$v on $c (run $i) exited $rc$( ((rc == 124)) && echo " (timed out after ${STEP_TIMEOUT}s)"); last output:"
+        tail -n 5 "$STEPLOG" | sed 's/^/      /' >&2
+        record "$w" "$v" "$c" "$UNIT" fail
+        return 1
+    fi
+    if [[ -n $check ]] && ! eval "$check" >>"$STEPLOG" 2>&1; then
+        log "  FAILED: $w/$v on $c (run $i): the result check failed: $check"
+        tail -n 3 "$STEPLOG" | sed 's/^/      /' >&2
+        record "$w" "$v" "$c" "$UNIT" fail
+        return 1
+    fi
+    if [[ $UNIT == iops ]]; then
+        if ! iops=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["jobs"][0]["read"]["iops"])' "$FIO_OUT" 2>>"$STEPLOG"); then
+            log "  FAILED: $w/$v on $c (run $i): no IOPS in fio's output"
+            record "$w" "$v" "$c" iops fail
+            return 1
+        fi
+        record "$w" "$v" "$c" iops "$iops"
+        return 0
+    fi
+    d=$((t1 - t0 - OVERHEAD_US))
+    ((d > 0)) || d=1
+    us_to_s s "$d"
+    record "$w" "$v" "$c" s "$s"
+}
+
+run_cell() {
+    local n=${#ARM_C[@]} i k t
+    ((n > 0)) || return 0
+    local -a live spent
+    for ((k = 0; k < n; k++)); do live[k]=1 spent[k]=0; done
+    wait_idle
+    log "  $CELL_W/$CELL_V on ${ARM_C[*]}: ${ARM_CMD[0]}"
     for ((i = 1; i <= RUNS; i++)); do
-        if [[ $prep != - ]] && ! eval "$prep" >>"$STEPLOG" 2>&1; then
-            log "  FAILED to prepare $w/$v on $c (run $i): $prep"
-            record "$w" "$v" "$c" s fail
-            return 0
-        fi
-        echo "== $w/$v/$c run $i: $cmd" >>"$STEPLOG"
-        rc=0
-        t0=${EPOCHREALTIME/./}
-        run_step "$dir" "$cmd" || rc=$?
-        t1=${EPOCHREALTIME/./}
-        if ((rc != 0)); then
-            log "  FAILED: $w/$v on $c (run $i) exited $rc$( ((rc == 124)) && echo " (timed out after ${STEP_TIMEOUT}s)"); last output:"
-            tail -n 5 "$STEPLOG" | sed 's/^/      /' >&2
-            record "$w" "$v" "$c" s fail
-            return 0
-        fi
-        if [[ -n $check ]] && ! eval "$check" >>"$STEPLOG" 2>&1; then
-            log "  FAILED: $w/$v on $c (run $i): the result check failed: $check"
-            tail -n 3 "$STEPLOG" | sed 's/^/      /' >&2
-            record "$w" "$v" "$c" s fail
-            return 0
-        fi
-        d=$((t1 - t0 - OVERHEAD_US))
-        ((d > 0)) || d=1
-        us_to_s s "$d"
-        record "$w" "$v" "$c" s "$s"
-        if ((i < RUNS && SECONDS - cell_start > CELL_BUDGET)); then
-            log "  $w/$v on $c: $i run(s) took $((SECONDS - cell_start))s, over the cell budget (${CELL_BUDGET}s); keeping $i sample(s)"
-            break
-        fi
+        for ((k = 0; k < n; k++)); do
+            ((live[k])) || continue
+            t=$SECONDS
+            run_one "$k" "$i" || live[k]=0
+            spent[k]=$((spent[k] + SECONDS - t))
+            if ((live[k] && i < RUNS && spent[k] > CELL_BUDGET)); then
+                log "  $CELL_W/$CELL_V on ${ARM_C[k]}: $i run(s) took ${spent[k]}s, over the cell budget (${CELL_BUDGET}s); keeping $i sample(s)"
+                live[k]=0
+            fi
+        done
     done
 }
 
@@ -447,11 +590,11 @@ warmup() {
     run_step "$2" "$3" || { log "  warm-up on $1 failed: $3"; return 1; }
 }
 
-# fail_cells WORKLOAD CONFIG VARIANT...: record failures when a setup step broke.
+# fail_cells WORKLOAD CONFIG UNIT VARIANT...: record failures when a setup step broke.
 fail_cells() {
-    local w=$1 c=$2 v
-    shift 2
-    for v in "$@"; do record "$w" "$v" "$c" s fail; done
+    local w=$1 c=$2 u=$3 v
+    shift 3
+    for v in "$@"; do record "$w" "$v" "$c" "$u" fail; done
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -476,12 +619,13 @@ wl_delegate() {
             python3 -c 'import socket,sys; socket.create_connection(("127.0.0.1",int(sys.argv[1])),1)' "$api_port" ||
         ! wait_for "awcp-ctl executor" 60 "$exec_pid" \
             python3 -c 'import socket,sys; socket.create_connection(("127.0.0.1",int(sys.argv[1])),1)' "$exec_port"; then
-        fail_cells delegate awcpfs 1k n
+        fail_cells delegate awcpfs s 1k n
         return 0
     fi
     local variant dir i t0 t1 s rc
     for variant in 1k n; do
-        [[ $variant == 1k ]] && dir=$SRC/repo-1k || dir=$SRC/repo
+        [[ $variant == 1k ]] && dir=$D_AW/repo-1k || dir=$D_AW/repo
+        wait_idle
         log "  delegate/$variant: awcp-ctl delegate $dir --wait"
         for ((i = 0; i <= RUNS; i++)); do   # run 0 is the warm-up
             rm -f "$ts"
@@ -507,149 +651,150 @@ wl_delegate() {
     CTL_PIDS=()
 }
 
+# The three arms of a cold cell, over DATASET PART (repo, big, cproj) and awcpfs mount NAME:
+# native = page cache dropped; awcpfs = remote-cold; sshfs = fresh sshfs mount, cache dropped.
+# EXTRA_PREP_<config> run first (e.g. make clean), with @D@ replaced by that copy's path.
+cold_arms() {
+    local part=$1 sub=$2 cmd=$3 check=${4:-} xn xa xs
+    xn=${PRE_NATIVE//@D@/$D_NAT} xa=${PRE_AWCPFS//@D@/$D_AW} xs=${PRE_SSHFS//@D@/$D_SSH}
+    arm native "$D_NAT/$part$sub" "${xn:+$xn && }drop_caches" "$cmd" "$check"
+    arm awcpfs "$MNT/$part$sub" "awcpfs_down $part${xa:+ && $xa} && awcpfs_cold $part '$D_AW/$part'" "$cmd" "$check"
+    arm sshfs "$SSHFS_MNT/$part$sub" "${xs:+$xs && }sshfs_fresh && drop_caches" "$cmd" "$check"
+}
+PRE_NATIVE= PRE_AWCPFS= PRE_SSHFS=
+
+# warm_setup PART CMD: mount PART with awcpfs and run CMD once on every configuration.
+# Sets AW_OK=1 when the awcpfs mount is up and warm.
+warm_setup() {
+    local part=$1 cmd=$2
+    AW_OK=0
+    warmup native "$D_NAT/$part" "$cmd" || true
+    if awcpfs_up "$part" "$D_AW/$part" && warmup awcpfs "$MNT/$part" "$cmd"; then
+        AW_OK=1
+    fi
+    # remount: the copy may have been changed behind sshfs's caches since the last mount
+    sshfs_fresh || true
+    warmup sshfs "$SSHFS_MNT/$part" "$cmd" || true
+}
+# warm_arms PART PREP CMD [CHECK]: the three arms of a warm cell (awcpfs only if AW_OK).
+warm_arms() {
+    local part=$1 prep=$2 cmd=$3 check=${4:-}
+    arm native "$D_NAT/$part" "${prep//@D@/$D_NAT/$part}" "$cmd" "$check"
+    if ((AW_OK)); then
+        arm awcpfs "$MNT/$part" "${prep//@D@/$MNT/$part}" "$cmd" "$check"
+    else
+        record "$CELL_W" "$CELL_V" awcpfs "$UNIT" fail
+    fi
+    arm sshfs "$SSHFS_MNT/$part" "${prep//@D@/$SSHFS_MNT/$part}" "$cmd" "$check"
+}
+
 GIT_CMD='git status >/dev/null'
-native_git_refresh() { git -C "$SRC/repo" status >/dev/null; }
+git_refresh() { git -C "$1" status >/dev/null; }
+# "After the TTL": sleep past the kernel attr TTL awcpfs used to have (1 s), then make the
+# kernel forget dentries and inodes (drop_caches 2: page cache kept), so every entry and
+# attribute is asked for again whatever TTL the mount gives - as once a TTL has run out.
+after_ttl() {
+    sleep "$TTL_SLEEP"
+    [[ $DROP_OK == 1 ]] || return 0
+    echo 2 >/proc/sys/vm/drop_caches 2>/dev/null || log "WARNING: cannot drop dentries and inodes"
+}
 
 wl_git() {
     log "workload: git status"
-    local R=$SRC/repo
-    warmup native "$R" "$GIT_CMD"
-    measure git cold native "$R" drop_caches "$GIT_CMD"
-    measure git warm native "$R" - "$GIT_CMD"
-    measure git ttl native "$R" "sleep $TTL_SLEEP" "$GIT_CMD"
-    # remote-cold: the index holds the Delegator's native stat data, as after local work
-    measure git cold awcpfs "$MNT/repo" "native_git_refresh && awcpfs_fresh repo $R && drop_caches" "$GIT_CMD"
+    # cold: each copy's index holds its native stat data, as after the Delegator's own work
+    PRE_NATIVE= PRE_AWCPFS="git_refresh @D@/repo" PRE_SSHFS="git_refresh @D@/repo"
+    cell git cold
+    cold_arms repo "" "$GIT_CMD"
+    run_cell
     awcpfs_down repo
-    if awcpfs_up repo "$R" && warmup awcpfs "$MNT/repo" "$GIT_CMD"; then
-        measure git warm awcpfs "$MNT/repo" - "$GIT_CMD"
-        measure git ttl awcpfs "$MNT/repo" "sleep $TTL_SLEEP" "$GIT_CMD"
-    else
-        fail_cells git awcpfs warm ttl
-    fi
+    PRE_NATIVE= PRE_AWCPFS= PRE_SSHFS=
+    warm_setup repo "$GIT_CMD"
+    cell git warm
+    warm_arms repo - "$GIT_CMD"
+    run_cell
+    cell git ttl
+    warm_arms repo after_ttl "$GIT_CMD"
+    run_cell
     awcpfs_down repo
-    measure git cold sshfs "$SSHFS_MNT/repo" "native_git_refresh && sshfs_fresh && drop_caches" "$GIT_CMD"
-    if warmup sshfs "$SSHFS_MNT/repo" "$GIT_CMD"; then
-        measure git warm sshfs "$SSHFS_MNT/repo" - "$GIT_CMD"
-        measure git ttl sshfs "$SSHFS_MNT/repo" "sleep $TTL_SLEEP" "$GIT_CMD"
-    else
-        fail_cells git sshfs warm ttl
-    fi
-    native_git_refresh
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do git_refresh "$d/repo"; done
 }
 
 STAT_CMD="find . -printf '%i %s %T@\n' >/dev/null"
 
 wl_stat() {
     log "workload: stat walk"
-    local R=$SRC/repo
-    warmup native "$R" "$STAT_CMD"
-    measure stat cold native "$R" drop_caches "$STAT_CMD"
-    measure stat warm native "$R" - "$STAT_CMD"
-    measure stat cold awcpfs "$MNT/repo" "awcpfs_fresh repo $R && drop_caches" "$STAT_CMD"
+    cell stat cold
+    cold_arms repo "" "$STAT_CMD"
+    run_cell
     awcpfs_down repo
-    if awcpfs_up repo "$R" && warmup awcpfs "$MNT/repo" "$STAT_CMD"; then
-        measure stat warm awcpfs "$MNT/repo" - "$STAT_CMD"
-        local rss
-        if rss=$(ps -o rss= -p "${MOUNT_PID[repo]}"); then
-            record rss walk awcpfs mb "$(python3 -c "print(round(int('$rss') * 1024 / 1e6, 1))")"
-            log "  awcpfs mount RSS after the walk: ${rss// /} KiB"
-        fi
-    else
-        fail_cells stat awcpfs warm
+    warm_setup repo "$STAT_CMD"
+    cell stat warm
+    warm_arms repo - "$STAT_CMD"
+    run_cell
+    local rss
+    if ((AW_OK)) && rss=$(ps -o rss= -p "${MOUNT_PID[repo]}"); then
+        record rss walk awcpfs mb "$(python3 -c "print(round(int('$rss') * 1024 / 1e6, 1))")"
+        log "  awcpfs mount RSS after the walks: ${rss// /} KiB"
     fi
     awcpfs_down repo
-    measure stat cold sshfs "$SSHFS_MNT/repo" "sshfs_fresh && drop_caches" "$STAT_CMD"
-    warmup sshfs "$SSHFS_MNT/repo" "$STAT_CMD" || true
-    measure stat warm sshfs "$SSHFS_MNT/repo" - "$STAT_CMD"
 }
 
 READ_CMD='find . -type f -size -64k -exec cat {} + >/dev/null'
 
 wl_read() {
     log "workload: read every small file"
-    local R=$SRC/repo
-    warmup native "$R" "$READ_CMD"
-    measure read cold native "$R" drop_caches "$READ_CMD"
-    measure read warm native "$R" - "$READ_CMD"
-    measure read cold awcpfs "$MNT/repo" "awcpfs_fresh repo $R && drop_caches" "$READ_CMD"
+    cell read cold
+    cold_arms repo "" "$READ_CMD"
+    run_cell
     awcpfs_down repo
-    if awcpfs_up repo "$R" && warmup awcpfs "$MNT/repo" "$READ_CMD"; then
-        measure read warm awcpfs "$MNT/repo" - "$READ_CMD"
-    else
-        fail_cells read awcpfs warm
-    fi
+    warm_setup repo "$READ_CMD"
+    cell read warm
+    warm_arms repo - "$READ_CMD"
+    run_cell
     awcpfs_down repo
-    measure read cold sshfs "$SSHFS_MNT/repo" "sshfs_fresh && drop_caches" "$READ_CMD"
-    warmup sshfs "$SSHFS_MNT/repo" "$READ_CMD" || true
-    measure read warm sshfs "$SSHFS_MNT/repo" - "$READ_CMD"
 }
 
 SEQ_CMD='dd if=big.bin of=/dev/null bs=1M status=none'
 
 wl_seq() {
     log "workload: sequential read of big.bin ($((BIG_BYTES >> 20)) MiB)"
-    local B=$SRC/big
-    warmup native "$B" "$SEQ_CMD"
-    measure seq cold native "$B" drop_caches "$SEQ_CMD"
-    measure seq warm native "$B" - "$SEQ_CMD"
-    measure seq cold awcpfs "$MNT/big" "awcpfs_fresh big $B && drop_caches" "$SEQ_CMD"
+    cell seq cold
+    cold_arms big "" "$SEQ_CMD"
+    run_cell
     awcpfs_down big
-    if awcpfs_up big "$B" && warmup awcpfs "$MNT/big" "$SEQ_CMD"; then
-        measure seq warm awcpfs "$MNT/big" - "$SEQ_CMD"
-    else
-        fail_cells seq awcpfs warm
-    fi
+    warm_setup big "$SEQ_CMD"
+    cell seq warm
+    warm_arms big - "$SEQ_CMD"
+    run_cell
     awcpfs_down big
-    measure seq cold sshfs "$SSHFS_MNT/big" "sshfs_fresh && drop_caches" "$SEQ_CMD"
-    warmup sshfs "$SSHFS_MNT/big" "$SEQ_CMD" || true
-    measure seq warm sshfs "$SSHFS_MNT/big" - "$SEQ_CMD"
 }
 
-# measure_fio CONFIG DIR VARIANT INVALIDATE: RUNS fio jobs of FIO_SECS each; records IOPS.
-# INVALIDATE=0: the page cache is used as it is (warm); 1: fio drops the file's cached pages
-# (fadvise DONTNEED) before the job, so the filesystem's own read path is measured.
-measure_fio() {
-    local c=$1 dir=$2 v=$3 inval=$4 i out=$RUN/fio.json iops
-    local cmd="fio --name=randread --filename=big.bin --readonly --rw=randread --bs=4k \
+# fio: 4 KiB random reads over the whole file, psync, one job, time-bounded.
+# warm: the page cache is used as it is (invalidate=0), after a sequential read of the file;
+# uncached: fio drops the file's cached pages first (invalidate=1), so the filesystem's own
+# read path is measured.
+fio_cmd() {
+    echo "fio --name=randread --filename=big.bin --readonly --rw=randread --bs=4k \
 --ioengine=psync --iodepth=1 --numjobs=1 --size=$BIG_BYTES --runtime=$FIO_SECS --time_based \
---invalidate=$inval --randrepeat=1 --output-format=json --output=$out"
-    log "  fio/$v on $c: 4 KiB random reads, psync, 1 job, ${FIO_SECS}s, invalidate=$inval"
-    for ((i = 1; i <= RUNS; i++)); do
-        rm -f "$out"
-        echo "== fio/$v/$c run $i" >>"$STEPLOG"
-        if ! run_step "$dir" "$cmd" ||
-            ! iops=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["jobs"][0]["read"]["iops"])' "$out"); then
-            log "  FAILED: fio/$v on $c (run $i); see $STEPLOG"
-            record fio "$v" "$c" iops fail
-            return 0
-        fi
-        record fio "$v" "$c" iops "$iops"
-    done
+--invalidate=$1 --randrepeat=1 --output-format=json --output=$FIO_OUT"
 }
 
 wl_fio() {
     log "workload: fio 4 KiB random reads on big.bin"
-    local B=$SRC/big
-    warmup native "$B" "$SEQ_CMD"
-    measure_fio native "$B" warm 0
-    measure_fio native "$B" uncached 1
-    if awcpfs_up big "$B" && warmup awcpfs "$MNT/big" "$SEQ_CMD"; then
-        measure_fio awcpfs "$MNT/big" warm 0
-        measure_fio awcpfs "$MNT/big" uncached 1
-    else
-        record fio warm awcpfs iops fail
-        record fio uncached awcpfs iops fail
-    fi
+    warm_setup big "$SEQ_CMD"
+    cell fio warm iops
+    warm_arms big - "$(fio_cmd 0)"
+    run_cell
+    cell fio uncached iops
+    warm_arms big - "$(fio_cmd 1)"
+    run_cell
     awcpfs_down big
-    sshfs_fresh && warmup sshfs "$SSHFS_MNT/big" "$SEQ_CMD" || true
-    measure_fio sshfs "$SSHFS_MNT/big" warm 0
-    measure_fio sshfs "$SSHFS_MNT/big" uncached 1
 }
 
 MAKE_OUT=$RUN/make.out
 MAKE_CMD="make -j2 >'$MAKE_OUT'"
 EDIT_N=0
-# edit 5 C files below DIR (append a line, so their content and mtime change). The sleep
+# edit5 DIR: edit 5 C files below DIR (append a line: content and mtime change). The sleep
 # first keeps the edit out of the second the last build finished in: sshfs (SFTP v3) keeps
 # mtimes in whole seconds, so make would otherwise see nothing to do.
 edit5() {
@@ -660,7 +805,7 @@ edit5() {
         printf '/* edit %d */\n' "$EDIT_N" >>"$dir/src/unit$u.c"
     done
 }
-make_clean_src() { make -s -C "$SRC/cproj" clean >/dev/null; }
+make_clean() { make -s -C "$1" clean >/dev/null; }
 # compiled N: the last make compiled exactly N units
 compiled() {
     local n
@@ -670,51 +815,44 @@ compiled() {
 
 wl_make() {
     log "workload: make -j2 ($C_UNITS units)"
-    local C=$SRC/cproj M=$MNT/cproj S=$SSHFS_MNT/cproj all=$((C_UNITS + 1))
-    # native
-    measure make clean-cold native "$C" "make_clean_src && drop_caches" "$MAKE_CMD" "compiled $all"
-    warmup native "$C" "make clean >/dev/null && $MAKE_CMD" || true
-    measure make clean-warm native "$C" "make -s -C '$C' clean" "$MAKE_CMD" "compiled $all"
-    measure make rebuild native "$C" "edit5 '$C'" "$MAKE_CMD" "compiled 5"
-    make_clean_src
-    # awcpfs: remote-cold = fresh export and mount of a clean tree, caches dropped
-    measure make clean-cold awcpfs "$M" "awcpfs_down cproj && make_clean_src && awcpfs_up cproj $C && drop_caches" "$MAKE_CMD" "compiled $all"
+    local all=$((C_UNITS + 1)) d
+    PRE_NATIVE="make_clean @D@/cproj" PRE_AWCPFS="make_clean @D@/cproj" PRE_SSHFS="make_clean @D@/cproj"
+    cell make clean-cold
+    cold_arms cproj "" "$MAKE_CMD" "compiled $all"
+    run_cell
     awcpfs_down cproj
-    make_clean_src
-    if awcpfs_up cproj "$C" && warmup awcpfs "$M" "$MAKE_CMD"; then
-        measure make clean-warm awcpfs "$M" "make -s -C '$M' clean" "$MAKE_CMD" "compiled $all"
-        measure make rebuild awcpfs "$M" "edit5 '$M'" "$MAKE_CMD" "compiled 5"
-    else
-        fail_cells make awcpfs clean-warm rebuild
-    fi
+    PRE_NATIVE= PRE_AWCPFS= PRE_SSHFS=
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do make_clean "$d/cproj"; done
+    warm_setup cproj "$MAKE_CMD"
+    cell make clean-warm
+    warm_arms cproj "make_clean @D@" "$MAKE_CMD" "compiled $all"
+    run_cell
+    cell make rebuild
+    warm_arms cproj "edit5 @D@" "$MAKE_CMD" "compiled 5"
+    run_cell
     awcpfs_down cproj
-    make_clean_src
-    # sshfs
-    measure make clean-cold sshfs "$S" "make_clean_src && sshfs_fresh && drop_caches" "$MAKE_CMD" "compiled $all"
-    warmup sshfs "$S" "make clean >/dev/null && $MAKE_CMD" || true
-    measure make clean-warm sshfs "$S" "make -s -C '$S' clean" "$MAKE_CMD" "compiled $all"
-    measure make rebuild sshfs "$S" "edit5 '$S'" "$MAKE_CMD" "compiled 5"
-    make_clean_src
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do make_clean "$d/cproj"; done
 }
 
 wl_visible() {
     log "workload: close -> visible at the Delegator ($SAMPLES samples)"
-    local out=$RUN/visible.txt c mdir v
+    local out=$RUN/visible.txt c mdir sdir v
     for c in awcpfs sshfs; do
         if [[ $c == awcpfs ]]; then
-            if ! awcpfs_up scratch "$SRC/scratch"; then
+            if ! awcpfs_up scratch "$D_AW/scratch"; then
                 record visible close awcpfs s fail
                 awcpfs_down scratch
                 continue
             fi
-            mdir=$MNT/scratch
+            mdir=$MNT/scratch sdir=$D_AW/scratch
         else
             sshfs_fresh || { record visible close sshfs s fail; continue; }
-            mdir=$SSHFS_MNT/scratch
+            mdir=$SSHFS_MNT/scratch sdir=$D_SSH/scratch
         fi
+        wait_idle
         log "  visible/close on $c"
         if timeout -k 10 "$STEP_TIMEOUT" python3 "$HELPERS/visible.py" --mount-dir "$mdir" \
-            --source-dir "$SRC/scratch" --samples "$SAMPLES" >"$out" 2>>"$STEPLOG"; then
+            --source-dir "$sdir" --samples "$SAMPLES" >"$out" 2>>"$STEPLOG"; then
             while read -r v; do record visible close "$c" s "$v"; done <"$out"
         else
             log "  FAILED: close -> visible on $c; see $STEPLOG"
@@ -722,8 +860,8 @@ wl_visible() {
             record visible close "$c" s fail
         fi
         [[ $c == awcpfs ]] && awcpfs_down scratch
+        find "$sdir" -mindepth 1 -delete
     done
-    find "$SRC/scratch" -mindepth 1 -delete
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -735,6 +873,7 @@ MEM=$(awk '/MemTotal/ {printf "%.1f GiB", $2 / 1048576}' /proc/meminfo)
 FS_TYPE=$(stat -f -c %T "$WORK")
 MACHINE="$(nproc) CPUs ($CPU), $MEM RAM, Linux $(uname -r), work dir on $FS_TYPE"
 log "machine: $MACHINE"
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 log "binaries: $BIN_DIR; work dir: $WORK; runs per cell: $RUNS; workloads: ${WORKLOADS[*]}"
 measure_overhead
 if wants git || wants stat || wants read || wants seq || wants fio || wants make || wants visible; then
@@ -751,17 +890,24 @@ STAMP_T=$(date +%Y%m%d-%H%M%S)
 RESULT_MD=$OUT_DIR/results-$STAMP_T.md
 RESULT_TSV=$OUT_DIR/results-$STAMP_T.tsv
 cp "$RAW" "$RESULT_TSV"
+cp -r "$LOGS" "$OUT_DIR/results-$STAMP_T.logs" 2>/dev/null || true
 printf '{"files": %d, "big_bytes": %d, "runs": %d, "samples": %d}\n' "$FILES" "$BIG_BYTES" "$RUNS" "$SAMPLES" >"$RUN/meta.json"
 ELAPSED=$((SECONDS - T_START))
 {
     echo "# awcpfs benchmark, $(date -u +%Y-%m-%dT%H:%MZ)"
     echo
     echo "* machine: $MACHINE"
+    echo "* awcpfs mount options: ${MOUNT_OPTS:-(defaults)}"
     echo "* command: \`bash scripts/bench.sh$([[ $QUICK == 1 ]] && echo " --quick") --files $FILES --runs $RUNS --big-mib $BIG_MIB --c-units $C_UNITS --fio-secs $FIO_SECS${ONLY:+ --only $ONLY}\`"
-    echo "* awcpfs: $("$AWCPFS" --version 2>/dev/null || echo '?')$(git -C "$REPO_DIR" rev-parse --short HEAD 2>/dev/null | sed 's/^/, commit /')"
+    if [[ $BUILT == 1 ]]; then
+        echo "* awcpfs: $("$AWCPFS" --version 2>/dev/null || echo '?'), built from this workspace at $(git -C "$REPO_DIR" describe --always --dirty 2>/dev/null || echo '?')"
+    else
+        echo "* awcpfs: $("$AWCPFS" --version 2>/dev/null || echo '?'), binaries from $BIN_DIR (built $(date -u -r "$AWCPFS" +%Y-%m-%dT%H:%MZ))"
+    fi
     echo "* sshfs: $(sshfs --version 2>&1 | grep -m1 -i 'sshfs version' || echo '?'); $(ssh -V 2>&1)"
     echo "* dataset: $FILES files (log-normal, median 3 KiB) in git; $((BIG_BYTES >> 20)) MiB file; $C_UNITS C units x 30 headers"
     echo "* medians of $RUNS runs ($SAMPLES samples for close -> visible); wall time ${ELAPSED}s"
+    echo "* load average at the start / end: $LOAD_START / $(cut -d' ' -f1-3 /proc/loadavg); cells measured while other processes kept the CPUs busy: $BUSY_CELLS"
     [[ $DROP_OK == 1 ]] || echo "* WARNING: the page cache could not be dropped; cold figures are warm"
     echo
     python3 "$HELPERS/table.py" "$RAW" --meta "$RUN/meta.json"
@@ -769,4 +915,4 @@ ELAPSED=$((SECONDS - T_START))
 echo
 cat "$RESULT_MD"
 echo
-log "results: $RESULT_MD (raw samples: $RESULT_TSV); took ${ELAPSED}s"
+log "results: $RESULT_MD (raw samples: $RESULT_TSV, logs: $OUT_DIR/results-$STAMP_T.logs); took ${ELAPSED}s"

@@ -72,7 +72,9 @@ def git(cwd, *args):
         GIT_COMMITTER_NAME="bench", GIT_COMMITTER_EMAIL="bench@example.invalid",
         GIT_AUTHOR_DATE="2024-01-01T00:00:00Z", GIT_COMMITTER_DATE="2024-01-01T00:00:00Z",
     )
-    subprocess.run(["git", *args], cwd=cwd, check=True, env=env,
+    # no automatic (detached) gc or maintenance: it would race with the explicit gc below
+    subprocess.run(["git", "-c", "gc.auto=0", "-c", "maintenance.auto=false", *args],
+                   cwd=cwd, check=True, env=env,
                    stdout=subprocess.DEVNULL)
 
 

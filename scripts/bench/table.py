@@ -101,7 +101,7 @@ def main():
         ("delegate", "n"): f"delegate → usable mount, {files:,} files",
         ("git", "cold"): "`git status`, cold",
         ("git", "warm"): "`git status`, warm",
-        ("git", "ttl"): "`git status`, after the attr TTL",
+        ("git", "ttl"): "`git status`, after the TTL (kernel dentries + inodes dropped)",
         ("stat", "cold"): "stat walk, cold",
         ("stat", "warm"): "stat walk, warm",
         ("read", "cold"): "read all small files, cold",
