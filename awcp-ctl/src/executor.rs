@@ -171,11 +171,18 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
     let router = routes::router(executor.clone());
     let (shutdown, mut rx) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(async move {
-        let r = axum::serve(listener, router)
-            .with_graceful_shutdown(async move {
-                let _ = rx.wait_for(|s| *s).await;
-            })
-            .await;
+        let r = axum::serve(
+            // Small answers (a manifest, one small file's block) must not wait for a
+            // delayed ACK (Nagle): up to 40 ms per request otherwise.
+            axum::serve::ListenerExt::tap_io(listener, |s| {
+                let _ = s.set_nodelay(true);
+            }),
+            router,
+        )
+        .with_graceful_shutdown(async move {
+            let _ = rx.wait_for(|s| *s).await;
+        })
+        .await;
         if let Err(e) = r {
             tracing::error!(error = %e, "executor listener failed");
         }
