@@ -159,8 +159,9 @@ cleanup() {
     for n in "${!EXPORT_PID[@]}"; do stop_pid "${EXPORT_PID[$n]}" 10; done
     local p
     for p in "${CTL_PIDS[@]}"; do stop_pid "$p" 60; done
-    if [[ -n ${WORK:-} && -d $WORK/mnt ]]; then
-        for n in "$WORK"/mnt/* "$WORK"/ctl/executor/work/*; do force_unmount "$n"; done
+    if [[ -n ${WORK:-} ]]; then   # anything still mounted below the work directory, deepest first
+        while read -r n; do force_unmount "$n"; done < <(
+            awk -v w="$WORK/" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r)
     fi
     force_unmount "$SSHFS_MNT"
     stop_pid "$SSHD_PID" 10 TERM
