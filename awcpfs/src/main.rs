@@ -173,6 +173,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 block_size: export.block_size(),
                 expires_at: lease.expires_at_rfc3339(),
                 tls_fingerprint: None,
+                // A handle file may be used much later: only the wall-clock expiry is honest.
+                remaining_ms: None,
             });
             let json = serde_json::to_string_pretty(&handle)?;
             if let Some(p) = handle_out {

@@ -259,6 +259,11 @@ pub struct AwcpfsHandle {
     /// SHA-256 fingerprint of the export's TLS certificate, to pin a self-signed one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_fingerprint: Option<String>,
+    /// Milliseconds of lease left when the handle was sent. The Executor counts it down on
+    /// its own monotonic clock, so a skewed wall clock cannot extend the lease (`expiresAt`
+    /// is for people and for peers that lack this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remaining_ms: Option<u64>,
 }
 
 impl fmt::Debug for AwcpfsHandle {
@@ -271,6 +276,7 @@ impl fmt::Debug for AwcpfsHandle {
             .field("block_size", &self.block_size)
             .field("expires_at", &self.expires_at)
             .field("tls_fingerprint", &self.tls_fingerprint)
+            .field("remaining_ms", &self.remaining_ms)
             .finish()
     }
 }
@@ -288,6 +294,7 @@ mod tests {
             block_size: 1 << 20,
             expires_at: "2026-03-09T14:38:47.123Z".into(),
             tls_fingerprint: None,
+            remaining_ms: None,
         }
     }
 

@@ -147,6 +147,7 @@ fn transport_handle() -> impl Strategy<Value = TransportHandle> {
                     block_size,
                     expires_at,
                     tls_fingerprint: tls,
+                    remaining_ms: None,
                 })
             },
         );

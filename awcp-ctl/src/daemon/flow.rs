@@ -341,6 +341,9 @@ impl Daemon {
                 block_size: export.block_size(),
                 expires_at: expires_at.clone(),
                 tls_fingerprint: None,
+                remaining_ms: Some(
+                    u64::try_from(live.lease.snapshot().remaining.as_millis()).unwrap_or(u64::MAX),
+                ),
             }),
         });
         live.d.lock().record.active_lease = Some(ActiveLease {

@@ -147,6 +147,7 @@ fn kill_group(pid: Option<u32>) {
 
 /// Run the task of `start` to its end.
 pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessage) {
+    let received = std::time::Instant::now();
     {
         let mut st = a.state.lock();
         match st.apply(AssignmentEvent::ReceiveStart) {
@@ -197,6 +198,10 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     );
     mcfg.manifest_digest = Some(h.manifest_digest.clone());
     mcfg.expires_at = Some(h.expires_at.clone());
+    // Skew-free: the lease left when START was sent, minus the time since it arrived.
+    mcfg.remaining = h
+        .remaining_ms
+        .map(|ms| Duration::from_millis(ms).saturating_sub(received.elapsed()));
     mcfg.read_only = start.lease.access_mode == AccessMode::Ro;
     mcfg.keep_cache = ex.cfg.keep_cache;
     mcfg.kernel.passthrough = ex.cfg.passthrough;

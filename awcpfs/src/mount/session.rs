@@ -48,6 +48,9 @@ pub struct MountConfig {
     pub manifest_digest: Option<String>,
     /// Lease expiry (ISO 8601) from the transport handle, until the export says otherwise.
     pub expires_at: Option<String>,
+    /// Lease left, measured on this machine's monotonic clock from when the handle arrived;
+    /// preferred over `expires_at` (immune to clock skew between the machines).
+    pub remaining: Option<Duration>,
     /// Where to mount (must exist, empty).
     pub mountpoint: PathBuf,
     /// Where upper files, the journal and `status.json` live.
@@ -89,6 +92,7 @@ impl MountConfig {
             token: token.into(),
             manifest_digest: None,
             expires_at: None,
+            remaining: None,
             mountpoint: mountpoint.into(),
             state_dir: state_dir.into(),
             read_only: false,
@@ -369,9 +373,8 @@ impl Mount {
             (u64::from(libc::major(dev)) << 20) | u64::from(libc::minor(dev))
         });
         let remaining = cfg
-            .expires_at
-            .as_deref()
-            .and_then(remaining_until)
+            .remaining
+            .or_else(|| cfg.expires_at.as_deref().and_then(remaining_until))
             .unwrap_or(Duration::from_secs(365 * 24 * 3600));
         let inner = Arc::new(Inner {
             cfg,
