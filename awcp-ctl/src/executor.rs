@@ -163,6 +163,18 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         .await
         .with_context(|| format!("binding the executor to {} (use --listen)", cfg.listen))?;
     let addr = listener.local_addr()?;
+    // Every task mounts FUSE: say so now rather than failing each delegation later.
+    if !std::path::Path::new("/dev/fuse").exists() {
+        anyhow::bail!(
+            "/dev/fuse is missing: the Executor mounts workspaces with FUSE \
+             (load the module with `modprobe fuse`; in a container, pass --device /dev/fuse)"
+        );
+    }
+    if !nix::unistd::geteuid().is_root() {
+        tracing::warn!(
+            "not running as root: mounting FUSE directly needs CAP_SYS_ADMIN; delegations may fail with SETUP_FAILED"
+        );
+    }
     recover_leftovers(&cfg).await;
     let executor = Arc::new(Executor {
         cfg,
