@@ -11,6 +11,9 @@
 # (fio, sshfs, openssh-server, make, gcc, git, python3).
 set -euo pipefail
 
+# The whole script is one compound command ({ ... }), so bash reads all of it before running
+# any of it: editing this file while a benchmark runs cannot change what that run executes.
+{
 usage() {
     cat <<'EOF'
 usage: bash scripts/bench.sh [options]
@@ -917,3 +920,5 @@ echo
 cat "$RESULT_MD"
 echo
 log "results: $RESULT_MD (raw samples: $RESULT_TSV, logs: $OUT_DIR/results-$STAMP_T.logs); took ${ELAPSED}s"
+exit 0
+}

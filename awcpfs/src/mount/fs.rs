@@ -154,6 +154,11 @@ impl AwcpFs {
         inos
     }
 
+    /// How many handles are open on `ino`.
+    pub fn open_handles_of(&self, ino: Ino) -> u32 {
+        self.table.lock().get(ino).map_or(0, |n| n.open_handles)
+    }
+
     /// Its counters.
     pub fn stats(&self) -> &Arc<Stats> {
         &self.stats

@@ -53,7 +53,11 @@ pub struct FuseAdapter {
     /// Set in `init` when the kernel accepted passthrough.
     passthrough: AtomicBool,
     /// Backing ids of passthrough handles, dropped (closed) at release.
-    backing: Mutex<HashMap<u64, BackingId>>,
+    /// Backing ids of passthrough inodes (one per inode: the kernel refuses a second open
+    /// of an inode with a different backing file, with EIO) and how many handles use each.
+    backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
+    /// Passthrough handles and their inodes.
+    pt_handles: Mutex<HashMap<u64, u64>>,
 }
 
 impl FuseAdapter {
@@ -65,6 +69,7 @@ impl FuseAdapter {
             want_passthrough: opts.passthrough,
             passthrough: AtomicBool::new(false),
             backing: Mutex::new(HashMap::new()),
+            pt_handles: Mutex::new(HashMap::new()),
         }
     }
 
@@ -95,26 +100,58 @@ impl FuseAdapter {
         }
     }
 
-    /// Register `fh`'s upper file with the kernel for passthrough.
+    /// The backing id to open `fh` (of inode `ino`) with, registering the upper file with
+    /// the kernel if this inode has none yet. Only an inode nobody else has open starts
+    /// passthrough: the kernel does not mix passthrough and cached opens of one inode.
     fn backing_for(
         &self,
+        ino: u64,
         fh: u64,
         open: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
-    ) -> Option<u64> {
+    ) -> Option<Arc<BackingId>> {
         if !self.passthrough() {
             return None;
         }
-        let handle = self.fs.handle(fh).ok()?;
-        match open(&handle.file) {
-            Ok(id) => {
-                self.backing.lock().insert(fh, id);
-                self.fs.stats().add_passthrough_open();
-                Some(fh)
+        let mut backing = self.backing.lock();
+        let id = match backing.get_mut(&ino) {
+            Some((id, users)) => {
+                *users += 1;
+                id.clone()
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "FUSE passthrough refused; serving reads and writes ourselves");
-                self.passthrough.store(false, Ordering::Relaxed);
-                None
+            None => {
+                if self.fs.open_handles_of(ino) != 1 {
+                    return None;
+                }
+                let handle = self.fs.handle(fh).ok()?;
+                match open(&handle.file) {
+                    Ok(id) => {
+                        let id = Arc::new(id);
+                        backing.insert(ino, (id.clone(), 1));
+                        id
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "FUSE passthrough refused; serving reads ourselves");
+                        self.passthrough.store(false, Ordering::Relaxed);
+                        return None;
+                    }
+                }
+            }
+        };
+        self.pt_handles.lock().insert(fh, ino);
+        self.fs.stats().add_passthrough_open();
+        Some(id)
+    }
+
+    /// A passthrough handle is released: drop the inode's backing id with its last user.
+    fn release_backing(&self, fh: u64) {
+        let Some(ino) = self.pt_handles.lock().remove(&fh) else {
+            return;
+        };
+        let mut backing = self.backing.lock();
+        if let Some((_, users)) = backing.get_mut(&ino) {
+            *users -= 1;
+            if *users == 0 {
+                backing.remove(&ino);
             }
         }
     }
@@ -354,11 +391,10 @@ impl Filesystem for FuseAdapter {
                 // Passthrough for read-only opens only: the kernel does not keep the FUSE
                 // inode's size in step with writes it passes through, so writers stay on the
                 // ordinary path, where every write is seen.
-                if !mode.write && self.backing_for(fh, |f| reply.open_backing(f)).is_some() {
-                    let backing = self.backing.lock();
-                    if let Some(id) = backing.get(&fh) {
-                        return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), id);
-                    }
+                if !mode.write
+                    && let Some(id) = self.backing_for(ino.0, fh, |f| reply.open_backing(f))
+                {
+                    return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
                 }
                 // Every change to the content goes through this kernel, so its page cache
                 // stays valid across opens. (Passthrough cannot be combined with it.)
@@ -439,8 +475,8 @@ impl Filesystem for FuseAdapter {
     ) {
         self.fs.stats().count_op("release");
         let result = self.fs.release(fh.0);
-        // Closing the backing id after the file's last release.
-        self.backing.lock().remove(&fh.0);
+        // Closing the backing id after the inode's last passthrough release.
+        self.release_backing(fh.0);
         match result {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "release", e),

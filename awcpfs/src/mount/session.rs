@@ -241,6 +241,26 @@ fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     f.sync_all()
 }
 
+/// Whether `mountpoint` is mounted now with the FUSE connection `conn` (read from
+/// mountinfo, which does not ask the filesystem).
+fn still_mounted(mountpoint: &Path, conn: u64) -> bool {
+    // Not canonicalize: that would ask the (fenced) filesystem.
+    let Ok(mp) = std::path::absolute(mountpoint) else {
+        return false;
+    };
+    let mp = mp.display().to_string();
+    let want = format!("{}:{}", conn >> 20, conn & 0xfffff);
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            let mut f = l.split(' ');
+            let dev = f.nth(2);
+            let point = f.nth(1);
+            dev == Some(want.as_str()) && point == Some(mp.as_str())
+        })
+}
+
 /// Make sure fusectl is mounted so connections can be aborted.
 fn ensure_fusectl() {
     let dir = Path::new("/sys/fs/fuse/connections");
@@ -780,16 +800,20 @@ impl Mount {
 
     fn unmount(&self) {
         let mp = &self.inner.cfg.mountpoint;
-        if let Err(e) = nix::mount::umount2(mp, nix::mount::MntFlags::MNT_DETACH) {
-            tracing::debug!(error = %e, "lazy unmount failed (already unmounted?)");
-        }
-        if let Some(id) = self.inner.conn_id {
+        // Abort first, and only while our mount is verifiably still there: once it is gone
+        // its connection number can be reused by an unrelated FUSE mount.
+        if let Some(id) = self.inner.conn_id
+            && still_mounted(mp, id)
+        {
             // Aborting the connection fails every pending and future request on it, so a
             // process holding a file open gets an error, and the session thread exits.
             let abort = format!("/sys/fs/fuse/connections/{id}/abort");
             if let Err(e) = std::fs::write(&abort, b"1") {
                 tracing::debug!(error = %e, path = %abort, "cannot abort the FUSE connection");
             }
+        }
+        if let Err(e) = nix::mount::umount2(mp, nix::mount::MntFlags::MNT_DETACH) {
+            tracing::debug!(error = %e, "lazy unmount failed (already unmounted?)");
         }
         if let Some(session) = self.inner.session.lock().take() {
             // Join off-thread so a stuck kernel connection cannot hang the caller.
