@@ -73,6 +73,9 @@ pub fn sample_repo(dir: &Path) {
 
 /// Both services on loopback, state in a temp dir.
 pub struct Harness {
+    /// Unmounts whatever a failing test left mounted under the temp dir (declared first:
+    /// fields drop in order, and the temp dir cannot be removed while something is mounted).
+    _mounts: UnmountOnDrop,
     /// Everything lives here.
     pub tmp: tempfile::TempDir,
     /// The Delegator daemon.
@@ -81,6 +84,22 @@ pub struct Harness {
     pub executor: RunningExecutor,
     /// A client of the daemon.
     pub client: DaemonClient,
+}
+
+/// Lazily unmounts every mount under a directory when dropped, so a test that panics in the
+/// middle of a delegation does not leave a FUSE mount behind.
+struct UnmountOnDrop(PathBuf);
+
+impl Drop for UnmountOnDrop {
+    fn drop(&mut self) {
+        let prefix = format!("{}/", self.0.display());
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        for mp in mounts.lines().filter_map(|l| l.split(' ').nth(4)) {
+            if mp.starts_with(&prefix) {
+                let _ = nix::mount::umount2(mp, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+    }
 }
 
 impl Harness {
@@ -118,11 +137,13 @@ impl Harness {
         adjust(&mut ecfg);
         let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
         let client = DaemonClient::new(&daemon.url());
+        let _mounts = UnmountOnDrop(tmp.path().to_path_buf());
         Harness {
             tmp,
             daemon,
             executor,
             client,
+            _mounts,
         }
     }
 
