@@ -135,6 +135,17 @@ struct ExecutorArgs {
     /// Keep fetched and written file content after unmount.
     #[arg(long)]
     keep_cache: bool,
+    /// The block cache shared by all delegations, kept across leases and restarts so that
+    /// the next delegation of the same repository starts warm. Default: `<dir>/cache`.
+    #[arg(long, env = "AWCP_CACHE_DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Bound on the block cache's disk use (least recently used blocks go first).
+    #[arg(long, default_value = "4GiB", value_parser = awcpfs::cache::parse_size)]
+    cache_size: u64,
+    /// No block cache: every block comes from the Delegator, and no content outlives a
+    /// lease on this machine.
+    #[arg(long, conflicts_with = "cache_dir")]
+    no_block_cache: bool,
     /// Serve read-only opens with FUSE passthrough: native read speed, but a revocation
     /// cannot stop reads on files opened before it.
     #[arg(long)]
@@ -269,10 +280,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Executor(a) => {
-            let mut cfg = ExecutorConfig::new(
-                a.agent_cmd,
-                a.dir.unwrap_or_else(|| default_state_dir("executor")),
-            );
+            let base = a.dir.unwrap_or_else(|| default_state_dir("executor"));
+            let mut cfg = ExecutorConfig::new(a.agent_cmd, base.clone());
+            cfg.block_cache = (!a.no_block_cache).then(|| {
+                let mut c = awcpfs::cache::CacheConfig::new(Some(
+                    a.cache_dir.unwrap_or_else(|| base.join("cache")),
+                ));
+                c.disk_bytes = a.cache_size;
+                c
+            });
             cfg.listen = a.listen;
             cfg.max_ttl = a.max_ttl;
             cfg.max_concurrent = a.max_concurrent;
@@ -369,6 +385,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         m["openHandles"].as_u64().unwrap_or(0),
                         n("passthroughOpens"),
                         n("syncErrors")
+                    );
+                    println!(
+                        "cache       {} block(s) from the block cache ({} bytes), {} fetched from the Delegator",
+                        n("cacheHits"),
+                        n("bytesFromCache"),
+                        n("cacheMisses")
                     );
                 }
                 if let Some(res) = &r.result {

@@ -51,6 +51,9 @@ pub struct ExecutorConfig {
     pub renew_margin: Option<Duration>,
     /// How long a mount waits after a change before writing back (batching bursts).
     pub sync_debounce: Duration,
+    /// The block cache shared by all mounts (`None`: no cache, content never outlives a
+    /// lease on this machine).
+    pub block_cache: Option<awcpfs::cache::CacheConfig>,
 }
 
 impl ExecutorConfig {
@@ -67,6 +70,7 @@ impl ExecutorConfig {
             passthrough: false,
             renew_margin: None,
             sync_debounce: Duration::from_millis(50),
+            block_cache: Some(awcpfs::cache::CacheConfig::new(Some(base.join("cache")))),
         }
     }
 }
@@ -89,6 +93,14 @@ pub(crate) struct Assignment {
 pub struct Executor {
     pub(crate) cfg: ExecutorConfig,
     pub(crate) tasks: Mutex<HashMap<String, Arc<Assignment>>>,
+    pub(crate) block_cache: Option<Arc<awcpfs::cache::BlockCache>>,
+}
+
+impl Executor {
+    /// The block cache shared by this Executor's mounts, if it has one.
+    pub fn block_cache(&self) -> Option<&Arc<awcpfs::cache::BlockCache>> {
+        self.block_cache.as_ref()
+    }
 }
 
 impl std::fmt::Debug for Executor {
@@ -176,9 +188,20 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         );
     }
     recover_leftovers(&cfg).await;
+    let block_cache = match &cfg.block_cache {
+        Some(c) => {
+            let c = c.clone();
+            let cache =
+                tokio::task::spawn_blocking(move || awcpfs::cache::BlockCache::open(&c)).await??;
+            tracing::info!(dir = ?cache.dir(), blocks = cache.stats().disk_blocks, "block cache open");
+            Some(Arc::new(cache))
+        }
+        None => None,
+    };
     let executor = Arc::new(Executor {
         cfg,
         tasks: Mutex::new(HashMap::new()),
+        block_cache,
     });
     let router = routes::router(executor.clone());
     let (shutdown, mut rx) = tokio::sync::watch::channel(false);

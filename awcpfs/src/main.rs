@@ -73,6 +73,13 @@ enum Command {
         /// Keep local file content after unmount.
         #[arg(long)]
         keep_cache: bool,
+        /// Content-addressed block cache kept across mounts, so that mounting the same
+        /// repository again starts warm (default: no cache).
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
+        /// Bound on the block cache's disk use.
+        #[arg(long, default_value = "4GiB", value_parser = awcpfs::cache::parse_size)]
+        cache_size: u64,
         /// Serve read-only opens with FUSE passthrough (the kernel reads the local copy
         /// directly): faster, but a revocation cannot stop reads on files opened before it.
         #[arg(long)]
@@ -237,6 +244,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             state_dir,
             ro,
             keep_cache,
+            cache_dir,
+            cache_size,
             passthrough,
         } => {
             let h = read_handle(&handle)?;
@@ -247,6 +256,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.expires_at = Some(h.expires_at.clone());
             cfg.read_only = ro;
             cfg.keep_cache = keep_cache;
+            if let Some(dir) = cache_dir {
+                let mut c = awcpfs::cache::CacheConfig::new(Some(dir));
+                c.disk_bytes = cache_size;
+                cfg.block_cache = Some(std::sync::Arc::new(awcpfs::cache::BlockCache::open(&c)?));
+            }
             cfg.kernel.passthrough = passthrough;
             let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
             eprintln!(

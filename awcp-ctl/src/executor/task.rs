@@ -207,6 +207,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     mcfg.kernel.passthrough = ex.cfg.passthrough;
     mcfg.renew_margin = ex.cfg.renew_margin;
     mcfg.sync_debounce = ex.cfg.sync_debounce;
+    mcfg.block_cache = ex.block_cache.clone();
     let mount = match tokio::task::spawn_blocking(move || Mount::start(mcfg)).await {
         Ok(Ok(m)) => m,
         Ok(Err(e)) => {

@@ -67,6 +67,8 @@ pub struct MountConfig {
     pub final_flush_timeout: Duration,
     /// Keep upper files after unmount.
     pub keep_cache: bool,
+    /// The block cache shared with other mounts (`None`: every block comes from the export).
+    pub block_cache: Option<Arc<crate::cache::BlockCache>>,
     /// Kernel caching and passthrough.
     pub kernel: KernelOptions,
     /// Fetch files up to this size in the background, many per request, so that a tree
@@ -103,6 +105,7 @@ impl MountConfig {
             sync_debounce: Duration::from_millis(50),
             final_flush_timeout: Duration::from_secs(30),
             keep_cache: false,
+            block_cache: None,
             kernel: KernelOptions::default(),
             hydrate_max_size: 256 << 10,
             renew_margin: None,
@@ -341,6 +344,14 @@ impl Mount {
         let read_only = cfg.read_only || manifest.read_only;
         let signal = Arc::new(SyncSignal::default());
         let stats = Arc::new(Stats::default());
+        let remote: Arc<dyn Remote> = match &cfg.block_cache {
+            Some(cache) => Arc::new(super::cached::CachedRemote::new(
+                remote,
+                cache.clone(),
+                stats.clone(),
+            )),
+            None => remote,
+        };
         let fs = Arc::new(AwcpFs::new(
             table,
             remote.clone(),

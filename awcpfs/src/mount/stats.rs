@@ -54,6 +54,9 @@ pub struct Stats {
     sync_errors: AtomicU64,
     passthrough_opens: AtomicU64,
     renewals: AtomicU64,
+    cache_hits: AtomicU64,
+    cache_misses: AtomicU64,
+    bytes_from_cache: AtomicU64,
     conflicts: Mutex<Vec<Conflict>>,
     last_sync_error: Mutex<Option<String>>,
 }
@@ -78,6 +81,15 @@ pub struct StatsSnapshot {
     pub passthrough_opens: u64,
     /// Lease renewals this mount obtained.
     pub renewals: u64,
+    /// Blocks found in the block cache (no request to the export).
+    #[serde(default)]
+    pub cache_hits: u64,
+    /// Blocks not in the block cache, fetched from the export.
+    #[serde(default)]
+    pub cache_misses: u64,
+    /// Content bytes served by the block cache (included in `bytesFetched`).
+    #[serde(default)]
+    pub bytes_from_cache: u64,
     /// FUSE requests served, by operation (operations never requested are left out).
     pub ops: BTreeMap<String, u64>,
     /// Changes the export kept beside instead of applying.
@@ -109,6 +121,16 @@ impl Stats {
         }
     }
 
+    /// Count a block-cache lookup: a hit of `bytes`, or a miss.
+    pub fn add_cache(&self, hit: bool, bytes: u64) {
+        if hit {
+            self.cache_hits.fetch_add(1, Ordering::Relaxed);
+            self.bytes_from_cache.fetch_add(bytes, Ordering::Relaxed);
+        } else {
+            self.cache_misses.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Count a lease renewal.
     pub fn add_renewal(&self) {
         self.renewals.fetch_add(1, Ordering::Relaxed);
@@ -136,6 +158,9 @@ impl Stats {
             sync_errors: self.sync_errors.load(Ordering::Relaxed),
             passthrough_opens: self.passthrough_opens.load(Ordering::Relaxed),
             renewals: self.renewals.load(Ordering::Relaxed),
+            cache_hits: self.cache_hits.load(Ordering::Relaxed),
+            cache_misses: self.cache_misses.load(Ordering::Relaxed),
+            bytes_from_cache: self.bytes_from_cache.load(Ordering::Relaxed),
             ops: OPS
                 .iter()
                 .zip(&self.ops)
