@@ -145,6 +145,11 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating the state directory {}", cfg.state_dir.display()))?;
     let store = Store::open(&cfg.state_dir.join("delegator.db"))?;
+    // Hashes of files unchanged since an earlier delegation are reused, not recomputed.
+    let hash_path = cfg.state_dir.join("hashes.bin");
+    let hashes =
+        tokio::task::spawn_blocking(move || awcpfs::export::hashcache::HashCache::open(&hash_path))
+            .await?;
     let api_listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| {
@@ -170,7 +175,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     let daemon = Arc::new(Daemon {
         cfg,
         store,
-        exports: ExportRegistry::new(),
+        exports: ExportRegistry::with_hash_cache(Arc::new(hashes)),
         live: Mutex::new(HashMap::new()),
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(30))

@@ -31,6 +31,7 @@
 
 mod commit;
 mod error;
+pub mod hashcache;
 mod http;
 mod manifest;
 mod rootfs;
@@ -333,12 +334,22 @@ pub enum BundleError {
 #[derive(Debug, Clone, Default)]
 pub struct ExportRegistry {
     exports: Arc<RwLock<HashMap<String, Arc<Export>>>>,
+    hash_cache: Option<Arc<hashcache::HashCache>>,
 }
 
 impl ExportRegistry {
-    /// An empty registry.
+    /// An empty registry; every registration hashes every file.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty registry whose manifest builds reuse the hashes of files unchanged since
+    /// an earlier build (saved to the cache's file after each registration).
+    pub fn with_hash_cache(cache: Arc<hashcache::HashCache>) -> Self {
+        ExportRegistry {
+            exports: Arc::default(),
+            hash_cache: Some(cache),
+        }
     }
 
     /// Serve `cfg.root` as `export_id`, guarded by `token` and `lease`.
@@ -377,10 +388,22 @@ impl ExportRegistry {
             block_size: cfg.block_size,
             read_only: cfg.read_only,
         };
-        let built = manifest::build(&root, &params).map_err(|source| ExportError::Manifest {
-            root: cfg.root.clone(),
-            source,
-        })?;
+        let built =
+            manifest::build(&root, &params, self.hash_cache.as_deref()).map_err(|source| {
+                ExportError::Manifest {
+                    root: cfg.root.clone(),
+                    source,
+                }
+            })?;
+        if let Some(cache) = &self.hash_cache {
+            // Off the delegation's path; a failed save only costs hashing again next time.
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                if let Err(e) = cache.save() {
+                    tracing::warn!(error = %e, "could not save the hash cache");
+                }
+            });
+        }
         let json =
             serde_json::to_vec(&built.manifest).map_err(|source| ExportError::Serialize {
                 export_id: export_id.clone(),

@@ -156,7 +156,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ));
             // A standalone export lives exactly --ttl-secs: renewals cannot extend it.
             lease.limit_renewals(Duration::from_secs(ttl_secs));
-            let registry = ExportRegistry::new();
+            std::fs::create_dir_all(&state_dir)?;
+            let registry = ExportRegistry::with_hash_cache(std::sync::Arc::new(
+                awcpfs::export::hashcache::HashCache::open(&state_dir.join("hashes.bin")),
+            ));
             let export_id = format!("exp_{}", hex::encode(rand::random::<[u8; 8]>()));
             let token = hex::encode(rand::random::<[u8; 32]>());
             let cfg = ExportConfig {

@@ -26,6 +26,11 @@ use nix::dir::Dir;
 use nix::fcntl::{AtFlags, OFlag, readlinkat};
 use nix::sys::stat::{FileStat, Mode, fstat, fstatat};
 
+use std::sync::mpsc::{Receiver, SyncSender};
+
+use parking_lot::Mutex;
+
+use super::hashcache::HashCache;
 use super::rootfs::{NodeKind, RootDir, ctime_ns, mtime_ns, open_file_at};
 use super::store::{BlockIndex, BlockLoc, TMP_PREFIX};
 
@@ -48,16 +53,124 @@ pub(crate) struct ManifestParams {
     pub(crate) read_only: bool,
 }
 
+/// A file the walk opened, for a hashing thread.
+struct Job {
+    idx: usize,
+    file: std::fs::File,
+    rel: String,
+}
+
+type JobResult = (usize, io::Result<(FileStat, FileHashes)>);
+
+/// Hash files handed over by the walk; remember the hashes of files that did not change
+/// while they were read.
+fn hash_worker(
+    jobs: &Mutex<Receiver<Job>>,
+    results: &Mutex<Vec<JobResult>>,
+    block_size: u32,
+    cache: Option<&HashCache>,
+) {
+    loop {
+        let job = jobs.lock().recv();
+        let Ok(job) = job else { return };
+        let r = (|| {
+            // Metadata from the opened file, so size, mode and content belong together.
+            let before = fstat(&job.file)?;
+            let hashes = hash_blocks(&job.file, block_size)?;
+            if let Some(cache) = cache {
+                let after = fstat(&job.file)?;
+                let same = (after.st_size, mtime_ns(&after), ctime_ns(&after))
+                    == (before.st_size, mtime_ns(&before), ctime_ns(&before));
+                if same {
+                    cache.insert(&after, block_size, &hashes);
+                } else {
+                    tracing::debug!(path = %job.rel, "file changed while hashed; not remembered");
+                }
+            }
+            Ok((before, hashes))
+        })();
+        results.lock().push((job.idx, r));
+    }
+}
+
 /// Walk the tree below `root` and build its manifest and block index (blocking IO).
-pub(crate) fn build(root: &RootDir, params: &ManifestParams) -> io::Result<Built> {
+///
+/// The walk runs on this thread; files whose hashes `cache` does not hold are opened here
+/// and hashed by a few threads meanwhile (at most [`HASH_THREADS`]).
+pub(crate) fn build(
+    root: &RootDir,
+    params: &ManifestParams,
+    cache: Option<&HashCache>,
+) -> io::Result<Built> {
     let root_stat = fstat(root.fd())?;
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, HASH_THREADS);
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(256);
+    let rx = Mutex::new(rx);
+    let results: Mutex<Vec<JobResult>> = Mutex::new(Vec::new());
     let mut walker = Walker {
         block_size: params.block_size,
         entries: Vec::new(),
-        index: BlockIndex::default(),
+        hashes: Vec::new(),
+        cache,
+        jobs: Some(tx),
     };
-    let dir = Dir::openat(root.fd(), ".", dir_flags(), Mode::empty())?;
-    walker.walk_dir(dir, "", 0)?;
+    let walked = std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| hash_worker(&rx, &results, params.block_size, cache));
+        }
+        let r = Dir::openat(root.fd(), ".", dir_flags(), Mode::empty())
+            .map_err(io::Error::from)
+            .and_then(|dir| walker.walk_dir(dir, "", 0));
+        // Closing the queue ends the workers once it is drained.
+        walker.jobs = None;
+        r
+    });
+    walked?;
+    for (idx, r) in results.into_inner() {
+        match r {
+            Ok((st, h)) => {
+                let e = &mut walker.entries[idx];
+                e.mode = perm(&st);
+                e.mtime_ns = mtime_ns(&st);
+                e.ino = Some(st.st_ino);
+                e.ctime_ns = Some(ctime_ns(&st));
+                walker.hashes[idx] = Some(h);
+            }
+            Err(e) => {
+                let path = &walker.entries[idx].path;
+                tracing::warn!(path = %path, error = %e, "skipping an entry that cannot be read");
+            }
+        }
+    }
+    // Fill in content, build the index in manifest order, and drop files that failed.
+    let mut index = BlockIndex::default();
+    let mut entries = Vec::with_capacity(walker.entries.len());
+    for (mut e, h) in walker.entries.into_iter().zip(walker.hashes) {
+        if e.kind == EntryKind::File {
+            let Some(h) = h else { continue };
+            let path: Arc<str> = Arc::from(e.path.as_str());
+            let mut offset = 0u64;
+            e.blocks = Vec::with_capacity(h.blocks.len());
+            for (bh, len) in &h.blocks {
+                index.insert(
+                    *bh.as_bytes(),
+                    BlockLoc {
+                        path: path.clone(),
+                        offset,
+                        len: *len,
+                    },
+                );
+                offset += u64::from(*len);
+                e.blocks.push(bh.to_hex().to_string());
+            }
+            e.size = h.size;
+            e.hash = Some(h.hash.to_hex().to_string());
+        }
+        entries.push(e);
+    }
+    let walker = Walked { entries, index };
     Ok(Built {
         manifest: Manifest {
             version: DATA_PLANE_VERSION,
@@ -70,6 +183,14 @@ pub(crate) fn build(root: &RootDir, params: &ManifestParams) -> io::Result<Built
         },
         index: walker.index,
     })
+}
+
+/// Most threads hashing at once during a build.
+pub(crate) const HASH_THREADS: usize = 4;
+
+struct Walked {
+    entries: Vec<ManifestEntry>,
+    index: BlockIndex,
 }
 
 fn dir_flags() -> OFlag {
@@ -93,10 +214,22 @@ pub(crate) struct FileHashes {
 
 /// Hash `reader` whole and in blocks of `block_size` bytes (offset-aligned; the last block
 /// may be shorter; empty input has no blocks).
-pub(crate) fn hash_blocks(mut reader: impl Read, block_size: u32) -> io::Result<FileHashes> {
+pub(crate) fn hash_blocks(reader: impl Read, block_size: u32) -> io::Result<FileHashes> {
+    thread_local! {
+        // One block buffer per thread, not one allocation per file.
+        static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    BUF.with_borrow_mut(|buf| {
+        buf.resize(block_size as usize, 0);
+        hash_blocks_with(reader, buf)
+    })
+}
+
+fn hash_blocks_with(mut reader: impl Read, buf: &mut [u8]) -> io::Result<FileHashes> {
+    // Fed only once a file turns out to have more than one block: a one-block file's hash
+    // is its block's hash, computed once.
     let mut whole = blake3::Hasher::new();
     let mut blocks = Vec::new();
-    let mut buf = vec![0u8; block_size as usize];
     let mut size = 0u64;
     loop {
         // Fill a whole block unless the input ends: short reads must not shift block edges.
@@ -113,28 +246,36 @@ pub(crate) fn hash_blocks(mut reader: impl Read, block_size: u32) -> io::Result<
             break;
         }
         let block = &buf[..filled];
-        whole.update(block);
+        let h = blake3::hash(block);
+        let full = filled == buf.len();
+        if full || !blocks.is_empty() {
+            whole.update(block);
+        }
         // `filled` is at most `block_size`, a u32.
-        blocks.push((blake3::hash(block), filled as u32));
+        blocks.push((h, filled as u32));
         size += filled as u64;
-        if filled < buf.len() {
+        if !full {
             break;
         }
     }
-    Ok(FileHashes {
-        hash: whole.finalize(),
-        blocks,
-        size,
-    })
+    let hash = match blocks.as_slice() {
+        [] => blake3::hash(b""),
+        [(only, _)] => *only,
+        _ => whole.finalize(),
+    };
+    Ok(FileHashes { hash, blocks, size })
 }
 
-struct Walker {
+struct Walker<'a> {
     block_size: u32,
     entries: Vec<ManifestEntry>,
-    index: BlockIndex,
+    /// Content hashes per entry (files only), filled from the cache or by the workers.
+    hashes: Vec<Option<FileHashes>>,
+    cache: Option<&'a HashCache>,
+    jobs: Option<SyncSender<Job>>,
 }
 
-impl Walker {
+impl Walker<'_> {
     /// List `dir` (whose path is `prefix`), emit its entries, recurse into subdirectories.
     fn walk_dir(&mut self, mut dir: Dir, prefix: &str, depth: usize) -> io::Result<()> {
         let mut names = Vec::new();
@@ -191,40 +332,47 @@ impl Walker {
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
                 });
+                self.hashes.push(None);
                 self.walk_dir(sub, rel, depth + 1)
             }
             NodeKind::File => {
-                let file = open_file_at(dir.as_fd(), name, rel).map_err(io::Error::other)?;
-                // Metadata from the opened file, so size, mode and content belong together.
-                let st = fstat(&file)?;
-                let hashes = hash_blocks(&file, self.block_size)?;
-                let path: Arc<str> = Arc::from(rel);
-                let mut offset = 0u64;
-                let mut blocks = Vec::with_capacity(hashes.blocks.len());
-                for (h, len) in &hashes.blocks {
-                    self.index.insert(
-                        *h.as_bytes(),
-                        BlockLoc {
-                            path: path.clone(),
-                            offset,
-                            len: *len,
-                        },
-                    );
-                    offset += u64::from(*len);
-                    blocks.push(h.to_hex().to_string());
-                }
+                let cached = self.cache.and_then(|c| c.lookup(&st, self.block_size));
+                let idx = self.entries.len();
+                // Content (size, hash, blocks) is filled in when the hashes are known.
                 self.entries.push(ManifestEntry {
                     path: rel.to_owned(),
                     kind: EntryKind::File,
                     mode: perm(&st),
-                    size: hashes.size,
+                    size: 0,
                     mtime_ns: mtime_ns(&st),
-                    hash: Some(hashes.hash.to_hex().to_string()),
-                    blocks,
+                    hash: None,
+                    blocks: Vec::new(),
                     target: None,
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
                 });
+                if cached.is_some() {
+                    self.hashes.push(cached);
+                    return Ok(());
+                }
+                self.hashes.push(None);
+                let file = match open_file_at(dir.as_fd(), name, rel) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        self.entries.pop();
+                        self.hashes.pop();
+                        return Err(io::Error::other(e));
+                    }
+                };
+                let job = Job {
+                    idx,
+                    file,
+                    rel: rel.to_owned(),
+                };
+                if let Some(tx) = &self.jobs {
+                    tx.send(job)
+                        .map_err(|_| io::Error::other("hashing threads stopped"))?;
+                }
                 Ok(())
             }
             NodeKind::Symlink => {
@@ -245,6 +393,7 @@ impl Walker {
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
                 });
+                self.hashes.push(None);
                 Ok(())
             }
             NodeKind::Special | NodeKind::Absent => {
