@@ -7,7 +7,9 @@
 //! # Design
 //!
 //! * **Manifest snapshot.** [`ExportRegistry::register`] walks the tree once and keeps the
-//!   exact JSON bytes it serves; their blake3 is the `manifestDigest` of the transport handle.
+//!   manifest's canonical binary encoding ([`Manifest::to_binary`]), zstd-compressed, as it
+//!   serves it; the blake3 of the uncompressed encoding is the `manifestDigest` of the
+//!   transport handle. JSON is served too, on request, built on first use.
 //!   The manifest is never rebuilt: the Executor sees the tree as it was at register time plus
 //!   its own commits.
 //! * **Content-addressed blocks.** Content is served by block hash, from a block index built
@@ -55,6 +57,8 @@ use self::store::{BlockSource, Staging};
 pub const MAX_BLOCK_SIZE: u32 = 64 << 20;
 /// How many recent conflicts [`ExportStats::recent_conflicts`] keeps.
 pub const RECENT_CONFLICTS: usize = 32;
+/// zstd level of the served manifest (done once per registration).
+const MANIFEST_ZSTD_LEVEL: i32 = 3;
 
 /// How to serve one directory.
 #[derive(Debug, Clone)]
@@ -140,14 +144,14 @@ pub enum ExportError {
         #[source]
         source: std::io::Error,
     },
-    /// The manifest could not be serialised.
-    #[error("cannot serialise the manifest of export {export_id:?}")]
+    /// The manifest could not be encoded.
+    #[error("cannot encode the manifest of export {export_id:?}")]
     Serialize {
         /// The id.
         export_id: String,
         /// The cause.
         #[source]
-        source: serde_json::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 }
 
@@ -225,7 +229,10 @@ pub struct Export {
     block_size: u32,
     lease: Arc<Lease>,
     manifest: Manifest,
-    manifest_json: axum::body::Bytes,
+    /// The binary encoding, zstd-compressed: what mounts fetch.
+    manifest_zst: axum::body::Bytes,
+    /// The JSON form, built the first time someone asks for it.
+    manifest_json: std::sync::OnceLock<axum::body::Bytes>,
     manifest_digest: String,
     blocks: BlockSource,
     stats: Stats,
@@ -233,6 +240,17 @@ pub struct Export {
 }
 
 impl Export {
+    /// The manifest as JSON (built on first use and kept).
+    pub(crate) fn manifest_json(&self) -> axum::body::Bytes {
+        self.manifest_json
+            .get_or_init(|| {
+                serde_json::to_vec(&self.manifest)
+                    .unwrap_or_default()
+                    .into()
+            })
+            .clone()
+    }
+
     /// The export's id.
     pub fn id(&self) -> &str {
         &self.id
@@ -404,12 +422,17 @@ impl ExportRegistry {
                 }
             });
         }
-        let json =
-            serde_json::to_vec(&built.manifest).map_err(|source| ExportError::Serialize {
-                export_id: export_id.clone(),
-                source,
-            })?;
-        let manifest_digest = blake3::hash(&json).to_hex().to_string();
+        let serialize = |source: Box<dyn std::error::Error + Send + Sync>| ExportError::Serialize {
+            export_id: export_id.clone(),
+            source,
+        };
+        let binary = built
+            .manifest
+            .to_binary()
+            .map_err(|e| serialize(Box::new(e)))?;
+        let manifest_digest = blake3::hash(&binary).to_hex().to_string();
+        let zst = zstd::bulk::compress(&binary, MANIFEST_ZSTD_LEVEL)
+            .map_err(|e| serialize(Box::new(e)))?;
         tracing::info!(
             export = %export_id,
             root = %cfg.root.display(),
@@ -424,7 +447,8 @@ impl ExportRegistry {
             block_size: cfg.block_size,
             lease,
             manifest: built.manifest,
-            manifest_json: json.into(),
+            manifest_zst: zst.into(),
+            manifest_json: std::sync::OnceLock::new(),
             manifest_digest,
             blocks: BlockSource {
                 root,

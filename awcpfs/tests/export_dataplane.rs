@@ -294,12 +294,30 @@ async fn manifest_describes_the_tree() {
         .to_owned();
     assert_eq!(expires, "2025-01-01T00:10:00.000Z");
     let body = resp.bytes().await.unwrap();
-    assert_eq!(
-        hex(&body),
-        f.export.manifest_digest(),
-        "digest is over the served bytes"
-    );
     let m: Manifest = serde_json::from_slice(&body).unwrap();
+    // Mounts ask for the binary form: zstd over the canonical encoding the digest covers.
+    let resp = f
+        .client
+        .get(f.url("manifest"))
+        .bearer_auth(TOKEN)
+        .header("accept", awcp_protocol::manifest_bin::MEDIA_TYPE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.headers()["content-type"],
+        awcp_protocol::manifest_bin::MEDIA_TYPE
+    );
+    let compressed = resp.bytes().await.unwrap();
+    let (decoded, digest) = awcpfs::mount::remote::decode_manifest(&compressed).unwrap();
+    assert_eq!(
+        digest,
+        f.export.manifest_digest(),
+        "digest covers the encoding"
+    );
+    let binary = zstd::stream::decode_all(&compressed[..]).unwrap();
+    assert_eq!(hex(&binary), f.export.manifest_digest());
+    assert_eq!(decoded, m, "both forms say the same");
     assert_eq!(m.export_id, "exp_test");
     assert_eq!(m.block_size, BLOCK);
     assert!(!m.read_only);
@@ -357,7 +375,7 @@ async fn manifest_describes_the_tree() {
         Some("/etc/passwd"),
         "shown, not followed"
     );
-    assert_eq!(f.export.stats().manifest_fetches, 1);
+    assert_eq!(f.export.stats().manifest_fetches, 2);
 }
 
 #[tokio::test]

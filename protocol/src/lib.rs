@@ -30,6 +30,7 @@ pub mod error;
 pub mod error_code;
 pub mod events;
 pub mod ids;
+pub mod manifest_bin;
 pub mod messages;
 mod redact;
 pub mod state;

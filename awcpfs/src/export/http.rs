@@ -44,6 +44,7 @@ use awcp_protocol::dataplane::{
     BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks, UploadResult,
     decode_block_frames, encode_block_frame,
 };
+use awcp_protocol::manifest_bin;
 
 use super::error::ApiError;
 use super::store::{BlockHash, hash_hex, parse_hash};
@@ -225,19 +226,31 @@ async fn blocking<T: Send + 'static>(
         })?
 }
 
-async fn manifest(Extension(export): Extension<Arc<Export>>) -> Response {
+async fn manifest(Extension(export): Extension<Arc<Export>>, headers: HeaderMap) -> Response {
     Stats::add(&export.stats.manifest_fetches, 1);
     let etag = HeaderValue::from_str(&format!("\"{}\"", export.manifest_digest))
         .unwrap_or(HeaderValue::from_static("\"\""));
+    let binary = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains(manifest_bin::MEDIA_TYPE));
+    let (media, body) = if binary {
+        (manifest_bin::MEDIA_TYPE, export.manifest_zst.clone())
+    } else {
+        // Serialising 100,000 entries takes a while: not on the async workers.
+        let e = export.clone();
+        let json = tokio::task::spawn_blocking(move || e.manifest_json())
+            .await
+            .unwrap_or_default();
+        ("application/json", json)
+    };
     (
         [
-            (
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            ),
+            (header::CONTENT_TYPE, HeaderValue::from_static(media)),
             (header::ETAG, etag),
         ],
-        export.manifest_json.clone(),
+        body,
     )
         .into_response()
 }

@@ -22,7 +22,9 @@ use super::stats::Stats;
 use super::sync::{SyncError, SyncSignal, SyncedLog, Syncer};
 
 /// The manifest a mount started from.
-pub const MANIFEST_FILE: &str = "manifest.json";
+pub const MANIFEST_FILE: &str = "manifest.bin";
+/// Where mounts before the binary manifest saved it (still read by recovery).
+pub const LEGACY_MANIFEST_FILE: &str = "manifest.json";
 /// What the mount's commits left at the export.
 pub const SYNCED_FILE: &str = "synced.log";
 /// The namespace journal.
@@ -30,7 +32,12 @@ pub const JOURNAL_FILE: &str = "journal.log";
 
 /// Remove the logs of a mount whose changes are all written back.
 pub fn remove_logs(state_dir: &Path) {
-    for f in [JOURNAL_FILE, SYNCED_FILE, MANIFEST_FILE] {
+    for f in [
+        JOURNAL_FILE,
+        SYNCED_FILE,
+        MANIFEST_FILE,
+        LEGACY_MANIFEST_FILE,
+    ] {
         let _ = std::fs::remove_file(state_dir.join(f));
     }
 }
@@ -107,13 +114,20 @@ impl SavedMount {
             path: state_dir.to_path_buf(),
             source,
         };
-        let manifest_bytes = match std::fs::read(state_dir.join(MANIFEST_FILE)) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(state_err(e)),
+        let read = |name: &str| match std::fs::read(state_dir.join(name)) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(state_err(e)),
         };
-        let manifest: Manifest =
-            serde_json::from_slice(&manifest_bytes).map_err(|e| state_err(e.into()))?;
+        let manifest: Manifest = if let Some(b) = read(MANIFEST_FILE)? {
+            super::remote::decode_manifest(&b)
+                .map_err(|e| state_err(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?
+                .0
+        } else if let Some(b) = read(LEGACY_MANIFEST_FILE)? {
+            serde_json::from_slice(&b).map_err(|e| state_err(e.into()))?
+        } else {
+            return Ok(None);
+        };
         let uid = nix::unistd::geteuid().as_raw();
         let gid = nix::unistd::getegid().as_raw();
         let mut table = InodeTable::from_manifest(&manifest, uid, gid)

@@ -13,6 +13,7 @@ use awcp_protocol::dataplane::{
     BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent, Manifest, MissingBlocks,
     decode_block_frames, encode_block_frame,
 };
+use awcp_protocol::manifest_bin;
 
 /// Why a data-plane request failed.
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +108,32 @@ pub enum StreamItem {
     Event(ExportEvent),
     /// A keep-alive comment or an unparseable line.
     KeepAlive,
+}
+
+/// Most bytes a compressed manifest may expand to (a decompression bomb stops here).
+const MANIFEST_MAX: u64 = 4 << 30;
+
+/// Decompress and decode a served (or saved) binary manifest; returns it and its digest
+/// (the blake3 of the uncompressed encoding).
+pub fn decode_manifest(compressed: &[u8]) -> Result<(Manifest, String), RemoteError> {
+    let bad = |what: String| RemoteError::Protocol {
+        what: format!("manifest: {what}"),
+    };
+    let mut binary = Vec::new();
+    zstd::stream::read::Decoder::new(compressed)
+        .map_err(|e| bad(e.to_string()))?
+        .take(MANIFEST_MAX)
+        .read_to_end(&mut binary)
+        .map_err(|e| bad(format!("not zstd: {e}")))?;
+    let digest = blake3::hash(&binary).to_hex().to_string();
+    let manifest = Manifest::from_binary(&binary).map_err(|e| bad(e.to_string()))?;
+    Ok((manifest, digest))
+}
+
+/// Encode and compress a manifest as [`decode_manifest`] reads it (level 1: fast).
+pub fn encode_manifest(m: &Manifest) -> std::io::Result<Vec<u8>> {
+    let binary = m.to_binary().map_err(std::io::Error::other)?;
+    zstd::bulk::compress(&binary, 1)
 }
 
 /// Parse a hex blake3 hash.
@@ -220,13 +247,20 @@ impl Remote for HttpRemote {
             .agent
             .get(&format!("{}/manifest", self.base))
             .set("Authorization", &self.auth)
+            .set("Accept", manifest_bin::MEDIA_TYPE)
             .call()
             .map_err(|e| self.map_err(e))?;
-        let bytes = read_body(resp, 4 << 30)?;
-        let digest = blake3::hash(&bytes).to_hex().to_string();
-        let manifest = serde_json::from_slice(&bytes).map_err(|e| RemoteError::Protocol {
-            what: format!("manifest: {e}"),
-        })?;
+        if resp.content_type() != manifest_bin::MEDIA_TYPE {
+            return Err(RemoteError::Protocol {
+                what: format!(
+                    "manifest: expected {}, got {}",
+                    manifest_bin::MEDIA_TYPE,
+                    resp.content_type()
+                ),
+            });
+        }
+        let compressed = read_body(resp, 4 << 30)?;
+        let (manifest, digest) = decode_manifest(&compressed)?;
         Ok((manifest, digest))
     }
 

@@ -332,12 +332,9 @@ impl Mount {
         let journal = Journal::open(&journal_path).map_err(state_err)?;
         // What recovery needs to rebuild this mount's tree: the manifest it started from
         // (the export's may be rebuilt meanwhile) and the log of what reached the Delegator.
-        let manifest_json = serde_json::to_vec(&manifest).map_err(|e| state_err(e.into()))?;
-        write_durably(
-            &cfg.state_dir.join(super::recover::MANIFEST_FILE),
-            &manifest_json,
-        )
-        .map_err(state_err)?;
+        let saved = super::remote::encode_manifest(&manifest).map_err(state_err)?;
+        write_durably(&cfg.state_dir.join(super::recover::MANIFEST_FILE), &saved)
+            .map_err(state_err)?;
         let synced_path = cfg.state_dir.join(super::recover::SYNCED_FILE);
         let _ = std::fs::remove_file(&synced_path);
         let synced_log = super::sync::SyncedLog::open(&synced_path).map_err(state_err)?;
