@@ -60,6 +60,13 @@ fn now_ns() -> i64 {
         .map_or(0, |d| d.as_nanos() as i64)
 }
 
+/// Whether a file described by `st` changed so recently (within `window`) that a write in
+/// the same timestamp tick could still leave its times as they are.
+pub(crate) fn is_racy(st: &FileStat, window: Duration) -> bool {
+    let racy_after = now_ns() - window.as_nanos() as i64;
+    ctime_ns(st) >= racy_after || mtime_ns(st) >= racy_after
+}
+
 impl HashCache {
     /// A cache that lives only in memory.
     pub fn in_memory() -> Self {
@@ -137,9 +144,7 @@ impl HashCache {
     /// Remember `hashes` for the file `st` describes (taken after hashing, from the same
     /// descriptor), unless the file changed too recently to be trusted.
     pub(crate) fn insert(&self, st: &FileStat, block_size: u32, hashes: &FileHashes) {
-        let window = self.racy_window.unwrap_or(RACY_WINDOW);
-        let racy_after = now_ns() - window.as_nanos() as i64;
-        if ctime_ns(st) >= racy_after || mtime_ns(st) >= racy_after {
+        if is_racy(st, self.racy_window.unwrap_or(RACY_WINDOW)) {
             return;
         }
         if hashes.size != st.st_size as u64 {

@@ -30,9 +30,9 @@ use std::sync::mpsc::{Receiver, SyncSender};
 
 use parking_lot::Mutex;
 
-use super::hashcache::HashCache;
+use super::hashcache::{HashCache, RACY_WINDOW, is_racy};
 use super::rootfs::{NodeKind, RootDir, ctime_ns, mtime_ns, open_file_at};
-use super::store::{BlockIndex, BlockLoc, TMP_PREFIX};
+use super::store::{BlockIndex, BlockLoc, Stamp, TMP_PREFIX};
 
 /// Deepest directory level walked. Each level holds one open descriptor and one stack frame;
 /// real workspaces are far shallower.
@@ -60,7 +60,8 @@ struct Job {
     rel: String,
 }
 
-type JobResult = (usize, io::Result<(FileStat, FileHashes)>);
+/// The file's metadata, its hashes, and whether they can be trusted while its stamp holds.
+type JobResult = (usize, io::Result<(FileStat, FileHashes, bool)>);
 
 /// Hash files handed over by the walk; remember the hashes of files that did not change
 /// while they were read.
@@ -77,17 +78,16 @@ fn hash_worker(
             // Metadata from the opened file, so size, mode and content belong together.
             let before = fstat(&job.file)?;
             let hashes = hash_blocks(&job.file, block_size)?;
-            if let Some(cache) = cache {
-                let after = fstat(&job.file)?;
-                let same = (after.st_size, mtime_ns(&after), ctime_ns(&after))
-                    == (before.st_size, mtime_ns(&before), ctime_ns(&before));
-                if same {
-                    cache.insert(&after, block_size, &hashes);
-                } else {
-                    tracing::debug!(path = %job.rel, "file changed while hashed; not remembered");
-                }
+            let after = fstat(&job.file)?;
+            let same = Stamp::of(&after) == Stamp::of(&before);
+            if !same {
+                tracing::debug!(path = %job.rel, "file changed while hashed; not remembered");
             }
-            Ok((before, hashes))
+            let trusted = same && !is_racy(&after, RACY_WINDOW);
+            if same && let Some(cache) = cache {
+                cache.insert(&after, block_size, &hashes);
+            }
+            Ok((before, hashes, trusted))
         })();
         results.lock().push((job.idx, r));
     }
@@ -113,6 +113,7 @@ pub(crate) fn build(
         block_size: params.block_size,
         entries: Vec::new(),
         hashes: Vec::new(),
+        stamps: Vec::new(),
         cache,
         jobs: Some(tx),
     };
@@ -130,13 +131,16 @@ pub(crate) fn build(
     walked?;
     for (idx, r) in results.into_inner() {
         match r {
-            Ok((st, h)) => {
+            Ok((st, h, trusted)) => {
                 let e = &mut walker.entries[idx];
                 e.mode = perm(&st);
                 e.mtime_ns = mtime_ns(&st);
                 e.ino = Some(st.st_ino);
                 e.ctime_ns = Some(ctime_ns(&st));
                 walker.hashes[idx] = Some(h);
+                if trusted {
+                    walker.stamps[idx] = Some(Stamp::of(&st));
+                }
             }
             Err(e) => {
                 let path = &walker.entries[idx].path;
@@ -147,10 +151,18 @@ pub(crate) fn build(
     // Fill in content, build the index in manifest order, and drop files that failed.
     let mut index = BlockIndex::default();
     let mut entries = Vec::with_capacity(walker.entries.len());
-    for (mut e, h) in walker.entries.into_iter().zip(walker.hashes) {
+    for ((mut e, h), stamp) in walker
+        .entries
+        .into_iter()
+        .zip(walker.hashes)
+        .zip(walker.stamps)
+    {
         if e.kind == EntryKind::File {
             let Some(h) = h else { continue };
             let path: Arc<str> = Arc::from(e.path.as_str());
+            if let Some(stamp) = stamp {
+                index.set_stamp(path.clone(), stamp);
+            }
             let mut offset = 0u64;
             e.blocks = Vec::with_capacity(h.blocks.len());
             for (bh, len) in &h.blocks {
@@ -271,6 +283,8 @@ struct Walker<'a> {
     entries: Vec<ManifestEntry>,
     /// Content hashes per entry (files only), filled from the cache or by the workers.
     hashes: Vec<Option<FileHashes>>,
+    /// Per entry: the file's stamp, when its blocks can be served without re-hashing.
+    stamps: Vec<Option<Stamp>>,
     cache: Option<&'a HashCache>,
     jobs: Option<SyncSender<Job>>,
 }
@@ -333,6 +347,7 @@ impl Walker<'_> {
                     ctime_ns: Some(ctime_ns(&st)),
                 });
                 self.hashes.push(None);
+                self.stamps.push(None);
                 self.walk_dir(sub, rel, depth + 1)
             }
             NodeKind::File => {
@@ -353,14 +368,18 @@ impl Walker<'_> {
                 });
                 if cached.is_some() {
                     self.hashes.push(cached);
+                    // Unchanged since a quiescent hashing: its blocks need no re-hash.
+                    self.stamps.push(Some(Stamp::of(&st)));
                     return Ok(());
                 }
                 self.hashes.push(None);
+                self.stamps.push(None);
                 let file = match open_file_at(dir.as_fd(), name, rel) {
                     Ok(f) => f,
                     Err(e) => {
                         self.entries.pop();
                         self.hashes.pop();
+                        self.stamps.pop();
                         return Err(io::Error::other(e));
                     }
                 };
@@ -394,6 +413,7 @@ impl Walker<'_> {
                     ctime_ns: Some(ctime_ns(&st)),
                 });
                 self.hashes.push(None);
+                self.stamps.push(None);
                 Ok(())
             }
             NodeKind::Special | NodeKind::Absent => {

@@ -51,6 +51,27 @@ pub(crate) fn tmp_name() -> String {
     format!("{TMP_PREFIX}{:016x}", rand::random::<u64>())
 }
 
+/// What a file looked like when its blocks were hashed: while `fstat` still says this,
+/// its blocks need not be hashed again to be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stamp {
+    pub(crate) ino: u64,
+    pub(crate) size: u64,
+    pub(crate) mtime_ns: i64,
+    pub(crate) ctime_ns: i64,
+}
+
+impl Stamp {
+    pub(crate) fn of(st: &nix::sys::stat::FileStat) -> Stamp {
+        Stamp {
+            ino: st.st_ino,
+            size: st.st_size as u64,
+            mtime_ns: super::rootfs::mtime_ns(st),
+            ctime_ns: super::rootfs::ctime_ns(st),
+        }
+    }
+}
+
 /// One place a block was seen.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct BlockLoc {
@@ -66,6 +87,8 @@ pub(crate) struct BlockLoc {
 #[derive(Debug, Default)]
 pub(crate) struct BlockIndex {
     map: HashMap<BlockHash, Vec<BlockLoc>>,
+    /// Files hashed while quiescent (see [`Stamp`]); others are always re-hashed.
+    stamps: HashMap<Arc<str>, Stamp>,
 }
 
 impl BlockIndex {
@@ -75,6 +98,16 @@ impl BlockIndex {
         locs.retain(|l| *l != loc);
         locs.insert(0, loc);
         locs.truncate(MAX_LOCATIONS);
+    }
+
+    /// Record that `path` was hashed as `stamp` describes, not racily.
+    pub(crate) fn set_stamp(&mut self, path: Arc<str>, stamp: Stamp) {
+        self.stamps.insert(path, stamp);
+    }
+
+    /// The stamp of `path`, if it has one.
+    pub(crate) fn stamp(&self, path: &str) -> Option<Stamp> {
+        self.stamps.get(path).copied()
     }
 
     /// The places `hash` was seen, newest first.
@@ -183,16 +216,30 @@ impl BlockSource {
 
     /// Read `hash` from the first indexed place that still holds it.
     fn read_indexed(&self, hash: &BlockHash) -> Option<Vec<u8>> {
-        let locations = self.index.read().locations(hash);
-        for loc in locations {
+        let (locations, stamps): (Vec<BlockLoc>, Vec<Option<Stamp>>) = {
+            let index = self.index.read();
+            let locs = index.locations(hash);
+            let stamps = locs.iter().map(|l| index.stamp(&l.path)).collect();
+            (locs, stamps)
+        };
+        for (loc, stamp) in locations.into_iter().zip(stamps) {
             let Ok(file) = self.root.open_file(&loc.path) else {
                 continue;
             };
+            // Unchanged since it was hashed (same inode, size, mtime and ctime, checked
+            // before and after the read): no need to hash again. The mount verifies every
+            // block it receives either way.
+            let unchanged = || {
+                stamp.is_some_and(|s| {
+                    nix::sys::stat::fstat(&file).is_ok_and(|st| Stamp::of(&st) == s)
+                })
+            };
+            let trusted = unchanged();
             let mut buf = vec![0u8; loc.len as usize];
             if file.read_exact_at(&mut buf, loc.offset).is_err() {
                 continue;
             }
-            if blake3::hash(&buf).as_bytes() == hash {
+            if (trusted && unchanged()) || blake3::hash(&buf).as_bytes() == hash {
                 return Some(buf);
             }
         }
@@ -252,6 +299,36 @@ mod tests {
         std::fs::write(staging.path().join(hash_hex(&h)), b"evil").unwrap();
         assert_eq!(src.read_block(&h), None);
         assert!(!staging.path().join(hash_hex(&h)).exists());
+    }
+
+    #[test]
+    fn stamped_files_are_served_unhashed_until_they_change() {
+        let root = tempfile::tempdir().unwrap();
+        let staging = tempfile::tempdir().unwrap();
+        let f = root.path().join("f");
+        std::fs::write(&f, b"abcdef").unwrap();
+        let src = BlockSource {
+            root: RootDir::open(root.path()).unwrap(),
+            index: RwLock::new(BlockIndex::default()),
+            staging: Staging::open(staging.path()).unwrap(),
+        };
+        // Index a hash that is NOT the content, and stamp the file as it is now: the export
+        // trusts the stamp and skips the hash (the mount's own check would catch this).
+        let claimed = *blake3::hash(b"zzz").as_bytes();
+        let path: Arc<str> = Arc::from("f");
+        let loc = BlockLoc {
+            path: path.clone(),
+            offset: 0,
+            len: 3,
+        };
+        src.index.write().insert(claimed, loc);
+        let st = nix::sys::stat::stat(&f).unwrap();
+        src.index.write().set_stamp(path, Stamp::of(&st));
+        assert_eq!(src.read_block(&claimed).as_deref(), Some(&b"abc"[..]));
+        // Any write changes ctime: the stamp no longer holds, the block is hashed and refused.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&f, b"abcdef").unwrap();
+        assert_eq!(src.read_block(&claimed), None);
     }
 
     #[test]
