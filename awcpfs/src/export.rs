@@ -35,7 +35,7 @@ mod commit;
 mod error;
 pub mod hashcache;
 mod http;
-mod manifest;
+pub mod manifest;
 mod rootfs;
 mod store;
 

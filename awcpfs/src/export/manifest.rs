@@ -8,13 +8,13 @@
 //! hash of the empty string). Symlinks carry their target as stored: shown, never followed.
 //!
 //! The walk uses the same descriptor-relative, no-follow discipline as
-//! [`super::rootfs`]: every directory is opened with `openat(O_DIRECTORY | O_NOFOLLOW)`
+//! `super::rootfs`: every directory is opened with `openat(O_DIRECTORY | O_NOFOLLOW)`
 //! relative to its parent's descriptor and every file with `openat(O_NOFOLLOW | O_NONBLOCK)`,
 //! so the walk cannot be led outside the root even if the tree changes while it runs.
 //!
 //! Skipped, each with a `warn`: special files (FIFOs, sockets, devices), names and symlink
 //! targets that are not UTF-8, our own temporary names (`.awcp-tmp-*`), entries that
-//! vanish or cannot be read during the walk, and directories deeper than [`MAX_DEPTH`].
+//! vanish or cannot be read during the walk, and directories deeper than `MAX_DEPTH`.
 //! Only a failure at the root itself fails the build.
 
 use std::io::{self, Read};
@@ -215,18 +215,18 @@ fn perm(st: &FileStat) -> u32 {
 
 /// Content hashes of a file, cut into blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct FileHashes {
+pub struct FileHashes {
     /// blake3 of the whole content.
-    pub(crate) hash: blake3::Hash,
+    pub hash: blake3::Hash,
     /// blake3 and length of each block, in order.
-    pub(crate) blocks: Vec<(blake3::Hash, u32)>,
+    pub blocks: Vec<(blake3::Hash, u32)>,
     /// Bytes read.
-    pub(crate) size: u64,
+    pub size: u64,
 }
 
 /// Hash `reader` whole and in blocks of `block_size` bytes (offset-aligned; the last block
 /// may be shorter; empty input has no blocks).
-pub(crate) fn hash_blocks(reader: impl Read, block_size: u32) -> io::Result<FileHashes> {
+pub fn hash_blocks(reader: impl Read, block_size: u32) -> io::Result<FileHashes> {
     thread_local! {
         // One block buffer per thread, not one allocation per file.
         static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
