@@ -399,7 +399,10 @@ impl Session {
             return Err((Status::BadRequest, "handshake needs FROM".into()));
         };
         if agent == cfg.me {
-            return Err((Status::BadRequest, "FROM is the bridge's own address".into()));
+            return Err((
+                Status::BadRequest,
+                "FROM is the bridge's own address".into(),
+            ));
         }
         let body: HandshakeBody = if f.body.is_empty() {
             HandshakeBody::default()
@@ -526,7 +529,9 @@ impl Session {
             }
             match s.tx.try_send(bytes.clone()) {
                 Ok(()) => delivered += 1,
-                Err(_) => tracing::warn!(%from, to = %s.agent, "subscriber queue full, frame dropped"),
+                Err(_) => {
+                    tracing::warn!(%from, to = %s.agent, "subscriber queue full, frame dropped")
+                }
             }
         }
         delivered
