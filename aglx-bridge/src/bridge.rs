@@ -539,15 +539,7 @@ impl Session {
 }
 
 fn register(shared: &Shared, agent: &AgentUri, f: &Frame) -> Result<(), Refusal> {
-    let announce: Announce = if f.body.is_empty() {
-        Announce::default()
-    } else {
-        f.body_as()
-            .ok_or((Status::BadRequest, "announce body is not an object".into()))?
-    };
-    announce
-        .validate()
-        .map_err(|e| (Status::BadRequest, e.to_string()))?;
+    let announce = parse_announce(f)?;
     tracing::debug!(%agent, ?announce, "registered");
     lock(&shared.registry).upsert(agent.clone(), announce, Instant::now());
     Ok(())
@@ -580,7 +572,20 @@ async fn udp_loop(shared: Arc<Shared>, sock: UdpSocket) {
 }
 
 fn handle_datagram(shared: &Shared, dgram: &[u8]) -> Result<(), Refusal> {
-    let limits = &shared.cfg.udp_limits;
+    let (agent, announce) = accept_announce(dgram, &shared.cfg.udp_limits, &shared.verifier)?;
+    tracing::debug!(%agent, ?announce, "registered over UDP");
+    lock(&shared.registry).upsert(agent, announce, Instant::now());
+    Ok(())
+}
+
+/// Checks one datagram: a size-capped, UDP, `agent.announce` frame without credits, from an
+/// agent, signed if signed at all, with a valid announce body. Returns the announcer and its
+/// announce, or the status and reason of the refusal.
+pub(crate) fn accept_announce(
+    dgram: &[u8],
+    limits: &Limits,
+    verifier: &Verifier,
+) -> Result<(AgentUri, Announce), (Status, String)> {
     if dgram.len() > limits.max_header_block {
         return Err((Status::BadRequest, "datagram too large".into()));
     }
@@ -598,9 +603,22 @@ fn handle_datagram(shared: &Shared, dgram: &[u8]) -> Result<(), Refusal> {
     let Some(agent) = f.from.clone() else {
         return Err((Status::BadRequest, "announce needs FROM".into()));
     };
-    shared
-        .verifier
+    verifier
         .check(dgram, &decoded, unix_now())
         .map_err(|e| (e.status(), e.to_string()))?;
-    register(shared, &agent, f)
+    let announce = parse_announce(f)?;
+    Ok((agent, announce))
+}
+
+fn parse_announce(f: &Frame) -> Result<Announce, Refusal> {
+    let announce: Announce = if f.body.is_empty() {
+        Announce::default()
+    } else {
+        f.body_as()
+            .ok_or((Status::BadRequest, "announce body is not an object".into()))?
+    };
+    announce
+        .validate()
+        .map_err(|e| (Status::BadRequest, e.to_string()))?;
+    Ok(announce)
 }

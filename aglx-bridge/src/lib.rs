@@ -6,6 +6,8 @@
 //! * [`uri`]: agent addresses `agent://name.domain`;
 //! * [`bridge`]: the bridge (TCP/TLS server with handshake, UDP announces, registry,
 //!   forwarding to subscribers) and [`client`]: a client for it;
+//! * [`notify`]: what `awcp-ctl` uses — a best-effort `Notifier`, an `Announcer` and a
+//!   `Discovery` listener;
 //! * [`registry`]: announced agents with TTLs; [`tls`]: rustls configuration helpers.
 //!
 //! The wire format is documented in `docs/PROTOCOL.md` (section AGLX).
@@ -16,6 +18,7 @@ pub mod codec;
 pub mod error;
 pub mod frame;
 pub mod io;
+pub mod notify;
 pub mod registry;
 pub mod security;
 pub mod tls;
@@ -26,4 +29,5 @@ pub use client::{Client, ClientConfig, ClientError};
 pub use codec::{Decoded, Limits, decode_datagram, decode_stream};
 pub use error::{AuthError, FrameError};
 pub use frame::{Frame, MessageType, Status, Transport};
+pub use notify::{Announcer, Discovery, Endpoint, Notifier, NotifierConfig};
 pub use uri::{AgentUri, Recipient};
