@@ -1,5 +1,6 @@
 //! AGLX: the agent protocol over TCP and UDP, and its bridge to AWCP lifecycle events.
 //!
+//! * [`awcp`]: AWCP lifecycle events as AGLX messages, and their price in credits;
 //! * [`frame`] and [`codec`]: the frame model and a strict decoder with limits;
 //! * [`security`]: HMAC-SHA256 signatures over the exact frame bytes, replay window, nonce
 //!   cache, keys per trust zone;
@@ -12,6 +13,7 @@
 //!
 //! The wire format is documented in `docs/PROTOCOL.md` (section AGLX).
 
+pub mod awcp;
 pub mod bridge;
 pub mod client;
 pub mod codec;
