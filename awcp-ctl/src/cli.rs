@@ -3,6 +3,8 @@
 //! 2 usage error (clap), 3 the delegation was cancelled or revoked, 4 its lease expired,
 //! 5 it failed.
 
+mod aglx;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -87,6 +89,9 @@ enum Command {
         /// Delegation id.
         id: String,
     },
+    /// List Executors that announce themselves over AGLX (`executor --announce`): ask an
+    /// aglx-bridge (--bridge aglx://host:port) and/or listen for announces (--listen).
+    Peers(aglx::PeersArgs),
 }
 
 #[derive(Debug, Args)]
@@ -111,6 +116,8 @@ struct ServeArgs {
     /// Longest a lease may live in all, renewals included.
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_lease: Duration,
+    #[command(flatten)]
+    aglx: aglx::NotifyArgs,
 }
 
 #[derive(Debug, Args)]
@@ -144,6 +151,8 @@ struct ExecutorArgs {
     /// the Delegator renews it.
     #[arg(long, value_parser = parse_duration)]
     renew_margin: Option<Duration>,
+    #[command(flatten)]
+    aglx: aglx::AnnounceArgs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -265,6 +274,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.export_url = a.export_url;
             cfg.max_ttl = a.max_ttl;
             cfg.max_lease = a.max_lease;
+            cfg.aglx = a.aglx.config()?;
             awcp_ctl::daemon::serve(cfg).await?;
             Ok(ExitCode::SUCCESS)
         }
@@ -279,7 +289,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.keep_cache = a.keep_cache;
             cfg.passthrough = a.passthrough;
             cfg.renew_margin = a.renew_margin;
-            awcp_ctl::executor::serve(cfg).await?;
+            awcp_ctl::aglx::serve_executor(cfg, a.aglx.config()?).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Delegate(a) => {
@@ -449,6 +459,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Watch { id } => follow(&client, &id, cli.json).await,
+        Command::Peers(a) => {
+            aglx::peers(a, cli.json).await?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
