@@ -44,7 +44,8 @@ pub struct NotifyConfig {
 
 /// Reads a key file: its bytes, trailing newline dropped, at least 16 bytes.
 pub fn read_key(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
-    let mut key = std::fs::read(path).with_context(|| format!("reading key file {}", path.display()))?;
+    let mut key =
+        std::fs::read(path).with_context(|| format!("reading key file {}", path.display()))?;
     while key.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
         key.pop();
     }
@@ -66,8 +67,11 @@ fn notifier_config(
     let mut n = NotifierConfig::new(endpoint.clone(), me.clone());
     n.key = key_file.map(|p| read_key(p)).transpose()?;
     if endpoint.tls {
-        let ca = tls_ca.context("aglxs:// needs the CA certificate to trust (--notify-ca / --ca)")?;
-        n.tls = Some(aglx_bridge::tls::client_config(&aglx_bridge::tls::read_pem(ca)?)?);
+        let ca =
+            tls_ca.context("aglxs:// needs the CA certificate to trust (--notify-ca / --ca)")?;
+        n.tls = Some(aglx_bridge::tls::client_config(
+            &aglx_bridge::tls::read_pem(ca)?,
+        )?);
     }
     Ok(n)
 }
@@ -109,6 +113,11 @@ impl DaemonNotifier {
     pub(crate) fn on_event(&self, live: &Live, d: &StoredDelegation, ev: &WatchEvent) {
         let id = d.record.id.as_str().to_string();
         let event = match ev {
+            // Nothing has left the daemon yet; task.assign follows with INVITE.
+            WatchEvent::State {
+                state: DelegationState::Created,
+                ..
+            } => return,
             WatchEvent::State {
                 state: DelegationState::Invited,
                 ..
@@ -130,7 +139,8 @@ impl DaemonNotifier {
                     delegation_id: id,
                     state: *state,
                     detail: detail.clone(),
-                    lease_seconds: since.map_or(0, |t| t.elapsed().as_secs()),
+                    // Started seconds: any use of a lease costs at least its first unit.
+                    lease_seconds: since.map_or(0, |t| t.elapsed().as_secs_f64().ceil() as u64),
                     bytes,
                 }
             }

@@ -19,7 +19,8 @@ fn parse_agent(s: &str) -> Result<AgentUri, String> {
 }
 
 fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
-    s.parse().map_err(|e: aglx_bridge::notify::BadEndpoint| e.to_string())
+    s.parse()
+        .map_err(|e: aglx_bridge::notify::BadEndpoint| e.to_string())
 }
 
 /// `awcp-ctl serve` options for AGLX notifications.
@@ -156,9 +157,7 @@ pub(super) async fn peers(a: PeersArgs, json: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     if list.is_empty() {
-        eprintln!(
-            "no peers found (executors announce with `awcp-ctl executor --announce <addr>`)"
-        );
+        eprintln!("no peers found (executors announce with `awcp-ctl executor --announce <addr>`)");
         return Ok(());
     }
     println!(
