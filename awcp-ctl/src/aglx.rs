@@ -310,3 +310,63 @@ pub async fn peers(q: &PeersQuery) -> anyhow::Result<Vec<Entry>> {
     out.sort_by(|a, b| a.agent.cmp(&b.agent));
     Ok(out)
 }
+
+/// Picks the Executor for `delegate --to auto`: among peers with an AWCP URL that take
+/// `awcpfs` (or do not say), accept a lease of `ttl_seconds` (or do not say) and have free
+/// capacity (or do not say), the one with the most free capacity; ties go to the freshest
+/// announce, then to the agent address. `None` when no peer fits.
+pub fn pick_executor(peers: &[Entry], ttl_seconds: u64) -> Option<&Entry> {
+    peers
+        .iter()
+        .filter(|e| {
+            let a = &e.announce;
+            a.awcp_url.is_some()
+                && (a.transports.is_empty() || a.transports.iter().any(|t| t == "awcpfs"))
+                && a.max_ttl_seconds.is_none_or(|m| m >= ttl_seconds)
+                && a.free_capacity.is_none_or(|f| f > 0)
+        })
+        .max_by(|x, y| {
+            let free = |e: &Entry| e.announce.free_capacity.unwrap_or(1);
+            free(x)
+                .cmp(&free(y))
+                .then(x.expires_in_seconds.cmp(&y.expires_in_seconds))
+                .then(y.agent.cmp(&x.agent))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, url: Option<&str>, free: Option<u32>, max_ttl: Option<u64>) -> Entry {
+        Entry {
+            agent: format!("agent://{name}.lab").parse().unwrap(),
+            expires_in_seconds: 30,
+            announce: Announce {
+                awcp_url: url.map(str::to_string),
+                transports: vec!["awcpfs".into()],
+                free_capacity: free,
+                max_ttl_seconds: max_ttl,
+                ..Announce::default()
+            },
+        }
+    }
+
+    #[test]
+    fn auto_picks_the_freest_executor_that_fits() {
+        let peers = vec![
+            entry("full", Some("http://a/awcp"), Some(0), None),
+            entry("short", Some("http://b/awcp"), Some(9), Some(60)),
+            entry("nourl", None, Some(9), None),
+            entry("one", Some("http://c/awcp"), Some(1), None),
+            entry("four", Some("http://d/awcp"), Some(4), Some(7200)),
+        ];
+        let got = pick_executor(&peers, 600).unwrap();
+        assert_eq!(got.agent.name(), "four");
+        assert_eq!(pick_executor(&peers, 10).unwrap().agent.name(), "short");
+        assert!(pick_executor(&peers[..3], 600).is_none());
+        let mut archive_only = entry("arch", Some("http://e/awcp"), Some(5), None);
+        archive_only.announce.transports = vec!["archive".into()];
+        assert!(pick_executor(&[archive_only], 1).is_none());
+    }
+}

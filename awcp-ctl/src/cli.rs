@@ -165,7 +165,8 @@ enum Mode {
 struct DelegateArgs {
     /// The directory to delegate.
     dir: PathBuf,
-    /// The Executor's AWCP endpoint, e.g. `http://127.0.0.1:7200/awcp`.
+    /// The Executor's AWCP endpoint, e.g. `http://127.0.0.1:7200/awcp`, or `auto`: the
+    /// freest Executor announced over AGLX (needs --peers-bridge or --peers-listen).
     #[arg(long)]
     to: String,
     /// Lease length, e.g. `10m`, `2h`.
@@ -186,6 +187,8 @@ struct DelegateArgs {
     /// Follow the delegation until it ends; the exit code says how it ended.
     #[arg(long)]
     wait: bool,
+    #[command(flatten)]
+    auto: aglx::AutoArgs,
 }
 
 /// `$XDG_STATE_HOME/awcp/<what>`, else `~/.local/state/awcp/<what>`, else `./.awcp/<what>`.
@@ -299,8 +302,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Mode::Ro => AccessMode::Ro,
                 Mode::Rw => AccessMode::Rw,
             };
+            let to = a.auto.resolve(&a.to, a.ttl).await?;
             let req = DelegateRequest {
-                executor_url: a.to.clone(),
+                executor_url: to.clone(),
                 environment: EnvironmentSpec {
                     resources: vec![ResourceSpec {
                         name: a.name,
@@ -325,7 +329,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if cli.json {
                 println!("{}", serde_json::json!({"delegationId": id}));
             } else {
-                println!("delegated {} to {} as {id}", dir.display(), a.to);
+                println!("delegated {} to {} as {id}", dir.display(), to);
             }
             if !a.wait {
                 return Ok(ExitCode::SUCCESS);

@@ -183,3 +183,52 @@ pub(super) async fn peers(a: PeersArgs, json: bool) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `awcp-ctl delegate` options for `--to auto`.
+#[derive(Debug, Args)]
+pub(super) struct AutoArgs {
+    /// With `--to auto`: find Executors in this AGLX bridge's registry.
+    #[arg(long, value_name = "URL", value_parser = parse_endpoint)]
+    peers_bridge: Option<Endpoint>,
+    /// With `--to auto`: listen for Executor announces on this UDP address.
+    #[arg(long, value_name = "HOST:PORT")]
+    peers_listen: Option<SocketAddr>,
+    /// With `--to auto` and --peers-listen: how long to listen.
+    #[arg(long, default_value = "3s", value_parser = parse_duration)]
+    peers_wait: Duration,
+}
+
+impl AutoArgs {
+    /// Resolves `--to`: `auto` becomes the AWCP URL of the freest announced Executor that
+    /// takes awcpfs and a lease of `ttl`; anything else is returned as is.
+    pub(super) async fn resolve(&self, to: &str, ttl: Duration) -> anyhow::Result<String> {
+        if to != "auto" {
+            return Ok(to.to_string());
+        }
+        anyhow::ensure!(
+            self.peers_bridge.is_some() || self.peers_listen.is_some(),
+            "--to auto needs --peers-bridge aglx://host:port or --peers-listen <udp addr> to find Executors"
+        );
+        let peers = awcp_ctl::aglx::peers(&PeersQuery {
+            bridge: self.peers_bridge.clone(),
+            listen: self.peers_listen,
+            wait: self.peers_wait,
+            me: "agent://awcp-ctl.local"
+                .parse()
+                .map_err(|_| anyhow::anyhow!("built-in agent address"))?,
+            key_file: None,
+            tls_ca: None,
+        })
+        .await?;
+        let chosen = awcp_ctl::aglx::pick_executor(&peers, ttl.as_secs()).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--to auto: none of the {} announced Executors takes awcpfs with a {}s lease and has free capacity (see `awcp-ctl peers`)",
+                peers.len(),
+                ttl.as_secs()
+            )
+        })?;
+        let url = chosen.announce.awcp_url.clone().unwrap_or_default();
+        eprintln!("--to auto: chose {} at {url}", chosen.agent);
+        Ok(url)
+    }
+}
