@@ -202,9 +202,7 @@ impl Bridge {
 
     /// The live registry entries.
     pub fn registry(&self) -> Listing {
-        Listing {
-            agents: lock(&self.shared.registry).list(Instant::now()),
-        }
+        Listing::of(lock(&self.shared.registry).list(Instant::now()))
     }
 
     /// Serves until one of the listeners fails (it normally never returns).
@@ -463,9 +461,7 @@ impl Session {
             MessageType::RegistryUpdate
                 if f.body_as::<RegistryOp>().is_some_and(|o| o.op == "list") =>
             {
-                let listing = Listing {
-                    agents: lock(&self.shared.registry).list(Instant::now()),
-                };
+                let listing = Listing::of(lock(&self.shared.registry).list(Instant::now()));
                 let reply = Frame::new(Transport::Tcp, MessageType::RegistryUpdate)
                     .from(cfg.me.clone())
                     .to(Recipient::Agent(agent.clone()))

@@ -106,8 +106,26 @@ pub struct Entry {
 /// The body of a registry listing (`registry.update` answering `{"op":"list"}`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Listing {
-    /// The live entries, sorted by agent.
+    /// The live entries, sorted by agent (at most [`MAX_LISTED`]).
     pub agents: Vec<Entry>,
+    /// Whether entries were left out to keep the answer within a frame.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
+}
+
+/// Most entries in one listing: keeps the answer well under the 1 MiB body limit.
+pub const MAX_LISTED: usize = 2000;
+
+impl Listing {
+    /// A listing of `entries`, cut to [`MAX_LISTED`].
+    pub fn of(mut entries: Vec<Entry>) -> Self {
+        let truncated = entries.len() > MAX_LISTED;
+        entries.truncate(MAX_LISTED);
+        Listing {
+            agents: entries,
+            truncated,
+        }
+    }
 }
 
 /// Agents by address, with expiry.
@@ -184,6 +202,25 @@ mod tests {
         assert_eq!(r.list(now)[0].expires_in_seconds, 10);
         assert!(!r.contains(&a, now + Duration::from_secs(10)));
         assert!(r.list(now + Duration::from_secs(11)).is_empty());
+    }
+
+    #[test]
+    fn listings_are_capped() {
+        let now = Instant::now();
+        let mut r = Registry::new();
+        for i in 0..MAX_LISTED + 5 {
+            r.upsert(
+                format!("agent://a{i}.x").parse().unwrap(),
+                Announce::default(),
+                now,
+            );
+        }
+        let l = Listing::of(r.list(now));
+        assert_eq!(l.agents.len(), MAX_LISTED);
+        assert!(l.truncated);
+        let json = serde_json::to_string(&l).unwrap();
+        assert!(json.len() < 1024 * 1024, "{} bytes", json.len());
+        assert!(!Listing::of(Vec::new()).truncated);
     }
 
     #[test]
