@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use aglx_bridge::awcp::{Lifecycle, Pricing, frames};
 use aglx_bridge::notify::AnnouncerConfig;
 use aglx_bridge::registry::{Announce, Entry};
-use aglx_bridge::security::Policy;
+use aglx_bridge::security::{Keys, Policy};
 use aglx_bridge::{AgentUri, Announcer, Discovery, Endpoint, Notifier, NotifierConfig};
 use anyhow::Context as _;
 use awcp_protocol::DelegationState;
@@ -274,7 +274,7 @@ pub struct PeersQuery {
     pub wait: Duration,
     /// Our agent address, for the bridge handshake.
     pub me: AgentUri,
-    /// Key file for signed handshakes (zones with `--require-signatures`).
+    /// Key file: signs the bridge handshake, and verifies signed announces heard on `listen`.
     pub key_file: Option<PathBuf>,
     /// CA for `aglxs://`.
     pub tls_ca: Option<PathBuf>,
@@ -289,7 +289,13 @@ pub async fn peers(q: &PeersQuery) -> anyhow::Result<Vec<Entry>> {
     );
     let mut by_agent: HashMap<String, Entry> = HashMap::new();
     if let Some(addr) = q.listen {
-        let d = Discovery::bind(addr, Policy::default())
+        // Signed announces are verified with our key (as the key of every zone): an
+        // announce signed with another key is ignored, unsigned ones are accepted.
+        let mut policy = Policy::default();
+        if let Some(p) = &q.key_file {
+            policy.keys = Keys::new().with("*", read_key(p)?);
+        }
+        let d = Discovery::bind(addr, policy)
             .await
             .with_context(|| format!("listening for announces on {addr}"))?;
         tokio::time::sleep(q.wait).await;

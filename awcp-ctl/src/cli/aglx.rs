@@ -131,7 +131,9 @@ pub(super) struct PeersArgs {
     /// Our AGLX address for the bridge handshake.
     #[arg(long = "as", value_name = "AGENT", default_value = "agent://awcp-ctl.local", value_parser = parse_agent)]
     me: AgentUri,
-    /// Key file, if the bridge requires signed frames from our zone.
+    /// Key file: signs our frames to the bridge (if it requires signatures from our zone), and
+    /// verifies signed announces heard with --listen (others signed with another key are
+    /// ignored).
     #[arg(long, value_name = "PATH")]
     key_file: Option<PathBuf>,
     /// PEM certificate to trust for aglxs://.
