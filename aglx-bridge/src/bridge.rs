@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,6 +32,9 @@ use crate::uri::{AgentUri, Recipient};
 
 /// Frames queued per connection before forwarded frames are dropped for it.
 pub const QUEUE_FRAMES: usize = 256;
+/// Bytes queued per connection before forwarded frames are dropped for it: with frames shared
+/// between subscribers, this bounds what a subscriber that stops reading can pin in memory.
+pub const QUEUE_BYTES: usize = 4 * 1024 * 1024;
 
 /// How the bridge runs.
 #[derive(Debug, Clone)]
@@ -130,6 +133,8 @@ struct Subscriber {
     agent: AgentUri,
     mode: Subscribe,
     tx: mpsc::Sender<Arc<Vec<u8>>>,
+    /// Bytes in `tx`'s queue, not yet written.
+    queued: Arc<AtomicUsize>,
 }
 
 struct Shared {
@@ -305,10 +310,14 @@ async fn serve(shared: Arc<Shared>, stream: TcpStream) {
     };
     let (mut rd, mut wr) = tokio::io::split(io);
     let (tx, mut rx) = mpsc::channel::<Arc<Vec<u8>>>(QUEUE_FRAMES);
+    let queued = Arc::new(AtomicUsize::new(0));
     let write_timeout = shared.cfg.write_timeout;
+    let written = queued.clone();
     let writer = tokio::spawn(async move {
         while let Some(bytes) = rx.recv().await {
-            if let Err(e) = write_within(&mut wr, &bytes, write_timeout).await {
+            let r = write_within(&mut wr, &bytes, write_timeout).await;
+            written.fetch_sub(bytes.len(), Ordering::Relaxed);
+            if let Err(e) = r {
                 tracing::info!(error = %e, "write to peer failed");
                 break;
             }
@@ -321,6 +330,7 @@ async fn serve(shared: Arc<Shared>, stream: TcpStream) {
         id,
         agent: None,
         tx,
+        queued,
     };
     let mut reader = FrameReader::new(shared.cfg.limits);
     if let Err((status, detail)) = session.run(&mut reader, &mut rd).await {
@@ -332,7 +342,7 @@ async fn serve(shared: Arc<Shared>, stream: TcpStream) {
             Some(detail),
             None,
         );
-        let _ = session.tx.send(Arc::new(bytes)).await;
+        let _ = session.send(bytes).await;
     }
     lock(&shared.subscribers).remove(&id);
     drop(session);
@@ -344,6 +354,7 @@ struct Session {
     id: u64,
     agent: Option<AgentUri>,
     tx: mpsc::Sender<Arc<Vec<u8>>>,
+    queued: Arc<AtomicUsize>,
 }
 
 type Refusal = (Status, String);
@@ -358,6 +369,7 @@ fn read_refusal(e: ReadError) -> Refusal {
 
 impl Session {
     async fn send(&self, bytes: Vec<u8>) -> Result<(), Refusal> {
+        self.queued.fetch_add(bytes.len(), Ordering::Relaxed);
         self.tx
             .send(Arc::new(bytes))
             .await
@@ -418,6 +430,7 @@ impl Session {
                 agent: agent.clone(),
                 mode: body.subscribe,
                 tx: self.tx.clone(),
+                queued: self.queued.clone(),
             },
         );
         tracing::info!(%agent, subscribe = ?body.subscribe, "handshake");
@@ -523,11 +536,14 @@ impl Session {
             if !wanted {
                 continue;
             }
-            match s.tx.try_send(bytes.clone()) {
-                Ok(()) => delivered += 1,
-                Err(_) => {
-                    tracing::warn!(%from, to = %s.agent, "subscriber queue full, frame dropped")
-                }
+            // Reserve the bytes first, so concurrent senders cannot overshoot the budget.
+            let before = s.queued.fetch_add(bytes.len(), Ordering::Relaxed);
+            let fits = before + bytes.len() <= QUEUE_BYTES;
+            if fits && s.tx.try_send(bytes.clone()).is_ok() {
+                delivered += 1;
+            } else {
+                s.queued.fetch_sub(bytes.len(), Ordering::Relaxed);
+                tracing::warn!(%from, to = %s.agent, "subscriber queue full, frame dropped");
             }
         }
         delivered
@@ -535,6 +551,7 @@ impl Session {
 }
 
 fn register(shared: &Shared, agent: &AgentUri, f: &Frame) -> Result<(), Refusal> {
+    require_signed_registration(&shared.verifier, agent, f)?;
     let announce = parse_announce(f)?;
     tracing::debug!(%agent, ?announce, "registered");
     lock(&shared.registry).upsert(agent.clone(), announce, Instant::now());
@@ -602,8 +619,29 @@ pub(crate) fn accept_announce(
     verifier
         .check(dgram, &decoded, unix_now())
         .map_err(|e| (e.status(), e.to_string()))?;
+    require_signed_registration(verifier, &agent, f)?;
     let announce = parse_announce(f)?;
     Ok((agent, announce))
+}
+
+/// Registry entries decide where `delegate --to auto` sends a workspace, so in a zone with a
+/// key only signed announces may create or refresh one (the signature itself was checked by
+/// the verifier already).
+fn require_signed_registration(
+    verifier: &Verifier,
+    agent: &AgentUri,
+    f: &Frame,
+) -> Result<(), Refusal> {
+    if f.signature.is_none() && verifier.policy().keys.lookup(agent.domain()).is_some() {
+        return Err((
+            Status::Unauthorized,
+            format!(
+                "announces from trust zone {} must be signed",
+                agent.domain()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn parse_announce(f: &Frame) -> Result<Announce, Refusal> {

@@ -237,6 +237,67 @@ async fn signed_frames_pass_and_unsigned_task_frames_are_refused_401() {
 }
 
 #[tokio::test]
+async fn unsigned_registration_is_refused_in_a_keyed_zone() {
+    let bridge = start(keyed_config()).await;
+    let mut plain = connect(&bridge, "agent://exec.lab.example", Subscribe::None).await;
+    let reg = Frame::new(Transport::Tcp, MessageType::RegistryUpdate)
+        .json(&serde_json::json!({"awcp_url": "http://10.0.0.66:7200/awcp"}));
+    match plain.request(reg.clone()).await {
+        Err(ClientError::Refused { status, detail }) => {
+            assert_eq!(status, Status::Unauthorized);
+            assert!(detail.contains("must be signed"), "{detail}");
+        }
+        other => panic!("expected 401, got {other:?}"),
+    }
+    assert!(bridge.registry().agents.is_empty());
+    let mut cfg = client_cfg("agent://exec.lab.example", Subscribe::None);
+    cfg.key = Some(b"zone-key".to_vec());
+    let mut signed = Client::connect(&bridge.tcp_addr().to_string(), cfg)
+        .await
+        .unwrap();
+    signed.request(reg).await.unwrap();
+    assert_eq!(bridge.registry().agents.len(), 1);
+}
+
+#[tokio::test]
+async fn a_subscriber_that_stops_reading_costs_a_bounded_queue_and_blocks_nobody() {
+    let bridge = start(config()).await;
+    // A monitor that handshakes and then never reads.
+    let mut stuck = TcpStream::connect(bridge.tcp_addr()).await.unwrap();
+    stuck
+        .write_all(
+            b"AGLX/1.0 TCP\nFROM: agent://stuck.local\nTYPE: handshake\nCONTENT-LENGTH: 19\n\n{\"subscribe\":\"all\"}",
+        )
+        .await
+        .unwrap();
+    // Read its handshake.ack (so it is subscribed), then nothing more.
+    let d = aglx_bridge::io::Deadlines {
+        idle: Duration::from_secs(10),
+        frame: Duration::from_secs(10),
+    };
+    let ack = aglx_bridge::io::FrameReader::new(Limits::TCP)
+        .next(&mut stuck, d)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ack.decoded.frame.status, Some(Status::Continue));
+    let mut sender = connect(&bridge, "agent://sender.local", Subscribe::None).await;
+    let probe = || {
+        Frame::new(Transport::Tcp, MessageType::StatusReport)
+            .json(&serde_json::json!({"pad": "x".repeat(900 * 1024)}))
+    };
+    let mut delivered = Vec::new();
+    for _ in 0..40 {
+        let answer = sender.request(probe()).await.unwrap();
+        delivered.push(answer.body_as::<StatusBody>().unwrap().delivered.unwrap());
+    }
+    // 40 frames of 900 KiB = 36 MiB: far more than the 4 MiB queue plus socket buffers, so the
+    // bridge starts dropping for the stuck monitor, and the sender is never held up.
+    assert_eq!(delivered.last(), Some(&0), "{delivered:?}");
+    assert!(delivered.contains(&1), "{delivered:?}");
+}
+
+#[tokio::test]
 async fn replayed_frame_is_refused() {
     let bridge = start(keyed_config()).await;
     let _beta = connect(&bridge, "agent://beta.lab.example", Subscribe::Own).await;

@@ -127,6 +127,17 @@ async fn signed_announces_verify_and_bad_signatures_are_dropped() {
         &fresh_nonce(),
     )
     .unwrap();
+    // In a zone with a key, an unsigned announce is refused: registry entries decide where
+    // `delegate --to auto` sends a workspace.
+    let unsigned = announce("agent://exec-3.lab.example").encode().unwrap();
+    s.send_to(&unsigned, udp).await.unwrap();
+    let mut buf = [0u8; 2048];
+    let (n, _) = tokio::time::timeout(Duration::from_secs(5), s.recv_from(&mut buf))
+        .await
+        .expect("no refusal")
+        .unwrap();
+    let d = decode_datagram(&buf[..n], &Limits::UDP).unwrap();
+    assert_eq!(d.frame.status, Some(aglx_bridge::Status::Unauthorized));
     s.send_to(&good, udp).await.unwrap();
     assert!(wait_registry(&bridge, |n| n >= 1).await);
     let agents = bridge.registry().agents;

@@ -289,8 +289,7 @@ pub async fn peers(q: &PeersQuery) -> anyhow::Result<Vec<Entry>> {
     );
     let mut by_agent: HashMap<String, Entry> = HashMap::new();
     if let Some(addr) = q.listen {
-        // Signed announces are verified with our key (as the key of every zone): an
-        // announce signed with another key is ignored, unsigned ones are accepted.
+        // With a key, it is every zone's key: only announces signed with it count.
         let mut policy = Policy::default();
         if let Some(p) = &q.key_file {
             policy.keys = Keys::new().with("*", read_key(p)?);

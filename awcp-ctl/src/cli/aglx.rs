@@ -132,8 +132,8 @@ pub(super) struct PeersArgs {
     #[arg(long = "as", value_name = "AGENT", default_value = "agent://awcp-ctl.local", value_parser = parse_agent)]
     me: AgentUri,
     /// Key file: signs our frames to the bridge (if it requires signatures from our zone), and
-    /// verifies signed announces heard with --listen (others signed with another key are
-    /// ignored).
+    /// verifies announces heard with --listen (with it, only announces signed with this key
+    /// count).
     #[arg(long, value_name = "PATH")]
     key_file: Option<PathBuf>,
     /// PEM certificate to trust for aglxs://.
