@@ -3,6 +3,8 @@
 //! 2 usage error (clap), 3 the delegation was cancelled or revoked, 4 its lease expired,
 //! 5 it failed.
 
+mod aglx;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -87,6 +89,9 @@ enum Command {
         /// Delegation id.
         id: String,
     },
+    /// List Executors that announce themselves over AGLX (`executor --announce`): ask an
+    /// aglx-bridge (--bridge aglx://host:port) and/or listen for announces (--listen).
+    Peers(aglx::PeersArgs),
 }
 
 #[derive(Debug, Args)]
@@ -111,6 +116,8 @@ struct ServeArgs {
     /// Longest a lease may live in all, renewals included.
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_lease: Duration,
+    #[command(flatten)]
+    aglx: aglx::NotifyArgs,
 }
 
 #[derive(Debug, Args)]
@@ -155,6 +162,8 @@ struct ExecutorArgs {
     /// the Delegator renews it.
     #[arg(long, value_parser = parse_duration)]
     renew_margin: Option<Duration>,
+    #[command(flatten)]
+    aglx: aglx::AnnounceArgs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -167,7 +176,8 @@ enum Mode {
 struct DelegateArgs {
     /// The directory to delegate.
     dir: PathBuf,
-    /// The Executor's AWCP endpoint, e.g. `http://127.0.0.1:7200/awcp`.
+    /// The Executor's AWCP endpoint, e.g. `http://127.0.0.1:7200/awcp`, or `auto`: the
+    /// freest Executor announced over AGLX (needs --peers-bridge or --peers-listen).
     #[arg(long)]
     to: String,
     /// Lease length, e.g. `10m`, `2h`.
@@ -188,6 +198,8 @@ struct DelegateArgs {
     /// Follow the delegation until it ends; the exit code says how it ended.
     #[arg(long)]
     wait: bool,
+    #[command(flatten)]
+    auto: aglx::AutoArgs,
 }
 
 /// `$XDG_STATE_HOME/awcp/<what>`, else `~/.local/state/awcp/<what>`, else `./.awcp/<what>`.
@@ -276,6 +288,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.export_url = a.export_url;
             cfg.max_ttl = a.max_ttl;
             cfg.max_lease = a.max_lease;
+            cfg.aglx = a.aglx.config()?;
             awcp_ctl::daemon::serve(cfg).await?;
             Ok(ExitCode::SUCCESS)
         }
@@ -295,7 +308,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.keep_cache = a.keep_cache;
             cfg.passthrough = a.passthrough;
             cfg.renew_margin = a.renew_margin;
-            awcp_ctl::executor::serve(cfg).await?;
+            awcp_ctl::aglx::serve_executor(cfg, a.aglx.config()?).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Delegate(a) => {
@@ -305,8 +318,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Mode::Ro => AccessMode::Ro,
                 Mode::Rw => AccessMode::Rw,
             };
+            let to = a.auto.resolve(&a.to, a.ttl).await?;
             let req = DelegateRequest {
-                executor_url: a.to.clone(),
+                executor_url: to.clone(),
                 environment: EnvironmentSpec {
                     resources: vec![ResourceSpec {
                         name: a.name,
@@ -331,7 +345,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if cli.json {
                 println!("{}", serde_json::json!({"delegationId": id}));
             } else {
-                println!("delegated {} to {} as {id}", dir.display(), a.to);
+                println!("delegated {} to {} as {id}", dir.display(), to);
             }
             if !a.wait {
                 return Ok(ExitCode::SUCCESS);
@@ -471,6 +485,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Watch { id } => follow(&client, &id, cli.json).await,
+        Command::Peers(a) => {
+            aglx::peers(a, cli.json).await?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

@@ -53,6 +53,8 @@ pub struct DaemonConfig {
     /// Longest a lease may live in all, however often it is renewed (by the Executor on
     /// its own, or with `awcp-ctl renew`).
     pub max_lease: Duration,
+    /// AGLX lifecycle notifications (`serve --notify`), if any.
+    pub aglx: Option<crate::aglx::NotifyConfig>,
 }
 
 impl DaemonConfig {
@@ -67,6 +69,7 @@ impl DaemonConfig {
             flush_grace: Duration::from_secs(10),
             block_size: awcp_protocol::dataplane::DEFAULT_BLOCK_SIZE,
             max_lease: Duration::from_secs(24 * 3600),
+            aglx: None,
         }
     }
 }
@@ -91,6 +94,8 @@ pub struct Daemon {
     pub(crate) export_url: String,
     /// Background tasks (event pumps, expiry watchers), aborted when the daemon stops.
     pub(crate) tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+    /// AGLX notifications, best effort.
+    pub(crate) aglx: Option<crate::aglx::DaemonNotifier>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -172,7 +177,13 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         .export_url
         .clone()
         .unwrap_or_else(|| format!("http://{export_addr}"));
+    let aglx = cfg
+        .aglx
+        .as_ref()
+        .map(crate::aglx::DaemonNotifier::start)
+        .transpose()?;
     let daemon = Arc::new(Daemon {
+        aglx,
         cfg,
         store,
         exports: ExportRegistry::with_hash_cache(Arc::new(hashes)),
@@ -265,6 +276,9 @@ impl Daemon {
         };
         if let Err(e) = self.store.put(&snapshot) {
             tracing::error!(error = %e, "persisting a delegation failed");
+        }
+        if let Some(n) = &self.aglx {
+            n.on_event(live, &snapshot, &ev);
         }
         let _ = live.tx.send(ev);
     }
