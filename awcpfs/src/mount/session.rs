@@ -313,6 +313,8 @@ impl Mount {
             });
         }
         std::fs::create_dir_all(&upper_dir).map_err(state_err)?;
+        // Phase times, logged once mounted: where a slow start goes.
+        let t0 = Instant::now();
         let (manifest, digest) = remote.manifest().map_err(|source| MountError::Manifest {
             endpoint: cfg.endpoint.clone(),
             source,
@@ -327,8 +329,10 @@ impl Mount {
         }
         let uid = nix::unistd::geteuid().as_raw();
         let gid = nix::unistd::getegid().as_raw();
+        let t_manifest = t0.elapsed();
         let table = InodeTable::from_manifest(&manifest, uid, gid)
             .map_err(|source| MountError::BadManifest { source })?;
+        let t_table = t0.elapsed();
         let journal = Journal::open(&journal_path).map_err(state_err)?;
         // What recovery needs to rebuild this mount's tree: the manifest it started from
         // (the export's may be rebuilt meanwhile) and the log of what reached the Delegator.
@@ -385,6 +389,7 @@ impl Mount {
         fcfg.acl = fuser::SessionACL::All;
         fcfg.n_threads = Some(cfg.fuse_threads.max(1));
         fcfg.clone_fd = cfg.fuse_threads > 1;
+        let t_state = t0.elapsed();
         ensure_fusectl();
         let session = fuser::Session::new(
             FuseAdapter::new(fs.clone(), cfg.kernel),
@@ -421,8 +426,14 @@ impl Mount {
         });
         let mount = Mount { inner };
         mount.spawn_threads();
+        let ms = |d: Duration| d.as_millis() as u64;
         tracing::info!(mountpoint = %mount.inner.cfg.mountpoint.display(),
-            entries = manifest.entries.len(), "awcpfs mounted");
+            entries = manifest.entries.len(),
+            manifest_ms = ms(t_manifest),
+            table_ms = ms(t_table - t_manifest),
+            state_ms = ms(t_state - t_table),
+            fuse_ms = ms(t0.elapsed() - t_state),
+            "awcpfs mounted");
         Ok(mount)
     }
 
