@@ -5,6 +5,7 @@
 //! wire types come from `awcp-protocol`, leases from `awcp-lease`, the transport from
 //! `awcpfs`. The binary (`main.rs`) parses the command line into the config structs here.
 
+pub mod archive;
 pub mod client;
 pub mod daemon;
 pub mod executor;
