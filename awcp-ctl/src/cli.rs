@@ -14,9 +14,9 @@ use awcp_ctl::client::DaemonClient;
 use awcp_ctl::daemon::DaemonConfig;
 use awcp_ctl::executor::ExecutorConfig;
 use awcp_ctl::watch::WatchEvent;
-use awcp_protocol::DelegationState;
-use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
+use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec, SnapshotMode};
 use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
+use awcp_protocol::{DelegationState, TransportType};
 
 /// Hand a workspace to another agent under a lease, and take it back.
 ///
@@ -111,6 +111,20 @@ struct ServeArgs {
     /// Longest a lease may live in all, renewals included.
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_lease: Duration,
+    /// `archive` delegations: largest workspace (all files), e.g. `100M`, `2G`.
+    #[arg(long, default_value = "100M", value_parser = parse_size)]
+    archive_max_bytes: u64,
+    /// `archive` delegations: most files.
+    #[arg(long, default_value_t = 10_000)]
+    archive_max_files: u64,
+    /// `archive` delegations: largest single file.
+    #[arg(long, default_value = "50M", value_parser = parse_size)]
+    archive_max_file_bytes: u64,
+    /// Sensitive-file globs that refuse an `archive` delegation (repeatable); replaces the
+    /// default list (`.env`, `.env.*`, `*.pem`, `*.key`, `id_rsa`, `credentials.json`, …).
+    /// `--sensitive ''` turns the check off.
+    #[arg(long)]
+    sensitive: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -144,6 +158,15 @@ struct ExecutorArgs {
     /// the Delegator renews it.
     #[arg(long, value_parser = parse_duration)]
     renew_margin: Option<Duration>,
+    /// Transports offered (INVITEs asking for another get DEP_MISSING).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "awcpfs,archive")]
+    transports: Vec<Transport>,
+    /// Access modes accepted (INVITEs asking for another are DECLINED).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "ro,rw")]
+    modes: Vec<Mode>,
+    /// Largest request body, e.g. `512M` (an `archive` START carries the whole workspace).
+    #[arg(long, default_value = "512M", value_parser = parse_size)]
+    max_body: u64,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -177,6 +200,33 @@ struct DelegateArgs {
     /// Follow the delegation until it ends; the exit code says how it ended.
     #[arg(long)]
     wait: bool,
+    /// How the workspace travels: `awcpfs` (live mount, ours) or `archive` (one zip in
+    /// START, for Executors that speak only the reference protocol; limited in size).
+    #[arg(long, value_enum, default_value = "awcpfs")]
+    transport: Transport,
+    /// What to do with the result an `archive` Executor sends back: apply it at once
+    /// (`auto`), keep it until `apply`/`discard` (`staged`), or drop it (`discard`).
+    #[arg(long, value_enum, default_value = "auto")]
+    snapshot_mode: SnapshotModeArg,
+    /// Only files matching these globs travel (`src/**`, `*.py`; repeatable).
+    #[arg(long)]
+    include: Vec<String>,
+    /// Files matching these globs never travel (`target`, `*.log`; repeatable).
+    #[arg(long)]
+    exclude: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Transport {
+    Awcpfs,
+    Archive,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum SnapshotModeArg {
+    Auto,
+    Staged,
+    Discard,
 }
 
 /// `$XDG_STATE_HOME/awcp/<what>`, else `~/.local/state/awcp/<what>`, else `./.awcp/<what>`.
@@ -194,6 +244,35 @@ fn default_state_dir(what: &str) -> PathBuf {
     match base {
         Some(b) => b.join("awcp").join(what),
         None => PathBuf::from(".awcp").join(what),
+    }
+}
+
+/// `512`, `100K`, `100M`, `2G` (powers of 1024).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1u64 << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("`{s}` is not a size; use e.g. 100M, 2G, 4096"))
+}
+
+fn mode_of(m: Mode) -> AccessMode {
+    match m {
+        Mode::Ro => AccessMode::Ro,
+        Mode::Rw => AccessMode::Rw,
+    }
+}
+
+fn transport_of(t: Transport) -> TransportType {
+    match t {
+        Transport::Awcpfs => TransportType::Awcpfs,
+        Transport::Archive => TransportType::Archive,
     }
 }
 
@@ -265,6 +344,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.export_url = a.export_url;
             cfg.max_ttl = a.max_ttl;
             cfg.max_lease = a.max_lease;
+            cfg.archive_limits = awcp_ctl::archive::ScanLimits {
+                max_total_bytes: a.archive_max_bytes,
+                max_files: a.archive_max_files,
+                max_file_bytes: a.archive_max_file_bytes,
+            };
+            if !a.sensitive.is_empty() {
+                cfg.sensitive = a.sensitive.into_iter().filter(|s| !s.is_empty()).collect();
+            }
             awcp_ctl::daemon::serve(cfg).await?;
             Ok(ExitCode::SUCCESS)
         }
@@ -279,16 +366,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.keep_cache = a.keep_cache;
             cfg.passthrough = a.passthrough;
             cfg.renew_margin = a.renew_margin;
+            cfg.transports = a.transports.into_iter().map(transport_of).collect();
+            cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
+            cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
             awcp_ctl::executor::serve(cfg).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Delegate(a) => {
             let dir = std::path::absolute(&a.dir)
                 .with_context(|| format!("resolving {}", a.dir.display()))?;
-            let mode = match a.mode {
-                Mode::Ro => AccessMode::Ro,
-                Mode::Rw => AccessMode::Rw,
-            };
+            let mode = mode_of(a.mode);
             let req = DelegateRequest {
                 executor_url: a.to.clone(),
                 environment: EnvironmentSpec {
@@ -297,8 +384,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         resource_type: ResourceType::Fs,
                         source: dir.display().to_string(),
                         mode,
-                        include: None,
-                        exclude: None,
+                        include: (!a.include.is_empty()).then_some(a.include),
+                        exclude: (!a.exclude.is_empty()).then_some(a.exclude),
                     }],
                 },
                 task: TaskSpec {
@@ -307,8 +394,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 },
                 ttl_seconds: Some(a.ttl.as_secs()),
                 access_mode: Some(mode),
-                snapshot_mode: None,
+                snapshot_mode: Some(match a.snapshot_mode {
+                    SnapshotModeArg::Auto => SnapshotMode::Auto,
+                    SnapshotModeArg::Staged => SnapshotMode::Staged,
+                    SnapshotModeArg::Discard => SnapshotMode::Discard,
+                }),
                 auth: None,
+                transport: Some(transport_of(a.transport)),
             };
             let resp = client.delegate(&req).await?;
             let id = resp.delegation_id.as_str().to_string();
@@ -500,6 +592,15 @@ mod tests {
         assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
         assert!(parse_duration("x").is_err());
         assert!(parse_duration("5y").is_err());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("100M").unwrap(), 100 << 20);
+        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("99999999999G").is_err());
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //!    the same way.
 
 pub mod api;
+mod archive_flow;
 mod flow;
 
 use std::collections::HashMap;
@@ -53,6 +54,14 @@ pub struct DaemonConfig {
     /// Longest a lease may live in all, however often it is renewed (by the Executor on
     /// its own, or with `awcp-ctl renew`).
     pub max_lease: Duration,
+    /// Admission limits of `archive` delegations (the whole workspace travels in one
+    /// message; default the reference's 100 MB / 10,000 files / 50 MB per file).
+    pub archive_limits: crate::archive::ScanLimits,
+    /// What an arriving `archive` snapshot may unpack to.
+    pub snapshot_limits: crate::archive::ScanLimits,
+    /// Sensitive-file patterns (basename or path globs) that refuse an `archive`
+    /// delegation; default the reference's list.
+    pub sensitive: Vec<String>,
 }
 
 impl DaemonConfig {
@@ -67,6 +76,16 @@ impl DaemonConfig {
             flush_grace: Duration::from_secs(10),
             block_size: awcp_protocol::dataplane::DEFAULT_BLOCK_SIZE,
             max_lease: Duration::from_secs(24 * 3600),
+            archive_limits: crate::archive::ScanLimits::REFERENCE,
+            snapshot_limits: crate::archive::ScanLimits {
+                max_total_bytes: 4 << 30,
+                max_files: 1_000_000,
+                max_file_bytes: 4 << 30,
+            },
+            sensitive: crate::archive::DEFAULT_SENSITIVE
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
         }
     }
 }

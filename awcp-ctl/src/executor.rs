@@ -10,6 +10,7 @@
 //! `error`, and unmount. If the lease ends first (revoke, expiry, AWCP cancel), the mount
 //! fences itself, the agent's process group is killed, and the task ends in `error`.
 
+mod archive_task;
 mod routes;
 mod task;
 
@@ -23,8 +24,8 @@ use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
 use awcp_protocol::api::TaskResultResponse;
-use awcp_protocol::messages::InviteMessage;
-use awcp_protocol::{AssignmentState, TaskEvent};
+use awcp_protocol::messages::{AccessMode, InviteMessage};
+use awcp_protocol::{AssignmentState, TaskEvent, TransportType};
 
 /// How the Executor runs.
 #[derive(Debug, Clone)]
@@ -51,6 +52,15 @@ pub struct ExecutorConfig {
     pub renew_margin: Option<Duration>,
     /// How long a mount waits after a change before writing back (batching bursts).
     pub sync_debounce: Duration,
+    /// Transports this Executor accepts (INVITE's `requirements.transport` is checked
+    /// against it; `DEP_MISSING` otherwise).
+    pub transports: Vec<TransportType>,
+    /// Access modes accepted (`DECLINED` otherwise).
+    pub access_modes: Vec<AccessMode>,
+    /// What an `archive` workspace may unpack to (checked on the real bytes).
+    pub archive_limits: crate::archive::ScanLimits,
+    /// Largest HTTP body accepted (an `archive` START carries the whole workspace).
+    pub max_body_bytes: usize,
 }
 
 impl ExecutorConfig {
@@ -67,6 +77,14 @@ impl ExecutorConfig {
             passthrough: false,
             renew_margin: None,
             sync_debounce: Duration::from_millis(50),
+            transports: vec![TransportType::Awcpfs, TransportType::Archive],
+            access_modes: vec![AccessMode::Ro, AccessMode::Rw],
+            archive_limits: crate::archive::ScanLimits {
+                max_total_bytes: 4 << 30,
+                max_files: 1_000_000,
+                max_file_bytes: 4 << 30,
+            },
+            max_body_bytes: 512 << 20,
         }
     }
 }

@@ -7,6 +7,7 @@ use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 
+use awcp_protocol::TransportType;
 use awcp_protocol::api::DelegationRecord;
 
 use crate::watch::WatchEvent;
@@ -30,6 +31,13 @@ pub struct StoredDelegation {
     /// Last SSE id seen from the Executor, to resume its stream.
     #[serde(default)]
     pub last_event_id: Option<String>,
+    /// The transport (`awcpfs` for delegations stored before there was a choice).
+    #[serde(default = "default_transport")]
+    pub transport: TransportType,
+}
+
+fn default_transport() -> TransportType {
+    TransportType::Awcpfs
 }
 
 /// Why the store failed.

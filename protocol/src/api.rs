@@ -107,6 +107,10 @@ pub struct DelegateRequest {
     /// Credential for the Executor (sent by the reference client, ignored by its daemon).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<AuthCredential>,
+    /// Ours (additive): the transport, `awcpfs` (default) or `archive` (for an Executor
+    /// that speaks only the reference protocol).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<crate::transport::TransportType>,
 }
 
 /// `POST /delegate` 200 body. The reference answers only after INVITE, ACCEPT and START.

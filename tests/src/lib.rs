@@ -4,6 +4,8 @@
 //! FUSE tests need root and `/dev/fuse`. Where `/dev/fuse` is missing they skip, loudly —
 //! except under `CI=true`, where a missing FUSE device fails the test.
 
+pub mod reference;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -179,6 +181,7 @@ impl Harness {
             access_mode: Some(mode),
             snapshot_mode: None,
             auth: None,
+            transport: None,
         };
         self.client
             .delegate(&req)

@@ -65,6 +65,7 @@ async fn a_daemon_restart_loses_nothing() {
         access_mode: None,
         snapshot_mode: None,
         auth: None,
+        transport: None,
     };
     let id = client.delegate(&req).await.unwrap().delegation_id;
     let id = id.as_str().to_string();

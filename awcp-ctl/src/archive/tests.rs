@@ -19,7 +19,8 @@ fn zip_of(entries: &[(&str, &[u8])]) -> Vec<u8> {
     let mut zw = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
     let mut renames = Vec::new();
     for (i, (name, data)) in entries.iter().enumerate() {
-        let placeholder: String = format!("{i}{}", "q".repeat(name.len()))[..name.len()].to_string();
+        let placeholder: String =
+            format!("{i}{}", "q".repeat(name.len()))[..name.len()].to_string();
         zw.start_file(placeholder.clone(), SimpleFileOptions::default())
             .unwrap();
         zw.write_all(data).unwrap();
@@ -165,7 +166,10 @@ fn links_leaving_the_resource_do_not_travel() {
 /// snapshot with the base manifest.
 fn round(src: &Path, executor: impl FnOnce(&Path)) -> (Vec<u8>, BaseManifest) {
     let built = build(&[resource("w", src)], &ScanLimits::REFERENCE).unwrap();
-    let work = src.parent().unwrap().join(format!("work-{}", crate::random_token()));
+    let work = src
+        .parent()
+        .unwrap()
+        .join(format!("work-{}", crate::random_token()));
     extract(&built.bytes, &work, &ScanLimits::REFERENCE).unwrap();
     executor(&work.join("w"));
     let (zip, _, _) = pack_dir(&work).unwrap();
@@ -284,7 +288,12 @@ fn read_only_resources_are_not_changed() {
     .unwrap();
     assert_eq!(report, ApplyReport::default());
     assert_eq!(read(&src, "a.txt").as_deref(), Some("a"));
-    let changed =
-        changed_files(&snap, &base, &tmp.path().join("scratch"), &ScanLimits::REFERENCE).unwrap();
+    let changed = changed_files(
+        &snap,
+        &base,
+        &tmp.path().join("scratch"),
+        &ScanLimits::REFERENCE,
+    )
+    .unwrap();
     assert_eq!(changed, vec!["w/a.txt"]);
 }

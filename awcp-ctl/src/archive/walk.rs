@@ -269,7 +269,10 @@ mod tests {
         assert!(glob_path(".env.*", "conf/.env.local"));
         assert!(!glob_path(".env.*", ".env"));
         assert!(glob_path("*.pem", "keys/server.pem"));
-        assert!(glob_path("service-account*.json", "service-account-prod.json"));
+        assert!(glob_path(
+            "service-account*.json",
+            "service-account-prod.json"
+        ));
         assert!(glob_path("src/**", "src/a/b.rs"));
         assert!(glob_path("src/**/*.rs", "src/b.rs"));
         assert!(glob_path("src/**/*.rs", "src/x/y/b.rs"));

@@ -32,7 +32,7 @@ pub struct DelegationView {
     /// The reference's record.
     #[serde(flatten)]
     pub record: DelegationRecord,
-    /// `awcpfs`.
+    /// `awcpfs` or `archive`.
     pub transport: String,
     /// The lease as the daemon enforces it.
     pub lease: LeaseView,
@@ -127,10 +127,13 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
         .route("/delegations", get(list))
         .route("/delegation/{id}", get(show).delete(cancel))
         .route("/delegation/{id}/snapshots", get(snapshots))
-        .route("/delegation/{id}/snapshots/{sid}/apply", post(no_snapshot))
+        .route(
+            "/delegation/{id}/snapshots/{sid}/apply",
+            post(apply_snapshot),
+        )
         .route(
             "/delegation/{id}/snapshots/{sid}/discard",
-            post(no_snapshot),
+            post(discard_snapshot),
         )
         .route("/delegation/{id}/revoke", post(revoke))
         .route("/delegation/{id}/renew", post(renew))
@@ -190,7 +193,10 @@ async fn show(
         .lock()
         .as_ref()
         .and_then(|e| serde_json::to_value(e.stats()).ok());
-    let record = live.d.lock().record.clone();
+    let (record, transport) = {
+        let d = live.d.lock();
+        (d.record.clone(), d.transport.as_str().to_string())
+    };
     let executor_mount = if record.state.is_terminal() {
         None
     } else {
@@ -199,7 +205,7 @@ async fn show(
     Ok(Json(DelegationView {
         record,
         executor_mount,
-        transport: "awcpfs".into(),
+        transport,
         lease: LeaseView {
             state: snap.state,
             expires_at: live.lease.expires_at_rfc3339(),
@@ -285,19 +291,32 @@ async fn snapshots(
     Ok(Json(SnapshotList { snapshots }))
 }
 
-async fn no_snapshot(
+/// `POST /delegation/:id/snapshots/:sid/apply` answer: the reference's `{"ok":true}` plus
+/// what the merge did (ours, additive).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ApplyResponse {
+    /// Always true.
+    pub ok: bool,
+    /// Files written, deleted, and conflicts.
+    #[serde(flatten)]
+    pub report: crate::archive::ApplyReport,
+}
+
+async fn apply_snapshot(
     State(d): State<Arc<Daemon>>,
     Path((id, sid)): Path<(String, String)>,
-) -> ApiFailure {
-    if d.get_live(&id).is_none() {
-        return ApiFailure(
-            StatusCode::BAD_REQUEST,
-            ApiError::new(format!("Unknown delegation: {id}")),
-        );
-    }
-    let mut e = ApiError::new(format!("Snapshot not found: {sid}"));
-    e.hint = Some("awcpfs delegations write back live; they produce no snapshots".into());
-    ApiFailure(StatusCode::BAD_REQUEST, e)
+) -> Result<Json<ApplyResponse>, ApiFailure> {
+    let report = d.apply_snapshot(&id, &sid).await?;
+    Ok(Json(ApplyResponse { ok: true, report }))
+}
+
+async fn discard_snapshot(
+    State(d): State<Arc<Daemon>>,
+    Path((id, sid)): Path<(String, String)>,
+) -> Result<Json<OkResponse>, ApiFailure> {
+    d.discard_snapshot(&id, &sid)?;
+    Ok(Json(OkResponse::OK))
 }
 
 async fn events(

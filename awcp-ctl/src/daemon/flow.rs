@@ -8,13 +8,15 @@ use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
 use awcp_lease::{Lease, LeaseTerms, SystemClock};
-use awcp_protocol::api::{DelegateRequest, DelegationRecord, ErrorInfo, ResultSummary};
+use awcp_protocol::api::{
+    DelegateRequest, DelegationRecord, ErrorInfo, ResultSummary, SnapshotMode, SnapshotPolicy,
+};
 use awcp_protocol::dataplane::LeaseState;
 use awcp_protocol::messages::{
     AccessMode, ActiveLease, EnvironmentDeclaration, InviteMessage, LeaseConfig, ProtocolVersion,
     Requirements, ResourceDeclaration, StartMessage,
 };
-use awcp_protocol::transport::AwcpfsHandle;
+use awcp_protocol::transport::{ArchiveHandle, AwcpfsHandle};
 use awcp_protocol::{
     AwcpMessage, DelegationEvent, DelegationId, DelegationState, ErrorCode, TaskEvent,
     TransportHandle, TransportType,
@@ -41,7 +43,7 @@ pub(crate) struct Refusal {
 }
 
 impl Refusal {
-    fn bad(code: ErrorCode, message: String, hint: &str) -> Self {
+    pub(crate) fn bad(code: ErrorCode, message: String, hint: &str) -> Self {
         Refusal {
             status: 400,
             message,
@@ -49,13 +51,62 @@ impl Refusal {
             hint: Some(hint.into()),
         }
     }
-    fn internal(message: String) -> Self {
+    pub(crate) fn internal(message: String) -> Self {
         Refusal {
             status: 500,
             message,
             code: None,
             hint: None,
         }
+    }
+}
+
+/// What START will carry.
+pub(crate) enum Handle {
+    /// A live export.
+    Awcpfs(Arc<awcpfs::export::Export>),
+    /// The zipped workspace.
+    Archive(ArchiveHandle),
+}
+
+impl Handle {
+    pub(crate) fn transport(&self) -> TransportType {
+        match self {
+            Handle::Awcpfs(_) => TransportType::Awcpfs,
+            Handle::Archive(_) => TransportType::Archive,
+        }
+    }
+}
+
+/// A delegation about to be launched.
+pub(crate) struct NewDelegation {
+    pub(crate) id: DelegationId,
+    pub(crate) access: AccessMode,
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Arc<Lease>,
+    pub(crate) token: String,
+    pub(crate) source: PathBuf,
+    pub(crate) read_only: bool,
+    pub(crate) export: Option<Arc<awcpfs::export::Export>>,
+}
+
+/// The reference's refusals for a resource path that is missing or not a directory.
+pub(crate) fn check_dir(source: &std::path::Path) -> Result<(), Refusal> {
+    match std::fs::metadata(source) {
+        Err(_) => Err(Refusal::bad(
+            ErrorCode::WorkspaceNotFound,
+            format!("Workspace directory not found: {}", source.display()),
+            "Verify the workspace path is correct",
+        )),
+        Ok(m) if !m.is_dir() => Err(Refusal::bad(
+            ErrorCode::WorkspaceInvalid,
+            format!(
+                "Invalid workspace: path is not a directory ({})",
+                source.display()
+            ),
+            "Provide a valid directory path",
+        )),
+        Ok(_) => Ok(()),
     }
 }
 
@@ -72,6 +123,9 @@ impl Daemon {
         self: &Arc<Self>,
         req: DelegateRequest,
     ) -> Result<DelegationId, Refusal> {
+        if req.transport == Some(TransportType::Archive) {
+            return self.delegate_archive(req).await;
+        }
         let [resource] = req.environment.resources.as_slice() else {
             return Err(Refusal::bad(
                 ErrorCode::WorkspaceInvalid,
@@ -84,26 +138,7 @@ impl Daemon {
         };
         let source = PathBuf::from(&resource.source);
         let source = std::path::absolute(&source).unwrap_or(source);
-        match std::fs::metadata(&source) {
-            Err(_) => {
-                return Err(Refusal::bad(
-                    ErrorCode::WorkspaceNotFound,
-                    format!("Workspace directory not found: {}", source.display()),
-                    "Verify the workspace path is correct",
-                ));
-            }
-            Ok(m) if !m.is_dir() => {
-                return Err(Refusal::bad(
-                    ErrorCode::WorkspaceInvalid,
-                    format!(
-                        "Invalid workspace: path is not a directory ({})",
-                        source.display()
-                    ),
-                    "Provide a valid directory path",
-                ));
-            }
-            Ok(_) => {}
-        }
+        check_dir(&source)?;
         let access = req.access_mode.unwrap_or(resource.mode);
         let read_only = access == AccessMode::Ro || resource.mode == AccessMode::Ro;
         let access = if read_only {
@@ -151,6 +186,42 @@ impl Daemon {
                         hint,
                     )
                 })?;
+        let handle = Handle::Awcpfs(export.clone());
+        self.launch(
+            req,
+            NewDelegation {
+                id,
+                access,
+                ttl,
+                lease,
+                token,
+                source,
+                read_only,
+                export: Some(export),
+            },
+            handle,
+        )
+        .await
+    }
+
+    /// Record a new delegation, then INVITE → ACCEPT → START; on failure, keep it in
+    /// `error` and give the refusal back.
+    pub(crate) async fn launch(
+        self: &Arc<Self>,
+        req: DelegateRequest,
+        n: NewDelegation,
+        handle: Handle,
+    ) -> Result<DelegationId, Refusal> {
+        let NewDelegation {
+            id,
+            access,
+            ttl,
+            lease,
+            token,
+            source,
+            read_only,
+            export,
+        } = n;
         let now = crate::now_iso();
         let record = DelegationRecord {
             id: id.clone(),
@@ -170,7 +241,11 @@ impl Daemon {
             executor_constraints: None,
             snapshots: None,
             applied_snapshot_id: None,
-            snapshot_policy: None,
+            snapshot_policy: Some(SnapshotPolicy {
+                mode: req.snapshot_mode.unwrap_or(SnapshotMode::Auto),
+                retention_ms: None,
+                max_snapshots: Some(10),
+            }),
             current_round: None,
             rounds: None,
             result: None,
@@ -188,10 +263,11 @@ impl Daemon {
                 read_only,
                 events: Vec::new(),
                 last_event_id: None,
+                transport: handle.transport(),
             }),
             lease: lease.clone(),
             tx,
-            export: Mutex::new(Some(export.clone())),
+            export: Mutex::new(export),
             seen_renewals: Default::default(),
         });
         self.live
@@ -202,12 +278,19 @@ impl Daemon {
             WatchEvent::State {
                 state: DelegationState::Created,
                 at: crate::now_iso(),
-                detail: Some(format!("exporting {}", source.display())),
+                detail: Some(match &handle {
+                    Handle::Awcpfs(_) => format!("exporting {}", source.display()),
+                    Handle::Archive(h) => format!(
+                        "sending {} as an archive ({} bytes zipped)",
+                        source.display(),
+                        h.workspace_base64.len() / 4 * 3
+                    ),
+                }),
             },
         );
 
         match self
-            .invite_and_start(&live, &req, &id, access, ttl, &export)
+            .invite_and_start(&live, &req, &id, access, ttl, handle)
             .await
         {
             Ok(()) => {
@@ -243,7 +326,7 @@ impl Daemon {
         id: &DelegationId,
         access: AccessMode,
         ttl: Duration,
-        export: &Arc<awcpfs::export::Export>,
+        handle: Handle,
     ) -> Result<(), Refusal> {
         let invite = AwcpMessage::Invite(InviteMessage {
             version: ProtocolVersion,
@@ -262,12 +345,16 @@ impl Daemon {
                     .map(|r| ResourceDeclaration {
                         name: r.name.clone(),
                         resource_type: r.resource_type,
-                        mode: access,
+                        mode: if access == AccessMode::Ro {
+                            AccessMode::Ro
+                        } else {
+                            r.mode
+                        },
                     })
                     .collect(),
             },
             requirements: Some(Requirements {
-                transport: Some(TransportType::Awcpfs),
+                transport: Some(handle.transport()),
             }),
             auth: req.auth.clone(),
         });
@@ -333,18 +420,22 @@ impl Daemon {
                 expires_at: expires_at.clone(),
                 access_mode: access,
             },
-            transport_handle: TransportHandle::Awcpfs(AwcpfsHandle {
-                endpoint: self.export_url.clone(),
-                token: live.d.lock().token.clone(),
-                export_id: export.id().to_string(),
-                manifest_digest: export.manifest_digest(),
-                block_size: export.block_size(),
-                expires_at: expires_at.clone(),
-                tls_fingerprint: None,
-                remaining_ms: Some(
-                    u64::try_from(live.lease.snapshot().remaining.as_millis()).unwrap_or(u64::MAX),
-                ),
-            }),
+            transport_handle: match handle {
+                Handle::Awcpfs(export) => TransportHandle::Awcpfs(AwcpfsHandle {
+                    endpoint: self.export_url.clone(),
+                    token: live.d.lock().token.clone(),
+                    export_id: export.id().to_string(),
+                    manifest_digest: export.manifest_digest(),
+                    block_size: export.block_size(),
+                    expires_at: expires_at.clone(),
+                    tls_fingerprint: None,
+                    remaining_ms: Some(
+                        u64::try_from(live.lease.snapshot().remaining.as_millis())
+                            .unwrap_or(u64::MAX),
+                    ),
+                }),
+                Handle::Archive(h) => TransportHandle::Archive(h),
+            },
         });
         live.d.lock().record.active_lease = Some(ActiveLease {
             expires_at: expires_at.clone(),
@@ -479,12 +570,13 @@ impl Daemon {
 
     /// Handle one task event; true when the delegation is over.
     async fn on_task_event(&self, live: &Arc<Live>, executor_url: &str, event: TaskEvent) -> bool {
-        self.record(
-            live,
-            WatchEvent::Task {
-                event: event.clone(),
-            },
-        );
+        // The history keeps what happened, not the payload: a snapshot's zip can be large
+        // and is kept (or applied) on its own.
+        let mut shown = event.clone();
+        if let TaskEvent::Snapshot(s) = &mut shown {
+            s.snapshot_base64 = String::new();
+        }
+        self.record(live, WatchEvent::Task { event: shown });
         let state = live.d.lock().record.state;
         match event {
             TaskEvent::Status(s) => {
@@ -531,7 +623,10 @@ impl Daemon {
                 }
                 true
             }
-            TaskEvent::Snapshot(_) => false,
+            TaskEvent::Snapshot(snap) => {
+                self.on_snapshot(live, snap).await;
+                false
+            }
             TaskEvent::RoundDone(r) => {
                 self.transition(live, DelegationEvent::RoundComplete, Some(r.summary));
                 false
@@ -864,7 +959,7 @@ impl Daemon {
                 lease.revoke(false);
             }
             let mut export = None;
-            if !terminal && !remaining.is_zero() {
+            if !terminal && !remaining.is_zero() && d.transport == TransportType::Awcpfs {
                 let cfg = ExportConfig {
                     root: d.source.clone(),
                     read_only: d.read_only,

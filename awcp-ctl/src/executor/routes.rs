@@ -11,7 +11,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use serde::Serialize;
 use tokio_stream::wrappers::BroadcastStream;
 
@@ -23,7 +23,7 @@ use awcp_protocol::messages::{
     AcceptMessage, ExecutorConstraints, ExecutorWorkDir, InviteMessage, ProtocolVersion,
     SandboxProfile,
 };
-use awcp_protocol::{AssignmentState, AwcpMessage, ErrorCode, TransportType};
+use awcp_protocol::{AssignmentState, AwcpMessage, ErrorCode, TaskEvent};
 
 use super::{Assignment, Executor};
 
@@ -38,6 +38,7 @@ fn fail(status: StatusCode, msg: impl Into<String>) -> Response {
 }
 
 pub(super) fn router(ex: Arc<Executor>) -> Router {
+    let limit = ex.cfg.max_body_bytes;
     Router::new()
         .route("/awcp", post(message))
         .route("/awcp/", post(message))
@@ -57,12 +58,23 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
                 "no such route; the AWCP endpoint is /awcp",
             )
         })
-        .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
 }
 
 async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
     let msg = match awcp_protocol::parse_message(&body) {
         Ok(m) => m,
+        Err(e) if e.is_unknown_type() => {
+            // The reference throws on an unknown `type`: 500 with its message.
+            let kind = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
+                .unwrap_or_default();
+            return fail(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("Unexpected message type: {kind}"),
+            );
+        }
         Err(e) => {
             return fail(
                 StatusCode::BAD_REQUEST,
@@ -74,18 +86,21 @@ async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
     match msg {
         AwcpMessage::Invite(inv) => Json(invite(&ex, inv)).into_response(),
         AwcpMessage::Start(start) => {
+            // The reference answers an unknown id or a START in the wrong state with 500.
             let Some(a) = ex.tasks.lock().get(&id).cloned() else {
                 return fail(
-                    StatusCode::NOT_FOUND,
+                    StatusCode::INTERNAL_SERVER_ERROR,
                     format!("Unknown delegation for START: {id}"),
                 );
             };
-            if *a.state.lock() != AssignmentState::Pending {
+            let state = *a.state.lock();
+            if state != AssignmentState::Pending {
                 return fail(
-                    StatusCode::CONFLICT,
+                    StatusCode::INTERNAL_SERVER_ERROR,
                     format!(
-                        "delegation {id} was already started ({})",
-                        a.state.lock().as_str()
+                        "Cannot transition assignment {id} (RECEIVE_START) in state '{}': \
+                         it was already started",
+                        state.as_str()
                     ),
                 );
             }
@@ -94,7 +109,10 @@ async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
         }
         AwcpMessage::Error(e) => {
             let Some(a) = ex.tasks.lock().get(&id).cloned() else {
-                return fail(StatusCode::NOT_FOUND, format!("Unknown delegation: {id}"));
+                return fail(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("Unknown delegation: {id}"),
+                );
             };
             tracing::warn!(%id, code = e.code.as_str(), message = %e.message, "the delegator sent ERROR");
             if *a.state.lock() == AssignmentState::Pending {
@@ -112,11 +130,8 @@ async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
             Json(OkResponse::OK).into_response()
         }
         other => fail(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "unexpected message type {} (an executor accepts INVITE, START and ERROR)",
-                other.kind()
-            ),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("Unexpected message type: {}", other.kind()),
         ),
     }
 }
@@ -140,12 +155,23 @@ fn invite(ex: &Executor, inv: InviteMessage) -> AwcpMessage {
         );
     }
     if let Some(t) = inv.requirements.as_ref().and_then(|r| r.transport)
-        && t != TransportType::Awcpfs
+        && !ex.cfg.transports.contains(&t)
     {
+        let offered: Vec<&str> = ex.cfg.transports.iter().map(|t| t.as_str()).collect();
         return refuse(
             ErrorCode::DepMissing,
-            format!("Transport {} is not available on this executor", t.as_str()),
-            "Delegate with the awcpfs transport",
+            format!("Transport {} is not available", t.as_str()),
+            &format!("Delegate with one of: {}", offered.join(", ")),
+        );
+    }
+    if !ex.cfg.access_modes.contains(&inv.lease.access_mode) {
+        return refuse(
+            ErrorCode::Declined,
+            format!(
+                "Access mode '{}' is not allowed",
+                inv.lease.access_mode.as_str()
+            ),
+            "Request an allowed access mode",
         );
     }
     let active = ex
@@ -211,8 +237,27 @@ async fn events(
     State(ex): State<Arc<Executor>>,
     Path(id): Path<String>,
     headers: HeaderMap,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Response> {
-    let a = lookup(&ex, &id).map_err(|r| *r)?;
+) -> Response {
+    let Some(a) = ex.tasks.lock().get(&id).cloned() else {
+        // As the reference: a 200 stream with one `error` event, then the end.
+        let Ok(did) = awcp_protocol::DelegationId::parse(&id) else {
+            return fail(
+                StatusCode::BAD_REQUEST,
+                format!("invalid delegation id: {id}"),
+            );
+        };
+        let ev = TaskEvent::Error(awcp_protocol::events::ErrorEvent {
+            delegation_id: did,
+            timestamp: crate::now_iso(),
+            code: ErrorCode::NotFound,
+            message: "Delegation not found on executor".into(),
+            hint: None,
+        });
+        let one = futures::stream::iter([Ok::<_, Infallible>(
+            Event::default().json_data(&ev).unwrap_or_default(),
+        )]);
+        return sse_response(one.boxed());
+    };
     let after: u64 = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
@@ -246,11 +291,21 @@ async fn events(
                 .json_data(&ev)
                 .unwrap_or_default())
         });
-    Ok(Sse::new(stream).keep_alive(
-        KeepAlive::new()
-            .interval(Duration::from_secs(15))
-            .text("keepalive"),
-    ))
+    sse_response(stream.boxed())
+}
+
+fn sse_response(
+    stream: futures::stream::BoxStream<'static, Result<Event, Infallible>>,
+) -> Response {
+    (
+        [("x-accel-buffering", "no")],
+        Sse::new(stream).keep_alive(
+            KeepAlive::new()
+                .interval(Duration::from_secs(15))
+                .text("keepalive"),
+        ),
+    )
+        .into_response()
 }
 
 async fn result(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
@@ -357,12 +412,13 @@ async fn cancel(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Resp
         Ok(a) => a,
         Err(r) => return *r,
     };
-    if a.state.lock().is_terminal() {
+    let state = *a.state.lock();
+    if state.is_terminal() {
         return fail(
-            StatusCode::CONFLICT,
+            StatusCode::INTERNAL_SERVER_ERROR,
             format!(
-                "delegation {id} has already ended ({})",
-                a.state.lock().as_str()
+                "Cannot transition assignment {id} (CANCEL) in state '{}': it has already ended",
+                state.as_str()
             ),
         );
     }

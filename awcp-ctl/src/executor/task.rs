@@ -21,7 +21,7 @@ const TAIL_LINES: usize = 20;
 /// Agent output lines forwarded as progress events, at most.
 const MAX_PROGRESS_EVENTS: usize = 500;
 
-fn status_event(a: &Assignment, status: RunStatus, message: String) -> TaskEvent {
+pub(super) fn status_event(a: &Assignment, status: RunStatus, message: String) -> TaskEvent {
     TaskEvent::Status(StatusEvent {
         delegation_id: a.invite.delegation_id.clone(),
         timestamp: crate::now_iso(),
@@ -71,7 +71,13 @@ pub(super) fn finish_error(a: &Assignment, code: ErrorCode, message: String, hin
     }));
 }
 
-fn finish_done(a: &Assignment, summary: String) {
+/// A snapshot to report with `done`: its id and the base64 zip.
+pub(super) struct DoneSnapshot {
+    pub(super) id: String,
+    pub(super) base64: String,
+}
+
+pub(super) fn finish_done(a: &Assignment, summary: String, snapshot: Option<DoneSnapshot>) {
     {
         let mut st = a.state.lock();
         if let Ok(next) = st.apply(AssignmentEvent::TaskComplete) {
@@ -84,7 +90,7 @@ fn finish_done(a: &Assignment, summary: String) {
         completed_at: Some(now.clone()),
         summary: Some(summary.clone()),
         highlights: None,
-        snapshot_base64: None,
+        snapshot_base64: snapshot.as_ref().map(|s| s.base64.clone()),
         error: None,
         reason: None,
     });
@@ -93,8 +99,8 @@ fn finish_done(a: &Assignment, summary: String) {
         timestamp: now,
         summary,
         highlights: None,
-        snapshot_ids: None,
-        recommended_snapshot_id: None,
+        snapshot_ids: snapshot.as_ref().map(|s| vec![s.id.clone()]),
+        recommended_snapshot_id: snapshot.map(|s| s.id),
     }));
 }
 
@@ -145,6 +151,126 @@ fn kill_group(pid: Option<u32>) {
     }
 }
 
+/// A running agent command and the tasks reading its output.
+pub(super) struct Agent {
+    pub(super) child: tokio::process::Child,
+    pub(super) pid: Option<u32>,
+    /// The last lines of its output.
+    pub(super) tail: Arc<Mutex<VecDeque<String>>>,
+    pub(super) readers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Agent {
+    /// The kept output, joined.
+    pub(super) fn tail_text(&self) -> String {
+        self.tail
+            .lock()
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The last line the agent printed on stdout.
+    pub(super) fn last_line(&self) -> Option<String> {
+        self.tail
+            .lock()
+            .iter()
+            .rev()
+            .find(|l| !l.starts_with("[stderr]"))
+            .cloned()
+    }
+
+    /// Kill its whole process group.
+    pub(super) async fn kill(&mut self) {
+        kill_group(self.pid);
+        let _ = self.child.kill().await;
+    }
+
+    /// Let the output readers drain (bounded).
+    pub(super) async fn drain(&mut self) {
+        for r in self.readers.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
+        }
+    }
+}
+
+/// Start the agent command in `cwd` (its own process group), forwarding its output lines
+/// as `progress` events.
+pub(super) fn spawn_agent(
+    ex: &Executor,
+    a: &Arc<Assignment>,
+    cwd: &std::path::Path,
+) -> std::io::Result<Agent> {
+    let id = a.invite.delegation_id.as_str();
+    let mut cmd = tokio::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(&ex.cfg.agent_cmd)
+        .current_dir(cwd)
+        .env("AWCP_DELEGATION_ID", id)
+        .env("AWCP_TASK_DESCRIPTION", &a.invite.task.description)
+        .env("AWCP_TASK_PROMPT", &a.invite.task.prompt)
+        .env("AWCP_WORKSPACE", cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = cmd.spawn()?;
+    let pid = child.id();
+    let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
+    let forwarded = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut readers = Vec::new();
+    for (stream, is_err) in [
+        (
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
+            false,
+        ),
+        (
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
+            true,
+        ),
+    ] {
+        let Some(stream) = stream else { continue };
+        let (a, tail, forwarded) = (a.clone(), tail.clone(), forwarded.clone());
+        readers.push(tokio::spawn(async move {
+            let mut lines = BufReader::new(stream).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let line = if is_err {
+                    format!("[stderr] {line}")
+                } else {
+                    line
+                };
+                {
+                    let mut t = tail.lock();
+                    t.push_back(line.clone());
+                    if t.len() > TAIL_LINES {
+                        t.pop_front();
+                    }
+                }
+                if forwarded.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    < MAX_PROGRESS_EVENTS
+                {
+                    a.emit(status_event(&a, RunStatus::Progress, line));
+                }
+            }
+        }));
+    }
+
+    Ok(Agent {
+        child,
+        pid,
+        tail,
+        readers,
+    })
+}
+
 /// Run the task of `start` to its end.
 pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessage) {
     let received = std::time::Instant::now();
@@ -160,17 +286,24 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     }
     *a.started_at.lock() = Some(crate::now_iso());
     let id = a.invite.delegation_id.as_str().to_string();
-    let TransportHandle::Awcpfs(h) = start.transport_handle else {
-        finish_error(
-            &a,
-            ErrorCode::SetupFailed,
-            format!(
-                "transport {} is not supported by this executor",
-                start.transport_handle.transport_type().as_str()
-            ),
-            Some("Delegate with the awcpfs transport".into()),
-        );
-        return;
+    let h = match start.transport_handle {
+        TransportHandle::Awcpfs(h) => h,
+        TransportHandle::Archive(h) => {
+            let expires_at = start.lease.expires_at;
+            return super::archive_task::run(ex, a, expires_at, h, received).await;
+        }
+        other => {
+            finish_error(
+                &a,
+                ErrorCode::SetupFailed,
+                format!(
+                    "transport {} is not supported by this executor",
+                    other.transport_type().as_str()
+                ),
+                Some("Delegate with the awcpfs or archive transport".into()),
+            );
+            return;
+        }
     };
     let state_dir = ex.cfg.state_dir.join(&id);
     if let Err(e) =
@@ -244,21 +377,8 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
         ),
     ));
 
-    let mut cmd = tokio::process::Command::new("sh");
-    cmd.arg("-c")
-        .arg(&ex.cfg.agent_cmd)
-        .current_dir(&a.work_path)
-        .env("AWCP_DELEGATION_ID", &id)
-        .env("AWCP_TASK_DESCRIPTION", &a.invite.task.description)
-        .env("AWCP_TASK_PROMPT", &a.invite.task.prompt)
-        .env("AWCP_WORKSPACE", &a.work_path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true);
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
+    let mut agent = match spawn_agent(&ex, &a, &a.work_path) {
+        Ok(agent) => agent,
         Err(e) => {
             let m = mount.clone();
             let _ = tokio::task::spawn_blocking(move || m.finish()).await;
@@ -271,52 +391,12 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
             return;
         }
     };
-    let pid = child.id();
-    let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
-    let forwarded = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut readers = Vec::new();
-    for (stream, is_err) in [
-        (
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
-            false,
-        ),
-        (
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
-            true,
-        ),
-    ] {
-        let Some(stream) = stream else { continue };
-        let (a, tail, forwarded) = (a.clone(), tail.clone(), forwarded.clone());
-        readers.push(tokio::spawn(async move {
-            let mut lines = BufReader::new(stream).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                let line = if is_err {
-                    format!("[stderr] {line}")
-                } else {
-                    line
-                };
-                {
-                    let mut t = tail.lock();
-                    t.push_back(line.clone());
-                    if t.len() > TAIL_LINES {
-                        t.pop_front();
-                    }
-                }
-                if forwarded.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                    < MAX_PROGRESS_EVENTS
-                {
-                    a.emit(status_event(&a, RunStatus::Progress, line));
-                }
-            }
-        }));
-    }
-
+    let (child, pid, tail, readers) = (
+        &mut agent.child,
+        agent.pid,
+        agent.tail.clone(),
+        std::mem::take(&mut agent.readers),
+    );
     enum Outcome {
         Exited(std::io::Result<std::process::ExitStatus>),
         LeaseEnded(EndReason),
@@ -363,7 +443,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                             last.map(|l| format!(": {l}")).unwrap_or_default(),
                             stats.files_written_back
                         );
-                        finish_done(&a, summary);
+                        finish_done(&a, summary, None);
                     }
                     Ok(s) => finish_error(
                         &a,

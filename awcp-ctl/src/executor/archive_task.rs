@@ -1,0 +1,248 @@
+//! Running a task delivered with the reference's `archive` transport: verify and unpack the
+//! zip into `<work-dir>/<delegationId>/` (one directory per resource), run the agent there,
+//! then send the whole work directory back as a `snapshot` event and end with `done`.
+//!
+//! The lease is enforced here too (the reference never does): a START whose lease has
+//! already run out fails with `START_EXPIRED`, and a task still running at `expiresAt` is
+//! killed and ends with `EXPIRED`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+
+use awcp_protocol::events::{SnapshotEvent, SnapshotMetadata};
+use awcp_protocol::transport::ArchiveHandle;
+use awcp_protocol::{ErrorCode, TaskEvent};
+
+use super::task::{DoneSnapshot, finish_done, finish_error, spawn_agent, status_event};
+use super::{Assignment, Executor};
+use crate::archive;
+
+type Failure = (ErrorCode, String, Option<String>);
+
+/// How long until `expires_at` (ISO 8601), from now; `None` if it does not parse.
+fn lease_left(expires_at: &str) -> Option<Duration> {
+    let t = chrono::DateTime::parse_from_rfc3339(expires_at).ok()?;
+    Some(
+        (t.with_timezone(&chrono::Utc) - chrono::Utc::now())
+            .to_std()
+            .unwrap_or(Duration::ZERO),
+    )
+}
+
+/// Decode, verify and unpack the workspace (blocking).
+fn unpack(
+    ex: &Executor,
+    a: &Assignment,
+    h: &ArchiveHandle,
+) -> Result<archive::ExtractStats, Failure> {
+    let zip = base64::engine::general_purpose::STANDARD
+        .decode(h.workspace_base64.as_bytes())
+        .map_err(|e| {
+            (
+                ErrorCode::WorkspaceInvalid,
+                format!("workspaceBase64 is not valid base64: {e}"),
+                None,
+            )
+        })?;
+    let actual = archive::sha256_hex(&zip);
+    if !actual.eq_ignore_ascii_case(h.checksum.trim()) {
+        return Err((
+            ErrorCode::ChecksumMismatch,
+            format!("Checksum mismatch: expected {}, got {actual}", h.checksum),
+            Some("The downloaded file may be corrupted, try again".into()),
+        ));
+    }
+    // A re-INVITE may leave an earlier attempt's directory: it is ours, start afresh.
+    if a.work_path.exists() {
+        std::fs::remove_dir_all(&a.work_path).map_err(|e| {
+            (
+                ErrorCode::WorkdirDenied,
+                format!("cannot clear {}: {e}", a.work_path.display()),
+                None,
+            )
+        })?;
+    }
+    archive::extract(&zip, &a.work_path, &ex.cfg.archive_limits).map_err(|e| {
+        let _ = std::fs::remove_dir_all(&a.work_path);
+        match e {
+            archive::ArchiveError::TooLarge { .. } => (
+                ErrorCode::WorkspaceTooLarge,
+                e.to_string(),
+                Some("Delegate a smaller workspace, or use the awcpfs transport".into()),
+            ),
+            archive::ArchiveError::Io { .. } => (ErrorCode::WorkdirDenied, e.to_string(), None),
+            _ => (
+                ErrorCode::WorkspaceInvalid,
+                e.to_string(),
+                Some("The archive must hold <resource>/<path> entries, no links".into()),
+            ),
+        }
+    })
+}
+
+/// Run an `archive` task to its end.
+pub(super) async fn run(
+    ex: Arc<Executor>,
+    a: Arc<Assignment>,
+    expires_at: String,
+    h: ArchiveHandle,
+    received: Instant,
+) {
+    let Some(left) = lease_left(&expires_at) else {
+        finish_error(
+            &a,
+            ErrorCode::WorkspaceInvalid,
+            format!("lease.expiresAt is not an ISO 8601 time: {expires_at}"),
+            None,
+        );
+        return;
+    };
+    if left.is_zero() {
+        finish_error(
+            &a,
+            ErrorCode::StartExpired,
+            "Lease expired before START message was received".into(),
+            None,
+        );
+        return;
+    }
+    let deadline = tokio::time::Instant::from_std(received) + left;
+    let (ex2, a2) = (ex.clone(), a.clone());
+    let unpacked = tokio::task::spawn_blocking(move || unpack(&ex2, &a2, &h)).await;
+    let stats = match unpacked {
+        Ok(Ok(stats)) => stats,
+        Ok(Err((code, msg, hint))) => return finish_error(&a, code, msg, hint),
+        Err(e) => {
+            return finish_error(
+                &a,
+                ErrorCode::SetupFailed,
+                format!("unpacking failed: {e}"),
+                None,
+            );
+        }
+    };
+    a.emit(status_event(
+        &a,
+        awcp_protocol::events::RunStatus::Running,
+        format!(
+            "Task execution started ({} file(s) unpacked in {})",
+            stats.files,
+            a.work_path.display()
+        ),
+    ));
+    let mut agent = match spawn_agent(&ex, &a, &a.work_path) {
+        Ok(agent) => agent,
+        Err(e) => {
+            finish_error(
+                &a,
+                ErrorCode::SetupFailed,
+                format!("cannot start the agent command: {e}"),
+                None,
+            );
+            return cleanup(&a).await;
+        }
+    };
+    enum Outcome {
+        Exited(std::io::Result<std::process::ExitStatus>),
+        Cancelled,
+        Expired,
+    }
+    let outcome = tokio::select! {
+        s = agent.child.wait() => Outcome::Exited(s),
+        _ = a.cancel.notified() => Outcome::Cancelled,
+        _ = tokio::time::sleep_until(deadline) => Outcome::Expired,
+    };
+    match outcome {
+        Outcome::Exited(Ok(s)) if s.success() => {
+            agent.drain().await;
+            let dir = a.work_path.clone();
+            match tokio::task::spawn_blocking(move || archive::pack_dir(&dir)).await {
+                Ok(Ok((zip, files, bytes))) => {
+                    let summary = format!(
+                        "agent finished{}",
+                        agent
+                            .last_line()
+                            .map(|l| format!(": {l}"))
+                            .unwrap_or_default()
+                    );
+                    let snapshot_id = format!("snap_{}", hex::encode(rand::random::<[u8; 6]>()));
+                    let base64 = base64::engine::general_purpose::STANDARD.encode(&zip);
+                    a.emit(TaskEvent::Snapshot(SnapshotEvent {
+                        delegation_id: a.invite.delegation_id.clone(),
+                        timestamp: crate::now_iso(),
+                        snapshot_id: snapshot_id.clone(),
+                        summary: summary.clone(),
+                        highlights: None,
+                        snapshot_base64: base64.clone(),
+                        recommended: Some(true),
+                        metadata: Some(SnapshotMetadata {
+                            file_count: Some(files),
+                            total_bytes: Some(bytes),
+                            ..Default::default()
+                        }),
+                    }));
+                    finish_done(
+                        &a,
+                        summary,
+                        Some(DoneSnapshot {
+                            id: snapshot_id,
+                            base64,
+                        }),
+                    );
+                }
+                Ok(Err(e)) => finish_error(
+                    &a,
+                    ErrorCode::TaskFailed,
+                    format!("packing the result failed: {e}"),
+                    None,
+                ),
+                Err(e) => finish_error(&a, ErrorCode::TaskFailed, format!("{e}"), None),
+            }
+        }
+        Outcome::Exited(Ok(s)) => {
+            agent.drain().await;
+            finish_error(
+                &a,
+                ErrorCode::TaskFailed,
+                format!(
+                    "the agent exited with {s}; last output:\n{}",
+                    agent.tail_text()
+                ),
+                Some("Check task requirements and try again".into()),
+            );
+        }
+        Outcome::Exited(Err(e)) => finish_error(
+            &a,
+            ErrorCode::TaskFailed,
+            format!("waiting for the agent failed: {e}"),
+            None,
+        ),
+        Outcome::Cancelled => {
+            agent.kill().await;
+            finish_error(
+                &a,
+                ErrorCode::Cancelled,
+                "Delegation cancelled".into(),
+                None,
+            );
+        }
+        Outcome::Expired => {
+            agent.kill().await;
+            finish_error(
+                &a,
+                ErrorCode::Expired,
+                "Lease expired during task execution".into(),
+                Some("Ask the Delegator for a longer TTL".into()),
+            );
+        }
+    }
+    cleanup(&a).await;
+}
+
+/// The result is kept in memory for `/tasks/:id/result`; the unpacked copy goes.
+async fn cleanup(a: &Assignment) {
+    let dir = a.work_path.clone();
+    let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
+}
