@@ -159,7 +159,12 @@ struct ExecutorArgs {
     #[arg(long, value_parser = parse_duration)]
     renew_margin: Option<Duration>,
     /// Transports offered (INVITEs asking for another get DEP_MISSING).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "awcpfs,archive")]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "awcpfs,archive"
+    )]
     transports: Vec<Transport>,
     /// Access modes accepted (INVITEs asking for another are DECLINED).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "ro,rw")]
