@@ -146,15 +146,29 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
 
 async fn delegate(
     State(d): State<Arc<Daemon>>,
-    body: Result<Json<DelegateRequest>, JsonRejection>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Json<DelegateResponse>, ApiFailure> {
-    let Json(req) = body.map_err(|rej| {
+    let Json(value) = body.map_err(|rej| {
         let mut f = bad_json(rej);
         f.1.error = format!(
             "{} (required fields: executorUrl, environment, task)",
             f.1.error
         );
         f
+    })?;
+    // The reference's check and message, first.
+    if ["executorUrl", "environment", "task"]
+        .iter()
+        .any(|k| value.get(k).is_none_or(|v| v.is_null()))
+    {
+        let mut e = ApiError::new("Missing required fields: executorUrl, environment, task");
+        e.hint = Some("Send a JSON body with the fields documented in docs/PROTOCOL.md".into());
+        return Err(ApiFailure(StatusCode::BAD_REQUEST, e));
+    }
+    let req: DelegateRequest = serde_json::from_value(value).map_err(|e| {
+        let mut err = ApiError::new(format!("malformed request body: {e}"));
+        err.hint = Some("Send a JSON body with the fields documented in docs/PROTOCOL.md".into());
+        ApiFailure(StatusCode::BAD_REQUEST, err)
     })?;
     let id = d.delegate(req).await?;
     Ok(Json(DelegateResponse { delegation_id: id }))
@@ -216,11 +230,18 @@ async fn show(
     }))
 }
 
+/// The reference's `DELETE /delegation/:id`: our revoke (with the final flush), answering an
+/// unknown id with 400 as the reference does.
 async fn cancel(
     State(d): State<Arc<Daemon>>,
     Path(id): Path<String>,
 ) -> Result<Json<OkResponse>, ApiFailure> {
-    d.revoke(&id, false).await?;
+    d.revoke(&id, false).await.map_err(|mut r| {
+        if r.status == 404 {
+            r.status = 400;
+        }
+        r
+    })?;
     Ok(Json(OkResponse::OK))
 }
 

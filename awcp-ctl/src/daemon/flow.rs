@@ -647,7 +647,11 @@ impl Daemon {
         if state.is_terminal() {
             return Err(Refusal {
                 status: 400,
-                message: format!("delegation {id} has already ended ({})", state.as_str()),
+                message: format!(
+                    "Cannot transition delegation {id} (CANCEL) in state '{}': \
+                     the delegation has already ended",
+                    state.as_str()
+                ),
                 code: None,
                 hint: None,
             });
