@@ -15,7 +15,7 @@ use awcp_ctl::daemon::DaemonConfig;
 use awcp_ctl::executor::ExecutorConfig;
 use awcp_ctl::watch::WatchEvent;
 use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec, SnapshotMode};
-use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
+use awcp_protocol::messages::{AccessMode, AuthCredential, AuthType, ResourceType, TaskSpec};
 use awcp_protocol::{DelegationState, TransportType};
 
 /// Hand a workspace to another agent under a lease, and take it back.
@@ -39,6 +39,10 @@ struct Cli {
     /// Print machine-readable JSON (one object per line) instead of text.
     #[arg(long, global = true)]
     json: bool,
+    /// The daemon API's token: `serve` requires it on every route but /health; client
+    /// commands send it.
+    #[arg(long, global = true, env = "AWCP_API_TOKEN", hide_env_values = true)]
+    api_token: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -172,6 +176,10 @@ struct ExecutorArgs {
     /// Largest request body, e.g. `512M` (an `archive` START carries the whole workspace).
     #[arg(long, default_value = "512M", value_parser = parse_size)]
     max_body: u64,
+    /// Require this token: in INVITE's `auth` (AUTH_FAILED otherwise) and as a bearer
+    /// token on every other request.
+    #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -219,6 +227,9 @@ struct DelegateArgs {
     /// Files matching these globs never travel (`target`, `*.log`; repeatable).
     #[arg(long)]
     exclude: Vec<String>,
+    /// The Executor's token (its `--token`), sent in INVITE's `auth`.
+    #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
+    executor_token: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -337,7 +348,7 @@ pub fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let client = DaemonClient::new(&cli.daemon);
+    let client = DaemonClient::new(&cli.daemon).with_token(cli.api_token.clone());
     match cli.command {
         Command::Serve(a) => {
             let mut cfg = DaemonConfig::new(
@@ -349,6 +360,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.export_url = a.export_url;
             cfg.max_ttl = a.max_ttl;
             cfg.max_lease = a.max_lease;
+            cfg.api_token = cli.api_token.clone();
             cfg.archive_limits = awcp_ctl::archive::ScanLimits {
                 max_total_bytes: a.archive_max_bytes,
                 max_files: a.archive_max_files,
@@ -374,6 +386,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.transports = a.transports.into_iter().map(transport_of).collect();
             cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
             cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
+            cfg.token = a.token;
             awcp_ctl::executor::serve(cfg).await?;
             Ok(ExitCode::SUCCESS)
         }
@@ -404,7 +417,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     SnapshotModeArg::Staged => SnapshotMode::Staged,
                     SnapshotModeArg::Discard => SnapshotMode::Discard,
                 }),
-                auth: None,
+                auth: a.executor_token.map(|t| AuthCredential {
+                    auth_type: AuthType::Bearer,
+                    credential: t,
+                    metadata: None,
+                }),
                 transport: Some(transport_of(a.transport)),
             };
             let resp = client.delegate(&req).await?;

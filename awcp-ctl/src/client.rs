@@ -51,6 +51,7 @@ pub enum ClientError {
 pub struct DaemonClient {
     base: String,
     http: reqwest::Client,
+    token: Option<String>,
 }
 
 impl DaemonClient {
@@ -62,6 +63,28 @@ impl DaemonClient {
                 .connect_timeout(Duration::from_secs(5))
                 .build()
                 .expect("building an HTTP client"),
+            token: None,
+        }
+    }
+
+    /// Send `token` as a bearer token (a daemon started with an API token needs it).
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token;
+        self
+    }
+
+    fn get_(&self, path: &str) -> reqwest::RequestBuilder {
+        self.auth(self.http.get(format!("{}{path}", self.base)))
+    }
+
+    fn post_(&self, path: &str) -> reqwest::RequestBuilder {
+        self.auth(self.http.post(format!("{}{path}", self.base)))
+    }
+
+    fn auth(&self, rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.token {
+            Some(t) => rb.bearer_auth(t),
+            None => rb,
         }
     }
 
@@ -91,27 +114,23 @@ impl DaemonClient {
 
     /// `POST /delegate`.
     pub async fn delegate(&self, req: &DelegateRequest) -> Result<DelegateResponse, ClientError> {
-        self.send(self.http.post(format!("{}/delegate", self.base)).json(req))
-            .await
+        self.send(self.post_("/delegate").json(req)).await
     }
 
     /// `GET /delegations`.
     pub async fn list(&self) -> Result<DelegationList, ClientError> {
-        self.send(self.http.get(format!("{}/delegations", self.base)))
-            .await
+        self.send(self.get_("/delegations")).await
     }
 
     /// `GET /delegation/:id`.
     pub async fn get(&self, id: &str) -> Result<DelegationView, ClientError> {
-        self.send(self.http.get(format!("{}/delegation/{id}", self.base)))
-            .await
+        self.send(self.get_(&format!("/delegation/{id}"))).await
     }
 
     /// `POST /delegation/:id/revoke`.
     pub async fn revoke(&self, id: &str, no_flush: bool) -> Result<OkResponse, ClientError> {
         self.send(
-            self.http
-                .post(format!("{}/delegation/{id}/revoke", self.base))
+            self.post_(&format!("/delegation/{id}/revoke"))
                 .json(&RevokeRequest { no_flush }),
         )
         .await
@@ -124,8 +143,7 @@ impl DaemonClient {
         discard: bool,
     ) -> Result<crate::daemon::api::CollectResponse, ClientError> {
         self.send(
-            self.http
-                .post(format!("{}/delegation/{id}/collect", self.base))
+            self.post_(&format!("/delegation/{id}/collect"))
                 .json(&crate::daemon::api::CollectRequest { discard }),
         )
         .await
@@ -134,8 +152,7 @@ impl DaemonClient {
     /// `POST /delegation/:id/renew`.
     pub async fn renew(&self, id: &str, ttl_seconds: u64) -> Result<RenewResponse, ClientError> {
         self.send(
-            self.http
-                .post(format!("{}/delegation/{id}/renew", self.base))
+            self.post_(&format!("/delegation/{id}/renew"))
                 .json(&RenewRequest { ttl_seconds }),
         )
         .await
@@ -149,8 +166,7 @@ impl DaemonClient {
         mut f: impl FnMut(&WatchEvent),
     ) -> Result<Option<WatchEvent>, ClientError> {
         let resp = self
-            .http
-            .get(format!("{}/delegation/{id}/events", self.base))
+            .get_(&format!("/delegation/{id}/events"))
             .send()
             .await
             .map_err(|source| ClientError::Unreachable {

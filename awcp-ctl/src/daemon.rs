@@ -62,6 +62,9 @@ pub struct DaemonConfig {
     /// Sensitive-file patterns (basename or path globs) that refuse an `archive`
     /// delegation; default the reference's list.
     pub sensitive: Vec<String>,
+    /// When set, every daemon API route but `GET /health` requires
+    /// `Authorization: Bearer <token>` (401 otherwise).
+    pub api_token: Option<String>,
 }
 
 impl DaemonConfig {
@@ -86,6 +89,7 @@ impl DaemonConfig {
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),
+            api_token: None,
         }
     }
 }
@@ -181,6 +185,13 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             )
         })?;
     let api_addr = api_listener.local_addr()?;
+    if !api_addr.ip().is_loopback() && cfg.api_token.is_none() {
+        tracing::warn!(
+            %api_addr,
+            "the daemon API is reachable beyond this machine without a token: anyone who \
+             reaches it can delegate your files; set --api-token (AWCP_API_TOKEN)"
+        );
+    }
     let export_addr = export_listener.local_addr()?;
     let export_url = cfg
         .export_url

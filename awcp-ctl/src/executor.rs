@@ -61,6 +61,9 @@ pub struct ExecutorConfig {
     pub archive_limits: crate::archive::ScanLimits,
     /// Largest HTTP body accepted (an `archive` START carries the whole workspace).
     pub max_body_bytes: usize,
+    /// When set, INVITE must carry it as `auth.credential` (else `AUTH_FAILED`), and every
+    /// other request to `/awcp` as `Authorization: Bearer <token>` (else 401).
+    pub token: Option<String>,
 }
 
 impl ExecutorConfig {
@@ -85,6 +88,7 @@ impl ExecutorConfig {
                 max_file_bytes: 4 << 30,
             },
             max_body_bytes: 512 << 20,
+            token: None,
         }
     }
 }

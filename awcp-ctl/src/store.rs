@@ -34,6 +34,10 @@ pub struct StoredDelegation {
     /// The transport (`awcpfs` for delegations stored before there was a choice).
     #[serde(default = "default_transport")]
     pub transport: TransportType,
+    /// The Executor's token (the `auth` credential of `POST /delegate`), sent in INVITE's
+    /// `auth` and as a bearer token on every other request to the Executor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor_token: Option<String>,
 }
 
 fn default_transport() -> TransportType {

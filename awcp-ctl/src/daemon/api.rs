@@ -120,9 +120,28 @@ fn not_found(d: &Daemon, id: &str) -> ApiFailure {
     ApiFailure(StatusCode::NOT_FOUND, e)
 }
 
+/// With `api_token` set, every route but `/health` needs it as a bearer token.
+async fn require_token(
+    State(d): State<Arc<Daemon>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let ok = match &d.cfg.api_token {
+        None => true,
+        Some(t) => crate::bearer(req.headers()).is_some_and(|b| crate::same_secret(b, t)),
+    };
+    if ok {
+        return next.run(req).await;
+    }
+    let mut e = ApiError::new("Unauthorized: this daemon requires a token");
+    e.hint = Some(
+        "Send `Authorization: Bearer <token>` (awcp-ctl --api-token or AWCP_API_TOKEN)".into(),
+    );
+    ApiFailure(StatusCode::UNAUTHORIZED, e).into_response()
+}
+
 pub(crate) fn router(d: Arc<Daemon>) -> Router {
     Router::new()
-        .route("/health", get(|| async { Json(HealthResponse::ok()) }))
         .route("/delegate", post(delegate))
         .route("/delegations", get(list))
         .route("/delegation/{id}", get(show).delete(cancel))
@@ -140,6 +159,11 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
         .route("/delegation/{id}/events", get(events))
         .route("/delegation/{id}/collect", post(collect))
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
+        .layer(axum::middleware::from_fn_with_state(
+            d.clone(),
+            require_token,
+        ))
+        .route("/health", get(|| async { Json(HealthResponse::ok()) }))
         .with_state(d)
         .layer(axum::extract::DefaultBodyLimit::max(16 << 20))
 }
@@ -214,7 +238,9 @@ async fn show(
     let executor_mount = if record.state.is_terminal() {
         None
     } else {
-        d.executor_mount(&record.peer_url, &id).await
+        let token = live.d.lock().executor_token.clone();
+        d.executor_mount(&record.peer_url, token.as_deref(), &id)
+            .await
     };
     Ok(Json(DelegationView {
         record,

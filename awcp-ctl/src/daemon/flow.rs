@@ -110,6 +110,17 @@ pub(crate) fn check_dir(source: &std::path::Path) -> Result<(), Refusal> {
     }
 }
 
+/// Add the Executor's token (the delegation's `auth` credential), if there is one.
+pub(crate) fn with_token(
+    rb: reqwest::RequestBuilder,
+    token: Option<&str>,
+) -> reqwest::RequestBuilder {
+    match token {
+        Some(t) => rb.bearer_auth(t),
+        None => rb,
+    }
+}
+
 /// The Executor's AWCP base (`…/awcp`), from the URL the user gave.
 pub(crate) fn awcp_base(executor_url: &str) -> String {
     let u = executor_url.trim_end_matches('/');
@@ -264,6 +275,7 @@ impl Daemon {
                 events: Vec::new(),
                 last_event_id: None,
                 transport: handle.transport(),
+                executor_token: req.auth.as_ref().map(|a| a.credential.clone()),
             }),
             lease: lease.clone(),
             tx,
@@ -359,7 +371,10 @@ impl Daemon {
             auth: req.auth.clone(),
         });
         self.transition(live, DelegationEvent::SendInvite, None);
-        let reply = self.post_message(&req.executor_url, &invite).await?;
+        let token = live.d.lock().executor_token.clone();
+        let reply = self
+            .post_message(&req.executor_url, token.as_deref(), &invite)
+            .await?;
         match reply {
             AwcpMessage::Accept(a) => {
                 {
@@ -395,9 +410,8 @@ impl Daemon {
             awcp_base(&req.executor_url),
             id.as_str()
         );
-        let resp = self
-            .http
-            .get(&events_url)
+        let token = live.d.lock().executor_token.clone();
+        let resp = with_token(self.http.get(&events_url), token.as_deref())
             .timeout(Duration::from_secs(24 * 3600 * 365))
             .send()
             .await
@@ -444,7 +458,8 @@ impl Daemon {
         let d = self.clone();
         let l = live.clone();
         let executor_url = req.executor_url.clone();
-        self.post_raw(&req.executor_url, &start).await?;
+        self.post_raw(&req.executor_url, token.as_deref(), &start)
+            .await?;
         self.transition(
             live,
             DelegationEvent::SendStart,
@@ -454,8 +469,14 @@ impl Daemon {
         Ok(())
     }
 
-    async fn post_raw(&self, url: &str, msg: &AwcpMessage) -> Result<reqwest::Response, Refusal> {
-        let resp = self.http.post(url).json(msg).send().await.map_err(|e| {
+    async fn post_raw(
+        &self,
+        url: &str,
+        token: Option<&str>,
+        msg: &AwcpMessage,
+    ) -> Result<reqwest::Response, Refusal> {
+        let rb = with_token(self.http.post(url), token);
+        let resp = rb.json(msg).send().await.map_err(|e| {
             Refusal::internal(format!(
                 "Failed to send {} to executor at {url}: {e}",
                 msg.kind()
@@ -472,8 +493,13 @@ impl Daemon {
         Ok(resp)
     }
 
-    async fn post_message(&self, url: &str, msg: &AwcpMessage) -> Result<AwcpMessage, Refusal> {
-        let resp = self.post_raw(url, msg).await?;
+    async fn post_message(
+        &self,
+        url: &str,
+        token: Option<&str>,
+        msg: &AwcpMessage,
+    ) -> Result<AwcpMessage, Refusal> {
+        let resp = self.post_raw(url, token, msg).await?;
         let bytes = resp
             .bytes()
             .await
@@ -501,9 +527,8 @@ impl Daemon {
             let r = match resp.take() {
                 Some(r) => r,
                 None => {
-                    let mut rq = self
-                        .http
-                        .get(&url)
+                    let token = live.d.lock().executor_token.clone();
+                    let mut rq = with_token(self.http.get(&url), token.as_deref())
                         .timeout(Duration::from_secs(24 * 3600 * 365));
                     if let Some(last) = live.d.lock().last_event_id.clone() {
                         rq = rq.header("Last-Event-ID", last);
@@ -594,11 +619,11 @@ impl Daemon {
                     highlights: done.highlights.clone(),
                 });
                 let id = live.d.lock().record.id.as_str().to_string();
-                let _ = self
+                let token = live.d.lock().executor_token.clone();
+                let ack = self
                     .http
-                    .post(format!("{}/tasks/{id}/ack", awcp_base(executor_url)))
-                    .send()
-                    .await;
+                    .post(format!("{}/tasks/{id}/ack", awcp_base(executor_url)));
+                let _ = with_token(ack, token.as_deref()).send().await;
                 self.transition(live, DelegationEvent::ReceiveDone, Some(done.summary));
                 true
             }
@@ -669,9 +694,15 @@ impl Daemon {
             DelegationEvent::Cancel,
             Some("revoked by the delegator".into()),
         );
-        let executor_url = live.d.lock().record.peer_url.clone();
+        let (executor_url, token) = {
+            let d = live.d.lock();
+            (d.record.peer_url.clone(), d.executor_token.clone())
+        };
         let url = format!("{}/cancel/{id}", executor_url.trim_end_matches('/'));
-        if let Err(e) = self.http.post(&url).send().await {
+        if let Err(e) = with_token(self.http.post(&url), token.as_deref())
+            .send()
+            .await
+        {
             tracing::warn!(error = %e, "telling the executor about the revoke failed; the lease still ends");
         }
         Ok(())
@@ -681,11 +712,11 @@ impl Daemon {
     pub(crate) async fn executor_mount(
         &self,
         executor_url: &str,
+        token: Option<&str>,
         id: &str,
     ) -> Option<serde_json::Value> {
-        let status: awcp_protocol::api::ExecutorStatus = self
-            .http
-            .get(format!("{}/status", awcp_base(executor_url)))
+        let rb = self.http.get(format!("{}/status", awcp_base(executor_url)));
+        let status: awcp_protocol::api::ExecutorStatus = with_token(rb, token)
             .timeout(Duration::from_secs(1))
             .send()
             .await
@@ -714,13 +745,14 @@ impl Daemon {
             code: None,
             hint: None,
         })?;
-        let (state, peer, source, read_only) = {
+        let (state, peer, source, read_only, token) = {
             let d = live.d.lock();
             (
                 d.record.state,
                 d.record.peer_url.clone(),
                 d.source.clone(),
                 d.read_only,
+                d.executor_token.clone(),
             )
         };
         if !state.is_terminal() {
@@ -740,7 +772,8 @@ impl Daemon {
             // Right after a revoke the Executor may still be unmounting: give it a moment.
             let mut tries = 0;
             let resp = loop {
-                let resp = self.http.get(&url).send().await.map_err(|e| {
+                let rb = with_token(self.http.get(&url), token.as_deref());
+                let resp = rb.send().await.map_err(|e| {
                     Refusal::internal(format!("asking the executor for its kept changes: {e}"))
                 })?;
                 if resp.status().as_u16() != 409 || tries >= 50 {
@@ -819,7 +852,9 @@ impl Daemon {
             response.discarded = true;
         }
         // Applied (or discarded): the Executor may drop its copy.
-        let _ = self.http.delete(&url).send().await;
+        let _ = with_token(self.http.delete(&url), token.as_deref())
+            .send()
+            .await;
         self.record(
             &live,
             WatchEvent::State {
@@ -905,14 +940,12 @@ impl Daemon {
                     hint: Some("Renew with `awcp-ctl renew` before the lease ends".into()),
                 });
                 self.transition(&live, DelegationEvent::Expire, Some("lease expired".into()));
-                let _ = self
-                    .http
-                    .post(format!(
-                        "{}/cancel/{id}",
-                        executor_url.trim_end_matches('/')
-                    ))
-                    .send()
-                    .await;
+                let token = live.d.lock().executor_token.clone();
+                let cancel = self.http.post(format!(
+                    "{}/cancel/{id}",
+                    executor_url.trim_end_matches('/')
+                ));
+                let _ = with_token(cancel, token.as_deref()).send().await;
                 return;
             }
             tokio::time::sleep(

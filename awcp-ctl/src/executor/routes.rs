@@ -37,11 +37,38 @@ fn fail(status: StatusCode, msg: impl Into<String>) -> Response {
     (status, Json(ErrorBody { error: msg.into() })).into_response()
 }
 
+/// With a token configured, every route but the message endpoint needs it as a bearer
+/// token (the message endpoint checks INVITE's `auth` itself).
+async fn require_token(
+    State(ex): State<Arc<Executor>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if authorized(&ex, req.headers()) {
+        next.run(req).await
+    } else {
+        unauthorized()
+    }
+}
+
+fn authorized(ex: &Executor, headers: &HeaderMap) -> bool {
+    match &ex.cfg.token {
+        None => true,
+        Some(t) => crate::bearer(headers).is_some_and(|b| crate::same_secret(b, t)),
+    }
+}
+
+fn unauthorized() -> Response {
+    fail(
+        StatusCode::UNAUTHORIZED,
+        "this Executor requires a token: send `Authorization: Bearer <token>` \
+         (awcp-ctl delegate --executor-token)",
+    )
+}
+
 pub(super) fn router(ex: Arc<Executor>) -> Router {
     let limit = ex.cfg.max_body_bytes;
-    Router::new()
-        .route("/awcp", post(message))
-        .route("/awcp/", post(message))
+    let guarded = Router::new()
         .route("/awcp/tasks/{id}/events", get(events))
         .route("/awcp/tasks/{id}/result", get(result))
         .route("/awcp/tasks/{id}/ack", post(ack))
@@ -51,6 +78,14 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
         )
         .route("/awcp/cancel/{id}", post(cancel))
         .route("/awcp/status", get(status))
+        .route_layer(axum::middleware::from_fn_with_state(
+            ex.clone(),
+            require_token,
+        ));
+    Router::new()
+        .route("/awcp", post(message))
+        .route("/awcp/", post(message))
+        .merge(guarded)
         .with_state(ex)
         .fallback(|| async {
             fail(
@@ -61,7 +96,7 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(limit))
 }
 
-async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
+async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Bytes) -> Response {
     let msg = match awcp_protocol::parse_message(&body) {
         Ok(m) => m,
         Err(e) if e.is_unknown_type() => {
@@ -83,8 +118,11 @@ async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
         }
     };
     let id = msg.delegation_id().as_str().to_string();
+    if !matches!(msg, AwcpMessage::Invite(_)) && !authorized(&ex, &headers) {
+        return unauthorized();
+    }
     match msg {
-        AwcpMessage::Invite(inv) => Json(invite(&ex, inv)).into_response(),
+        AwcpMessage::Invite(inv) => Json(invite(&ex, inv, &headers)).into_response(),
         AwcpMessage::Start(start) => {
             // The reference answers an unknown id or a START in the wrong state with 500.
             let Some(a) = ex.tasks.lock().get(&id).cloned() else {
@@ -136,13 +174,28 @@ async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
     }
 }
 
-fn invite(ex: &Executor, inv: InviteMessage) -> AwcpMessage {
+fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage {
     let id = inv.delegation_id.clone();
     let refuse = |code: ErrorCode, message: String, hint: &str| {
         AwcpMessage::Error(
             awcp_protocol::messages::ErrorMessage::new(id.clone(), code, message).with_hint(hint),
         )
     };
+    if let Some(token) = &ex.cfg.token {
+        let given = inv
+            .auth
+            .as_ref()
+            .map(|a| a.credential.as_str())
+            .or_else(|| crate::bearer(headers));
+        if !given.is_some_and(|g| crate::same_secret(g, token)) {
+            return refuse(
+                ErrorCode::AuthFailed,
+                "Authentication failed: this Executor requires a token".into(),
+                "Give the Executor's token as INVITE's auth credential \
+                 (awcp-ctl delegate --executor-token)",
+            );
+        }
+    }
     let max_ttl = ex.cfg.max_ttl.as_secs();
     if inv.lease.ttl_seconds > max_ttl {
         return refuse(
