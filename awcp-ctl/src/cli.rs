@@ -115,6 +115,15 @@ struct ServeArgs {
     /// Longest a lease may live in all, renewals included.
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_lease: Duration,
+    /// `awcpfs` delegations: largest workspace (all files delegated).
+    #[arg(long, default_value = "1024G", value_parser = parse_size)]
+    awcpfs_max_bytes: u64,
+    /// `awcpfs` delegations: most files.
+    #[arg(long, default_value_t = 10_000_000)]
+    awcpfs_max_files: u64,
+    /// `awcpfs` delegations: largest single file.
+    #[arg(long, default_value = "1024G", value_parser = parse_size)]
+    awcpfs_max_file_bytes: u64,
     /// `archive` delegations: largest workspace (all files), e.g. `100M`, `2G`.
     #[arg(long, default_value = "100M", value_parser = parse_size)]
     archive_max_bytes: u64,
@@ -221,12 +230,17 @@ struct DelegateArgs {
     /// (`auto`), keep it until `apply`/`discard` (`staged`), or drop it (`discard`).
     #[arg(long, value_enum, default_value = "auto")]
     snapshot_mode: SnapshotModeArg,
-    /// Only files matching these globs travel (`src/**`, `*.py`; repeatable).
+    /// Only files matching these globs are delegated (`src/**`, `*.py`; repeatable); the
+    /// others are invisible on the Executor.
     #[arg(long)]
     include: Vec<String>,
-    /// Files matching these globs never travel (`target`, `*.log`; repeatable).
+    /// Files matching these globs are never delegated (`target`, `*.log`; repeatable):
+    /// invisible on the mount, refused by the export.
     #[arg(long)]
     exclude: Vec<String>,
+    /// Also leave out what the directory's `.gitignore` lists.
+    #[arg(long)]
+    gitignore: bool,
     /// The Executor's token (its `--token`), sent in INVITE's `auth`.
     #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
     executor_token: Option<String>,
@@ -361,6 +375,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.max_ttl = a.max_ttl;
             cfg.max_lease = a.max_lease;
             cfg.api_token = cli.api_token.clone();
+            cfg.awcpfs_limits = awcp_ctl::archive::ScanLimits {
+                max_total_bytes: a.awcpfs_max_bytes,
+                max_files: a.awcpfs_max_files,
+                max_file_bytes: a.awcpfs_max_file_bytes,
+            };
             cfg.archive_limits = awcp_ctl::archive::ScanLimits {
                 max_total_bytes: a.archive_max_bytes,
                 max_files: a.archive_max_files,
@@ -404,6 +423,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         mode,
                         include: (!a.include.is_empty()).then_some(a.include),
                         exclude: (!a.exclude.is_empty()).then_some(a.exclude),
+                        gitignore: a.gitignore.then_some(true),
                     }],
                 },
                 task: TaskSpec {

@@ -14,6 +14,7 @@
 //!    and tells the Executor with AWCP cancel. Expiry is watched per delegation and handled
 //!    the same way.
 
+mod admission;
 pub mod api;
 mod archive_flow;
 mod flow;
@@ -54,6 +55,9 @@ pub struct DaemonConfig {
     /// Longest a lease may live in all, however often it is renewed (by the Executor on
     /// its own, or with `awcp-ctl renew`).
     pub max_lease: Duration,
+    /// Admission limits of `awcpfs` delegations (nothing is copied up front, so these are
+    /// far larger than the `archive` ones).
+    pub awcpfs_limits: crate::archive::ScanLimits,
     /// Admission limits of `archive` delegations (the whole workspace travels in one
     /// message; default the reference's 100 MB / 10,000 files / 50 MB per file).
     pub archive_limits: crate::archive::ScanLimits,
@@ -79,6 +83,11 @@ impl DaemonConfig {
             flush_grace: Duration::from_secs(10),
             block_size: awcp_protocol::dataplane::DEFAULT_BLOCK_SIZE,
             max_lease: Duration::from_secs(24 * 3600),
+            awcpfs_limits: crate::archive::ScanLimits {
+                max_total_bytes: 1 << 40,
+                max_files: 10_000_000,
+                max_file_bytes: 1 << 40,
+            },
             archive_limits: crate::archive::ScanLimits::REFERENCE,
             snapshot_limits: crate::archive::ScanLimits {
                 max_total_bytes: 4 << 30,

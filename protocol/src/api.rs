@@ -63,6 +63,9 @@ pub struct ResourceSpec {
     /// Globs to exclude (accepted but ignored by the reference).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exclude: Option<Vec<String>>,
+    /// Ours (additive): also exclude what the resource's root `.gitignore` lists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gitignore: Option<bool>,
 }
 
 /// The resources of a delegation, with source paths.

@@ -171,6 +171,7 @@ impl Harness {
                     mode,
                     include: None,
                     exclude: None,
+                    gitignore: None,
                 }],
             },
             task: TaskSpec {

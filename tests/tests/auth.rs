@@ -43,6 +43,7 @@ fn request(
                 mode: AccessMode::Rw,
                 include: None,
                 exclude: None,
+                gitignore: None,
             }],
         },
         task: TaskSpec {

@@ -214,6 +214,7 @@ async fn daemon_setup(h: &Harness, setup: &str, vars: &mut BTreeMap<&str, String
                 mode: AccessMode::Rw,
                 include: None,
                 exclude: None,
+                gitignore: None,
             }],
         },
         task: TaskSpec {

@@ -399,6 +399,7 @@ fn resource(name: &str, dir: &std::path::Path, mode: AccessMode) -> ResourceSpec
         mode,
         include: None,
         exclude: None,
+        gitignore: None,
     }
 }
 

@@ -55,6 +55,7 @@ async fn a_daemon_restart_loses_nothing() {
                 mode: AccessMode::Rw,
                 include: None,
                 exclude: None,
+                gitignore: None,
             }],
         },
         task: TaskSpec {

@@ -69,8 +69,49 @@ impl Filter {
         self.include.is_empty() || self.include.iter().any(|p| glob_path(p, rel))
     }
 
-    fn is_sensitive(&self, rel: &str) -> bool {
+    /// Whether `rel` matches a sensitive pattern.
+    pub fn is_sensitive(&self, rel: &str) -> bool {
         self.sensitive.iter().any(|p| glob_path(p, rel))
+    }
+
+    /// Whether the entry `rel` itself is shown (its parents are checked separately): not
+    /// excluded, and for a file, included and not sensitive. Directories are shown unless
+    /// excluded (include patterns name files).
+    pub fn visible(&self, rel: &str, is_dir: bool) -> bool {
+        if self.excluded(rel) {
+            return false;
+        }
+        is_dir || (self.included(rel) && !self.is_sensitive(rel))
+    }
+
+    /// Add the patterns of `root/.gitignore` to the excludes: blank lines and comments are
+    /// skipped, a leading `/` anchors to the root, a trailing `/` is dropped (the pattern
+    /// then hides files of that name too); negations (`!…`) are not supported and skipped
+    /// with a warning. Nested `.gitignore` files are not read.
+    pub fn add_gitignore(&mut self, root: &Path) {
+        let Ok(text) = std::fs::read_to_string(root.join(".gitignore")) else {
+            return;
+        };
+        for line in text.lines() {
+            let line = line.trim_end();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            if line.starts_with('!') {
+                tracing::warn!(
+                    pattern = line,
+                    "negated .gitignore patterns are not supported; ignored"
+                );
+                continue;
+            }
+            let p = line.strip_suffix('/').unwrap_or(line);
+            // `/build` is anchored: give it a `/` our matcher reads as "from the root".
+            let p = match p.strip_prefix('/') {
+                Some(rest) if !rest.contains('/') => format!("/{rest}"),
+                _ => p.to_string(),
+            };
+            self.exclude.push(p);
+        }
     }
 
     /// Whether `rel` (a file's path from the resource root) travels, ignoring sensitivity.
@@ -91,7 +132,7 @@ pub(crate) fn glob_path(pattern: &str, rel: &str) -> bool {
     let pattern = pattern.trim_start_matches("./");
     let pattern = pattern.strip_suffix('/').unwrap_or(pattern);
     let path: Vec<&str> = rel.split('/').collect();
-    if !pattern.contains('/') {
+    if !pattern.contains('/') || pattern.is_empty() {
         return path.last().is_some_and(|name| glob_name(pattern, name));
     }
     let pat: Vec<&str> = pattern.trim_start_matches('/').split('/').collect();
@@ -293,5 +334,32 @@ mod tests {
         let f = Filter::new(vec!["src/**".into()], vec![]);
         assert!(f.passes("src/main.rs"));
         assert!(!f.passes("README.md"));
+        let f = Filter::new(vec!["*.py".into()], vec!["build".into()]);
+        assert!(
+            f.visible("pkg", true),
+            "directories are shown for include patterns"
+        );
+        assert!(f.visible("pkg/a.py", false));
+        assert!(!f.visible("pkg/README", false));
+        assert!(!f.visible("build", true));
+        assert!(!f.visible(".env", false), "sensitive");
+    }
+
+    #[test]
+    fn gitignore_patterns_become_excludes() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(
+            tmp.path().join(".gitignore"),
+            "# comment\n\ntarget/\n/out\n*.log\n!keep.log\ndocs/*.tmp\n",
+        )
+        .unwrap();
+        let mut f = Filter::new(vec![], vec![]);
+        f.add_gitignore(tmp.path());
+        assert!(!f.passes("target/debug/x"));
+        assert!(!f.passes("out/a"));
+        assert!(f.passes("sub/out/a"), "`/out` is anchored to the root");
+        assert!(!f.passes("a/b.log"));
+        assert!(!f.passes("docs/x.tmp"));
+        assert!(f.passes("src/main.rs"));
     }
 }

@@ -22,7 +22,7 @@ use awcp_protocol::{DelegationId, ErrorCode, TransportType};
 
 use super::flow::{Handle, NewDelegation, Refusal};
 use super::{Daemon, Live};
-use crate::archive::{self, ApplyReport, ApplyTarget, BaseManifest, Filter, SourceResource};
+use crate::archive::{self, ApplyReport, ApplyTarget, BaseManifest, SourceResource};
 use crate::watch::WatchEvent;
 
 const BASE_FILE: &str = "base.json";
@@ -84,12 +84,8 @@ impl Daemon {
             super::flow::check_dir(&root)?;
             sources.push(SourceResource {
                 name: r.name.clone(),
+                filter: self.resource_filter(r, &root),
                 root,
-                filter: Filter {
-                    include: r.include.clone().unwrap_or_default(),
-                    exclude: r.exclude.clone().unwrap_or_default(),
-                    sensitive: self.cfg.sensitive.clone(),
-                },
             });
         }
         let limits = self.cfg.archive_limits;
@@ -106,11 +102,7 @@ impl Daemon {
                          or the awcpfs transport."
                     )),
                 },
-                archive::ArchiveError::Sensitive { .. } => Refusal::bad(
-                    ErrorCode::SensitiveFiles,
-                    e.to_string(),
-                    "Remove or exclude sensitive files before delegating",
-                ),
+                archive::ArchiveError::Sensitive { files } => super::admission::sensitive(files),
                 _ => Refusal::bad(
                     ErrorCode::WorkspaceInvalid,
                     format!("cannot pack the workspace: {e}"),

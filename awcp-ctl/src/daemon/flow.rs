@@ -177,26 +177,37 @@ impl Daemon {
             block_size: self.cfg.block_size,
             staging_dir,
         };
+        let (filter, hits) =
+            super::admission::export_filter(self.resource_filter(resource, &source), true);
         let exports = self.exports.clone();
         let (eid, etoken, elease) = (id.as_str().to_string(), token.clone(), lease.clone());
-        let export =
-            tokio::task::spawn_blocking(move || exports.register(eid, etoken, export_cfg, elease))
-                .await
-                .map_err(|e| Refusal::internal(format!("building the manifest panicked: {e}")))?
-                .map_err(|e| {
-                    let hint = match &e {
-                        awcpfs::export::ExportError::StagingInsideRoot { .. } => {
-                            "The daemon's --state-dir is inside the workspace; restart \
+        let export = tokio::task::spawn_blocking(move || {
+            exports.register_filtered(eid, etoken, export_cfg, elease, Some(filter))
+        })
+        .await
+        .map_err(|e| Refusal::internal(format!("building the manifest panicked: {e}")))?
+        .map_err(|e| {
+            let hint = match &e {
+                awcpfs::export::ExportError::StagingInsideRoot { .. } => {
+                    "The daemon's --state-dir is inside the workspace; restart \
                              `awcp-ctl serve` with a --state-dir outside it"
-                        }
-                        _ => "Check that the workspace is a readable directory",
-                    };
-                    Refusal::bad(
-                        ErrorCode::WorkspaceInvalid,
-                        format!("cannot export {}: {e}", source.display()),
-                        hint,
-                    )
-                })?;
+                }
+                _ => "Check that the workspace is a readable directory",
+            };
+            Refusal::bad(
+                ErrorCode::WorkspaceInvalid,
+                format!("cannot export {}: {e}", source.display()),
+                hint,
+            )
+        })?;
+        let admitted = match hits.take().as_slice() {
+            [] => super::admission::check_limits(export.manifest(), &self.cfg.awcpfs_limits),
+            files => Err(super::admission::sensitive(files)),
+        };
+        if let Err(refusal) = admitted {
+            self.exports.remove(id.as_str());
+            return Err(refusal);
+        }
         let handle = Handle::Awcpfs(export.clone());
         self.launch(
             req,
@@ -819,6 +830,10 @@ impl Daemon {
                 .join(format!("collect-{id}"));
             let block_size = self.cfg.block_size;
             let cid = format!("collect-{id}");
+            let resource = live.d.lock().record.environment.resources.first().cloned();
+            let filter = resource.map(|r| {
+                super::admission::export_filter(self.resource_filter(&r, &source), false).0
+            });
             let result = tokio::task::spawn_blocking(move || {
                 let lease = Arc::new(Lease::grant(
                     Arc::new(SystemClock::new()),
@@ -835,7 +850,7 @@ impl Daemon {
                     staging_dir: staging,
                 };
                 let export = exports
-                    .register(cid.clone(), crate::random_token(), cfg, lease)
+                    .register_filtered(cid.clone(), crate::random_token(), cfg, lease, filter)
                     .map_err(|e| e.to_string())?;
                 let r = export
                     .apply_bundle(&changes, &blocks)
@@ -1003,9 +1018,16 @@ impl Daemon {
                     block_size: self.cfg.block_size,
                     staging_dir: self.cfg.state_dir.join("staging").join(&id),
                 };
+                // The same filter as when it was delegated: what was hidden stays hidden.
+                let filter = d.record.environment.resources.first().map(|r| {
+                    super::admission::export_filter(self.resource_filter(r, &d.source), false).0
+                });
                 let exports = self.exports.clone();
                 let (eid, tok, l) = (d.export_id.clone(), d.token.clone(), lease.clone());
-                match tokio::task::spawn_blocking(move || exports.register(eid, tok, cfg, l)).await
+                match tokio::task::spawn_blocking(move || {
+                    exports.register_filtered(eid, tok, cfg, l, filter)
+                })
+                .await
                 {
                     Ok(Ok(e)) => export = Some(e),
                     Ok(Err(e)) => tracing::warn!(error = %e, %id, "cannot restore export"),

@@ -46,6 +46,7 @@ pub(crate) struct ManifestParams {
     pub(crate) export_id: String,
     pub(crate) block_size: u32,
     pub(crate) read_only: bool,
+    pub(crate) filter: Option<super::PathFilter>,
 }
 
 /// Walk the tree below `root` and build its manifest and block index (blocking IO).
@@ -55,6 +56,7 @@ pub(crate) fn build(root: &RootDir, params: &ManifestParams) -> io::Result<Built
         block_size: params.block_size,
         entries: Vec::new(),
         index: BlockIndex::default(),
+        filter: params.filter.clone(),
     };
     let dir = Dir::openat(root.fd(), ".", dir_flags(), Mode::empty())?;
     walker.walk_dir(dir, "", 0)?;
@@ -129,6 +131,7 @@ pub(crate) fn hash_blocks(mut reader: impl Read, block_size: u32) -> io::Result<
 }
 
 struct Walker {
+    filter: Option<super::PathFilter>,
     block_size: u32,
     entries: Vec<ManifestEntry>,
     index: BlockIndex,
@@ -172,6 +175,11 @@ impl Walker {
 
     fn visit(&mut self, dir: &Dir, name: &str, rel: &str, depth: usize) -> io::Result<()> {
         let st = fstatat(dir.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW)?;
+        // Hidden paths are left out (parents were checked on the way down).
+        let is_dir = NodeKind::of(&st) == NodeKind::Dir;
+        if self.filter.as_ref().is_some_and(|f| !(f.0)(rel, is_dir)) {
+            return Ok(());
+        }
         match NodeKind::of(&st) {
             NodeKind::Dir => {
                 if depth + 1 >= MAX_DEPTH {
