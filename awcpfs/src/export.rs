@@ -59,7 +59,10 @@ pub const RECENT_CONFLICTS: usize = 32;
 /// whether it is a directory, `true` when it is visible. A hidden directory is not entered.
 /// Hidden paths are left out of the manifest (so never served) and refused in commits.
 #[derive(Clone)]
-pub struct PathFilter(pub Arc<dyn Fn(&str, bool) -> bool + Send + Sync>);
+pub struct PathFilter(pub Arc<PathPredicate>);
+
+/// `(path, is_dir) -> visible`.
+pub type PathPredicate = dyn Fn(&str, bool) -> bool + Send + Sync;
 
 impl std::fmt::Debug for PathFilter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
