@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 use zip::write::SimpleFileOptions;
 
-pub use apply::{ApplyReport, ApplyTarget, apply, changed_files};
+pub use apply::{ApplyReport, ApplyTarget, Change, FileChange, apply, changed_files, diff};
 pub use walk::{Filter, ScanLimits};
 
 /// The sensitive-file patterns of the reference (basename globs): refused by admission.

@@ -91,6 +91,37 @@ enum Command {
         /// Delegation id.
         id: String,
     },
+    /// List the snapshots an `archive` Executor sent back for a delegation.
+    Snapshots {
+        /// Delegation id.
+        id: String,
+    },
+    /// Show what a kept snapshot changes (A added, M modified, D deleted), relative to what
+    /// was sent.
+    Diff {
+        /// Delegation id.
+        id: String,
+        /// Snapshot id; default the newest pending one.
+        #[arg(long)]
+        snapshot: Option<String>,
+    },
+    /// Apply a kept snapshot to the workspace, file by file: files changed on both sides
+    /// stay as they are here, with the Executor's version kept beside them.
+    Apply {
+        /// Delegation id.
+        id: String,
+        /// Snapshot id; default the newest pending one.
+        #[arg(long)]
+        snapshot: Option<String>,
+    },
+    /// Drop a kept snapshot.
+    Discard {
+        /// Delegation id.
+        id: String,
+        /// Snapshot id; default the newest pending one.
+        #[arg(long)]
+        snapshot: Option<String>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -583,6 +614,86 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Watch { id } => follow(&client, &id, cli.json).await,
+        Command::Snapshots { id } => {
+            let list = client.snapshots(&id).await?;
+            if cli.json {
+                for s in &list.snapshots {
+                    println!("{}", serde_json::to_string(s)?);
+                }
+            } else if list.snapshots.is_empty() {
+                println!("{id} has no snapshots (awcpfs delegations write back live)");
+            } else {
+                for s in &list.snapshots {
+                    let n = s
+                        .metadata
+                        .as_ref()
+                        .and_then(|m| m.changed_files.as_ref())
+                        .map(Vec::len)
+                        .unwrap_or(0);
+                    println!(
+                        "{}  {:<9} {} changed file(s)  {}",
+                        s.id,
+                        format!("{:?}", s.status).to_lowercase(),
+                        n,
+                        s.summary
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Diff { id, snapshot } => {
+            let sid = client.pick_snapshot(&id, snapshot).await?;
+            let d = client.diff(&id, &sid).await?;
+            for f in &d.files {
+                if cli.json {
+                    println!("{}", serde_json::to_string(f)?);
+                } else {
+                    let c = match f.change {
+                        awcp_ctl::archive::Change::Added => 'A',
+                        awcp_ctl::archive::Change::Modified => 'M',
+                        awcp_ctl::archive::Change::Deleted => 'D',
+                    };
+                    println!("{c} {}", f.path);
+                }
+            }
+            if !cli.json && d.files.is_empty() {
+                println!("snapshot {sid} changes nothing");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Apply { id, snapshot } => {
+            let sid = client.pick_snapshot(&id, snapshot).await?;
+            let r = client.apply(&id, &sid).await?;
+            if cli.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "applied {sid}: {} file(s) written, {} deleted, {} conflict(s)",
+                    r.report.written.len(),
+                    r.report.deleted.len(),
+                    r.report.conflicts.len()
+                );
+                for c in &r.report.conflicts {
+                    println!(
+                        "  conflict at {}: {} (executor's version: {})",
+                        c.path,
+                        c.reason,
+                        c.kept_as.as_deref().unwrap_or("not kept")
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Discard { id, snapshot } => {
+            let sid = client.pick_snapshot(&id, snapshot).await?;
+            client.discard(&id, &sid).await?;
+            if cli.json {
+                println!("{}", serde_json::json!({"ok": true, "snapshotId": sid}));
+            } else {
+                println!("discarded {sid}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

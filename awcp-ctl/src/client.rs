@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use awcp_protocol::api::{ApiError, DelegateRequest, DelegateResponse, DelegationList, OkResponse};
+use awcp_protocol::api::{
+    ApiError, DelegateRequest, DelegateResponse, DelegationList, OkResponse, SnapshotList,
+};
 
 use crate::daemon::api::{DelegationView, RenewRequest, RenewResponse, RevokeRequest};
 use crate::sse::SseReader;
@@ -156,6 +158,68 @@ impl DaemonClient {
                 .json(&RenewRequest { ttl_seconds }),
         )
         .await
+    }
+
+    /// `GET /delegation/:id/snapshots`.
+    pub async fn snapshots(&self, id: &str) -> Result<SnapshotList, ClientError> {
+        self.send(self.get_(&format!("/delegation/{id}/snapshots")))
+            .await
+    }
+
+    /// Ours: `GET /delegation/:id/snapshots/:sid/diff`.
+    pub async fn diff(
+        &self,
+        id: &str,
+        sid: &str,
+    ) -> Result<crate::daemon::api::DiffResponse, ClientError> {
+        self.send(self.get_(&format!("/delegation/{id}/snapshots/{sid}/diff")))
+            .await
+    }
+
+    /// `POST /delegation/:id/snapshots/:sid/apply`.
+    pub async fn apply(
+        &self,
+        id: &str,
+        sid: &str,
+    ) -> Result<crate::daemon::api::ApplyResponse, ClientError> {
+        self.send(self.post_(&format!("/delegation/{id}/snapshots/{sid}/apply")))
+            .await
+    }
+
+    /// `POST /delegation/:id/snapshots/:sid/discard`.
+    pub async fn discard(&self, id: &str, sid: &str) -> Result<OkResponse, ClientError> {
+        self.send(self.post_(&format!("/delegation/{id}/snapshots/{sid}/discard")))
+            .await
+    }
+
+    /// The snapshot `sid`, or the newest pending one of `id`.
+    pub async fn pick_snapshot(
+        &self,
+        id: &str,
+        sid: Option<String>,
+    ) -> Result<String, ClientError> {
+        if let Some(s) = sid {
+            return Ok(s);
+        }
+        let list = self.snapshots(id).await?;
+        list.snapshots
+            .iter()
+            .rev()
+            .find(|s| s.status == awcp_protocol::api::SnapshotStatus::Pending)
+            .map(|s| s.id.clone())
+            .ok_or_else(|| ClientError::Refused {
+                status: 404,
+                body: ApiError {
+                    error: format!("delegation {id} has no pending snapshot"),
+                    code: None,
+                    hint: Some(
+                        "Only archive delegations with --snapshot-mode staged keep snapshots; \
+                         `awcp-ctl snapshots <id>` lists them"
+                            .into(),
+                    ),
+                    known_delegations: None,
+                },
+            })
     }
 
     /// Follow `GET /delegation/:id/events`, calling `f` for each event until a terminal one

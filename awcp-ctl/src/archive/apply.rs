@@ -256,14 +256,36 @@ fn merge(
     Ok(report)
 }
 
-/// The paths a snapshot changes relative to what was sent (`<resource>/<path>`), for
-/// `metadata.changedFiles` and `awcp-ctl diff`.
-pub fn changed_files(
+/// How a snapshot changes one file relative to what was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Change {
+    /// Not sent; in the snapshot.
+    Added,
+    /// Sent; different in the snapshot.
+    Modified,
+    /// Sent; not in the snapshot.
+    Deleted,
+}
+
+/// One changed file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FileChange {
+    /// `<resource>/<path>`.
+    pub path: String,
+    /// How.
+    pub change: Change,
+}
+
+/// What a snapshot changes relative to what was sent, sorted by path (resources the
+/// snapshot has no directory for are left out, as [`apply`] leaves them alone).
+pub fn diff(
     snapshot: &[u8],
     base: &BaseManifest,
     scratch: &Path,
     limits: &ScanLimits,
-) -> Result<Vec<String>, ArchiveError> {
+) -> Result<Vec<FileChange>, ArchiveError> {
     let unpacked = scratch.join(format!("diff-{}", crate::random_token()));
     let _ = std::fs::create_dir_all(scratch);
     let result = super::extract(snapshot, &unpacked, limits).and_then(|_| {
@@ -275,19 +297,40 @@ pub fn changed_files(
             }
             let (files, _) = snapshot_tree(&dir)?;
             for (rel, src) in &files {
-                if sent.get(rel) != Some(&file_sha256(src)?) {
-                    out.push(format!("{name}/{rel}"));
-                }
+                let change = match sent.get(rel) {
+                    None => Change::Added,
+                    Some(h) if *h != file_sha256(src)? => Change::Modified,
+                    Some(_) => continue,
+                };
+                out.push(FileChange {
+                    path: format!("{name}/{rel}"),
+                    change,
+                });
             }
-            for rel in sent.keys() {
-                if !files.contains_key(rel) {
-                    out.push(format!("{name}/{rel}"));
-                }
+            for rel in sent.keys().filter(|r| !files.contains_key(*r)) {
+                out.push(FileChange {
+                    path: format!("{name}/{rel}"),
+                    change: Change::Deleted,
+                });
             }
         }
-        out.sort();
+        out.sort_by(|a, b| a.path.cmp(&b.path));
         Ok(out)
     });
     let _ = std::fs::remove_dir_all(&unpacked);
     result
+}
+
+/// The paths a snapshot changes relative to what was sent (`<resource>/<path>`), for
+/// `metadata.changedFiles`.
+pub fn changed_files(
+    snapshot: &[u8],
+    base: &BaseManifest,
+    scratch: &Path,
+    limits: &ScanLimits,
+) -> Result<Vec<String>, ArchiveError> {
+    Ok(diff(snapshot, base, scratch, limits)?
+        .into_iter()
+        .map(|c| c.path)
+        .collect())
 }

@@ -154,6 +154,7 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
             "/delegation/{id}/snapshots/{sid}/discard",
             post(discard_snapshot),
         )
+        .route("/delegation/{id}/snapshots/{sid}/diff", get(diff_snapshot))
         .route("/delegation/{id}/revoke", post(revoke))
         .route("/delegation/{id}/renew", post(renew))
         .route("/delegation/{id}/events", get(events))
@@ -356,6 +357,22 @@ async fn apply_snapshot(
 ) -> Result<Json<ApplyResponse>, ApiFailure> {
     let report = d.apply_snapshot(&id, &sid).await?;
     Ok(Json(ApplyResponse { ok: true, report }))
+}
+
+/// `GET /delegation/:id/snapshots/:sid/diff` answer (ours).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DiffResponse {
+    /// Changed files, by path.
+    pub files: Vec<crate::archive::FileChange>,
+}
+
+async fn diff_snapshot(
+    State(d): State<Arc<Daemon>>,
+    Path((id, sid)): Path<(String, String)>,
+) -> Result<Json<DiffResponse>, ApiFailure> {
+    let files = d.diff_snapshot(&id, &sid).await?;
+    Ok(Json(DiffResponse { files }))
 }
 
 async fn discard_snapshot(

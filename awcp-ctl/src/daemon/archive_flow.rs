@@ -361,6 +361,40 @@ impl Daemon {
         Ok(report)
     }
 
+    /// Ours: `GET /delegation/:id/snapshots/:sid/diff`: what a kept snapshot changes
+    /// relative to what was sent.
+    pub(crate) async fn diff_snapshot(
+        &self,
+        id: &str,
+        sid: &str,
+    ) -> Result<Vec<archive::FileChange>, Refusal> {
+        let live = self
+            .get_live(id)
+            .ok_or_else(|| plain(404, format!("Unknown delegation: {id}")))?;
+        let snap = Self::snapshot_of(&live, sid)
+            .ok_or_else(|| plain(404, format!("Snapshot not found: {sid}")))?;
+        let path = snap.local_path.ok_or_else(|| {
+            plain(
+                404,
+                format!("Snapshot {sid} is not kept (it was applied at once, or discarded)"),
+            )
+        })?;
+        let dir = self.archive_dir(id);
+        let limits = self.cfg.snapshot_limits;
+        tokio::task::spawn_blocking(move || {
+            let zip =
+                std::fs::read(&path).map_err(|e| plain(500, format!("reading {path}: {e}")))?;
+            let base: BaseManifest = std::fs::read(dir.join(BASE_FILE))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            archive::diff(&zip, &base, &dir.join("scratch"), &limits)
+                .map_err(|e| plain(500, format!("reading the snapshot: {e}")))
+        })
+        .await
+        .map_err(|e| Refusal::internal(format!("diff panicked: {e}")))?
+    }
+
     /// `POST /delegation/:id/snapshots/:sid/discard`.
     pub(crate) fn discard_snapshot(&self, id: &str, sid: &str) -> Result<(), Refusal> {
         let live = self.get_live(id).ok_or_else(|| not_found(id))?;

@@ -137,6 +137,18 @@ impl Daemon {
         if req.transport == Some(TransportType::Archive) {
             return self.delegate_archive(req).await;
         }
+        if matches!(
+            req.snapshot_mode,
+            Some(SnapshotMode::Staged | SnapshotMode::Discard)
+        ) {
+            return Err(Refusal::bad(
+                ErrorCode::WorkspaceInvalid,
+                "snapshotMode staged/discard needs the archive transport: awcpfs writes the \
+                 Executor's changes back live"
+                    .into(),
+                "Use transport \"archive\", or snapshotMode \"auto\" (the default)",
+            ));
+        }
         let [resource] = req.environment.resources.as_slice() else {
             return Err(Refusal::bad(
                 ErrorCode::WorkspaceInvalid,
