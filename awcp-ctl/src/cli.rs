@@ -91,6 +91,26 @@ enum Command {
         /// Delegation id.
         id: String,
     },
+    /// Run the next round of an idle multi-round delegation (`delegate --multi-round`), on
+    /// the same workspace.
+    Continue {
+        /// Delegation id.
+        id: String,
+        /// What to do in this round.
+        #[arg(long)]
+        task: String,
+        /// A longer prompt, if different from --task.
+        #[arg(long)]
+        prompt: Option<String>,
+        /// Follow the round until the delegation is idle again or ends.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// End an idle multi-round delegation: it completes.
+    Close {
+        /// Delegation id.
+        id: String,
+    },
     /// List the snapshots an `archive` Executor sent back for a delegation.
     Snapshots {
         /// Delegation id.
@@ -272,6 +292,10 @@ struct DelegateArgs {
     /// Also leave out what the directory's `.gitignore` lists.
     #[arg(long)]
     gitignore: bool,
+    /// A multi-round session: after the task the delegation waits, idle, with the
+    /// workspace still mounted, for `awcp-ctl continue <id> --task …` or `awcp-ctl close`.
+    #[arg(long)]
+    multi_round: bool,
     /// The Executor's token (its `--token`), sent in INVITE's `auth`.
     #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
     executor_token: Option<String>,
@@ -474,6 +498,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     metadata: None,
                 }),
                 transport: Some(transport_of(a.transport)),
+                multi_round: a.multi_round.then_some(true),
             };
             let resp = client.delegate(&req).await?;
             let id = resp.delegation_id.as_str().to_string();
@@ -485,7 +510,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if !a.wait {
                 return Ok(ExitCode::SUCCESS);
             }
-            follow(&client, &id, cli.json).await
+            follow(&client, &id, cli.json, 1).await
         }
         Command::Status { id: Some(id) } => {
             let v = client.get(&id).await?;
@@ -613,7 +638,38 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Watch { id } => follow(&client, &id, cli.json).await,
+        Command::Watch { id } => follow(&client, &id, cli.json, usize::MAX).await,
+        Command::Continue {
+            id,
+            task,
+            prompt,
+            wait,
+        } => {
+            let spec = TaskSpec {
+                description: task.clone(),
+                prompt: prompt.unwrap_or(task),
+            };
+            let r = client.continue_round(&id, &spec).await?;
+            let round = r.round.unwrap_or(0);
+            if cli.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("round {round} of {id} started");
+            }
+            if !wait {
+                return Ok(ExitCode::SUCCESS);
+            }
+            follow(&client, &id, cli.json, round as usize).await
+        }
+        Command::Close { id } => {
+            client.close(&id).await?;
+            if cli.json {
+                println!("{}", serde_json::json!({"ok": true, "delegationId": id}));
+            } else {
+                println!("closed {id}: the delegation is completed");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Snapshots { id } => {
             let list = client.snapshots(&id).await?;
             if cli.json {
@@ -697,19 +753,54 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-async fn follow(client: &DaemonClient, id: &str, json: bool) -> anyhow::Result<ExitCode> {
+/// Follow a delegation until it ends, or until it is idle for the `idle_at`-th time (the
+/// end of that round of a multi-round session).
+async fn follow(
+    client: &DaemonClient,
+    id: &str,
+    json: bool,
+    idle_at: usize,
+) -> anyhow::Result<ExitCode> {
+    let mut idles = 0;
     let last = client
-        .watch(id, |ev: &WatchEvent| {
-            if json {
-                if let Ok(s) = serde_json::to_string(ev) {
-                    println!("{s}");
+        .watch_until(
+            id,
+            |ev: &WatchEvent| {
+                if json {
+                    if let Ok(s) = serde_json::to_string(ev) {
+                        println!("{s}");
+                    }
+                } else {
+                    println!("{}", ev.describe());
                 }
-            } else {
-                println!("{}", ev.describe());
-            }
-        })
+            },
+            |ev| {
+                if matches!(
+                    ev,
+                    WatchEvent::State {
+                        state: DelegationState::Idle,
+                        ..
+                    }
+                ) {
+                    idles += 1;
+                }
+                ev.is_terminal() || idles >= idle_at
+            },
+        )
         .await?;
     match last {
+        Some(WatchEvent::State {
+            state: DelegationState::Idle,
+            ..
+        }) => {
+            if !json {
+                println!(
+                    "{id} is idle: `awcp-ctl continue {id} --task …` runs the next round, \
+                     `awcp-ctl close {id}` ends it"
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Some(WatchEvent::State { state, .. }) => {
             if !json {
                 let v = client.get(id).await?;

@@ -160,6 +160,25 @@ impl DaemonClient {
         .await
     }
 
+    /// `POST /delegation/:id/continue`.
+    pub async fn continue_round(
+        &self,
+        id: &str,
+        task: &awcp_protocol::messages::TaskSpec,
+    ) -> Result<awcp_protocol::api::ContinueResponse, ClientError> {
+        self.send(
+            self.post_(&format!("/delegation/{id}/continue"))
+                .json(&serde_json::json!({ "task": task })),
+        )
+        .await
+    }
+
+    /// `POST /delegation/:id/close`.
+    pub async fn close(&self, id: &str) -> Result<OkResponse, ClientError> {
+        self.send(self.post_(&format!("/delegation/{id}/close")))
+            .await
+    }
+
     /// `GET /delegation/:id/snapshots`.
     pub async fn snapshots(&self, id: &str) -> Result<SnapshotList, ClientError> {
         self.send(self.get_(&format!("/delegation/{id}/snapshots")))
@@ -227,7 +246,17 @@ impl DaemonClient {
     pub async fn watch(
         &self,
         id: &str,
+        f: impl FnMut(&WatchEvent),
+    ) -> Result<Option<WatchEvent>, ClientError> {
+        self.watch_until(id, f, |ev| ev.is_terminal()).await
+    }
+
+    /// Like [`watch`](Self::watch), stopping at the first event `stop` accepts (returned).
+    pub async fn watch_until(
+        &self,
+        id: &str,
         mut f: impl FnMut(&WatchEvent),
+        mut stop: impl FnMut(&WatchEvent) -> bool,
     ) -> Result<Option<WatchEvent>, ClientError> {
         let resp = self
             .get_(&format!("/delegation/{id}/events"))
@@ -258,7 +287,7 @@ impl DaemonClient {
                 continue;
             };
             f(&ev);
-            if ev.is_terminal() {
+            if stop(&ev) {
                 return Ok(Some(ev));
             }
         }

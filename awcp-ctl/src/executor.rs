@@ -105,6 +105,15 @@ pub(crate) struct Assignment {
     pub(crate) result: Mutex<Option<TaskResultResponse>>,
     pub(crate) cancel: tokio::sync::Notify,
     pub(crate) mount: Mutex<Option<awcpfs::mount::Mount>>,
+    /// INVITE asked for a multi-round session (`multiRound`, ours).
+    pub(crate) multi_round: bool,
+    /// The round running or last finished (1 for START's).
+    pub(crate) round: std::sync::atomic::AtomicU32,
+    /// The current round's task (INVITE's, then each CONTINUE's).
+    pub(crate) task: Mutex<awcp_protocol::messages::TaskSpec>,
+    /// CONTINUE and CLOSE, to the task's runner.
+    pub(crate) rounds_tx: tokio::sync::mpsc::UnboundedSender<task::RoundCmd>,
+    pub(crate) rounds_rx: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<task::RoundCmd>>>,
 }
 
 /// The service state.

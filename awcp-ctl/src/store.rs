@@ -38,6 +38,9 @@ pub struct StoredDelegation {
     /// `auth` and as a bearer token on every other request to the Executor.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub executor_token: Option<String>,
+    /// The delegation asked for a multi-round session.
+    #[serde(default)]
+    pub multi_round: bool,
 }
 
 fn default_transport() -> TransportType {

@@ -2,7 +2,7 @@
 //! --wait`, then `snapshots`, `diff`, `apply`, `discard`, with and without `--json`.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 const BIN: &str = env!("CARGO_BIN_EXE_awcp-ctl");

@@ -114,6 +114,10 @@ pub struct DelegateRequest {
     /// that speaks only the reference protocol).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport: Option<crate::transport::TransportType>,
+    /// Ours (additive): a multi-round session; after each round the delegation is `idle`
+    /// until `POST /delegation/:id/continue` or `…/close`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multi_round: Option<bool>,
 }
 
 /// `POST /delegate` 200 body. The reference answers only after INVITE, ACCEPT and START.

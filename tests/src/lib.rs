@@ -183,6 +183,7 @@ impl Harness {
             snapshot_mode: None,
             auth: None,
             transport: None,
+            multi_round: None,
         };
         self.client
             .delegate(&req)

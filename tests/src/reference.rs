@@ -47,6 +47,9 @@ pub struct RefState {
     pub proceed: Notify,
     /// Whether to wait for [`RefState::proceed`].
     pub hold: bool,
+    /// Behave as the reference's multi-round branch: end the task with `round_done` and
+    /// send `done` only after CLOSE.
+    pub rounds: std::sync::atomic::AtomicBool,
 }
 
 /// A running stand-in Executor.
@@ -69,6 +72,7 @@ impl RefExecutor {
             cancels: Mutex::new(Vec::new()),
             proceed: Notify::new(),
             hold,
+            rounds: Default::default(),
         });
         let app = axum::Router::new()
             .route("/awcp", post(message))
@@ -137,6 +141,16 @@ async fn message(State(st): State<Arc<RefState>>, Json(body): Json<Value>) -> Re
             tokio::spawn(async move { run(st2, id, handle, tx).await });
             Json(json!({"ok": true})).into_response()
         }
+        "CLOSE" if st.rounds.load(std::sync::atomic::Ordering::SeqCst) => {
+            if let Some(t) = st.tasks.lock().unwrap().get(&id) {
+                let _ = t.tx.send(event(
+                    &id,
+                    "done",
+                    json!({"summary": "Session closed by delegator"}),
+                ));
+            }
+            Json(json!({"ok": true})).into_response()
+        }
         other => (
             StatusCode::INTERNAL_SERVER_ERROR,
             Json(json!({"error": format!("Unexpected message type: {other}")})),
@@ -194,12 +208,19 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
         json!({"snapshotId": "snap_1a2b3c4d5e6f", "summary": "did the work",
                "snapshotBase64": snapshot, "recommended": true}),
     ));
-    let _ = tx.send(event(
-        &id,
-        "done",
+    let end = if st.rounds.load(std::sync::atomic::Ordering::SeqCst) {
+        json!({"round": 1, "summary": "did the work", "snapshotIds": ["snap_1a2b3c4d5e6f"],
+               "recommendedSnapshotId": "snap_1a2b3c4d5e6f"})
+    } else {
         json!({"summary": "did the work", "highlights": ["workspace/a.txt"],
-               "snapshotIds": ["snap_1a2b3c4d5e6f"], "recommendedSnapshotId": "snap_1a2b3c4d5e6f"}),
-    ));
+               "snapshotIds": ["snap_1a2b3c4d5e6f"], "recommendedSnapshotId": "snap_1a2b3c4d5e6f"})
+    };
+    let kind = if st.rounds.load(std::sync::atomic::Ordering::SeqCst) {
+        "round_done"
+    } else {
+        "done"
+    };
+    let _ = tx.send(event(&id, kind, end));
 }
 
 async fn events(State(st): State<Arc<RefState>>, UrlPath(id): UrlPath<String>) -> Response {

@@ -40,6 +40,7 @@ fn request(
         snapshot_mode: None,
         auth: None,
         transport: None,
+        multi_round: None,
     }
 }
 

@@ -59,6 +59,7 @@ fn request(
             metadata: None,
         }),
         transport: Some(transport),
+        multi_round: None,
     }
 }
 

@@ -388,6 +388,7 @@ fn archive_request(
         snapshot_mode: Some(snapshot_mode),
         auth: None,
         transport: Some(TransportType::Archive),
+        multi_round: None,
     }
 }
 

@@ -67,6 +67,7 @@ async fn a_daemon_restart_loses_nothing() {
         snapshot_mode: None,
         auth: None,
         transport: None,
+        multi_round: None,
     };
     let id = client.delegate(&req).await.unwrap().delegation_id;
     let id = id.as_str().to_string();

@@ -132,9 +132,14 @@ fn snapshot_tree(
 /// Delegator owns outside every resource (the snapshot is unpacked there first, with the
 /// checks of [`extract`](super::extract)); `tag` names conflict copies. A resource whose
 /// directory the snapshot lacks is left alone, as the reference does.
+///
+/// `base` becomes the snapshot's content for every resource merged, so the next snapshot
+/// of a multi-round session is compared with what the Executor had, not with the first
+/// send (a conflict kept here is then not reported again unless the Executor changes that
+/// file again).
 pub fn apply(
     snapshot: &[u8],
-    base: &BaseManifest,
+    base: &mut BaseManifest,
     targets: &[ApplyTarget],
     scratch: &Path,
     tag: &str,
@@ -150,7 +155,7 @@ pub fn apply(
 
 fn merge(
     unpacked: &Path,
-    base: &BaseManifest,
+    base: &mut BaseManifest,
     targets: &[ApplyTarget],
     tag: &str,
 ) -> Result<ApplyReport, ArchiveError> {
@@ -161,7 +166,9 @@ fn merge(
         if !dir.is_dir() {
             continue;
         }
-        let sent = base.get(&t.name).unwrap_or(&empty);
+        let sent = base.get(&t.name).unwrap_or(&empty).clone();
+        let sent = &sent;
+        let mut now_theirs = BTreeMap::new();
         let (files, dirs) = snapshot_tree(&dir)?;
         let shown = |rel: &str| format!("{}/{rel}", t.name);
         let mut conflict = |rel: &str, reason: &str, kept: Option<&Path>| {
@@ -183,6 +190,7 @@ fn merge(
         let mut written = Vec::new();
         for (rel, src) in &files {
             let theirs = file_sha256(src)?;
+            now_theirs.insert(rel.clone(), theirs.clone());
             let was = sent.get(rel);
             match local_state(&t.root, rel)? {
                 Local::File(ours) if ours == theirs => {}
@@ -252,6 +260,7 @@ fn merge(
                 let _ = std::fs::remove_dir(t.root.join(&d));
             }
         }
+        base.insert(t.name.clone(), now_theirs);
     }
     Ok(report)
 }

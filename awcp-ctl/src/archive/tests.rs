@@ -186,7 +186,7 @@ fn apply_merges_file_by_file_and_keeps_both_sides_of_a_conflict() {
     write(&src, "gone.txt", "bye");
     write(&src, "gone-but-edited.txt", "v1");
     write(&src, "dir/only.txt", "x");
-    let (snap, base) = round(&src, |w| {
+    let (snap, mut base) = round(&src, |w| {
         write(w, "edit.txt", "v2 executor");
         write(w, "both.txt", "executor");
         write(w, "new/file.txt", "new");
@@ -205,7 +205,7 @@ fn apply_merges_file_by_file_and_keeps_both_sides_of_a_conflict() {
     }];
     let report = apply(
         &snap,
-        &base,
+        &mut base,
         &targets,
         &tmp.path().join("scratch"),
         "snap_1",
@@ -245,7 +245,7 @@ fn apply_never_writes_through_a_delegator_side_link() {
     let outside = tmp.path().join("outside");
     std::fs::create_dir_all(&outside).unwrap();
     write(&src, "a.txt", "a");
-    let (snap, base) = round(&src, |w| write(w, "sub/x.txt", "x"));
+    let (snap, mut base) = round(&src, |w| write(w, "sub/x.txt", "x"));
     // After sending, the Delegator's `sub` became a link out of the resource.
     std::os::unix::fs::symlink(&outside, src.join("sub")).unwrap();
     let targets = [ApplyTarget {
@@ -255,7 +255,7 @@ fn apply_never_writes_through_a_delegator_side_link() {
     }];
     let report = apply(
         &snap,
-        &base,
+        &mut base,
         &targets,
         &tmp.path().join("scratch"),
         "s",
@@ -271,7 +271,7 @@ fn read_only_resources_are_not_changed() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     write(&src, "a.txt", "a");
-    let (snap, base) = round(&src, |w| write(w, "a.txt", "changed"));
+    let (snap, mut base) = round(&src, |w| write(w, "a.txt", "changed"));
     let targets = [ApplyTarget {
         name: "w".into(),
         root: src.clone(),
@@ -279,7 +279,7 @@ fn read_only_resources_are_not_changed() {
     }];
     let report = apply(
         &snap,
-        &base,
+        &mut base,
         &targets,
         &tmp.path().join("scratch"),
         "s",

@@ -16,10 +16,11 @@ use serde::{Deserialize, Serialize};
 use tokio_stream::wrappers::BroadcastStream;
 
 use awcp_protocol::api::{
-    ApiError, DelegateRequest, DelegateResponse, DelegationList, DelegationRecord,
-    DelegationSummary, HealthResponse, OkResponse, SnapshotList,
+    ApiError, ContinueResponse, DelegateRequest, DelegateResponse, DelegationList,
+    DelegationRecord, DelegationSummary, HealthResponse, OkResponse, SnapshotList,
 };
 use awcp_protocol::dataplane::LeaseState;
+use awcp_protocol::messages::TaskSpec;
 
 use super::Daemon;
 use super::flow::Refusal;
@@ -155,6 +156,8 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
             post(discard_snapshot),
         )
         .route("/delegation/{id}/snapshots/{sid}/diff", get(diff_snapshot))
+        .route("/delegation/{id}/continue", post(continue_round))
+        .route("/delegation/{id}/close", post(close))
         .route("/delegation/{id}/revoke", post(revoke))
         .route("/delegation/{id}/renew", post(renew))
         .route("/delegation/{id}/events", get(events))
@@ -373,6 +376,35 @@ async fn diff_snapshot(
 ) -> Result<Json<DiffResponse>, ApiFailure> {
     let files = d.diff_snapshot(&id, &sid).await?;
     Ok(Json(DiffResponse { files }))
+}
+
+async fn continue_round(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    body: Option<Json<serde_json::Value>>,
+) -> Result<Json<ContinueResponse>, ApiFailure> {
+    let task = body
+        .and_then(|Json(v)| v.get("task").cloned())
+        .and_then(|t| serde_json::from_value::<TaskSpec>(t).ok())
+        .ok_or_else(|| {
+            ApiFailure(
+                StatusCode::BAD_REQUEST,
+                ApiError::new("Missing required field: task"),
+            )
+        })?;
+    let round = d.continue_round(&id, task).await?;
+    Ok(Json(ContinueResponse {
+        ok: true,
+        round: Some(round),
+    }))
+}
+
+async fn close(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+) -> Result<Json<OkResponse>, ApiFailure> {
+    d.close(&id).await?;
+    Ok(Json(OkResponse::OK))
 }
 
 async fn discard_snapshot(

@@ -186,11 +186,23 @@ impl Daemon {
         let limits = self.cfg.snapshot_limits;
         let sid = sid.to_string();
         tokio::task::spawn_blocking(move || {
-            let base: BaseManifest = std::fs::read(dir.join(BASE_FILE))
+            let mut base: BaseManifest = std::fs::read(dir.join(BASE_FILE))
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok())
                 .unwrap_or_default();
-            archive::apply(&zip, &base, &targets, &dir.join("scratch"), &sid, &limits)
+            let report = archive::apply(
+                &zip,
+                &mut base,
+                &targets,
+                &dir.join("scratch"),
+                &sid,
+                &limits,
+            )?;
+            // The next snapshot (multi-round) is compared with what this one held.
+            if let Ok(json) = serde_json::to_vec(&base) {
+                let _ = std::fs::write(dir.join(BASE_FILE), json);
+            }
+            Ok::<_, archive::ArchiveError>(report)
         })
         .await
         .map_err(|e| Refusal::internal(format!("applying panicked: {e}")))?

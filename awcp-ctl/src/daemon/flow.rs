@@ -9,7 +9,7 @@ use tokio::sync::broadcast;
 
 use awcp_lease::{Lease, LeaseTerms, SystemClock};
 use awcp_protocol::api::{
-    DelegateRequest, DelegationRecord, ErrorInfo, ResultSummary, SnapshotMode, SnapshotPolicy,
+    DelegateRequest, DelegationRecord, ErrorInfo, SnapshotMode, SnapshotPolicy,
 };
 use awcp_protocol::dataplane::LeaseState;
 use awcp_protocol::messages::{
@@ -299,6 +299,7 @@ impl Daemon {
                 last_event_id: None,
                 transport: handle.transport(),
                 executor_token: req.auth.as_ref().map(|a| a.credential.clone()),
+                multi_round: req.multi_round == Some(true),
             }),
             lease: lease.clone(),
             tx,
@@ -392,6 +393,7 @@ impl Daemon {
                 transport: Some(handle.transport()),
             }),
             auth: req.auth.clone(),
+            multi_round: req.multi_round.filter(|m| *m),
         });
         self.transition(live, DelegationEvent::SendInvite, None);
         let token = live.d.lock().executor_token.clone();
@@ -483,6 +485,7 @@ impl Daemon {
         let executor_url = req.executor_url.clone();
         self.post_raw(&req.executor_url, token.as_deref(), &start)
             .await?;
+        self.first_round(live);
         self.transition(
             live,
             DelegationEvent::SendStart,
@@ -637,10 +640,9 @@ impl Daemon {
                 if state == DelegationState::Started {
                     self.transition(live, DelegationEvent::SetupComplete, None);
                 }
-                live.d.lock().record.result = Some(ResultSummary {
-                    summary: done.summary.clone(),
-                    highlights: done.highlights.clone(),
-                });
+                if state != DelegationState::Completed {
+                    self.end_round(live, &done.summary, done.highlights.clone());
+                }
                 let id = live.d.lock().record.id.as_str().to_string();
                 let token = live.d.lock().executor_token.clone();
                 let ack = self
@@ -676,7 +678,10 @@ impl Daemon {
                 false
             }
             TaskEvent::RoundDone(r) => {
-                self.transition(live, DelegationEvent::RoundComplete, Some(r.summary));
+                if state == DelegationState::Started {
+                    self.transition(live, DelegationEvent::SetupComplete, None);
+                }
+                self.on_round_done(live, r).await;
                 false
             }
         }

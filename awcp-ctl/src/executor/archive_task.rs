@@ -15,7 +15,10 @@ use awcp_protocol::events::{SnapshotEvent, SnapshotMetadata};
 use awcp_protocol::transport::ArchiveHandle;
 use awcp_protocol::{ErrorCode, TaskEvent};
 
-use super::task::{DoneSnapshot, finish_done, finish_error, spawn_agent, status_event};
+use super::task::{
+    DoneSnapshot, RoundCmd, close_session, finish_done, finish_error, finish_round, next_round,
+    spawn_agent, start_round, status_event,
+};
 use super::{Assignment, Executor};
 use crate::archive;
 
@@ -132,113 +135,154 @@ pub(super) async fn run(
             a.work_path.display()
         ),
     ));
-    let mut agent = match spawn_agent(&ex, &a, &a.work_path) {
-        Ok(agent) => agent,
-        Err(e) => {
-            finish_error(
-                &a,
-                ErrorCode::SetupFailed,
-                format!("cannot start the agent command: {e}"),
-                None,
-            );
-            return cleanup(&a).await;
-        }
-    };
-    enum Outcome {
-        Exited(std::io::Result<std::process::ExitStatus>),
-        Cancelled,
-        Expired,
+    let mut rounds = a.rounds_rx.lock().take();
+    let end = run_rounds(&ex, &a, deadline, &mut rounds).await;
+    // The unpacked copy goes before the final event, so whoever sees `done` or `error`
+    // finds it gone; the result stays in memory for `/tasks/:id/result`.
+    cleanup(&a).await;
+    match end {
+        End::Done(summary, snapshot) => finish_done(&a, summary, snapshot),
+        End::Closed => close_session(&a),
+        End::Error(code, msg, hint) => finish_error(&a, code, msg, hint),
     }
-    let outcome = tokio::select! {
-        s = agent.child.wait() => Outcome::Exited(s),
-        _ = a.cancel.notified() => Outcome::Cancelled,
-        _ = tokio::time::sleep_until(deadline) => Outcome::Expired,
+}
+
+/// How an archive task ends.
+enum End {
+    Done(String, Option<DoneSnapshot>),
+    Closed,
+    Error(ErrorCode, String, Option<String>),
+}
+
+/// Run the agent, round after round in a multi-round session, until the task ends.
+async fn run_rounds(
+    ex: &Arc<Executor>,
+    a: &Arc<Assignment>,
+    deadline: tokio::time::Instant,
+    rounds: &mut Option<tokio::sync::mpsc::UnboundedReceiver<RoundCmd>>,
+) -> End {
+    let expired = || {
+        End::Error(
+            ErrorCode::Expired,
+            "Lease expired during task execution".into(),
+            Some("Ask the Delegator for a longer TTL".into()),
+        )
     };
-    match outcome {
-        Outcome::Exited(Ok(s)) if s.success() => {
-            agent.drain().await;
-            let dir = a.work_path.clone();
-            match tokio::task::spawn_blocking(move || archive::pack_dir(&dir)).await {
-                Ok(Ok((zip, files, bytes))) => {
-                    let summary = format!(
-                        "agent finished{}",
-                        agent
-                            .last_line()
-                            .map(|l| format!(": {l}"))
-                            .unwrap_or_default()
-                    );
-                    let snapshot_id = format!("snap_{}", hex::encode(rand::random::<[u8; 6]>()));
-                    let base64 = base64::engine::general_purpose::STANDARD.encode(&zip);
-                    a.emit(TaskEvent::Snapshot(SnapshotEvent {
-                        delegation_id: a.invite.delegation_id.clone(),
-                        timestamp: crate::now_iso(),
-                        snapshot_id: snapshot_id.clone(),
-                        summary: summary.clone(),
-                        highlights: None,
-                        snapshot_base64: base64.clone(),
-                        recommended: Some(true),
-                        metadata: Some(SnapshotMetadata {
-                            file_count: Some(files),
-                            total_bytes: Some(bytes),
-                            ..Default::default()
-                        }),
-                    }));
-                    finish_done(
-                        &a,
-                        summary,
-                        Some(DoneSnapshot {
-                            id: snapshot_id,
-                            base64,
-                        }),
-                    );
-                }
-                Ok(Err(e)) => finish_error(
-                    &a,
-                    ErrorCode::TaskFailed,
-                    format!("packing the result failed: {e}"),
+    let cancelled = || End::Error(ErrorCode::Cancelled, "Delegation cancelled".into(), None);
+    loop {
+        let mut agent = match spawn_agent(ex, a, &a.work_path) {
+            Ok(agent) => agent,
+            Err(e) => {
+                return End::Error(
+                    ErrorCode::SetupFailed,
+                    format!("cannot start the agent command: {e}"),
                     None,
-                ),
-                Err(e) => finish_error(&a, ErrorCode::TaskFailed, format!("{e}"), None),
+                );
+            }
+        };
+        enum Outcome {
+            Exited(std::io::Result<std::process::ExitStatus>),
+            Cancelled,
+            Expired,
+        }
+        let outcome = tokio::select! {
+            s = agent.child.wait() => Outcome::Exited(s),
+            _ = a.cancel.notified() => Outcome::Cancelled,
+            _ = tokio::time::sleep_until(deadline) => Outcome::Expired,
+        };
+        let status = match outcome {
+            Outcome::Exited(s) => s,
+            Outcome::Cancelled => {
+                agent.kill().await;
+                return cancelled();
+            }
+            Outcome::Expired => {
+                agent.kill().await;
+                return expired();
+            }
+        };
+        agent.drain().await;
+        match status {
+            Ok(s) if s.success() => {}
+            Ok(s) => {
+                return End::Error(
+                    ErrorCode::TaskFailed,
+                    format!(
+                        "the agent exited with {s}; last output:\n{}",
+                        agent.tail_text()
+                    ),
+                    Some("Check task requirements and try again".into()),
+                );
+            }
+            Err(e) => {
+                return End::Error(
+                    ErrorCode::TaskFailed,
+                    format!("waiting for the agent failed: {e}"),
+                    None,
+                );
             }
         }
-        Outcome::Exited(Ok(s)) => {
-            agent.drain().await;
-            finish_error(
-                &a,
-                ErrorCode::TaskFailed,
-                format!(
-                    "the agent exited with {s}; last output:\n{}",
-                    agent.tail_text()
-                ),
-                Some("Check task requirements and try again".into()),
-            );
+        let last = agent
+            .last_line()
+            .map(|l| format!(": {l}"))
+            .unwrap_or_default();
+        let summary = if a.multi_round {
+            format!(
+                "round {} finished{last}",
+                a.round.load(std::sync::atomic::Ordering::SeqCst)
+            )
+        } else {
+            format!("agent finished{last}")
+        };
+        let snapshot = match send_snapshot(a, &summary).await {
+            Ok(s) => s,
+            Err(e) => return e,
+        };
+        if !a.multi_round {
+            return End::Done(summary, Some(snapshot));
         }
-        Outcome::Exited(Err(e)) => finish_error(
-            &a,
-            ErrorCode::TaskFailed,
-            format!("waiting for the agent failed: {e}"),
-            None,
-        ),
-        Outcome::Cancelled => {
-            agent.kill().await;
-            finish_error(
-                &a,
-                ErrorCode::Cancelled,
-                "Delegation cancelled".into(),
-                None,
-            );
-        }
-        Outcome::Expired => {
-            agent.kill().await;
-            finish_error(
-                &a,
-                ErrorCode::Expired,
-                "Lease expired during task execution".into(),
-                Some("Ask the Delegator for a longer TTL".into()),
-            );
+        finish_round(a, summary, Some(snapshot));
+        tokio::select! {
+            cmd = next_round(rounds) => match cmd {
+                RoundCmd::Continue { task, round } => start_round(a, task, round),
+                RoundCmd::Close => return End::Closed,
+            },
+            _ = a.cancel.notified() => return cancelled(),
+            _ = tokio::time::sleep_until(deadline) => return expired(),
         }
     }
-    cleanup(&a).await;
+}
+
+/// Zip the work directory and send it as a `snapshot` event.
+async fn send_snapshot(a: &Assignment, summary: &str) -> Result<DoneSnapshot, End> {
+    let dir = a.work_path.clone();
+    match tokio::task::spawn_blocking(move || archive::pack_dir(&dir)).await {
+        Ok(Ok((zip, files, bytes))) => {
+            let id = format!("snap_{}", hex::encode(rand::random::<[u8; 6]>()));
+            let base64 = base64::engine::general_purpose::STANDARD.encode(&zip);
+            a.emit(TaskEvent::Snapshot(SnapshotEvent {
+                delegation_id: a.invite.delegation_id.clone(),
+                timestamp: crate::now_iso(),
+                snapshot_id: id.clone(),
+                summary: summary.to_string(),
+                highlights: None,
+                snapshot_base64: base64.clone(),
+                recommended: Some(true),
+                metadata: Some(SnapshotMetadata {
+                    file_count: Some(files),
+                    total_bytes: Some(bytes),
+                    ..Default::default()
+                }),
+            }));
+            Ok(DoneSnapshot { id, base64 })
+        }
+        Ok(Err(e)) => Err(End::Error(
+            ErrorCode::TaskFailed,
+            format!("packing the result failed: {e}"),
+            None,
+        )),
+        Err(e) => Err(End::Error(ErrorCode::TaskFailed, format!("{e}"), None)),
+    }
 }
 
 /// The result is kept in memory for `/tasks/:id/result`; the unpacked copy goes.

@@ -167,11 +167,61 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
             }
             Json(OkResponse::OK).into_response()
         }
+        AwcpMessage::Continue(c) => round_cmd(
+            &ex,
+            &id,
+            "RECEIVE_CONTINUE",
+            super::task::RoundCmd::Continue {
+                task: c.task,
+                round: c.round,
+            },
+        ),
+        AwcpMessage::Close(_) => round_cmd(&ex, &id, "RECEIVE_CLOSE", super::task::RoundCmd::Close),
         other => fail(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("Unexpected message type: {}", other.kind()),
         ),
     }
+}
+
+/// CONTINUE or CLOSE: only an `idle` assignment takes them (500 otherwise, as the
+/// reference's multi-round branch).
+fn round_cmd(ex: &Executor, id: &str, event: &str, cmd: super::task::RoundCmd) -> Response {
+    let Some(a) = ex.tasks.lock().get(id).cloned() else {
+        return fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("Unknown delegation: {id}"),
+        );
+    };
+    {
+        // Checked and moved on under the lock, so two CONTINUEs cannot both pass.
+        let mut state = a.state.lock();
+        let ev = match cmd {
+            super::task::RoundCmd::Continue { .. } => {
+                awcp_protocol::AssignmentEvent::ReceiveContinue
+            }
+            super::task::RoundCmd::Close => awcp_protocol::AssignmentEvent::ReceiveClose,
+        };
+        match state.apply(ev) {
+            Ok(next) if *state == AssignmentState::Idle => *state = next,
+            _ => {
+                return fail(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!(
+                        "Cannot transition assignment {id} ({event}) in state '{}': expected 'idle'",
+                        state.as_str()
+                    ),
+                );
+            }
+        }
+    }
+    if a.rounds_tx.send(cmd).is_err() {
+        return fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("assignment {id} has no runner any more"),
+        );
+    }
+    Json(OkResponse::OK).into_response()
 }
 
 fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage {
@@ -245,7 +295,13 @@ fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage
     }
     let work_path = ex.cfg.work_dir.join(id.as_str());
     let (tx, _) = tokio::sync::broadcast::channel(256);
+    let (rounds_tx, rounds_rx) = tokio::sync::mpsc::unbounded_channel();
     let a = Arc::new(Assignment {
+        multi_round: inv.multi_round == Some(true),
+        round: std::sync::atomic::AtomicU32::new(1),
+        task: parking_lot::Mutex::new(inv.task.clone()),
+        rounds_tx,
+        rounds_rx: parking_lot::Mutex::new(Some(rounds_rx)),
         invite: inv.clone(),
         state: parking_lot::Mutex::new(AssignmentState::Pending),
         work_path: work_path.clone(),

@@ -9,8 +9,8 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use awcp_protocol::api::{ErrorInfo, TaskResultResponse, TaskResultStatus};
-use awcp_protocol::events::{DoneEvent, ErrorEvent, RunStatus, StatusEvent};
-use awcp_protocol::messages::{AccessMode, StartMessage};
+use awcp_protocol::events::{DoneEvent, ErrorEvent, RoundDoneEvent, RunStatus, StatusEvent};
+use awcp_protocol::messages::{AccessMode, StartMessage, TaskSpec};
 use awcp_protocol::{AssignmentEvent, ErrorCode, TaskEvent, TransportHandle};
 use awcpfs::mount::{EndReason, Mount, MountConfig};
 
@@ -203,13 +203,20 @@ pub(super) fn spawn_agent(
     cwd: &std::path::Path,
 ) -> std::io::Result<Agent> {
     let id = a.invite.delegation_id.as_str();
+    let task = a.task.lock().clone();
     let mut cmd = tokio::process::Command::new("sh");
     cmd.arg("-c")
         .arg(&ex.cfg.agent_cmd)
         .current_dir(cwd)
         .env("AWCP_DELEGATION_ID", id)
-        .env("AWCP_TASK_DESCRIPTION", &a.invite.task.description)
-        .env("AWCP_TASK_PROMPT", &a.invite.task.prompt)
+        .env("AWCP_TASK_DESCRIPTION", &task.description)
+        .env("AWCP_TASK_PROMPT", &task.prompt)
+        .env(
+            "AWCP_ROUND",
+            a.round
+                .load(std::sync::atomic::Ordering::SeqCst)
+                .to_string(),
+        )
         .env("AWCP_WORKSPACE", cwd)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -269,6 +276,130 @@ pub(super) fn spawn_agent(
         tail,
         readers,
     })
+}
+
+/// How an awcpfs task ends once its agent exited (the mount already finished).
+fn end_after_exit(
+    a: &Assignment,
+    mount: &Mount,
+    state_dir: &std::path::Path,
+    status: std::io::Result<std::process::ExitStatus>,
+    agent: &Agent,
+) {
+    match mount.ended() {
+        Some(reason @ (EndReason::Revoked | EndReason::Expired)) => {
+            let (code, msg, hint) = lease_error(&reason);
+            finish_error(a, code, msg, hint);
+        }
+        _ if mount.unsynced() => finish_error(
+            a,
+            ErrorCode::TransportError,
+            format!(
+                "some changes could not be written back; they are kept in {}",
+                state_dir.display()
+            ),
+            Some("Collect them from the Executor's state directory".into()),
+        ),
+        _ => match status {
+            Ok(s) if s.success() => {
+                let summary = format!(
+                    "agent finished{}; {} file(s) written back",
+                    agent
+                        .last_line()
+                        .map(|l| format!(": {l}"))
+                        .unwrap_or_default(),
+                    mount.stats().files_written_back
+                );
+                finish_done(a, summary, None);
+            }
+            Ok(s) => finish_error(
+                a,
+                ErrorCode::TaskFailed,
+                format!(
+                    "the agent exited with {s}; last output:\n{}",
+                    agent.tail_text()
+                ),
+                Some("Check task requirements and try again".into()),
+            ),
+            Err(e) => finish_error(
+                a,
+                ErrorCode::TaskFailed,
+                format!("waiting for the agent failed: {e}"),
+                None,
+            ),
+        },
+    }
+}
+
+/// What the Delegator asks of an idle multi-round session.
+#[derive(Debug)]
+pub(crate) enum RoundCmd {
+    /// CONTINUE: run the agent again with this task.
+    Continue {
+        /// The round's task.
+        task: TaskSpec,
+        /// Its number.
+        round: u32,
+    },
+    /// CLOSE: end the session.
+    Close,
+}
+
+/// The next command of an idle session (a closed channel counts as CLOSE).
+pub(super) async fn next_round(
+    rx: &mut Option<tokio::sync::mpsc::UnboundedReceiver<RoundCmd>>,
+) -> RoundCmd {
+    match rx {
+        Some(rx) => rx.recv().await.unwrap_or(RoundCmd::Close),
+        None => RoundCmd::Close,
+    }
+}
+
+/// A round finished: `round_done`, and the assignment goes `idle`.
+pub(super) fn finish_round(a: &Assignment, summary: String, snapshot: Option<DoneSnapshot>) {
+    {
+        let mut st = a.state.lock();
+        if let Ok(next) = st.apply(AssignmentEvent::RoundComplete) {
+            *st = next;
+        }
+    }
+    a.emit(TaskEvent::RoundDone(RoundDoneEvent {
+        delegation_id: a.invite.delegation_id.clone(),
+        timestamp: crate::now_iso(),
+        round: a.round.load(std::sync::atomic::Ordering::SeqCst),
+        summary,
+        highlights: None,
+        snapshot_ids: snapshot.as_ref().map(|s| vec![s.id.clone()]),
+        recommended_snapshot_id: snapshot.map(|s| s.id),
+    }));
+}
+
+/// CONTINUE: the next round starts (the route checked the assignment was idle).
+pub(super) fn start_round(a: &Assignment, task: TaskSpec, round: u32) {
+    {
+        let mut st = a.state.lock();
+        if let Ok(next) = st.apply(AssignmentEvent::ReceiveContinue) {
+            *st = next;
+        }
+    }
+    *a.task.lock() = task;
+    a.round.store(round, std::sync::atomic::Ordering::SeqCst);
+    a.emit(status_event(
+        a,
+        RunStatus::Running,
+        format!("Round {round} execution started"),
+    ));
+}
+
+/// CLOSE: `idle → completed`, and `done` as the reference words it.
+pub(super) fn close_session(a: &Assignment) {
+    {
+        let mut st = a.state.lock();
+        if let Ok(next) = st.apply(AssignmentEvent::ReceiveClose) {
+            *st = next;
+        }
+    }
+    finish_done(a, "Session closed by delegator".into(), None);
 }
 
 /// Run the task of `start` to its end.
@@ -377,106 +508,111 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
         ),
     ));
 
-    let mut agent = match spawn_agent(&ex, &a, &a.work_path) {
-        Ok(agent) => agent,
-        Err(e) => {
-            let m = mount.clone();
-            let _ = tokio::task::spawn_blocking(move || m.finish()).await;
-            finish_error(
-                &a,
-                ErrorCode::SetupFailed,
-                format!("cannot start the agent command: {e}"),
-                None,
-            );
-            return;
-        }
-    };
-    let (child, pid, tail, readers) = (
-        &mut agent.child,
-        agent.pid,
-        agent.tail.clone(),
-        std::mem::take(&mut agent.readers),
-    );
-    enum Outcome {
-        Exited(std::io::Result<std::process::ExitStatus>),
-        LeaseEnded(EndReason),
-        Cancelled,
-    }
-    let outcome = tokio::select! {
-        s = child.wait() => Outcome::Exited(s),
-        r = end_rx => Outcome::LeaseEnded(r.unwrap_or(EndReason::Unmounted)),
-        _ = a.cancel.notified() => Outcome::Cancelled,
-    };
-    match outcome {
-        Outcome::Exited(status) => {
-            for r in readers {
-                let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
-            }
-            let m = mount.clone();
-            let _ = tokio::task::spawn_blocking(move || m.finish()).await;
-            let tail_text = tail.lock().iter().cloned().collect::<Vec<_>>().join("\n");
-            match mount.ended() {
-                Some(reason @ (EndReason::Revoked | EndReason::Expired)) => {
-                    let (code, msg, hint) = lease_error(&reason);
-                    finish_error(&a, code, msg, hint);
-                }
-                _ if mount.unsynced() => finish_error(
+    let mut end_rx = end_rx;
+    let mut rounds = a.rounds_rx.lock().take();
+    loop {
+        let mut agent = match spawn_agent(&ex, &a, &a.work_path) {
+            Ok(agent) => agent,
+            Err(e) => {
+                let m = mount.clone();
+                let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+                finish_error(
                     &a,
-                    ErrorCode::TransportError,
-                    format!(
-                        "some changes could not be written back; they are kept in {}",
-                        state_dir.display()
-                    ),
-                    Some("Collect them from the Executor's state directory".into()),
-                ),
-                _ => match status {
-                    Ok(s) if s.success() => {
-                        let stats = mount.stats();
-                        let last = tail
-                            .lock()
-                            .iter()
-                            .rev()
-                            .find(|l| !l.starts_with("[stderr]"))
-                            .cloned();
-                        let summary = format!(
-                            "agent finished{}; {} file(s) written back",
-                            last.map(|l| format!(": {l}")).unwrap_or_default(),
-                            stats.files_written_back
-                        );
-                        finish_done(&a, summary, None);
+                    ErrorCode::SetupFailed,
+                    format!("cannot start the agent command: {e}"),
+                    None,
+                );
+                return;
+            }
+        };
+        enum Outcome {
+            Exited(std::io::Result<std::process::ExitStatus>),
+            LeaseEnded(EndReason),
+            Cancelled,
+        }
+        let outcome = tokio::select! {
+            s = agent.child.wait() => Outcome::Exited(s),
+            r = &mut end_rx => Outcome::LeaseEnded(r.unwrap_or(EndReason::Unmounted)),
+            _ = a.cancel.notified() => Outcome::Cancelled,
+        };
+        match outcome {
+            Outcome::Exited(Ok(s)) if s.success() && a.multi_round => {
+                // A round: write everything back, report, and wait for the next one with
+                // the mount (and its warm cache) in place.
+                agent.drain().await;
+                let m = mount.clone();
+                let flushed = tokio::task::spawn_blocking(move || m.flush()).await;
+                if !matches!(flushed, Ok(Ok(_))) || mount.ended().is_some() {
+                    // Fall through to the end of the task: the mount says why.
+                    let m = mount.clone();
+                    let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+                    end_after_exit(&a, &mount, &state_dir, Ok(s), &agent);
+                    break;
+                }
+                let summary = format!(
+                    "round {} finished{}; {} file(s) written back so far",
+                    a.round.load(std::sync::atomic::Ordering::SeqCst),
+                    agent
+                        .last_line()
+                        .map(|l| format!(": {l}"))
+                        .unwrap_or_default(),
+                    mount.stats().files_written_back
+                );
+                finish_round(&a, summary, None);
+                let next = tokio::select! {
+                    cmd = next_round(&mut rounds) => Some(cmd),
+                    r = &mut end_rx => {
+                        let (code, msg, hint) = lease_error(&r.unwrap_or(EndReason::Unmounted));
+                        finish_error(&a, code, msg, hint);
+                        None
                     }
-                    Ok(s) => finish_error(
-                        &a,
-                        ErrorCode::TaskFailed,
-                        format!("the agent exited with {s}; last output:\n{tail_text}"),
-                        Some("Check task requirements and try again".into()),
-                    ),
-                    Err(e) => finish_error(
-                        &a,
-                        ErrorCode::TaskFailed,
-                        format!("waiting for the agent failed: {e}"),
-                        None,
-                    ),
-                },
+                    _ = a.cancel.notified() => {
+                        let m = mount.clone();
+                        let _ = tokio::task::spawn_blocking(move || {
+                            m.end(EndReason::Revoked, Some(Duration::from_secs(5)))
+                        })
+                        .await;
+                        finish_error(&a, ErrorCode::Cancelled, "Delegation cancelled".into(), None);
+                        None
+                    }
+                };
+                match next {
+                    Some(RoundCmd::Continue { task, round }) => {
+                        start_round(&a, task, round);
+                        continue;
+                    }
+                    Some(RoundCmd::Close) => {
+                        let m = mount.clone();
+                        let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+                        close_session(&a);
+                    }
+                    None => {}
+                }
+                break;
+            }
+            Outcome::Exited(status) => {
+                agent.drain().await;
+                let m = mount.clone();
+                let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+                end_after_exit(&a, &mount, &state_dir, status, &agent);
+            }
+            Outcome::LeaseEnded(reason) => {
+                agent.kill().await;
+                let (code, msg, hint) = lease_error(&reason);
+                finish_error(&a, code, msg, hint);
+            }
+            Outcome::Cancelled => {
+                let m = mount.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    m.end(EndReason::Revoked, Some(Duration::from_secs(5)))
+                })
+                .await;
+                agent.kill().await;
+                let (code, msg, hint) = lease_error(&mount.ended().unwrap_or(EndReason::Revoked));
+                finish_error(&a, code, msg, hint);
             }
         }
-        Outcome::LeaseEnded(reason) => {
-            kill_group(pid);
-            let _ = child.kill().await;
-            let (code, msg, hint) = lease_error(&reason);
-            finish_error(&a, code, msg, hint);
-        }
-        Outcome::Cancelled => {
-            let m = mount.clone();
-            let _ = tokio::task::spawn_blocking(move || {
-                m.end(EndReason::Revoked, Some(Duration::from_secs(5)))
-            })
-            .await;
-            kill_group(pid);
-            let _ = child.kill().await;
-            let (code, msg, hint) = lease_error(&mount.ended().unwrap_or(EndReason::Revoked));
-            finish_error(&a, code, msg, hint);
-        }
+        break;
     }
     *a.mount.lock() = None;
     let _ = std::fs::remove_dir(&a.work_path);
