@@ -106,6 +106,12 @@ enum Command {
         #[arg(long)]
         wait: bool,
     },
+    /// Fetch the result of a delegation whose event stream was lost (a daemon restart, a
+    /// broken connection) from its Executor, apply it, and acknowledge it.
+    Recover {
+        /// Delegation id.
+        id: String,
+    },
     /// End an idle multi-round delegation: it completes.
     Close {
         /// Delegation id.
@@ -660,6 +666,23 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::SUCCESS);
             }
             follow(&client, &id, cli.json, round as usize).await
+        }
+        Command::Recover { id } => {
+            let r = client.recover(&id).await?;
+            if cli.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "recovered {id}: now {}{}",
+                    r.state.as_str(),
+                    if r.snapshot {
+                        "; its snapshot was handled per the snapshot mode"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            Ok(exit_for(r.state))
         }
         Command::Close { id } => {
             client.close(&id).await?;

@@ -173,6 +173,15 @@ impl DaemonClient {
         .await
     }
 
+    /// Ours: `POST /delegation/:id/recover`.
+    pub async fn recover(
+        &self,
+        id: &str,
+    ) -> Result<crate::daemon::recover::RecoverResponse, ClientError> {
+        self.send(self.post_(&format!("/delegation/{id}/recover")))
+            .await
+    }
+
     /// `POST /delegation/:id/close`.
     pub async fn close(&self, id: &str) -> Result<OkResponse, ClientError> {
         self.send(self.post_(&format!("/delegation/{id}/close")))

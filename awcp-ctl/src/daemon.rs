@@ -18,6 +18,7 @@ mod admission;
 pub mod api;
 mod archive_flow;
 mod flow;
+pub mod recover;
 mod rounds;
 
 use std::collections::HashMap;

@@ -50,6 +50,11 @@ pub struct RefState {
     /// Behave as the reference's multi-round branch: end the task with `round_done` and
     /// send `done` only after CLOSE.
     pub rounds: std::sync::atomic::AtomicBool,
+    /// Lose the event stream right after `status` (reconnects get an empty stream), as a
+    /// broken connection would; the result stays available at `/tasks/:id/result`.
+    pub drop_stream: std::sync::atomic::AtomicBool,
+    /// Results by id, as `GET /tasks/:id/result` serves them.
+    pub results: Mutex<HashMap<String, Value>>,
 }
 
 /// A running stand-in Executor.
@@ -73,11 +78,14 @@ impl RefExecutor {
             proceed: Notify::new(),
             hold,
             rounds: Default::default(),
+            drop_stream: Default::default(),
+            results: Mutex::new(HashMap::new()),
         });
         let app = axum::Router::new()
             .route("/awcp", post(message))
             .route("/awcp/tasks/{id}/events", get(events))
             .route("/awcp/tasks/{id}/ack", post(ack))
+            .route("/awcp/tasks/{id}/result", get(result))
             .route("/awcp/cancel/{id}", post(cancel))
             .with_state(state.clone())
             .layer(axum::extract::DefaultBodyLimit::max(64 << 20));
@@ -215,6 +223,11 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
         json!({"summary": "did the work", "highlights": ["workspace/a.txt"],
                "snapshotIds": ["snap_1a2b3c4d5e6f"], "recommendedSnapshotId": "snap_1a2b3c4d5e6f"})
     };
+    st.results.lock().unwrap().insert(
+        id.clone(),
+        json!({"status": "completed", "completedAt": now(), "summary": "did the work",
+               "snapshotBase64": snapshot}),
+    );
     let kind = if st.rounds.load(std::sync::atomic::Ordering::SeqCst) {
         "round_done"
     } else {
@@ -230,6 +243,10 @@ async fn events(State(st): State<Arc<RefState>>, UrlPath(id): UrlPath<String>) -
         .unwrap()
         .get_mut(&id)
         .and_then(|t| t.events.take());
+    let drop_stream = st.drop_stream.load(std::sync::atomic::Ordering::SeqCst);
+    if rx.is_none() && drop_stream {
+        return ([("content-type", "text/event-stream")], "").into_response();
+    }
     let Some(mut rx) = rx else {
         let one = format!(
             "data: {}\n\n",
@@ -245,6 +262,9 @@ async fn events(State(st): State<Arc<RefState>>, UrlPath(id): UrlPath<String>) -
         while let Some(ev) = rx.recv().await {
             let last = ev.contains("\"type\":\"done\"") || ev.contains("\"type\":\"error\"");
             if out.send(format!("data: {ev}\n\n")).is_err() || last {
+                break;
+            }
+            if drop_stream && ev.contains("\"type\":\"status\"") {
                 break;
             }
         }
@@ -273,6 +293,13 @@ where
         rx,
         |mut rx| async move { rx.recv().await.map(|s| (Ok(s), rx)) },
     )
+}
+
+async fn result(State(st): State<Arc<RefState>>, UrlPath(id): UrlPath<String>) -> Response {
+    match st.results.lock().unwrap().get(&id) {
+        Some(r) => Json(r.clone()).into_response(),
+        None => (StatusCode::NOT_FOUND, Json(json!({"status": "not_found"}))).into_response(),
+    }
 }
 
 async fn ack(State(st): State<Arc<RefState>>, UrlPath(id): UrlPath<String>) -> Json<Value> {

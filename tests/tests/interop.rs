@@ -668,3 +668,58 @@ async fn archive_admission_refuses_sensitive_files_and_oversized_workspaces() {
     assert_eq!(b["code"], "WORKSPACE_TOO_LARGE", "{b}");
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn recover_fetches_the_result_of_a_delegation_whose_stream_was_lost() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("true").await;
+    let (ws, docs) = sample(&h);
+    let rex = RefExecutor::start(&h.path("ref-work"), true, executor_work()).await;
+    rex.state
+        .drop_stream
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let req = archive_request(
+        rex.url(),
+        vec![
+            resource("workspace", &ws, AccessMode::Rw),
+            resource("docs", &docs, AccessMode::Ro),
+        ],
+        SnapshotMode::Auto,
+    );
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    // The stream is gone before the result; the daemon gives up on it.
+    assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Error);
+    let v = h.client.get(&id).await.unwrap();
+    assert_eq!(v.record.error.unwrap().code.as_str(), "SSE_FAILED");
+    // Nothing came back yet; the executor finishes meanwhile.
+    assert_eq!(
+        std::fs::read_to_string(ws.join("a.txt")).unwrap(),
+        "original\n"
+    );
+    rex.state.proceed.notify_one();
+    let start = std::time::Instant::now();
+    let r = loop {
+        match h.client.recover(&id).await {
+            Ok(r) => break r,
+            Err(e) => {
+                // 404 until the executor has a result.
+                assert!(start.elapsed() < TIMEOUT, "{e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert_eq!(r.state, DelegationState::Completed);
+    assert!(r.snapshot);
+    assert_eq!(
+        std::fs::read_to_string(ws.join("a.txt")).unwrap(),
+        "executor\n"
+    );
+    assert!(!ws.join("gone.txt").exists());
+    assert_eq!(rex.state.acks.lock().unwrap().clone(), vec![id.clone()]);
+    // Only once.
+    assert!(h.client.recover(&id).await.is_err());
+    h.stop().await;
+}

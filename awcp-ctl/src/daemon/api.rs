@@ -158,6 +158,7 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
         .route("/delegation/{id}/snapshots/{sid}/diff", get(diff_snapshot))
         .route("/delegation/{id}/continue", post(continue_round))
         .route("/delegation/{id}/close", post(close))
+        .route("/delegation/{id}/recover", post(recover))
         .route("/delegation/{id}/revoke", post(revoke))
         .route("/delegation/{id}/renew", post(renew))
         .route("/delegation/{id}/events", get(events))
@@ -397,6 +398,13 @@ async fn continue_round(
         ok: true,
         round: Some(round),
     }))
+}
+
+async fn recover(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+) -> Result<Json<super::recover::RecoverResponse>, ApiFailure> {
+    Ok(Json(d.recover(&id).await?))
 }
 
 async fn close(
