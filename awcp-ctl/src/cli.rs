@@ -91,6 +91,9 @@ enum Command {
         /// Delegation id.
         id: String,
     },
+    /// Serve the MCP tools (delegate, delegate_output, delegate_cancel, … delegate_status) on
+    /// stdin/stdout for an agent; they drive the daemon at --daemon. Logs go to stderr.
+    Mcp,
     /// Run the next round of an idle multi-round delegation (`delegate --multi-round`), on
     /// the same workspace.
     Continue {
@@ -666,6 +669,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::SUCCESS);
             }
             follow(&client, &id, cli.json, round as usize).await
+        }
+        Command::Mcp => {
+            awcp_ctl::mcp::serve(client).await?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Recover { id } => {
             let r = client.recover(&id).await?;

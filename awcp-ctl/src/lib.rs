@@ -9,6 +9,7 @@ pub mod archive;
 pub mod client;
 pub mod daemon;
 pub mod executor;
+pub mod mcp;
 pub mod sse;
 pub mod store;
 pub mod watch;
