@@ -91,6 +91,23 @@ enum Command {
         /// Delegation id.
         id: String,
     },
+    /// Check this machine and the peers: FUSE device, mount privileges, kernel passthrough,
+    /// the daemon (--daemon) and any Executors given; prints a fix for each problem. Exit
+    /// code 1 if something will make delegations fail.
+    Doctor {
+        /// An Executor's AWCP endpoint to check (repeatable).
+        #[arg(long)]
+        executor: Vec<String>,
+        /// The Executors' token, if they require one.
+        #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
+        executor_token: Option<String>,
+    },
+    /// Print a shell completion script, e.g. `awcp-ctl completions bash >
+    /// /etc/bash_completion.d/awcp-ctl`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
     /// Serve the MCP tools (delegate, delegate_output, delegate_cancel, … delegate_status) on
     /// stdin/stdout for an agent; they drive the daemon at --daemon. Logs go to stderr.
     Mcp,
@@ -452,7 +469,22 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if !a.sensitive.is_empty() {
                 cfg.sensitive = a.sensitive.into_iter().filter(|s| !s.is_empty()).collect();
             }
-            awcp_ctl::daemon::serve(cfg).await?;
+            let running = awcp_ctl::daemon::start(cfg).await?;
+            if cli.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"service": "daemon", "api": running.url(),
+                        "dataPlane": running.daemon.export_url()})
+                );
+            } else {
+                eprintln!(
+                    "awcp-ctl serve: daemon API on {}, data plane on {} (Ctrl-C stops)",
+                    running.url(),
+                    running.daemon.export_url()
+                );
+            }
+            tokio::signal::ctrl_c().await?;
+            running.stop().await;
             Ok(ExitCode::SUCCESS)
         }
         Command::Executor(a) => {
@@ -470,7 +502,20 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
             cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
             cfg.token = a.token;
-            awcp_ctl::executor::serve(cfg).await?;
+            let running = awcp_ctl::executor::start(cfg).await?;
+            if cli.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"service": "executor", "awcp": running.awcp_url()})
+                );
+            } else {
+                eprintln!(
+                    "awcp-ctl executor: AWCP endpoint {} (Ctrl-C stops)",
+                    running.awcp_url()
+                );
+            }
+            tokio::signal::ctrl_c().await?;
+            running.stop().await;
             Ok(ExitCode::SUCCESS)
         }
         Command::Delegate(a) => {
@@ -669,6 +714,46 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::SUCCESS);
             }
             follow(&client, &id, cli.json, round as usize).await
+        }
+        Command::Doctor {
+            executor,
+            executor_token,
+        } => {
+            use awcp_ctl::doctor::{self, Status};
+            let mut checks = doctor::local();
+            checks.push(doctor::daemon(&cli.daemon, cli.api_token.as_deref()).await);
+            for e in &executor {
+                checks.push(doctor::executor(e, executor_token.as_deref()).await);
+            }
+            for c in &checks {
+                if cli.json {
+                    println!("{}", serde_json::to_string(c)?);
+                } else {
+                    let tag = match c.status {
+                        Status::Ok => "ok  ",
+                        Status::Warn => "warn",
+                        Status::Fail => "FAIL",
+                    };
+                    println!("{tag}  {:<20} {}", c.check, c.detail);
+                    if let Some(f) = &c.fix {
+                        println!("      {:<20} fix: {f}", "");
+                    }
+                }
+            }
+            Ok(if checks.iter().any(|c| c.status == Status::Fail) {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            })
+        }
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            // Into a buffer first: the generator panics on a closed pipe (`| head`).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "awcp-ctl", &mut script);
+            use std::io::Write as _;
+            let _ = std::io::stdout().write_all(&script);
+            Ok(ExitCode::SUCCESS)
         }
         Command::Mcp => {
             awcp_ctl::mcp::serve(client).await?;

@@ -8,6 +8,7 @@
 pub mod archive;
 pub mod client;
 pub mod daemon;
+pub mod doctor;
 pub mod executor;
 pub mod mcp;
 pub mod sse;
