@@ -433,9 +433,14 @@ pub fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let json = cli.json;
     match rt.block_on(run(cli)) {
         Ok(code) => code,
         Err(e) => {
+            if json {
+                // Scripts reading stdout get the failure as a JSON line too.
+                println!("{}", serde_json::json!({ "error": format!("{e:#}") }));
+            }
             eprintln!("error: {e:#}");
             ExitCode::from(1)
         }
