@@ -559,7 +559,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 transport: Some(transport_of(a.transport)),
                 multi_round: a.multi_round.then_some(true),
             };
-            let resp = client.delegate(&req).await?;
+            // The daemon answers after admission, the manifest (or the zip), INVITE and
+            // START: on a large tree that takes a while, so show that it is working.
+            let spinner = (!cli.json && std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .then(|| tokio::spawn(spin(format!("delegating {}", dir.display()))));
+            let resp = client.delegate(&req).await;
+            if let Some(s) = spinner {
+                s.abort();
+                eprint!("\r\x1b[2K");
+            }
+            let resp = resp?;
             let id = resp.delegation_id.as_str().to_string();
             if cli.json {
                 println!("{}", serde_json::json!({"delegationId": id}));
@@ -870,6 +879,22 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// A spinner with the elapsed time on stderr, until aborted.
+async fn spin(what: String) {
+    use std::io::Write as _;
+    const FRAMES: [char; 10] = ['⠋', '⠙', '⠹', '⠸', '⠼', '⠴', '⠦', '⠧', '⠇', '⠏'];
+    let start = std::time::Instant::now();
+    for i in 0usize.. {
+        eprint!(
+            "\r{} {what}: admission, manifest, invitation… {}s",
+            FRAMES[i % FRAMES.len()],
+            start.elapsed().as_secs()
+        );
+        let _ = std::io::stderr().flush();
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
