@@ -53,6 +53,10 @@ pub struct RefState {
     /// Lose the event stream right after `status` (reconnects get an empty stream), as a
     /// broken connection would; the result stays available at `/tasks/:id/result`.
     pub drop_stream: std::sync::atomic::AtomicBool,
+    /// Leave the `snapshot` event out of the stream (as a stream reopened after a
+    /// Delegator restart would: the reference replays only the final event); `done` still
+    /// names it and `/tasks/:id/result` has it.
+    pub omit_snapshot: std::sync::atomic::AtomicBool,
     /// Results by id, as `GET /tasks/:id/result` serves them.
     pub results: Mutex<HashMap<String, Value>>,
 }
@@ -79,6 +83,7 @@ impl RefExecutor {
             hold,
             rounds: Default::default(),
             drop_stream: Default::default(),
+            omit_snapshot: Default::default(),
             results: Mutex::new(HashMap::new()),
         });
         let app = axum::Router::new()
@@ -210,12 +215,15 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
     }
     (st.work)(&dir);
     let snapshot = base64::engine::general_purpose::STANDARD.encode(zip_dir(&dir));
-    let _ = tx.send(event(
-        &id,
-        "snapshot",
-        json!({"snapshotId": "snap_1a2b3c4d5e6f", "summary": "did the work",
+    let omit = st.omit_snapshot.load(std::sync::atomic::Ordering::SeqCst);
+    let _ = (!omit).then(|| {
+        tx.send(event(
+            &id,
+            "snapshot",
+            json!({"snapshotId": "snap_1a2b3c4d5e6f", "summary": "did the work",
                "snapshotBase64": snapshot, "recommended": true}),
-    ));
+        ))
+    });
     let end = if st.rounds.load(std::sync::atomic::Ordering::SeqCst) {
         json!({"round": 1, "summary": "did the work", "snapshotIds": ["snap_1a2b3c4d5e6f"],
                "recommendedSnapshotId": "snap_1a2b3c4d5e6f"})

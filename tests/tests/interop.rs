@@ -723,3 +723,37 @@ async fn recover_fetches_the_result_of_a_delegation_whose_stream_was_lost() {
     assert!(h.client.recover(&id).await.is_err());
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_snapshot_named_by_done_but_never_streamed_is_fetched_from_the_result() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("true").await;
+    let (ws, docs) = sample(&h);
+    let rex = RefExecutor::start(&h.path("ref-work"), false, executor_work()).await;
+    rex.state
+        .omit_snapshot
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let req = archive_request(
+        rex.url(),
+        vec![
+            resource("workspace", &ws, AccessMode::Rw),
+            resource("docs", &docs, AccessMode::Ro),
+        ],
+        SnapshotMode::Auto,
+    );
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Completed);
+    assert_eq!(
+        std::fs::read_to_string(ws.join("a.txt")).unwrap(),
+        "executor\n"
+    );
+    let v = h.client.get(&id).await.unwrap();
+    let snaps = v.record.snapshots.unwrap();
+    assert_eq!(snaps.len(), 1);
+    assert_eq!(snaps[0].id, "snap_1a2b3c4d5e6f");
+    assert_eq!(rex.state.acks.lock().unwrap().clone(), vec![id.clone()]);
+    h.stop().await;
+}

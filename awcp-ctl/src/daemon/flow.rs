@@ -156,7 +156,7 @@ impl Daemon {
                     "awcpfs delegations carry exactly one resource; {} were given",
                     req.environment.resources.len()
                 ),
-                "Delegate one directory per delegation",
+                "Delegate one directory per delegation, or several with the archive transport",
             ));
         };
         let source = PathBuf::from(&resource.source);
@@ -643,6 +643,7 @@ impl Daemon {
                 if state != DelegationState::Completed {
                     self.end_round(live, &done.summary, done.highlights.clone());
                 }
+                self.fetch_missed_snapshot(live, &done).await;
                 let id = live.d.lock().record.id.as_str().to_string();
                 let token = live.d.lock().executor_token.clone();
                 let ack = self

@@ -174,6 +174,74 @@ impl Daemon {
         })
     }
 
+    /// `done` names snapshots this daemon never received (the stream was reopened after a
+    /// restart, and a reference Executor replays only the final event): fetch the result's
+    /// snapshot before acknowledging it, so it is not lost.
+    pub(crate) async fn fetch_missed_snapshot(
+        &self,
+        live: &Arc<super::Live>,
+        done: &awcp_protocol::events::DoneEvent,
+    ) {
+        let (missed, peer, token, id, transport) = {
+            let d = live.d.lock();
+            let have: Vec<&str> = d
+                .record
+                .snapshots
+                .iter()
+                .flatten()
+                .map(|s| s.id.as_str())
+                .collect();
+            let missed = done.snapshot_ids.as_ref().is_some_and(|ids| {
+                !ids.is_empty() && ids.iter().all(|i| !have.contains(&i.as_str()))
+            });
+            (
+                missed,
+                d.record.peer_url.clone(),
+                d.executor_token.clone(),
+                d.record.id.clone(),
+                d.transport,
+            )
+        };
+        if !missed || transport != awcp_protocol::TransportType::Archive {
+            return;
+        }
+        let url = format!("{}/tasks/{}/result", awcp_base(&peer), id.as_str());
+        let result: Option<TaskResultResponse> =
+            match with_token(self.http.get(&url), token.as_deref())
+                .send()
+                .await
+            {
+                Ok(r) => r.json().await.ok(),
+                Err(_) => None,
+            };
+        let Some(b64) = result.and_then(|r| r.snapshot_base64) else {
+            tracing::warn!(
+                id = id.as_str(),
+                "a snapshot was announced but cannot be fetched"
+            );
+            return;
+        };
+        let sid = done
+            .recommended_snapshot_id
+            .clone()
+            .or_else(|| done.snapshot_ids.as_ref().and_then(|i| i.last().cloned()))
+            .unwrap_or_default();
+        self.on_snapshot(
+            live,
+            SnapshotEvent {
+                delegation_id: id,
+                timestamp: crate::now_iso(),
+                snapshot_id: sid,
+                summary: done.summary.clone(),
+                highlights: done.highlights.clone(),
+                snapshot_base64: b64,
+                recommended: Some(true),
+                metadata: None,
+            },
+        )
+        .await;
+    }
+
     /// Set a state outside the machine (the reference does so for a lost stream too).
     fn force(&self, live: &super::Live, state: DelegationState, detail: &str) {
         {
