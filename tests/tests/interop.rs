@@ -757,3 +757,41 @@ async fn a_snapshot_named_by_done_but_never_streamed_is_fetched_from_the_result(
     assert_eq!(rex.state.acks.lock().unwrap().clone(), vec![id.clone()]);
     h.stop().await;
 }
+
+// Regression: a second INVITE (and an archive START) for the id of a running awcpfs
+// delegation would have reset it, and unpacking would have emptied the live mount — deleting
+// the Delegator's files through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reinvite_cannot_take_over_a_running_delegation() {
+    if !fuse_available() {
+        return;
+    }
+    let flags = tempfile::tempdir().unwrap();
+    let flag = flags.path().join("release");
+    let agent = format!("while [ ! -e {} ]; do sleep 0.05; done", flag.display());
+    let h = Harness::start(&agent).await;
+    let repo = h.path("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    std::fs::write(repo.join("precious.txt"), "keep me\n").unwrap();
+    let id = h.delegate(&repo, AccessMode::Rw, 120).await;
+    let awcp = h.executor.awcp_url();
+    let start_wait = std::time::Instant::now();
+    while !awcp_tests::is_mounted(&h.mountpoint(&id)) {
+        assert!(start_wait.elapsed() < TIMEOUT, "never mounted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (s, b) = post(&awcp, &invite(&id, 60, "archive")).await;
+    assert_eq!(s, 200);
+    assert_eq!(b["type"], "ERROR", "{b}");
+    assert_eq!(b["code"], "DECLINED");
+    let zip = zip_entries(&[("workspace/x", b"x")], zip::CompressionMethod::Deflated);
+    let (s, _) = post(&awcp, &start(&id, &zip, &sha256_hex(&zip))).await;
+    assert_eq!(s, 500, "START for a running assignment is refused");
+    std::fs::write(&flag, "").unwrap();
+    assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Completed);
+    assert_eq!(
+        std::fs::read_to_string(repo.join("precious.txt")).unwrap(),
+        "keep me\n"
+    );
+    h.stop().await;
+}

@@ -34,6 +34,15 @@ fn lease_left(expires_at: &str) -> Option<Duration> {
     )
 }
 
+/// Whether `path` is mounted on (it sits on another device than its parent).
+fn is_mount_point(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(m), Some(parent)) = (std::fs::symlink_metadata(path), path.parent()) else {
+        return false;
+    };
+    std::fs::metadata(parent).is_ok_and(|p| p.dev() != m.dev())
+}
+
 /// Decode, verify and unpack the workspace (blocking).
 fn unpack(
     ex: &Executor,
@@ -57,7 +66,15 @@ fn unpack(
             Some("The downloaded file may be corrupted, try again".into()),
         ));
     }
-    // A re-INVITE may leave an earlier attempt's directory: it is ours, start afresh.
+    // A re-INVITE may leave an earlier attempt's directory: it is ours, start afresh —
+    // unless something is mounted there (a live awcpfs workspace must never be emptied).
+    if is_mount_point(&a.work_path) {
+        return Err((
+            ErrorCode::WorkdirDenied,
+            format!("{} is a mount point in use", a.work_path.display()),
+            Some("Wait for the delegation using it to end".into()),
+        ));
+    }
     if a.work_path.exists() {
         std::fs::remove_dir_all(&a.work_path).map_err(|e| {
             (

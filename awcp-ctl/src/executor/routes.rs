@@ -293,6 +293,20 @@ fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage
             "Try again when a running delegation has finished",
         );
     }
+    // A re-INVITE resets a pending or ended assignment, as the reference's does — but never
+    // one that is running here: its workspace is in use.
+    if ex.tasks.lock().get(id.as_str()).is_some_and(|a| {
+        matches!(
+            *a.state.lock(),
+            AssignmentState::Active | AssignmentState::Idle
+        )
+    }) {
+        return refuse(
+            ErrorCode::Declined,
+            format!("Delegation {} is running on this executor", id.as_str()),
+            "Cancel it first, or delegate with a new id",
+        );
+    }
     let work_path = ex.cfg.work_dir.join(id.as_str());
     let (tx, _) = tokio::sync::broadcast::channel(256);
     let (rounds_tx, rounds_rx) = tokio::sync::mpsc::unbounded_channel();
