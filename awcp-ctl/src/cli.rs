@@ -589,6 +589,30 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("delegation  {}", r.id.as_str());
                 println!("state       {}", r.state.as_str());
                 println!("executor    {}", r.peer_url);
+                println!("transport   {}", v.transport);
+                if let Some(n) = r.current_round.filter(|_| {
+                    r.rounds.as_ref().is_some_and(|x| x.len() > 1)
+                        || r.state == DelegationState::Idle
+                }) {
+                    println!(
+                        "round       {n}{}",
+                        if r.state == DelegationState::Idle {
+                            " (idle: `awcp-ctl continue` or `awcp-ctl close`)"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+                if let Some(snaps) = r.snapshots.as_ref().filter(|s| !s.is_empty()) {
+                    let pending = snaps
+                        .iter()
+                        .filter(|s| s.status == awcp_protocol::api::SnapshotStatus::Pending)
+                        .count();
+                    println!(
+                        "snapshots   {} ({pending} pending: `awcp-ctl diff|apply|discard`)",
+                        snaps.len()
+                    );
+                }
                 if let Some(p) = &r.export_path {
                     println!("workspace   {p} ({})", r.lease_config.access_mode.as_str());
                 }
