@@ -304,7 +304,7 @@ impl Daemon {
             },
             SnapshotMode::Staged => {
                 let path = dir.join(format!("{sid}.zip"));
-                match std::fs::write(&path, zip.as_slice()) {
+                match tokio::fs::write(&path, zip.as_slice()).await {
                     Ok(()) => {
                         snap.local_path = Some(path.display().to_string());
                         format!("snapshot {sid} staged: `awcp-ctl diff {id}` shows it")

@@ -501,7 +501,15 @@ impl Daemon {
         token: Option<&str>,
         msg: &AwcpMessage,
     ) -> Result<reqwest::Response, Refusal> {
-        let rb = with_token(self.http.post(url), token);
+        let mut rb = with_token(self.http.post(url), token);
+        if let AwcpMessage::Start(s) = msg
+            && let TransportHandle::Archive(h) = &s.transport_handle
+        {
+            // The whole workspace travels in this request: allow for a slow link (a minute
+            // plus one per 10 MB), not the default 30 s.
+            let secs = 60 + (h.workspace_base64.len() as u64 / (10 << 20)) * 60;
+            rb = rb.timeout(Duration::from_secs(secs));
+        }
         let resp = rb.json(msg).send().await.map_err(|e| {
             Refusal::internal(format!(
                 "Failed to send {} to executor at {url}: {e}",
