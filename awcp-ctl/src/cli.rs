@@ -192,6 +192,9 @@ struct ServeArgs {
     /// Longest a lease may live in all, renewals included.
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_lease: Duration,
+    /// Close an idle multi-round session after this long without `continue`.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    idle_timeout: Duration,
     /// `awcpfs` delegations: largest workspace (all files delegated).
     #[arg(long, default_value = "1024G", value_parser = parse_size)]
     awcpfs_max_bytes: u64,
@@ -461,6 +464,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.max_ttl = a.max_ttl;
             cfg.max_lease = a.max_lease;
             cfg.api_token = cli.api_token.clone();
+            cfg.idle_timeout = a.idle_timeout;
             cfg.awcpfs_limits = awcp_ctl::archive::ScanLimits {
                 max_total_bytes: a.awcpfs_max_bytes,
                 max_files: a.awcpfs_max_files,

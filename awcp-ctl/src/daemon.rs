@@ -68,6 +68,9 @@ pub struct DaemonConfig {
     /// Sensitive-file patterns (basename or path globs) that refuse an `archive`
     /// delegation; default the reference's list.
     pub sensitive: Vec<String>,
+    /// An idle multi-round session is closed after this long without CONTINUE (the
+    /// reference's default: 5 minutes).
+    pub idle_timeout: Duration,
     /// When set, every daemon API route but `GET /health` requires
     /// `Authorization: Bearer <token>` (401 otherwise).
     pub api_token: Option<String>,
@@ -101,6 +104,7 @@ impl DaemonConfig {
                 .map(|s| s.to_string())
                 .collect(),
             api_token: None,
+            idle_timeout: Duration::from_secs(300),
         }
     }
 }

@@ -214,3 +214,41 @@ async fn a_round_based_reference_executor_is_closed_for_a_single_round_delegatio
     assert_eq!(v.record.result.unwrap().summary, "did the work");
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_session_is_closed_after_the_idle_timeout() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start_full(
+        AGENT,
+        |d| d.idle_timeout = Duration::from_millis(300),
+        |_| {},
+    )
+    .await;
+    let dir = h.path("ws");
+    std::fs::create_dir_all(&dir).unwrap();
+    let id = h
+        .client
+        .delegate(&request(
+            h.executor.awcp_url(),
+            &dir,
+            TransportType::Awcpfs,
+            true,
+        ))
+        .await
+        .unwrap()
+        .delegation_id;
+    let id = id.as_str().to_string();
+    assert_eq!(
+        h.wait_end(&id, Duration::from_secs(60)).await,
+        DelegationState::Completed
+    );
+    let v = h.client.get(&id).await.unwrap();
+    assert_eq!(v.record.rounds.unwrap().len(), 1, "closed after round 1");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("log.txt")).unwrap(),
+        "round 1: first\n"
+    );
+    h.stop().await;
+}

@@ -628,7 +628,12 @@ impl Daemon {
     }
 
     /// Handle one task event; true when the delegation is over.
-    async fn on_task_event(&self, live: &Arc<Live>, executor_url: &str, event: TaskEvent) -> bool {
+    async fn on_task_event(
+        self: &Arc<Self>,
+        live: &Arc<Live>,
+        executor_url: &str,
+        event: TaskEvent,
+    ) -> bool {
         // The history keeps what happened, not the payload: a snapshot's zip can be large
         // and is kept (or applied) on its own.
         let mut shown = event.clone();

@@ -58,20 +58,43 @@ impl Daemon {
     }
 
     /// `round_done`: the delegation goes idle; without `multiRound`, CLOSE at once.
-    pub(crate) async fn on_round_done(&self, live: &Arc<Live>, r: RoundDoneEvent) {
+    pub(crate) async fn on_round_done(self: &Arc<Self>, live: &Arc<Live>, r: RoundDoneEvent) {
         self.end_round(live, &r.summary, r.highlights.clone());
         self.transition(
             live,
             DelegationEvent::RoundComplete,
             Some(format!("round {} done: {}", r.round, r.summary)),
         );
-        let multi = live.d.lock().multi_round;
+        let (multi, id, round) = {
+            let d = live.d.lock();
+            (
+                d.multi_round,
+                d.record.id.as_str().to_string(),
+                d.record.current_round,
+            )
+        };
         if !multi {
-            let id = live.d.lock().record.id.as_str().to_string();
             if let Err(e) = self.close(&id).await {
                 tracing::warn!(%id, error = %e.message, "closing a single-round session failed");
             }
+            return;
         }
+        // Close it if it stays idle (same round) for the idle timeout, as the reference does.
+        let d = self.clone();
+        let (l, timeout) = (live.clone(), self.cfg.idle_timeout);
+        self.spawn(async move {
+            tokio::time::sleep(timeout).await;
+            let still = {
+                let x = l.d.lock();
+                x.record.state == DelegationState::Idle && x.record.current_round == round
+            };
+            if still {
+                tracing::info!(%id, "closing an idle session after the idle timeout");
+                if let Err(e) = d.close(&id).await {
+                    tracing::warn!(%id, error = %e.message, "closing an idle session failed");
+                }
+            }
+        });
     }
 
     async fn send(&self, live: &Live, msg: &AwcpMessage) -> Result<(), Refusal> {
