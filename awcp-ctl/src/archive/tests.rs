@@ -297,3 +297,39 @@ fn read_only_resources_are_not_changed() {
     .unwrap();
     assert_eq!(changed, vec!["w/a.txt"]);
 }
+
+proptest::proptest! {
+    /// Whatever the name, an accepted one stays inside the directory.
+    #[test]
+    fn accepted_entry_names_never_leave_the_directory(name in "[a-z./\\\\\\x00]{0,12}") {
+        if let Ok(parts) = safe_parts(&name) {
+            proptest::prop_assert!(!name.starts_with('/'));
+            for p in parts {
+                proptest::prop_assert!(!p.is_empty() && p != "." && p != "..");
+                proptest::prop_assert!(!p.contains('\\') && !p.contains('\0'));
+            }
+        }
+    }
+
+    /// The glob matcher never panics, and a pattern matches itself when it has no
+    /// wildcards.
+    #[test]
+    fn globs_do_not_panic(pattern in "[a-z*?/.]{0,10}", path in "[a-z/.]{1,12}") {
+        let _ = walk::glob_path(&pattern, &path);
+        if !pattern.contains(['*', '?']) && !pattern.is_empty() && !pattern.contains("//")
+            && !pattern.starts_with('/') && !pattern.ends_with('/') && !pattern.starts_with("./")
+        {
+            proptest::prop_assert!(walk::glob_path(&pattern, &pattern));
+        }
+    }
+
+    /// Random bytes are refused as a zip, never a panic, and nothing is written outside.
+    #[test]
+    fn random_bytes_do_not_unpack(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+        let tmp = tempfile::tempdir().unwrap();
+        let _ = extract(&bytes, &tmp.path().join("d"), &ScanLimits::REFERENCE);
+        let outside: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten()
+            .filter(|e| e.file_name() != "d").collect();
+        proptest::prop_assert!(outside.is_empty());
+    }
+}
