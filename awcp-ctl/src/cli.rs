@@ -935,10 +935,37 @@ async fn follow(
     idle_at: usize,
 ) -> anyhow::Result<ExitCode> {
     let mut idles = 0;
+    // On a terminal, a progress line on stderr: what the export served (content hydrated on
+    // the Executor) and what came back (write-back), refreshed every second.
+    let progress = (!json && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
+        let (client, id) = (client.clone(), id.to_string());
+        tokio::spawn(async move {
+            use std::io::Write as _;
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let Ok(v) = client.get(&id).await else {
+                    continue;
+                };
+                let Some(t) = &v.transfer else { continue };
+                let n = |k: &str| t.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+                eprint!(
+                    "\r\x1b[2K  {}: {:.1} MB served to the executor, {} file(s) written back",
+                    v.record.state.as_str(),
+                    n("bytesServed") as f64 / 1e6,
+                    n("filesWritten")
+                );
+                let _ = std::io::stderr().flush();
+            }
+        })
+    });
+    let showing = progress.is_some();
     let last = client
         .watch_until(
             id,
             |ev: &WatchEvent| {
+                if showing {
+                    eprint!("\r\x1b[2K");
+                }
                 if json {
                     if let Ok(s) = serde_json::to_string(ev) {
                         println!("{s}");
@@ -960,7 +987,12 @@ async fn follow(
                 ev.is_terminal() || idles >= idle_at
             },
         )
-        .await?;
+        .await;
+    if let Some(p) = progress {
+        p.abort();
+        eprint!("\r\x1b[2K");
+    }
+    let last = last?;
     match last {
         Some(WatchEvent::State {
             state: DelegationState::Idle,
