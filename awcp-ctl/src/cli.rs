@@ -16,9 +16,9 @@ use awcp_ctl::client::DaemonClient;
 use awcp_ctl::daemon::DaemonConfig;
 use awcp_ctl::executor::ExecutorConfig;
 use awcp_ctl::watch::WatchEvent;
-use awcp_protocol::DelegationState;
-use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
-use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
+use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec, SnapshotMode};
+use awcp_protocol::messages::{AccessMode, AuthCredential, AuthType, ResourceType, TaskSpec};
+use awcp_protocol::{DelegationState, TransportType};
 
 /// Hand a workspace to another agent under a lease, and take it back.
 ///
@@ -41,6 +41,10 @@ struct Cli {
     /// Print machine-readable JSON (one object per line) instead of text.
     #[arg(long, global = true)]
     json: bool,
+    /// The daemon API's token: `serve` requires it on every route but /health; client
+    /// commands send it.
+    #[arg(long, global = true, env = "AWCP_API_TOKEN", hide_env_values = true)]
+    api_token: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -92,6 +96,83 @@ enum Command {
     /// List Executors that announce themselves over AGLX (`executor --announce`): ask an
     /// aglx-bridge (--bridge aglx://host:port) and/or listen for announces (--listen).
     Peers(aglx::PeersArgs),
+    /// Check this machine and the peers: FUSE device, mount privileges, kernel passthrough,
+    /// the daemon (--daemon) and any Executors given; prints a fix for each problem. Exit
+    /// code 1 if something will make delegations fail.
+    Doctor {
+        /// An Executor's AWCP endpoint to check (repeatable).
+        #[arg(long)]
+        executor: Vec<String>,
+        /// The Executors' token, if they require one.
+        #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
+        executor_token: Option<String>,
+    },
+    /// Print a shell completion script, e.g. `awcp-ctl completions bash >
+    /// /etc/bash_completion.d/awcp-ctl`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Serve the MCP tools (delegate, delegate_output, delegate_cancel, … delegate_status) on
+    /// stdin/stdout for an agent; they drive the daemon at --daemon. Logs go to stderr.
+    Mcp,
+    /// Run the next round of an idle multi-round delegation (`delegate --multi-round`), on
+    /// the same workspace.
+    Continue {
+        /// Delegation id.
+        id: String,
+        /// What to do in this round.
+        #[arg(long)]
+        task: String,
+        /// A longer prompt, if different from --task.
+        #[arg(long)]
+        prompt: Option<String>,
+        /// Follow the round until the delegation is idle again or ends.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Fetch the result of a delegation whose event stream was lost (a daemon restart, a
+    /// broken connection) from its Executor, apply it, and acknowledge it.
+    Recover {
+        /// Delegation id.
+        id: String,
+    },
+    /// End an idle multi-round delegation: it completes.
+    Close {
+        /// Delegation id.
+        id: String,
+    },
+    /// List the snapshots an `archive` Executor sent back for a delegation.
+    Snapshots {
+        /// Delegation id.
+        id: String,
+    },
+    /// Show what a kept snapshot changes (A added, M modified, D deleted), relative to what
+    /// was sent.
+    Diff {
+        /// Delegation id.
+        id: String,
+        /// Snapshot id; default the newest pending one.
+        #[arg(long)]
+        snapshot: Option<String>,
+    },
+    /// Apply a kept snapshot to the workspace, file by file: files changed on both sides
+    /// stay as they are here, with the Executor's version kept beside them.
+    Apply {
+        /// Delegation id.
+        id: String,
+        /// Snapshot id; default the newest pending one.
+        #[arg(long)]
+        snapshot: Option<String>,
+    },
+    /// Drop a kept snapshot.
+    Discard {
+        /// Delegation id.
+        id: String,
+        /// Snapshot id; default the newest pending one.
+        #[arg(long)]
+        snapshot: Option<String>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -118,6 +199,32 @@ struct ServeArgs {
     max_lease: Duration,
     #[command(flatten)]
     aglx: aglx::NotifyArgs,
+    /// Close an idle multi-round session after this long without `continue`.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    idle_timeout: Duration,
+    /// `awcpfs` delegations: largest workspace (all files delegated).
+    #[arg(long, default_value = "1024G", value_parser = parse_size)]
+    awcpfs_max_bytes: u64,
+    /// `awcpfs` delegations: most files.
+    #[arg(long, default_value_t = 10_000_000)]
+    awcpfs_max_files: u64,
+    /// `awcpfs` delegations: largest single file.
+    #[arg(long, default_value = "1024G", value_parser = parse_size)]
+    awcpfs_max_file_bytes: u64,
+    /// `archive` delegations: largest workspace (all files), e.g. `100M`, `2G`.
+    #[arg(long, default_value = "100M", value_parser = parse_size)]
+    archive_max_bytes: u64,
+    /// `archive` delegations: most files.
+    #[arg(long, default_value_t = 10_000)]
+    archive_max_files: u64,
+    /// `archive` delegations: largest single file.
+    #[arg(long, default_value = "50M", value_parser = parse_size)]
+    archive_max_file_bytes: u64,
+    /// Sensitive-file globs that refuse an `archive` delegation (repeatable); replaces the
+    /// default list (`.env`, `.env.*`, `*.pem`, `*.key`, `id_rsa`, `credentials.json`, …).
+    /// `--sensitive ''` turns the check off.
+    #[arg(long)]
+    sensitive: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -164,6 +271,24 @@ struct ExecutorArgs {
     renew_margin: Option<Duration>,
     #[command(flatten)]
     aglx: aglx::AnnounceArgs,
+    /// Transports offered (INVITEs asking for another get DEP_MISSING).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "awcpfs,archive"
+    )]
+    transports: Vec<Transport>,
+    /// Access modes accepted (INVITEs asking for another are DECLINED).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "ro,rw")]
+    modes: Vec<Mode>,
+    /// Largest request body, e.g. `512M` (an `archive` START carries the whole workspace).
+    #[arg(long, default_value = "512M", value_parser = parse_size)]
+    max_body: u64,
+    /// Require this token: in INVITE's `auth` (AUTH_FAILED otherwise) and as a bearer
+    /// token on every other request.
+    #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -200,6 +325,45 @@ struct DelegateArgs {
     wait: bool,
     #[command(flatten)]
     auto: aglx::AutoArgs,
+    /// How the workspace travels: `awcpfs` (live mount, ours) or `archive` (one zip in
+    /// START, for Executors that speak only the reference protocol; limited in size).
+    #[arg(long, value_enum, default_value = "awcpfs")]
+    transport: Transport,
+    /// What to do with the result an `archive` Executor sends back: apply it at once
+    /// (`auto`), keep it until `apply`/`discard` (`staged`), or drop it (`discard`).
+    #[arg(long, value_enum, default_value = "auto")]
+    snapshot_mode: SnapshotModeArg,
+    /// Only files matching these globs are delegated (`src/**`, `*.py`; repeatable); the
+    /// others are invisible on the Executor.
+    #[arg(long)]
+    include: Vec<String>,
+    /// Files matching these globs are never delegated (`target`, `*.log`; repeatable):
+    /// invisible on the mount, refused by the export.
+    #[arg(long)]
+    exclude: Vec<String>,
+    /// Also leave out what the directory's `.gitignore` lists.
+    #[arg(long)]
+    gitignore: bool,
+    /// A multi-round session: after the task the delegation waits, idle, with the
+    /// workspace still mounted, for `awcp-ctl continue <id> --task …` or `awcp-ctl close`.
+    #[arg(long)]
+    multi_round: bool,
+    /// The Executor's token (its `--token`), sent in INVITE's `auth`.
+    #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
+    executor_token: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Transport {
+    Awcpfs,
+    Archive,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum SnapshotModeArg {
+    Auto,
+    Staged,
+    Discard,
 }
 
 /// `$XDG_STATE_HOME/awcp/<what>`, else `~/.local/state/awcp/<what>`, else `./.awcp/<what>`.
@@ -217,6 +381,35 @@ fn default_state_dir(what: &str) -> PathBuf {
     match base {
         Some(b) => b.join("awcp").join(what),
         None => PathBuf::from(".awcp").join(what),
+    }
+}
+
+/// `512`, `100K`, `100M`, `2G` (powers of 1024).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1u64 << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("`{s}` is not a size; use e.g. 100M, 2G, 4096"))
+}
+
+fn mode_of(m: Mode) -> AccessMode {
+    match m {
+        Mode::Ro => AccessMode::Ro,
+        Mode::Rw => AccessMode::Rw,
+    }
+}
+
+fn transport_of(t: Transport) -> TransportType {
+    match t {
+        Transport::Awcpfs => TransportType::Awcpfs,
+        Transport::Archive => TransportType::Archive,
     }
 }
 
@@ -266,9 +459,14 @@ pub fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let json = cli.json;
     match rt.block_on(run(cli)) {
         Ok(code) => code,
         Err(e) => {
+            if json {
+                // Scripts reading stdout get the failure as a JSON line too.
+                println!("{}", serde_json::json!({ "error": format!("{e:#}") }));
+            }
             eprintln!("error: {e:#}");
             ExitCode::from(1)
         }
@@ -276,7 +474,7 @@ pub fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let client = DaemonClient::new(&cli.daemon);
+    let client = DaemonClient::new(&cli.daemon).with_token(cli.api_token.clone());
     match cli.command {
         Command::Serve(a) => {
             let mut cfg = DaemonConfig::new(
@@ -289,7 +487,37 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.max_ttl = a.max_ttl;
             cfg.max_lease = a.max_lease;
             cfg.aglx = a.aglx.config()?;
-            awcp_ctl::daemon::serve(cfg).await?;
+            cfg.api_token = cli.api_token.clone();
+            cfg.idle_timeout = a.idle_timeout;
+            cfg.awcpfs_limits = awcp_ctl::archive::ScanLimits {
+                max_total_bytes: a.awcpfs_max_bytes,
+                max_files: a.awcpfs_max_files,
+                max_file_bytes: a.awcpfs_max_file_bytes,
+            };
+            cfg.archive_limits = awcp_ctl::archive::ScanLimits {
+                max_total_bytes: a.archive_max_bytes,
+                max_files: a.archive_max_files,
+                max_file_bytes: a.archive_max_file_bytes,
+            };
+            if !a.sensitive.is_empty() {
+                cfg.sensitive = a.sensitive.into_iter().filter(|s| !s.is_empty()).collect();
+            }
+            let running = awcp_ctl::daemon::start(cfg).await?;
+            if cli.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"service": "daemon", "api": running.url(),
+                        "dataPlane": running.daemon.export_url()})
+                );
+            } else {
+                eprintln!(
+                    "awcp-ctl serve: daemon API on {}, data plane on {} (Ctrl-C stops)",
+                    running.url(),
+                    running.daemon.export_url()
+                );
+            }
+            tokio::signal::ctrl_c().await?;
+            running.stop().await;
             Ok(ExitCode::SUCCESS)
         }
         Command::Executor(a) => {
@@ -308,16 +536,45 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.keep_cache = a.keep_cache;
             cfg.passthrough = a.passthrough;
             cfg.renew_margin = a.renew_margin;
-            awcp_ctl::aglx::serve_executor(cfg, a.aglx.config()?).await?;
+            cfg.transports = a.transports.into_iter().map(transport_of).collect();
+            cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
+            cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
+            cfg.token = a.token;
+            let announce = a.aglx.config()?;
+            let running = awcp_ctl::executor::start(cfg).await?;
+            let announcing = match &announce {
+                Some(ac) => Some(awcp_ctl::aglx::announce_executor(&running, ac).await?),
+                None => None,
+            };
+            if let Some(ac) = &announce {
+                eprintln!(
+                    "awcp-ctl executor: announced as {} to {:?}",
+                    ac.me, ac.targets
+                );
+            }
+            if cli.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"service": "executor", "awcp": running.awcp_url()})
+                );
+            } else {
+                eprintln!(
+                    "awcp-ctl executor: AWCP endpoint {} (Ctrl-C stops)",
+                    running.awcp_url()
+                );
+            }
+            tokio::signal::ctrl_c().await?;
+            if let Some((announcer, refresher)) = announcing {
+                refresher.abort();
+                drop(announcer);
+            }
+            running.stop().await;
             Ok(ExitCode::SUCCESS)
         }
         Command::Delegate(a) => {
             let dir = std::path::absolute(&a.dir)
                 .with_context(|| format!("resolving {}", a.dir.display()))?;
-            let mode = match a.mode {
-                Mode::Ro => AccessMode::Ro,
-                Mode::Rw => AccessMode::Rw,
-            };
+            let mode = mode_of(a.mode);
             let to = a.auto.resolve(&a.to, a.ttl).await?;
             let req = DelegateRequest {
                 executor_url: to.clone(),
@@ -327,8 +584,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         resource_type: ResourceType::Fs,
                         source: dir.display().to_string(),
                         mode,
-                        include: None,
-                        exclude: None,
+                        include: (!a.include.is_empty()).then_some(a.include),
+                        exclude: (!a.exclude.is_empty()).then_some(a.exclude),
+                        gitignore: a.gitignore.then_some(true),
                     }],
                 },
                 task: TaskSpec {
@@ -337,10 +595,29 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 },
                 ttl_seconds: Some(a.ttl.as_secs()),
                 access_mode: Some(mode),
-                snapshot_mode: None,
-                auth: None,
+                snapshot_mode: Some(match a.snapshot_mode {
+                    SnapshotModeArg::Auto => SnapshotMode::Auto,
+                    SnapshotModeArg::Staged => SnapshotMode::Staged,
+                    SnapshotModeArg::Discard => SnapshotMode::Discard,
+                }),
+                auth: a.executor_token.map(|t| AuthCredential {
+                    auth_type: AuthType::Bearer,
+                    credential: t,
+                    metadata: None,
+                }),
+                transport: Some(transport_of(a.transport)),
+                multi_round: a.multi_round.then_some(true),
             };
-            let resp = client.delegate(&req).await?;
+            // The daemon answers after admission, the manifest (or the zip), INVITE and
+            // START: on a large tree that takes a while, so show that it is working.
+            let spinner = (!cli.json && std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .then(|| tokio::spawn(spin(format!("delegating {}", dir.display()))));
+            let resp = client.delegate(&req).await;
+            if let Some(s) = spinner {
+                s.abort();
+                eprint!("\r\x1b[2K");
+            }
+            let resp = resp?;
             let id = resp.delegation_id.as_str().to_string();
             if cli.json {
                 println!("{}", serde_json::json!({"delegationId": id}));
@@ -350,7 +627,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if !a.wait {
                 return Ok(ExitCode::SUCCESS);
             }
-            follow(&client, &id, cli.json).await
+            follow(&client, &id, cli.json, 1).await
         }
         Command::Status { id: Some(id) } => {
             let v = client.get(&id).await?;
@@ -361,6 +638,30 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("delegation  {}", r.id.as_str());
                 println!("state       {}", r.state.as_str());
                 println!("executor    {}", r.peer_url);
+                println!("transport   {}", v.transport);
+                if let Some(n) = r.current_round.filter(|_| {
+                    r.rounds.as_ref().is_some_and(|x| x.len() > 1)
+                        || r.state == DelegationState::Idle
+                }) {
+                    println!(
+                        "round       {n}{}",
+                        if r.state == DelegationState::Idle {
+                            " (idle: `awcp-ctl continue` or `awcp-ctl close`)"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+                if let Some(snaps) = r.snapshots.as_ref().filter(|s| !s.is_empty()) {
+                    let pending = snaps
+                        .iter()
+                        .filter(|s| s.status == awcp_protocol::api::SnapshotStatus::Pending)
+                        .count();
+                    println!(
+                        "snapshots   {} ({pending} pending: `awcp-ctl diff|apply|discard`)",
+                        snaps.len()
+                    );
+                }
                 if let Some(p) = &r.export_path {
                     println!("workspace   {p} ({})", r.lease_config.access_mode.as_str());
                 }
@@ -484,7 +785,179 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Watch { id } => follow(&client, &id, cli.json).await,
+        Command::Watch { id } => follow(&client, &id, cli.json, usize::MAX).await,
+        Command::Continue {
+            id,
+            task,
+            prompt,
+            wait,
+        } => {
+            let spec = TaskSpec {
+                description: task.clone(),
+                prompt: prompt.unwrap_or(task),
+            };
+            let r = client.continue_round(&id, &spec).await?;
+            let round = r.round.unwrap_or(0);
+            if cli.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!("round {round} of {id} started");
+            }
+            if !wait {
+                return Ok(ExitCode::SUCCESS);
+            }
+            follow(&client, &id, cli.json, round as usize).await
+        }
+        Command::Doctor {
+            executor,
+            executor_token,
+        } => {
+            use awcp_ctl::doctor::{self, Status};
+            let mut checks = doctor::local();
+            checks.push(doctor::daemon(&cli.daemon, cli.api_token.as_deref()).await);
+            for e in &executor {
+                checks.push(doctor::executor(e, executor_token.as_deref()).await);
+            }
+            for c in &checks {
+                if cli.json {
+                    println!("{}", serde_json::to_string(c)?);
+                } else {
+                    let tag = match c.status {
+                        Status::Ok => "ok  ",
+                        Status::Warn => "warn",
+                        Status::Fail => "FAIL",
+                    };
+                    println!("{tag}  {:<20} {}", c.check, c.detail);
+                    if let Some(f) = &c.fix {
+                        println!("      {:<20} fix: {f}", "");
+                    }
+                }
+            }
+            Ok(if checks.iter().any(|c| c.status == Status::Fail) {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            })
+        }
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            // Into a buffer first: the generator panics on a closed pipe (`| head`).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "awcp-ctl", &mut script);
+            use std::io::Write as _;
+            let _ = std::io::stdout().write_all(&script);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Mcp => {
+            awcp_ctl::mcp::serve(client).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Recover { id } => {
+            let r = client.recover(&id).await?;
+            if cli.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "recovered {id}: now {}{}",
+                    r.state.as_str(),
+                    if r.snapshot {
+                        "; its snapshot was handled per the snapshot mode"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            Ok(exit_for(r.state))
+        }
+        Command::Close { id } => {
+            client.close(&id).await?;
+            if cli.json {
+                println!("{}", serde_json::json!({"ok": true, "delegationId": id}));
+            } else {
+                println!("closed {id}: the delegation is completed");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Snapshots { id } => {
+            let list = client.snapshots(&id).await?;
+            if cli.json {
+                for s in &list.snapshots {
+                    println!("{}", serde_json::to_string(s)?);
+                }
+            } else if list.snapshots.is_empty() {
+                println!("{id} has no snapshots (awcpfs delegations write back live)");
+            } else {
+                for s in &list.snapshots {
+                    let n = s
+                        .metadata
+                        .as_ref()
+                        .and_then(|m| m.changed_files.as_ref())
+                        .map(Vec::len)
+                        .unwrap_or(0);
+                    println!(
+                        "{}  {:<9} {} changed file(s)  {}",
+                        s.id,
+                        format!("{:?}", s.status).to_lowercase(),
+                        n,
+                        s.summary
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Diff { id, snapshot } => {
+            let sid = client.pick_snapshot(&id, snapshot).await?;
+            let d = client.diff(&id, &sid).await?;
+            for f in &d.files {
+                if cli.json {
+                    println!("{}", serde_json::to_string(f)?);
+                } else {
+                    let c = match f.change {
+                        awcp_ctl::archive::Change::Added => 'A',
+                        awcp_ctl::archive::Change::Modified => 'M',
+                        awcp_ctl::archive::Change::Deleted => 'D',
+                    };
+                    println!("{c} {}", f.path);
+                }
+            }
+            if !cli.json && d.files.is_empty() {
+                println!("snapshot {sid} changes nothing");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Apply { id, snapshot } => {
+            let sid = client.pick_snapshot(&id, snapshot).await?;
+            let r = client.apply(&id, &sid).await?;
+            if cli.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "applied {sid}: {} file(s) written, {} deleted, {} conflict(s)",
+                    r.report.written.len(),
+                    r.report.deleted.len(),
+                    r.report.conflicts.len()
+                );
+                for c in &r.report.conflicts {
+                    println!(
+                        "  conflict at {}: {} (executor's version: {})",
+                        c.path,
+                        c.reason,
+                        c.kept_as.as_deref().unwrap_or("not kept")
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Discard { id, snapshot } => {
+            let sid = client.pick_snapshot(&id, snapshot).await?;
+            client.discard(&id, &sid).await?;
+            if cli.json {
+                println!("{}", serde_json::json!({"ok": true, "snapshotId": sid}));
+            } else {
+                println!("discarded {sid}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Peers(a) => {
             aglx::peers(a, cli.json).await?;
             Ok(ExitCode::SUCCESS)
@@ -492,19 +965,102 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-async fn follow(client: &DaemonClient, id: &str, json: bool) -> anyhow::Result<ExitCode> {
-    let last = client
-        .watch(id, |ev: &WatchEvent| {
-            if json {
-                if let Ok(s) = serde_json::to_string(ev) {
-                    println!("{s}");
-                }
-            } else {
-                println!("{}", ev.describe());
+/// A spinner with the elapsed time on stderr, until aborted.
+async fn spin(what: String) {
+    use std::io::Write as _;
+    const FRAMES: [char; 10] = ['⠋', '⠙', '⠹', '⠸', '⠼', '⠴', '⠦', '⠧', '⠇', '⠏'];
+    let start = std::time::Instant::now();
+    for i in 0usize.. {
+        eprint!(
+            "\r{} {what}: admission, manifest, invitation… {}s",
+            FRAMES[i % FRAMES.len()],
+            start.elapsed().as_secs()
+        );
+        let _ = std::io::stderr().flush();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Follow a delegation until it ends, or until it is idle for the `idle_at`-th time (the
+/// end of that round of a multi-round session).
+async fn follow(
+    client: &DaemonClient,
+    id: &str,
+    json: bool,
+    idle_at: usize,
+) -> anyhow::Result<ExitCode> {
+    let mut idles = 0;
+    // On a terminal, a progress line on stderr: what the export served (content hydrated on
+    // the Executor) and what came back (write-back), refreshed every second.
+    let progress = (!json && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
+        let (client, id) = (client.clone(), id.to_string());
+        tokio::spawn(async move {
+            use std::io::Write as _;
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let Ok(v) = client.get(&id).await else {
+                    continue;
+                };
+                let Some(t) = &v.transfer else { continue };
+                let n = |k: &str| t.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+                eprint!(
+                    "\r\x1b[2K  {}: {:.1} MB served to the executor, {} file(s) written back",
+                    v.record.state.as_str(),
+                    n("bytesServed") as f64 / 1e6,
+                    n("filesWritten")
+                );
+                let _ = std::io::stderr().flush();
             }
         })
-        .await?;
+    });
+    let showing = progress.is_some();
+    let last = client
+        .watch_until(
+            id,
+            |ev: &WatchEvent| {
+                if showing {
+                    eprint!("\r\x1b[2K");
+                }
+                if json {
+                    if let Ok(s) = serde_json::to_string(ev) {
+                        println!("{s}");
+                    }
+                } else {
+                    println!("{}", ev.describe());
+                }
+            },
+            |ev| {
+                if matches!(
+                    ev,
+                    WatchEvent::State {
+                        state: DelegationState::Idle,
+                        ..
+                    }
+                ) {
+                    idles += 1;
+                }
+                ev.is_terminal() || idles >= idle_at
+            },
+        )
+        .await;
+    if let Some(p) = progress {
+        p.abort();
+        eprint!("\r\x1b[2K");
+    }
+    let last = last?;
     match last {
+        Some(WatchEvent::State {
+            state: DelegationState::Idle,
+            ..
+        }) => {
+            if !json {
+                println!(
+                    "{id} is idle: `awcp-ctl continue {id} --task …` runs the next round, \
+                     `awcp-ctl close {id}` ends it"
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Some(WatchEvent::State { state, .. }) => {
             if !json {
                 let v = client.get(id).await?;
@@ -540,6 +1096,15 @@ mod tests {
         assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
         assert!(parse_duration("x").is_err());
         assert!(parse_duration("5y").is_err());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("100M").unwrap(), 100 << 20);
+        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("99999999999G").is_err());
     }
 
     #[test]

@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use awcp_protocol::api::{ApiError, DelegateRequest, DelegateResponse, DelegationList, OkResponse};
+use awcp_protocol::api::{
+    ApiError, DelegateRequest, DelegateResponse, DelegationList, OkResponse, SnapshotList,
+};
 
 use crate::daemon::api::{DelegationView, RenewRequest, RenewResponse, RevokeRequest};
 use crate::sse::SseReader;
@@ -51,6 +53,7 @@ pub enum ClientError {
 pub struct DaemonClient {
     base: String,
     http: reqwest::Client,
+    token: Option<String>,
 }
 
 impl DaemonClient {
@@ -62,6 +65,28 @@ impl DaemonClient {
                 .connect_timeout(Duration::from_secs(5))
                 .build()
                 .expect("building an HTTP client"),
+            token: None,
+        }
+    }
+
+    /// Send `token` as a bearer token (a daemon started with an API token needs it).
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token;
+        self
+    }
+
+    fn get_(&self, path: &str) -> reqwest::RequestBuilder {
+        self.auth(self.http.get(format!("{}{path}", self.base)))
+    }
+
+    fn post_(&self, path: &str) -> reqwest::RequestBuilder {
+        self.auth(self.http.post(format!("{}{path}", self.base)))
+    }
+
+    fn auth(&self, rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.token {
+            Some(t) => rb.bearer_auth(t),
+            None => rb,
         }
     }
 
@@ -91,27 +116,23 @@ impl DaemonClient {
 
     /// `POST /delegate`.
     pub async fn delegate(&self, req: &DelegateRequest) -> Result<DelegateResponse, ClientError> {
-        self.send(self.http.post(format!("{}/delegate", self.base)).json(req))
-            .await
+        self.send(self.post_("/delegate").json(req)).await
     }
 
     /// `GET /delegations`.
     pub async fn list(&self) -> Result<DelegationList, ClientError> {
-        self.send(self.http.get(format!("{}/delegations", self.base)))
-            .await
+        self.send(self.get_("/delegations")).await
     }
 
     /// `GET /delegation/:id`.
     pub async fn get(&self, id: &str) -> Result<DelegationView, ClientError> {
-        self.send(self.http.get(format!("{}/delegation/{id}", self.base)))
-            .await
+        self.send(self.get_(&format!("/delegation/{id}"))).await
     }
 
     /// `POST /delegation/:id/revoke`.
     pub async fn revoke(&self, id: &str, no_flush: bool) -> Result<OkResponse, ClientError> {
         self.send(
-            self.http
-                .post(format!("{}/delegation/{id}/revoke", self.base))
+            self.post_(&format!("/delegation/{id}/revoke"))
                 .json(&RevokeRequest { no_flush }),
         )
         .await
@@ -124,8 +145,7 @@ impl DaemonClient {
         discard: bool,
     ) -> Result<crate::daemon::api::CollectResponse, ClientError> {
         self.send(
-            self.http
-                .post(format!("{}/delegation/{id}/collect", self.base))
+            self.post_(&format!("/delegation/{id}/collect"))
                 .json(&crate::daemon::api::CollectRequest { discard }),
         )
         .await
@@ -134,11 +154,100 @@ impl DaemonClient {
     /// `POST /delegation/:id/renew`.
     pub async fn renew(&self, id: &str, ttl_seconds: u64) -> Result<RenewResponse, ClientError> {
         self.send(
-            self.http
-                .post(format!("{}/delegation/{id}/renew", self.base))
+            self.post_(&format!("/delegation/{id}/renew"))
                 .json(&RenewRequest { ttl_seconds }),
         )
         .await
+    }
+
+    /// `POST /delegation/:id/continue`.
+    pub async fn continue_round(
+        &self,
+        id: &str,
+        task: &awcp_protocol::messages::TaskSpec,
+    ) -> Result<awcp_protocol::api::ContinueResponse, ClientError> {
+        self.send(
+            self.post_(&format!("/delegation/{id}/continue"))
+                .json(&serde_json::json!({ "task": task })),
+        )
+        .await
+    }
+
+    /// Ours: `POST /delegation/:id/recover`.
+    pub async fn recover(
+        &self,
+        id: &str,
+    ) -> Result<crate::daemon::recover::RecoverResponse, ClientError> {
+        self.send(self.post_(&format!("/delegation/{id}/recover")))
+            .await
+    }
+
+    /// `POST /delegation/:id/close`.
+    pub async fn close(&self, id: &str) -> Result<OkResponse, ClientError> {
+        self.send(self.post_(&format!("/delegation/{id}/close")))
+            .await
+    }
+
+    /// `GET /delegation/:id/snapshots`.
+    pub async fn snapshots(&self, id: &str) -> Result<SnapshotList, ClientError> {
+        self.send(self.get_(&format!("/delegation/{id}/snapshots")))
+            .await
+    }
+
+    /// Ours: `GET /delegation/:id/snapshots/:sid/diff`.
+    pub async fn diff(
+        &self,
+        id: &str,
+        sid: &str,
+    ) -> Result<crate::daemon::api::DiffResponse, ClientError> {
+        self.send(self.get_(&format!("/delegation/{id}/snapshots/{sid}/diff")))
+            .await
+    }
+
+    /// `POST /delegation/:id/snapshots/:sid/apply`.
+    pub async fn apply(
+        &self,
+        id: &str,
+        sid: &str,
+    ) -> Result<crate::daemon::api::ApplyResponse, ClientError> {
+        self.send(self.post_(&format!("/delegation/{id}/snapshots/{sid}/apply")))
+            .await
+    }
+
+    /// `POST /delegation/:id/snapshots/:sid/discard`.
+    pub async fn discard(&self, id: &str, sid: &str) -> Result<OkResponse, ClientError> {
+        self.send(self.post_(&format!("/delegation/{id}/snapshots/{sid}/discard")))
+            .await
+    }
+
+    /// The snapshot `sid`, or the newest pending one of `id`.
+    pub async fn pick_snapshot(
+        &self,
+        id: &str,
+        sid: Option<String>,
+    ) -> Result<String, ClientError> {
+        if let Some(s) = sid {
+            return Ok(s);
+        }
+        let list = self.snapshots(id).await?;
+        list.snapshots
+            .iter()
+            .rev()
+            .find(|s| s.status == awcp_protocol::api::SnapshotStatus::Pending)
+            .map(|s| s.id.clone())
+            .ok_or_else(|| ClientError::Refused {
+                status: 404,
+                body: ApiError {
+                    error: format!("delegation {id} has no pending snapshot"),
+                    code: None,
+                    hint: Some(
+                        "Only archive delegations with --snapshot-mode staged keep snapshots; \
+                         `awcp-ctl snapshots <id>` lists them"
+                            .into(),
+                    ),
+                    known_delegations: None,
+                },
+            })
     }
 
     /// Follow `GET /delegation/:id/events`, calling `f` for each event until a terminal one
@@ -146,11 +255,20 @@ impl DaemonClient {
     pub async fn watch(
         &self,
         id: &str,
+        f: impl FnMut(&WatchEvent),
+    ) -> Result<Option<WatchEvent>, ClientError> {
+        self.watch_until(id, f, |ev| ev.is_terminal()).await
+    }
+
+    /// Like [`watch`](Self::watch), stopping at the first event `stop` accepts (returned).
+    pub async fn watch_until(
+        &self,
+        id: &str,
         mut f: impl FnMut(&WatchEvent),
+        mut stop: impl FnMut(&WatchEvent) -> bool,
     ) -> Result<Option<WatchEvent>, ClientError> {
         let resp = self
-            .http
-            .get(format!("{}/delegation/{id}/events", self.base))
+            .get_(&format!("/delegation/{id}/events"))
             .send()
             .await
             .map_err(|source| ClientError::Unreachable {
@@ -178,7 +296,7 @@ impl DaemonClient {
                 continue;
             };
             f(&ev);
-            if ev.is_terminal() {
+            if stop(&ev) {
                 return Ok(Some(ev));
             }
         }

@@ -14,8 +14,12 @@
 //!    and tells the Executor with AWCP cancel. Expiry is watched per delegation and handled
 //!    the same way.
 
+mod admission;
 pub mod api;
+mod archive_flow;
 mod flow;
+pub mod recover;
+mod rounds;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -55,6 +59,23 @@ pub struct DaemonConfig {
     pub max_lease: Duration,
     /// AGLX lifecycle notifications (`serve --notify`), if any.
     pub aglx: Option<crate::aglx::NotifyConfig>,
+    /// Admission limits of `awcpfs` delegations (nothing is copied up front, so these are
+    /// far larger than the `archive` ones).
+    pub awcpfs_limits: crate::archive::ScanLimits,
+    /// Admission limits of `archive` delegations (the whole workspace travels in one
+    /// message; default the reference's 100 MB / 10,000 files / 50 MB per file).
+    pub archive_limits: crate::archive::ScanLimits,
+    /// What an arriving `archive` snapshot may unpack to.
+    pub snapshot_limits: crate::archive::ScanLimits,
+    /// Sensitive-file patterns (basename or path globs) that refuse an `archive`
+    /// delegation; default the reference's list.
+    pub sensitive: Vec<String>,
+    /// An idle multi-round session is closed after this long without CONTINUE (the
+    /// reference's default: 5 minutes).
+    pub idle_timeout: Duration,
+    /// When set, every daemon API route but `GET /health` requires
+    /// `Authorization: Bearer <token>` (401 otherwise).
+    pub api_token: Option<String>,
 }
 
 impl DaemonConfig {
@@ -70,6 +91,23 @@ impl DaemonConfig {
             block_size: awcp_protocol::dataplane::DEFAULT_BLOCK_SIZE,
             max_lease: Duration::from_secs(24 * 3600),
             aglx: None,
+            awcpfs_limits: crate::archive::ScanLimits {
+                max_total_bytes: 1 << 40,
+                max_files: 10_000_000,
+                max_file_bytes: 1 << 40,
+            },
+            archive_limits: crate::archive::ScanLimits::REFERENCE,
+            snapshot_limits: crate::archive::ScanLimits {
+                max_total_bytes: 4 << 30,
+                max_files: 1_000_000,
+                max_file_bytes: 4 << 30,
+            },
+            sensitive: crate::archive::DEFAULT_SENSITIVE
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            api_token: None,
+            idle_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -172,6 +210,13 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             )
         })?;
     let api_addr = api_listener.local_addr()?;
+    if !api_addr.ip().is_loopback() && cfg.api_token.is_none() {
+        tracing::warn!(
+            %api_addr,
+            "the daemon API is reachable beyond this machine without a token: anyone who \
+             reaches it can delegate your files; set --api-token (AWCP_API_TOKEN)"
+        );
+    }
     let export_addr = export_listener.local_addr()?;
     let export_url = cfg
         .export_url

@@ -10,6 +10,7 @@
 //! `error`, and unmount. If the lease ends first (revoke, expiry, AWCP cancel), the mount
 //! fences itself, the agent's process group is killed, and the task ends in `error`.
 
+mod archive_task;
 mod routes;
 mod task;
 
@@ -23,8 +24,8 @@ use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
 use awcp_protocol::api::TaskResultResponse;
-use awcp_protocol::messages::InviteMessage;
-use awcp_protocol::{AssignmentState, TaskEvent};
+use awcp_protocol::messages::{AccessMode, InviteMessage};
+use awcp_protocol::{AssignmentState, TaskEvent, TransportType};
 
 /// How the Executor runs.
 #[derive(Debug, Clone)]
@@ -54,6 +55,18 @@ pub struct ExecutorConfig {
     /// The block cache shared by all mounts (`None`: no cache, content never outlives a
     /// lease on this machine).
     pub block_cache: Option<awcpfs::cache::CacheConfig>,
+    /// Transports this Executor accepts (INVITE's `requirements.transport` is checked
+    /// against it; `DEP_MISSING` otherwise).
+    pub transports: Vec<TransportType>,
+    /// Access modes accepted (`DECLINED` otherwise).
+    pub access_modes: Vec<AccessMode>,
+    /// What an `archive` workspace may unpack to (checked on the real bytes).
+    pub archive_limits: crate::archive::ScanLimits,
+    /// Largest HTTP body accepted (an `archive` START carries the whole workspace).
+    pub max_body_bytes: usize,
+    /// When set, INVITE must carry it as `auth.credential` (else `AUTH_FAILED`), and every
+    /// other request to `/awcp` as `Authorization: Bearer <token>` (else 401).
+    pub token: Option<String>,
 }
 
 impl ExecutorConfig {
@@ -71,6 +84,15 @@ impl ExecutorConfig {
             renew_margin: None,
             sync_debounce: Duration::from_millis(50),
             block_cache: Some(awcpfs::cache::CacheConfig::new(Some(base.join("cache")))),
+            transports: vec![TransportType::Awcpfs, TransportType::Archive],
+            access_modes: vec![AccessMode::Ro, AccessMode::Rw],
+            archive_limits: crate::archive::ScanLimits {
+                max_total_bytes: 4 << 30,
+                max_files: 1_000_000,
+                max_file_bytes: 4 << 30,
+            },
+            max_body_bytes: 512 << 20,
+            token: None,
         }
     }
 }
@@ -87,6 +109,15 @@ pub(crate) struct Assignment {
     pub(crate) result: Mutex<Option<TaskResultResponse>>,
     pub(crate) cancel: tokio::sync::Notify,
     pub(crate) mount: Mutex<Option<awcpfs::mount::Mount>>,
+    /// INVITE asked for a multi-round session (`multiRound`, ours).
+    pub(crate) multi_round: bool,
+    /// The round running or last finished (1 for START's).
+    pub(crate) round: std::sync::atomic::AtomicU32,
+    /// The current round's task (INVITE's, then each CONTINUE's).
+    pub(crate) task: Mutex<awcp_protocol::messages::TaskSpec>,
+    /// CONTINUE and CLOSE, to the task's runner.
+    pub(crate) rounds_tx: tokio::sync::mpsc::UnboundedSender<task::RoundCmd>,
+    pub(crate) rounds_rx: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<task::RoundCmd>>>,
 }
 
 /// The service state.

@@ -7,6 +7,7 @@ use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 
+use awcp_protocol::TransportType;
 use awcp_protocol::api::DelegationRecord;
 
 use crate::watch::WatchEvent;
@@ -30,6 +31,20 @@ pub struct StoredDelegation {
     /// Last SSE id seen from the Executor, to resume its stream.
     #[serde(default)]
     pub last_event_id: Option<String>,
+    /// The transport (`awcpfs` for delegations stored before there was a choice).
+    #[serde(default = "default_transport")]
+    pub transport: TransportType,
+    /// The Executor's token (the `auth` credential of `POST /delegate`), sent in INVITE's
+    /// `auth` and as a bearer token on every other request to the Executor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor_token: Option<String>,
+    /// The delegation asked for a multi-round session.
+    #[serde(default)]
+    pub multi_round: bool,
+}
+
+fn default_transport() -> TransportType {
+    TransportType::Awcpfs
 }
 
 /// Why the store failed.

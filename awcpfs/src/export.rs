@@ -60,6 +60,30 @@ pub const RECENT_CONFLICTS: usize = 32;
 /// zstd level of the served manifest (done once per registration).
 const MANIFEST_ZSTD_LEVEL: i32 = 3;
 
+/// Which paths an export shows: called with a path relative to the root (`/`-separated) and
+/// whether it is a directory, `true` when it is visible. A hidden directory is not entered.
+/// Hidden paths are left out of the manifest (so never served) and refused in commits.
+#[derive(Clone)]
+pub struct PathFilter(pub Arc<PathPredicate>);
+
+/// `(path, is_dir) -> visible`.
+pub type PathPredicate = dyn Fn(&str, bool) -> bool + Send + Sync;
+
+impl std::fmt::Debug for PathFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PathFilter(..)")
+    }
+}
+
+impl PathFilter {
+    /// Whether `path` and every directory above it are visible.
+    pub fn shows(&self, path: &str, is_dir: bool) -> bool {
+        path.match_indices('/')
+            .all(|(end, _)| (self.0)(&path[..end], true))
+            && (self.0)(path, is_dir)
+    }
+}
+
 /// How to serve one directory.
 #[derive(Debug, Clone)]
 pub struct ExportConfig {
@@ -237,6 +261,7 @@ pub struct Export {
     blocks: BlockSource,
     stats: Stats,
     commits: tokio::sync::Mutex<commit::CommitLog>,
+    filter: Option<PathFilter>,
 }
 
 impl Export {
@@ -381,6 +406,18 @@ impl ExportRegistry {
         cfg: ExportConfig,
         lease: Arc<Lease>,
     ) -> Result<Arc<Export>, ExportError> {
+        self.register_filtered(export_id, token, cfg, lease, None)
+    }
+
+    /// [`register`](Self::register), showing only the paths `filter` lets through.
+    pub fn register_filtered(
+        &self,
+        export_id: String,
+        token: String,
+        cfg: ExportConfig,
+        lease: Arc<Lease>,
+        filter: Option<PathFilter>,
+    ) -> Result<Arc<Export>, ExportError> {
         if !valid_id(&export_id) {
             return Err(ExportError::InvalidId { export_id });
         }
@@ -405,6 +442,7 @@ impl ExportRegistry {
             export_id: export_id.clone(),
             block_size: cfg.block_size,
             read_only: cfg.read_only,
+            filter: filter.clone(),
         };
         let built =
             manifest::build(&root, &params, self.hash_cache.as_deref()).map_err(|source| {
@@ -457,6 +495,7 @@ impl ExportRegistry {
             },
             stats: Stats::default(),
             commits: tokio::sync::Mutex::new(commit::CommitLog::default()),
+            filter,
             id: export_id.clone(),
         });
         // Re-check under the write lock: the walk above ran without it.

@@ -63,6 +63,9 @@ pub struct ResourceSpec {
     /// Globs to exclude (accepted but ignored by the reference).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exclude: Option<Vec<String>>,
+    /// Ours (additive): also exclude what the resource's root `.gitignore` lists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gitignore: Option<bool>,
 }
 
 /// The resources of a delegation, with source paths.
@@ -107,6 +110,14 @@ pub struct DelegateRequest {
     /// Credential for the Executor (sent by the reference client, ignored by its daemon).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<AuthCredential>,
+    /// Ours (additive): the transport, `awcpfs` (default) or `archive` (for an Executor
+    /// that speaks only the reference protocol).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<crate::transport::TransportType>,
+    /// Ours (additive): a multi-round session; after each round the delegation is `idle`
+    /// until `POST /delegation/:id/continue` or `…/close`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multi_round: Option<bool>,
 }
 
 /// `POST /delegate` 200 body. The reference answers only after INVITE, ACCEPT and START.

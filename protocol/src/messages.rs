@@ -249,6 +249,11 @@ pub struct InviteMessage {
     /// Credential for the Executor.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<AuthCredential>,
+    /// Ours (additive; the reference ignores it): the Delegator wants a multi-round session,
+    /// so each round ends with `round_done` and the assignment waits, `idle`, for CONTINUE
+    /// or CLOSE. Absent or false: the task ends with `done`, as the reference's `main`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multi_round: Option<bool>,
 }
 
 /// ACCEPT: the Executor takes the delegation (HTTP 200 body answering INVITE).

@@ -197,6 +197,7 @@ fn invite() -> impl Strategy<Value = AwcpMessage> {
                     environment: EnvironmentDeclaration { resources },
                     requirements: req.map(|transport| Requirements { transport }),
                     auth,
+                    multi_round: None,
                 })
             },
         )

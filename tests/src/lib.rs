@@ -4,6 +4,8 @@
 //! FUSE tests need root and `/dev/fuse`. Where `/dev/fuse` is missing they skip, loudly —
 //! except under `CI=true`, where a missing FUSE device fails the test.
 
+pub mod reference;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -169,6 +171,7 @@ impl Harness {
                     mode,
                     include: None,
                     exclude: None,
+                    gitignore: None,
                 }],
             },
             task: TaskSpec {
@@ -179,6 +182,8 @@ impl Harness {
             access_mode: Some(mode),
             snapshot_mode: None,
             auth: None,
+            transport: None,
+            multi_round: None,
         };
         self.client
             .delegate(&req)

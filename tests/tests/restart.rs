@@ -55,6 +55,7 @@ async fn a_daemon_restart_loses_nothing() {
                 mode: AccessMode::Rw,
                 include: None,
                 exclude: None,
+                gitignore: None,
             }],
         },
         task: TaskSpec {
@@ -65,6 +66,8 @@ async fn a_daemon_restart_loses_nothing() {
         access_mode: None,
         snapshot_mode: None,
         auth: None,
+        transport: None,
+        multi_round: None,
     };
     let id = client.delegate(&req).await.unwrap().delegation_id;
     let id = id.as_str().to_string();

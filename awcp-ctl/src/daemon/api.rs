@@ -16,10 +16,11 @@ use serde::{Deserialize, Serialize};
 use tokio_stream::wrappers::BroadcastStream;
 
 use awcp_protocol::api::{
-    ApiError, DelegateRequest, DelegateResponse, DelegationList, DelegationRecord,
-    DelegationSummary, HealthResponse, OkResponse, SnapshotList,
+    ApiError, ContinueResponse, DelegateRequest, DelegateResponse, DelegationList,
+    DelegationRecord, DelegationSummary, HealthResponse, OkResponse, SnapshotList,
 };
 use awcp_protocol::dataplane::LeaseState;
+use awcp_protocol::messages::TaskSpec;
 
 use super::Daemon;
 use super::flow::Refusal;
@@ -32,7 +33,7 @@ pub struct DelegationView {
     /// The reference's record.
     #[serde(flatten)]
     pub record: DelegationRecord,
-    /// `awcpfs`.
+    /// `awcpfs` or `archive`.
     pub transport: String,
     /// The lease as the daemon enforces it.
     pub lease: LeaseView,
@@ -120,38 +121,83 @@ fn not_found(d: &Daemon, id: &str) -> ApiFailure {
     ApiFailure(StatusCode::NOT_FOUND, e)
 }
 
+/// With `api_token` set, every route but `/health` needs it as a bearer token.
+async fn require_token(
+    State(d): State<Arc<Daemon>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let ok = match &d.cfg.api_token {
+        None => true,
+        Some(t) => crate::bearer(req.headers()).is_some_and(|b| crate::same_secret(b, t)),
+    };
+    if ok {
+        return next.run(req).await;
+    }
+    let mut e = ApiError::new("Unauthorized: this daemon requires a token");
+    e.hint = Some(
+        "Send `Authorization: Bearer <token>` (awcp-ctl --api-token or AWCP_API_TOKEN)".into(),
+    );
+    ApiFailure(StatusCode::UNAUTHORIZED, e).into_response()
+}
+
 pub(crate) fn router(d: Arc<Daemon>) -> Router {
     Router::new()
-        .route("/health", get(|| async { Json(HealthResponse::ok()) }))
         .route("/delegate", post(delegate))
         .route("/delegations", get(list))
         .route("/delegation/{id}", get(show).delete(cancel))
         .route("/delegation/{id}/snapshots", get(snapshots))
-        .route("/delegation/{id}/snapshots/{sid}/apply", post(no_snapshot))
+        .route(
+            "/delegation/{id}/snapshots/{sid}/apply",
+            post(apply_snapshot),
+        )
         .route(
             "/delegation/{id}/snapshots/{sid}/discard",
-            post(no_snapshot),
+            post(discard_snapshot),
         )
+        .route("/delegation/{id}/snapshots/{sid}/diff", get(diff_snapshot))
+        .route("/delegation/{id}/continue", post(continue_round))
+        .route("/delegation/{id}/close", post(close))
+        .route("/delegation/{id}/recover", post(recover))
         .route("/delegation/{id}/revoke", post(revoke))
         .route("/delegation/{id}/renew", post(renew))
         .route("/delegation/{id}/events", get(events))
         .route("/delegation/{id}/collect", post(collect))
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
+        .layer(axum::middleware::from_fn_with_state(
+            d.clone(),
+            require_token,
+        ))
+        .route("/health", get(|| async { Json(HealthResponse::ok()) }))
         .with_state(d)
         .layer(axum::extract::DefaultBodyLimit::max(16 << 20))
 }
 
 async fn delegate(
     State(d): State<Arc<Daemon>>,
-    body: Result<Json<DelegateRequest>, JsonRejection>,
+    body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Json<DelegateResponse>, ApiFailure> {
-    let Json(req) = body.map_err(|rej| {
+    let Json(value) = body.map_err(|rej| {
         let mut f = bad_json(rej);
         f.1.error = format!(
             "{} (required fields: executorUrl, environment, task)",
             f.1.error
         );
         f
+    })?;
+    // The reference's check and message, first.
+    if ["executorUrl", "environment", "task"]
+        .iter()
+        .any(|k| value.get(k).is_none_or(|v| v.is_null()))
+    {
+        let mut e = ApiError::new("Missing required fields: executorUrl, environment, task");
+        e.hint = Some("Send a JSON body with the fields documented in docs/PROTOCOL.md".into());
+        return Err(ApiFailure(StatusCode::BAD_REQUEST, e));
+    }
+    let req: DelegateRequest = serde_json::from_value(value).map_err(|e| {
+        let mut err = ApiError::new(format!("malformed request body: {e}"));
+        err.hint = Some("Send a JSON body with the fields documented in docs/PROTOCOL.md".into());
+        ApiFailure(StatusCode::BAD_REQUEST, err)
     })?;
     let id = d.delegate(req).await?;
     Ok(Json(DelegateResponse { delegation_id: id }))
@@ -190,16 +236,21 @@ async fn show(
         .lock()
         .as_ref()
         .and_then(|e| serde_json::to_value(e.stats()).ok());
-    let record = live.d.lock().record.clone();
+    let (record, transport) = {
+        let d = live.d.lock();
+        (d.record.clone(), d.transport.as_str().to_string())
+    };
     let executor_mount = if record.state.is_terminal() {
         None
     } else {
-        d.executor_mount(&record.peer_url, &id).await
+        let token = live.d.lock().executor_token.clone();
+        d.executor_mount(&record.peer_url, token.as_deref(), &id)
+            .await
     };
     Ok(Json(DelegationView {
         record,
         executor_mount,
-        transport: "awcpfs".into(),
+        transport,
         lease: LeaseView {
             state: snap.state,
             expires_at: live.lease.expires_at_rfc3339(),
@@ -210,11 +261,18 @@ async fn show(
     }))
 }
 
+/// The reference's `DELETE /delegation/:id`: our revoke (with the final flush), answering an
+/// unknown id with 400 as the reference does.
 async fn cancel(
     State(d): State<Arc<Daemon>>,
     Path(id): Path<String>,
 ) -> Result<Json<OkResponse>, ApiFailure> {
-    d.revoke(&id, false).await?;
+    d.revoke(&id, false).await.map_err(|mut r| {
+        if r.status == 404 {
+            r.status = 400;
+        }
+        r
+    })?;
     Ok(Json(OkResponse::OK))
 }
 
@@ -285,19 +343,84 @@ async fn snapshots(
     Ok(Json(SnapshotList { snapshots }))
 }
 
-async fn no_snapshot(
+/// `POST /delegation/:id/snapshots/:sid/apply` answer: the reference's `{"ok":true}` plus
+/// what the merge did (ours, additive).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ApplyResponse {
+    /// Always true.
+    pub ok: bool,
+    /// Files written, deleted, and conflicts.
+    #[serde(flatten)]
+    pub report: crate::archive::ApplyReport,
+}
+
+async fn apply_snapshot(
     State(d): State<Arc<Daemon>>,
     Path((id, sid)): Path<(String, String)>,
-) -> ApiFailure {
-    if d.get_live(&id).is_none() {
-        return ApiFailure(
-            StatusCode::BAD_REQUEST,
-            ApiError::new(format!("Unknown delegation: {id}")),
-        );
-    }
-    let mut e = ApiError::new(format!("Snapshot not found: {sid}"));
-    e.hint = Some("awcpfs delegations write back live; they produce no snapshots".into());
-    ApiFailure(StatusCode::BAD_REQUEST, e)
+) -> Result<Json<ApplyResponse>, ApiFailure> {
+    let report = d.apply_snapshot(&id, &sid).await?;
+    Ok(Json(ApplyResponse { ok: true, report }))
+}
+
+/// `GET /delegation/:id/snapshots/:sid/diff` answer (ours).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DiffResponse {
+    /// Changed files, by path.
+    pub files: Vec<crate::archive::FileChange>,
+}
+
+async fn diff_snapshot(
+    State(d): State<Arc<Daemon>>,
+    Path((id, sid)): Path<(String, String)>,
+) -> Result<Json<DiffResponse>, ApiFailure> {
+    let files = d.diff_snapshot(&id, &sid).await?;
+    Ok(Json(DiffResponse { files }))
+}
+
+async fn continue_round(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+    body: Option<Json<serde_json::Value>>,
+) -> Result<Json<ContinueResponse>, ApiFailure> {
+    let task = body
+        .and_then(|Json(v)| v.get("task").cloned())
+        .and_then(|t| serde_json::from_value::<TaskSpec>(t).ok())
+        .ok_or_else(|| {
+            ApiFailure(
+                StatusCode::BAD_REQUEST,
+                ApiError::new("Missing required field: task"),
+            )
+        })?;
+    let round = d.continue_round(&id, task).await?;
+    Ok(Json(ContinueResponse {
+        ok: true,
+        round: Some(round),
+    }))
+}
+
+async fn recover(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+) -> Result<Json<super::recover::RecoverResponse>, ApiFailure> {
+    Ok(Json(d.recover(&id).await?))
+}
+
+async fn close(
+    State(d): State<Arc<Daemon>>,
+    Path(id): Path<String>,
+) -> Result<Json<OkResponse>, ApiFailure> {
+    d.close(&id).await?;
+    Ok(Json(OkResponse::OK))
+}
+
+async fn discard_snapshot(
+    State(d): State<Arc<Daemon>>,
+    Path((id, sid)): Path<(String, String)>,
+) -> Result<Json<OkResponse>, ApiFailure> {
+    d.discard_snapshot(&id, &sid)?;
+    Ok(Json(OkResponse::OK))
 }
 
 async fn events(

@@ -8,13 +8,15 @@ use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
 use awcp_lease::{Lease, LeaseTerms, SystemClock};
-use awcp_protocol::api::{DelegateRequest, DelegationRecord, ErrorInfo, ResultSummary};
+use awcp_protocol::api::{
+    DelegateRequest, DelegationRecord, ErrorInfo, SnapshotMode, SnapshotPolicy,
+};
 use awcp_protocol::dataplane::LeaseState;
 use awcp_protocol::messages::{
     AccessMode, ActiveLease, EnvironmentDeclaration, InviteMessage, LeaseConfig, ProtocolVersion,
     Requirements, ResourceDeclaration, StartMessage,
 };
-use awcp_protocol::transport::AwcpfsHandle;
+use awcp_protocol::transport::{ArchiveHandle, AwcpfsHandle};
 use awcp_protocol::{
     AwcpMessage, DelegationEvent, DelegationId, DelegationState, ErrorCode, TaskEvent,
     TransportHandle, TransportType,
@@ -41,7 +43,7 @@ pub(crate) struct Refusal {
 }
 
 impl Refusal {
-    fn bad(code: ErrorCode, message: String, hint: &str) -> Self {
+    pub(crate) fn bad(code: ErrorCode, message: String, hint: &str) -> Self {
         Refusal {
             status: 400,
             message,
@@ -49,13 +51,73 @@ impl Refusal {
             hint: Some(hint.into()),
         }
     }
-    fn internal(message: String) -> Self {
+    pub(crate) fn internal(message: String) -> Self {
         Refusal {
             status: 500,
             message,
             code: None,
             hint: None,
         }
+    }
+}
+
+/// What START will carry.
+pub(crate) enum Handle {
+    /// A live export.
+    Awcpfs(Arc<awcpfs::export::Export>),
+    /// The zipped workspace.
+    Archive(ArchiveHandle),
+}
+
+impl Handle {
+    pub(crate) fn transport(&self) -> TransportType {
+        match self {
+            Handle::Awcpfs(_) => TransportType::Awcpfs,
+            Handle::Archive(_) => TransportType::Archive,
+        }
+    }
+}
+
+/// A delegation about to be launched.
+pub(crate) struct NewDelegation {
+    pub(crate) id: DelegationId,
+    pub(crate) access: AccessMode,
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Arc<Lease>,
+    pub(crate) token: String,
+    pub(crate) source: PathBuf,
+    pub(crate) read_only: bool,
+    pub(crate) export: Option<Arc<awcpfs::export::Export>>,
+}
+
+/// The reference's refusals for a resource path that is missing or not a directory.
+pub(crate) fn check_dir(source: &std::path::Path) -> Result<(), Refusal> {
+    match std::fs::metadata(source) {
+        Err(_) => Err(Refusal::bad(
+            ErrorCode::WorkspaceNotFound,
+            format!("Workspace directory not found: {}", source.display()),
+            "Verify the workspace path is correct",
+        )),
+        Ok(m) if !m.is_dir() => Err(Refusal::bad(
+            ErrorCode::WorkspaceInvalid,
+            format!(
+                "Invalid workspace: path is not a directory ({})",
+                source.display()
+            ),
+            "Provide a valid directory path",
+        )),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Add the Executor's token (the delegation's `auth` credential), if there is one.
+pub(crate) fn with_token(
+    rb: reqwest::RequestBuilder,
+    token: Option<&str>,
+) -> reqwest::RequestBuilder {
+    match token {
+        Some(t) => rb.bearer_auth(t),
+        None => rb,
     }
 }
 
@@ -72,6 +134,21 @@ impl Daemon {
         self: &Arc<Self>,
         req: DelegateRequest,
     ) -> Result<DelegationId, Refusal> {
+        if req.transport == Some(TransportType::Archive) {
+            return self.delegate_archive(req).await;
+        }
+        if matches!(
+            req.snapshot_mode,
+            Some(SnapshotMode::Staged | SnapshotMode::Discard)
+        ) {
+            return Err(Refusal::bad(
+                ErrorCode::WorkspaceInvalid,
+                "snapshotMode staged/discard needs the archive transport: awcpfs writes the \
+                 Executor's changes back live"
+                    .into(),
+                "Use transport \"archive\", or snapshotMode \"auto\" (the default)",
+            ));
+        }
         let [resource] = req.environment.resources.as_slice() else {
             return Err(Refusal::bad(
                 ErrorCode::WorkspaceInvalid,
@@ -79,31 +156,12 @@ impl Daemon {
                     "awcpfs delegations carry exactly one resource; {} were given",
                     req.environment.resources.len()
                 ),
-                "Delegate one directory per delegation",
+                "Delegate one directory per delegation, or several with the archive transport",
             ));
         };
         let source = PathBuf::from(&resource.source);
         let source = std::path::absolute(&source).unwrap_or(source);
-        match std::fs::metadata(&source) {
-            Err(_) => {
-                return Err(Refusal::bad(
-                    ErrorCode::WorkspaceNotFound,
-                    format!("Workspace directory not found: {}", source.display()),
-                    "Verify the workspace path is correct",
-                ));
-            }
-            Ok(m) if !m.is_dir() => {
-                return Err(Refusal::bad(
-                    ErrorCode::WorkspaceInvalid,
-                    format!(
-                        "Invalid workspace: path is not a directory ({})",
-                        source.display()
-                    ),
-                    "Provide a valid directory path",
-                ));
-            }
-            Ok(_) => {}
-        }
+        check_dir(&source)?;
         let access = req.access_mode.unwrap_or(resource.mode);
         let read_only = access == AccessMode::Ro || resource.mode == AccessMode::Ro;
         let access = if read_only {
@@ -131,26 +189,73 @@ impl Daemon {
             block_size: self.cfg.block_size,
             staging_dir,
         };
+        let (filter, hits) =
+            super::admission::export_filter(self.resource_filter(resource, &source), true);
         let exports = self.exports.clone();
         let (eid, etoken, elease) = (id.as_str().to_string(), token.clone(), lease.clone());
-        let export =
-            tokio::task::spawn_blocking(move || exports.register(eid, etoken, export_cfg, elease))
-                .await
-                .map_err(|e| Refusal::internal(format!("building the manifest panicked: {e}")))?
-                .map_err(|e| {
-                    let hint = match &e {
-                        awcpfs::export::ExportError::StagingInsideRoot { .. } => {
-                            "The daemon's --state-dir is inside the workspace; restart \
+        let export = tokio::task::spawn_blocking(move || {
+            exports.register_filtered(eid, etoken, export_cfg, elease, Some(filter))
+        })
+        .await
+        .map_err(|e| Refusal::internal(format!("building the manifest panicked: {e}")))?
+        .map_err(|e| {
+            let hint = match &e {
+                awcpfs::export::ExportError::StagingInsideRoot { .. } => {
+                    "The daemon's --state-dir is inside the workspace; restart \
                              `awcp-ctl serve` with a --state-dir outside it"
-                        }
-                        _ => "Check that the workspace is a readable directory",
-                    };
-                    Refusal::bad(
-                        ErrorCode::WorkspaceInvalid,
-                        format!("cannot export {}: {e}", source.display()),
-                        hint,
-                    )
-                })?;
+                }
+                _ => "Check that the workspace is a readable directory",
+            };
+            Refusal::bad(
+                ErrorCode::WorkspaceInvalid,
+                format!("cannot export {}: {e}", source.display()),
+                hint,
+            )
+        })?;
+        let admitted = match hits.take().as_slice() {
+            [] => super::admission::check_limits(export.manifest(), &self.cfg.awcpfs_limits),
+            files => Err(super::admission::sensitive(files)),
+        };
+        if let Err(refusal) = admitted {
+            self.exports.remove(id.as_str());
+            return Err(refusal);
+        }
+        let handle = Handle::Awcpfs(export.clone());
+        self.launch(
+            req,
+            NewDelegation {
+                id,
+                access,
+                ttl,
+                lease,
+                token,
+                source,
+                read_only,
+                export: Some(export),
+            },
+            handle,
+        )
+        .await
+    }
+
+    /// Record a new delegation, then INVITE → ACCEPT → START; on failure, keep it in
+    /// `error` and give the refusal back.
+    pub(crate) async fn launch(
+        self: &Arc<Self>,
+        req: DelegateRequest,
+        n: NewDelegation,
+        handle: Handle,
+    ) -> Result<DelegationId, Refusal> {
+        let NewDelegation {
+            id,
+            access,
+            ttl,
+            lease,
+            token,
+            source,
+            read_only,
+            export,
+        } = n;
         let now = crate::now_iso();
         let record = DelegationRecord {
             id: id.clone(),
@@ -170,7 +275,11 @@ impl Daemon {
             executor_constraints: None,
             snapshots: None,
             applied_snapshot_id: None,
-            snapshot_policy: None,
+            snapshot_policy: Some(SnapshotPolicy {
+                mode: req.snapshot_mode.unwrap_or(SnapshotMode::Auto),
+                retention_ms: None,
+                max_snapshots: Some(10),
+            }),
             current_round: None,
             rounds: None,
             result: None,
@@ -188,10 +297,13 @@ impl Daemon {
                 read_only,
                 events: Vec::new(),
                 last_event_id: None,
+                transport: handle.transport(),
+                executor_token: req.auth.as_ref().map(|a| a.credential.clone()),
+                multi_round: req.multi_round == Some(true),
             }),
             lease: lease.clone(),
             tx,
-            export: Mutex::new(Some(export.clone())),
+            export: Mutex::new(export),
             seen_renewals: Default::default(),
         });
         self.live
@@ -202,12 +314,19 @@ impl Daemon {
             WatchEvent::State {
                 state: DelegationState::Created,
                 at: crate::now_iso(),
-                detail: Some(format!("exporting {}", source.display())),
+                detail: Some(match &handle {
+                    Handle::Awcpfs(_) => format!("exporting {}", source.display()),
+                    Handle::Archive(h) => format!(
+                        "sending {} as an archive ({} bytes zipped)",
+                        source.display(),
+                        h.workspace_base64.len() / 4 * 3
+                    ),
+                }),
             },
         );
 
         match self
-            .invite_and_start(&live, &req, &id, access, ttl, &export)
+            .invite_and_start(&live, &req, &id, access, ttl, handle)
             .await
         {
             Ok(()) => {
@@ -243,7 +362,7 @@ impl Daemon {
         id: &DelegationId,
         access: AccessMode,
         ttl: Duration,
-        export: &Arc<awcpfs::export::Export>,
+        handle: Handle,
     ) -> Result<(), Refusal> {
         let invite = AwcpMessage::Invite(InviteMessage {
             version: ProtocolVersion,
@@ -262,17 +381,25 @@ impl Daemon {
                     .map(|r| ResourceDeclaration {
                         name: r.name.clone(),
                         resource_type: r.resource_type,
-                        mode: access,
+                        mode: if access == AccessMode::Ro {
+                            AccessMode::Ro
+                        } else {
+                            r.mode
+                        },
                     })
                     .collect(),
             },
             requirements: Some(Requirements {
-                transport: Some(TransportType::Awcpfs),
+                transport: Some(handle.transport()),
             }),
             auth: req.auth.clone(),
+            multi_round: req.multi_round.filter(|m| *m),
         });
         self.transition(live, DelegationEvent::SendInvite, None);
-        let reply = self.post_message(&req.executor_url, &invite).await?;
+        let token = live.d.lock().executor_token.clone();
+        let reply = self
+            .post_message(&req.executor_url, token.as_deref(), &invite)
+            .await?;
         match reply {
             AwcpMessage::Accept(a) => {
                 {
@@ -308,9 +435,8 @@ impl Daemon {
             awcp_base(&req.executor_url),
             id.as_str()
         );
-        let resp = self
-            .http
-            .get(&events_url)
+        let token = live.d.lock().executor_token.clone();
+        let resp = with_token(self.http.get(&events_url), token.as_deref())
             .timeout(Duration::from_secs(24 * 3600 * 365))
             .send()
             .await
@@ -333,18 +459,22 @@ impl Daemon {
                 expires_at: expires_at.clone(),
                 access_mode: access,
             },
-            transport_handle: TransportHandle::Awcpfs(AwcpfsHandle {
-                endpoint: self.export_url.clone(),
-                token: live.d.lock().token.clone(),
-                export_id: export.id().to_string(),
-                manifest_digest: export.manifest_digest(),
-                block_size: export.block_size(),
-                expires_at: expires_at.clone(),
-                tls_fingerprint: None,
-                remaining_ms: Some(
-                    u64::try_from(live.lease.snapshot().remaining.as_millis()).unwrap_or(u64::MAX),
-                ),
-            }),
+            transport_handle: match handle {
+                Handle::Awcpfs(export) => TransportHandle::Awcpfs(AwcpfsHandle {
+                    endpoint: self.export_url.clone(),
+                    token: live.d.lock().token.clone(),
+                    export_id: export.id().to_string(),
+                    manifest_digest: export.manifest_digest(),
+                    block_size: export.block_size(),
+                    expires_at: expires_at.clone(),
+                    tls_fingerprint: None,
+                    remaining_ms: Some(
+                        u64::try_from(live.lease.snapshot().remaining.as_millis())
+                            .unwrap_or(u64::MAX),
+                    ),
+                }),
+                Handle::Archive(h) => TransportHandle::Archive(h),
+            },
         });
         live.d.lock().record.active_lease = Some(ActiveLease {
             expires_at: expires_at.clone(),
@@ -353,7 +483,9 @@ impl Daemon {
         let d = self.clone();
         let l = live.clone();
         let executor_url = req.executor_url.clone();
-        self.post_raw(&req.executor_url, &start).await?;
+        self.post_raw(&req.executor_url, token.as_deref(), &start)
+            .await?;
+        self.first_round(live);
         self.transition(
             live,
             DelegationEvent::SendStart,
@@ -363,8 +495,22 @@ impl Daemon {
         Ok(())
     }
 
-    async fn post_raw(&self, url: &str, msg: &AwcpMessage) -> Result<reqwest::Response, Refusal> {
-        let resp = self.http.post(url).json(msg).send().await.map_err(|e| {
+    async fn post_raw(
+        &self,
+        url: &str,
+        token: Option<&str>,
+        msg: &AwcpMessage,
+    ) -> Result<reqwest::Response, Refusal> {
+        let mut rb = with_token(self.http.post(url), token);
+        if let AwcpMessage::Start(s) = msg
+            && let TransportHandle::Archive(h) = &s.transport_handle
+        {
+            // The whole workspace travels in this request: allow for a slow link (a minute
+            // plus one per 10 MB), not the default 30 s.
+            let secs = 60 + (h.workspace_base64.len() as u64 / (10 << 20)) * 60;
+            rb = rb.timeout(Duration::from_secs(secs));
+        }
+        let resp = rb.json(msg).send().await.map_err(|e| {
             Refusal::internal(format!(
                 "Failed to send {} to executor at {url}: {e}",
                 msg.kind()
@@ -381,8 +527,13 @@ impl Daemon {
         Ok(resp)
     }
 
-    async fn post_message(&self, url: &str, msg: &AwcpMessage) -> Result<AwcpMessage, Refusal> {
-        let resp = self.post_raw(url, msg).await?;
+    async fn post_message(
+        &self,
+        url: &str,
+        token: Option<&str>,
+        msg: &AwcpMessage,
+    ) -> Result<AwcpMessage, Refusal> {
+        let resp = self.post_raw(url, token, msg).await?;
         let bytes = resp
             .bytes()
             .await
@@ -410,9 +561,8 @@ impl Daemon {
             let r = match resp.take() {
                 Some(r) => r,
                 None => {
-                    let mut rq = self
-                        .http
-                        .get(&url)
+                    let token = live.d.lock().executor_token.clone();
+                    let mut rq = with_token(self.http.get(&url), token.as_deref())
                         .timeout(Duration::from_secs(24 * 3600 * 365));
                     if let Some(last) = live.d.lock().last_event_id.clone() {
                         rq = rq.header("Last-Event-ID", last);
@@ -478,13 +628,19 @@ impl Daemon {
     }
 
     /// Handle one task event; true when the delegation is over.
-    async fn on_task_event(&self, live: &Arc<Live>, executor_url: &str, event: TaskEvent) -> bool {
-        self.record(
-            live,
-            WatchEvent::Task {
-                event: event.clone(),
-            },
-        );
+    async fn on_task_event(
+        self: &Arc<Self>,
+        live: &Arc<Live>,
+        executor_url: &str,
+        event: TaskEvent,
+    ) -> bool {
+        // The history keeps what happened, not the payload: a snapshot's zip can be large
+        // and is kept (or applied) on its own.
+        let mut shown = event.clone();
+        if let TaskEvent::Snapshot(s) = &mut shown {
+            s.snapshot_base64 = String::new();
+        }
+        self.record(live, WatchEvent::Task { event: shown });
         let state = live.d.lock().record.state;
         match event {
             TaskEvent::Status(s) => {
@@ -497,16 +653,16 @@ impl Daemon {
                 if state == DelegationState::Started {
                     self.transition(live, DelegationEvent::SetupComplete, None);
                 }
-                live.d.lock().record.result = Some(ResultSummary {
-                    summary: done.summary.clone(),
-                    highlights: done.highlights.clone(),
-                });
+                if state != DelegationState::Completed {
+                    self.end_round(live, &done.summary, done.highlights.clone());
+                }
+                self.fetch_missed_snapshot(live, &done).await;
                 let id = live.d.lock().record.id.as_str().to_string();
-                let _ = self
+                let token = live.d.lock().executor_token.clone();
+                let ack = self
                     .http
-                    .post(format!("{}/tasks/{id}/ack", awcp_base(executor_url)))
-                    .send()
-                    .await;
+                    .post(format!("{}/tasks/{id}/ack", awcp_base(executor_url)));
+                let _ = with_token(ack, token.as_deref()).send().await;
                 self.transition(live, DelegationEvent::ReceiveDone, Some(done.summary));
                 true
             }
@@ -531,9 +687,15 @@ impl Daemon {
                 }
                 true
             }
-            TaskEvent::Snapshot(_) => false,
+            TaskEvent::Snapshot(snap) => {
+                self.on_snapshot(live, snap).await;
+                false
+            }
             TaskEvent::RoundDone(r) => {
-                self.transition(live, DelegationEvent::RoundComplete, Some(r.summary));
+                if state == DelegationState::Started {
+                    self.transition(live, DelegationEvent::SetupComplete, None);
+                }
+                self.on_round_done(live, r).await;
                 false
             }
         }
@@ -552,7 +714,11 @@ impl Daemon {
         if state.is_terminal() {
             return Err(Refusal {
                 status: 400,
-                message: format!("delegation {id} has already ended ({})", state.as_str()),
+                message: format!(
+                    "Cannot transition delegation {id} (CANCEL) in state '{}': \
+                     the delegation has already ended",
+                    state.as_str()
+                ),
                 code: None,
                 hint: None,
             });
@@ -570,9 +736,15 @@ impl Daemon {
             DelegationEvent::Cancel,
             Some("revoked by the delegator".into()),
         );
-        let executor_url = live.d.lock().record.peer_url.clone();
+        let (executor_url, token) = {
+            let d = live.d.lock();
+            (d.record.peer_url.clone(), d.executor_token.clone())
+        };
         let url = format!("{}/cancel/{id}", executor_url.trim_end_matches('/'));
-        if let Err(e) = self.http.post(&url).send().await {
+        if let Err(e) = with_token(self.http.post(&url), token.as_deref())
+            .send()
+            .await
+        {
             tracing::warn!(error = %e, "telling the executor about the revoke failed; the lease still ends");
         }
         Ok(())
@@ -582,11 +754,11 @@ impl Daemon {
     pub(crate) async fn executor_mount(
         &self,
         executor_url: &str,
+        token: Option<&str>,
         id: &str,
     ) -> Option<serde_json::Value> {
-        let status: awcp_protocol::api::ExecutorStatus = self
-            .http
-            .get(format!("{}/status", awcp_base(executor_url)))
+        let rb = self.http.get(format!("{}/status", awcp_base(executor_url)));
+        let status: awcp_protocol::api::ExecutorStatus = with_token(rb, token)
             .timeout(Duration::from_secs(1))
             .send()
             .await
@@ -615,13 +787,14 @@ impl Daemon {
             code: None,
             hint: None,
         })?;
-        let (state, peer, source, read_only) = {
+        let (state, peer, source, read_only, token) = {
             let d = live.d.lock();
             (
                 d.record.state,
                 d.record.peer_url.clone(),
                 d.source.clone(),
                 d.read_only,
+                d.executor_token.clone(),
             )
         };
         if !state.is_terminal() {
@@ -641,7 +814,8 @@ impl Daemon {
             // Right after a revoke the Executor may still be unmounting: give it a moment.
             let mut tries = 0;
             let resp = loop {
-                let resp = self.http.get(&url).send().await.map_err(|e| {
+                let rb = with_token(self.http.get(&url), token.as_deref());
+                let resp = rb.send().await.map_err(|e| {
                     Refusal::internal(format!("asking the executor for its kept changes: {e}"))
                 })?;
                 if resp.status().as_u16() != 409 || tries >= 50 {
@@ -687,6 +861,10 @@ impl Daemon {
                 .join(format!("collect-{id}"));
             let block_size = self.cfg.block_size;
             let cid = format!("collect-{id}");
+            let resource = live.d.lock().record.environment.resources.first().cloned();
+            let filter = resource.map(|r| {
+                super::admission::export_filter(self.resource_filter(&r, &source), false).0
+            });
             let result = tokio::task::spawn_blocking(move || {
                 let lease = Arc::new(Lease::grant(
                     Arc::new(SystemClock::new()),
@@ -703,7 +881,7 @@ impl Daemon {
                     staging_dir: staging,
                 };
                 let export = exports
-                    .register(cid.clone(), crate::random_token(), cfg, lease)
+                    .register_filtered(cid.clone(), crate::random_token(), cfg, lease, filter)
                     .map_err(|e| e.to_string())?;
                 let r = export
                     .apply_bundle(&changes, &blocks)
@@ -720,7 +898,9 @@ impl Daemon {
             response.discarded = true;
         }
         // Applied (or discarded): the Executor may drop its copy.
-        let _ = self.http.delete(&url).send().await;
+        let _ = with_token(self.http.delete(&url), token.as_deref())
+            .send()
+            .await;
         self.record(
             &live,
             WatchEvent::State {
@@ -806,14 +986,12 @@ impl Daemon {
                     hint: Some("Renew with `awcp-ctl renew` before the lease ends".into()),
                 });
                 self.transition(&live, DelegationEvent::Expire, Some("lease expired".into()));
-                let _ = self
-                    .http
-                    .post(format!(
-                        "{}/cancel/{id}",
-                        executor_url.trim_end_matches('/')
-                    ))
-                    .send()
-                    .await;
+                let token = live.d.lock().executor_token.clone();
+                let cancel = self.http.post(format!(
+                    "{}/cancel/{id}",
+                    executor_url.trim_end_matches('/')
+                ));
+                let _ = with_token(cancel, token.as_deref()).send().await;
                 return;
             }
             tokio::time::sleep(
@@ -864,16 +1042,23 @@ impl Daemon {
                 lease.revoke(false);
             }
             let mut export = None;
-            if !terminal && !remaining.is_zero() {
+            if !terminal && !remaining.is_zero() && d.transport == TransportType::Awcpfs {
                 let cfg = ExportConfig {
                     root: d.source.clone(),
                     read_only: d.read_only,
                     block_size: self.cfg.block_size,
                     staging_dir: self.cfg.state_dir.join("staging").join(&id),
                 };
+                // The same filter as when it was delegated: what was hidden stays hidden.
+                let filter = d.record.environment.resources.first().map(|r| {
+                    super::admission::export_filter(self.resource_filter(r, &d.source), false).0
+                });
                 let exports = self.exports.clone();
                 let (eid, tok, l) = (d.export_id.clone(), d.token.clone(), lease.clone());
-                match tokio::task::spawn_blocking(move || exports.register(eid, tok, cfg, l)).await
+                match tokio::task::spawn_blocking(move || {
+                    exports.register_filtered(eid, tok, cfg, l, filter)
+                })
+                .await
                 {
                     Ok(Ok(e)) => export = Some(e),
                     Ok(Err(e)) => tracing::warn!(error = %e, %id, "cannot restore export"),

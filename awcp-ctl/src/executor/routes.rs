@@ -11,7 +11,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use serde::Serialize;
 use tokio_stream::wrappers::BroadcastStream;
 
@@ -23,7 +23,7 @@ use awcp_protocol::messages::{
     AcceptMessage, ExecutorConstraints, ExecutorWorkDir, InviteMessage, ProtocolVersion,
     SandboxProfile,
 };
-use awcp_protocol::{AssignmentState, AwcpMessage, ErrorCode, TransportType};
+use awcp_protocol::{AssignmentState, AwcpMessage, ErrorCode, TaskEvent};
 
 use super::{Assignment, Executor};
 
@@ -37,10 +37,38 @@ fn fail(status: StatusCode, msg: impl Into<String>) -> Response {
     (status, Json(ErrorBody { error: msg.into() })).into_response()
 }
 
+/// With a token configured, every route but the message endpoint needs it as a bearer
+/// token (the message endpoint checks INVITE's `auth` itself).
+async fn require_token(
+    State(ex): State<Arc<Executor>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if authorized(&ex, req.headers()) {
+        next.run(req).await
+    } else {
+        unauthorized()
+    }
+}
+
+fn authorized(ex: &Executor, headers: &HeaderMap) -> bool {
+    match &ex.cfg.token {
+        None => true,
+        Some(t) => crate::bearer(headers).is_some_and(|b| crate::same_secret(b, t)),
+    }
+}
+
+fn unauthorized() -> Response {
+    fail(
+        StatusCode::UNAUTHORIZED,
+        "this Executor requires a token: send `Authorization: Bearer <token>` \
+         (awcp-ctl delegate --executor-token)",
+    )
+}
+
 pub(super) fn router(ex: Arc<Executor>) -> Router {
-    Router::new()
-        .route("/awcp", post(message))
-        .route("/awcp/", post(message))
+    let limit = ex.cfg.max_body_bytes;
+    let guarded = Router::new()
         .route("/awcp/tasks/{id}/events", get(events))
         .route("/awcp/tasks/{id}/result", get(result))
         .route("/awcp/tasks/{id}/ack", post(ack))
@@ -50,6 +78,14 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
         )
         .route("/awcp/cancel/{id}", post(cancel))
         .route("/awcp/status", get(status))
+        .route_layer(axum::middleware::from_fn_with_state(
+            ex.clone(),
+            require_token,
+        ));
+    Router::new()
+        .route("/awcp", post(message))
+        .route("/awcp/", post(message))
+        .merge(guarded)
         .with_state(ex)
         .fallback(|| async {
             fail(
@@ -57,12 +93,23 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
                 "no such route; the AWCP endpoint is /awcp",
             )
         })
-        .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
 }
 
-async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
+async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Bytes) -> Response {
     let msg = match awcp_protocol::parse_message(&body) {
         Ok(m) => m,
+        Err(e) if e.is_unknown_type() => {
+            // The reference throws on an unknown `type`: 500 with its message.
+            let kind = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
+                .unwrap_or_default();
+            return fail(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("Unexpected message type: {kind}"),
+            );
+        }
         Err(e) => {
             return fail(
                 StatusCode::BAD_REQUEST,
@@ -71,21 +118,27 @@ async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
         }
     };
     let id = msg.delegation_id().as_str().to_string();
+    if !matches!(msg, AwcpMessage::Invite(_)) && !authorized(&ex, &headers) {
+        return unauthorized();
+    }
     match msg {
-        AwcpMessage::Invite(inv) => Json(invite(&ex, inv)).into_response(),
+        AwcpMessage::Invite(inv) => Json(invite(&ex, inv, &headers)).into_response(),
         AwcpMessage::Start(start) => {
+            // The reference answers an unknown id or a START in the wrong state with 500.
             let Some(a) = ex.tasks.lock().get(&id).cloned() else {
                 return fail(
-                    StatusCode::NOT_FOUND,
+                    StatusCode::INTERNAL_SERVER_ERROR,
                     format!("Unknown delegation for START: {id}"),
                 );
             };
-            if *a.state.lock() != AssignmentState::Pending {
+            let state = *a.state.lock();
+            if state != AssignmentState::Pending {
                 return fail(
-                    StatusCode::CONFLICT,
+                    StatusCode::INTERNAL_SERVER_ERROR,
                     format!(
-                        "delegation {id} was already started ({})",
-                        a.state.lock().as_str()
+                        "Cannot transition assignment {id} (RECEIVE_START) in state '{}': \
+                         it was already started",
+                        state.as_str()
                     ),
                 );
             }
@@ -94,7 +147,10 @@ async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
         }
         AwcpMessage::Error(e) => {
             let Some(a) = ex.tasks.lock().get(&id).cloned() else {
-                return fail(StatusCode::NOT_FOUND, format!("Unknown delegation: {id}"));
+                return fail(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("Unknown delegation: {id}"),
+                );
             };
             tracing::warn!(%id, code = e.code.as_str(), message = %e.message, "the delegator sent ERROR");
             if *a.state.lock() == AssignmentState::Pending {
@@ -111,23 +167,85 @@ async fn message(State(ex): State<Arc<Executor>>, body: Bytes) -> Response {
             }
             Json(OkResponse::OK).into_response()
         }
+        AwcpMessage::Continue(c) => round_cmd(
+            &ex,
+            &id,
+            "RECEIVE_CONTINUE",
+            super::task::RoundCmd::Continue {
+                task: c.task,
+                round: c.round,
+            },
+        ),
+        AwcpMessage::Close(_) => round_cmd(&ex, &id, "RECEIVE_CLOSE", super::task::RoundCmd::Close),
         other => fail(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "unexpected message type {} (an executor accepts INVITE, START and ERROR)",
-                other.kind()
-            ),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("Unexpected message type: {}", other.kind()),
         ),
     }
 }
 
-fn invite(ex: &Executor, inv: InviteMessage) -> AwcpMessage {
+/// CONTINUE or CLOSE: only an `idle` assignment takes them (500 otherwise, as the
+/// reference's multi-round branch).
+fn round_cmd(ex: &Executor, id: &str, event: &str, cmd: super::task::RoundCmd) -> Response {
+    let Some(a) = ex.tasks.lock().get(id).cloned() else {
+        return fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("Unknown delegation: {id}"),
+        );
+    };
+    {
+        // Checked and moved on under the lock, so two CONTINUEs cannot both pass.
+        let mut state = a.state.lock();
+        let ev = match cmd {
+            super::task::RoundCmd::Continue { .. } => {
+                awcp_protocol::AssignmentEvent::ReceiveContinue
+            }
+            super::task::RoundCmd::Close => awcp_protocol::AssignmentEvent::ReceiveClose,
+        };
+        match state.apply(ev) {
+            Ok(next) if *state == AssignmentState::Idle => *state = next,
+            _ => {
+                return fail(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!(
+                        "Cannot transition assignment {id} ({event}) in state '{}': expected 'idle'",
+                        state.as_str()
+                    ),
+                );
+            }
+        }
+    }
+    if a.rounds_tx.send(cmd).is_err() {
+        return fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("assignment {id} has no runner any more"),
+        );
+    }
+    Json(OkResponse::OK).into_response()
+}
+
+fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage {
     let id = inv.delegation_id.clone();
     let refuse = |code: ErrorCode, message: String, hint: &str| {
         AwcpMessage::Error(
             awcp_protocol::messages::ErrorMessage::new(id.clone(), code, message).with_hint(hint),
         )
     };
+    if let Some(token) = &ex.cfg.token {
+        let given = inv
+            .auth
+            .as_ref()
+            .map(|a| a.credential.as_str())
+            .or_else(|| crate::bearer(headers));
+        if !given.is_some_and(|g| crate::same_secret(g, token)) {
+            return refuse(
+                ErrorCode::AuthFailed,
+                "Authentication failed: this Executor requires a token".into(),
+                "Give the Executor's token as INVITE's auth credential \
+                 (awcp-ctl delegate --executor-token)",
+            );
+        }
+    }
     let max_ttl = ex.cfg.max_ttl.as_secs();
     if inv.lease.ttl_seconds > max_ttl {
         return refuse(
@@ -140,12 +258,23 @@ fn invite(ex: &Executor, inv: InviteMessage) -> AwcpMessage {
         );
     }
     if let Some(t) = inv.requirements.as_ref().and_then(|r| r.transport)
-        && t != TransportType::Awcpfs
+        && !ex.cfg.transports.contains(&t)
     {
+        let offered: Vec<&str> = ex.cfg.transports.iter().map(|t| t.as_str()).collect();
         return refuse(
             ErrorCode::DepMissing,
-            format!("Transport {} is not available on this executor", t.as_str()),
-            "Delegate with the awcpfs transport",
+            format!("Transport {} is not available", t.as_str()),
+            &format!("Delegate with one of: {}", offered.join(", ")),
+        );
+    }
+    if !ex.cfg.access_modes.contains(&inv.lease.access_mode) {
+        return refuse(
+            ErrorCode::Declined,
+            format!(
+                "Access mode '{}' is not allowed",
+                inv.lease.access_mode.as_str()
+            ),
+            "Request an allowed access mode",
         );
     }
     let active = ex
@@ -164,9 +293,29 @@ fn invite(ex: &Executor, inv: InviteMessage) -> AwcpMessage {
             "Try again when a running delegation has finished",
         );
     }
+    // A re-INVITE resets a pending or ended assignment, as the reference's does — but never
+    // one that is running here: its workspace is in use.
+    if ex.tasks.lock().get(id.as_str()).is_some_and(|a| {
+        matches!(
+            *a.state.lock(),
+            AssignmentState::Active | AssignmentState::Idle
+        )
+    }) {
+        return refuse(
+            ErrorCode::Declined,
+            format!("Delegation {} is running on this executor", id.as_str()),
+            "Cancel it first, or delegate with a new id",
+        );
+    }
     let work_path = ex.cfg.work_dir.join(id.as_str());
     let (tx, _) = tokio::sync::broadcast::channel(256);
+    let (rounds_tx, rounds_rx) = tokio::sync::mpsc::unbounded_channel();
     let a = Arc::new(Assignment {
+        multi_round: inv.multi_round == Some(true),
+        round: std::sync::atomic::AtomicU32::new(1),
+        task: parking_lot::Mutex::new(inv.task.clone()),
+        rounds_tx,
+        rounds_rx: parking_lot::Mutex::new(Some(rounds_rx)),
         invite: inv.clone(),
         state: parking_lot::Mutex::new(AssignmentState::Pending),
         work_path: work_path.clone(),
@@ -211,8 +360,27 @@ async fn events(
     State(ex): State<Arc<Executor>>,
     Path(id): Path<String>,
     headers: HeaderMap,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Response> {
-    let a = lookup(&ex, &id).map_err(|r| *r)?;
+) -> Response {
+    let Some(a) = ex.tasks.lock().get(&id).cloned() else {
+        // As the reference: a 200 stream with one `error` event, then the end.
+        let Ok(did) = awcp_protocol::DelegationId::parse(&id) else {
+            return fail(
+                StatusCode::BAD_REQUEST,
+                format!("invalid delegation id: {id}"),
+            );
+        };
+        let ev = TaskEvent::Error(awcp_protocol::events::ErrorEvent {
+            delegation_id: did,
+            timestamp: crate::now_iso(),
+            code: ErrorCode::NotFound,
+            message: "Delegation not found on executor".into(),
+            hint: None,
+        });
+        let one = futures::stream::iter([Ok::<_, Infallible>(
+            Event::default().json_data(&ev).unwrap_or_default(),
+        )]);
+        return sse_response(one.boxed());
+    };
     let after: u64 = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
@@ -246,11 +414,21 @@ async fn events(
                 .json_data(&ev)
                 .unwrap_or_default())
         });
-    Ok(Sse::new(stream).keep_alive(
-        KeepAlive::new()
-            .interval(Duration::from_secs(15))
-            .text("keepalive"),
-    ))
+    sse_response(stream.boxed())
+}
+
+fn sse_response(
+    stream: futures::stream::BoxStream<'static, Result<Event, Infallible>>,
+) -> Response {
+    (
+        [("x-accel-buffering", "no")],
+        Sse::new(stream).keep_alive(
+            KeepAlive::new()
+                .interval(Duration::from_secs(15))
+                .text("keepalive"),
+        ),
+    )
+        .into_response()
 }
 
 async fn result(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
@@ -357,12 +535,13 @@ async fn cancel(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Resp
         Ok(a) => a,
         Err(r) => return *r,
     };
-    if a.state.lock().is_terminal() {
+    let state = *a.state.lock();
+    if state.is_terminal() {
         return fail(
-            StatusCode::CONFLICT,
+            StatusCode::INTERNAL_SERVER_ERROR,
             format!(
-                "delegation {id} has already ended ({})",
-                a.state.lock().as_str()
+                "Cannot transition assignment {id} (CANCEL) in state '{}': it has already ended",
+                state.as_str()
             ),
         );
     }

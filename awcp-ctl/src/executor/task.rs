@@ -9,8 +9,8 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use awcp_protocol::api::{ErrorInfo, TaskResultResponse, TaskResultStatus};
-use awcp_protocol::events::{DoneEvent, ErrorEvent, RunStatus, StatusEvent};
-use awcp_protocol::messages::{AccessMode, StartMessage};
+use awcp_protocol::events::{DoneEvent, ErrorEvent, RoundDoneEvent, RunStatus, StatusEvent};
+use awcp_protocol::messages::{AccessMode, StartMessage, TaskSpec};
 use awcp_protocol::{AssignmentEvent, ErrorCode, TaskEvent, TransportHandle};
 use awcpfs::mount::{EndReason, Mount, MountConfig};
 
@@ -21,7 +21,7 @@ const TAIL_LINES: usize = 20;
 /// Agent output lines forwarded as progress events, at most.
 const MAX_PROGRESS_EVENTS: usize = 500;
 
-fn status_event(a: &Assignment, status: RunStatus, message: String) -> TaskEvent {
+pub(super) fn status_event(a: &Assignment, status: RunStatus, message: String) -> TaskEvent {
     TaskEvent::Status(StatusEvent {
         delegation_id: a.invite.delegation_id.clone(),
         timestamp: crate::now_iso(),
@@ -71,7 +71,13 @@ pub(super) fn finish_error(a: &Assignment, code: ErrorCode, message: String, hin
     }));
 }
 
-fn finish_done(a: &Assignment, summary: String) {
+/// A snapshot to report with `done`: its id and the base64 zip.
+pub(super) struct DoneSnapshot {
+    pub(super) id: String,
+    pub(super) base64: String,
+}
+
+pub(super) fn finish_done(a: &Assignment, summary: String, snapshot: Option<DoneSnapshot>) {
     {
         let mut st = a.state.lock();
         if let Ok(next) = st.apply(AssignmentEvent::TaskComplete) {
@@ -84,7 +90,7 @@ fn finish_done(a: &Assignment, summary: String) {
         completed_at: Some(now.clone()),
         summary: Some(summary.clone()),
         highlights: None,
-        snapshot_base64: None,
+        snapshot_base64: snapshot.as_ref().map(|s| s.base64.clone()),
         error: None,
         reason: None,
     });
@@ -93,8 +99,8 @@ fn finish_done(a: &Assignment, summary: String) {
         timestamp: now,
         summary,
         highlights: None,
-        snapshot_ids: None,
-        recommended_snapshot_id: None,
+        snapshot_ids: snapshot.as_ref().map(|s| vec![s.id.clone()]),
+        recommended_snapshot_id: snapshot.map(|s| s.id),
     }));
 }
 
@@ -145,6 +151,257 @@ fn kill_group(pid: Option<u32>) {
     }
 }
 
+/// A running agent command and the tasks reading its output.
+pub(super) struct Agent {
+    pub(super) child: tokio::process::Child,
+    pub(super) pid: Option<u32>,
+    /// The last lines of its output.
+    pub(super) tail: Arc<Mutex<VecDeque<String>>>,
+    pub(super) readers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Agent {
+    /// The kept output, joined.
+    pub(super) fn tail_text(&self) -> String {
+        self.tail
+            .lock()
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The last line the agent printed on stdout.
+    pub(super) fn last_line(&self) -> Option<String> {
+        self.tail
+            .lock()
+            .iter()
+            .rev()
+            .find(|l| !l.starts_with("[stderr]"))
+            .cloned()
+    }
+
+    /// Kill its whole process group.
+    pub(super) async fn kill(&mut self) {
+        kill_group(self.pid);
+        let _ = self.child.kill().await;
+    }
+
+    /// Let the output readers drain (bounded).
+    pub(super) async fn drain(&mut self) {
+        for r in self.readers.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
+        }
+    }
+}
+
+/// Start the agent command in `cwd` (its own process group), forwarding its output lines
+/// as `progress` events.
+pub(super) fn spawn_agent(
+    ex: &Executor,
+    a: &Arc<Assignment>,
+    cwd: &std::path::Path,
+) -> std::io::Result<Agent> {
+    let id = a.invite.delegation_id.as_str();
+    let task = a.task.lock().clone();
+    let mut cmd = tokio::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(&ex.cfg.agent_cmd)
+        .current_dir(cwd)
+        .env("AWCP_DELEGATION_ID", id)
+        .env("AWCP_TASK_DESCRIPTION", &task.description)
+        .env("AWCP_TASK_PROMPT", &task.prompt)
+        .env(
+            "AWCP_ROUND",
+            a.round
+                .load(std::sync::atomic::Ordering::SeqCst)
+                .to_string(),
+        )
+        .env("AWCP_WORKSPACE", cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = cmd.spawn()?;
+    let pid = child.id();
+    let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
+    let forwarded = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut readers = Vec::new();
+    for (stream, is_err) in [
+        (
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
+            false,
+        ),
+        (
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
+            true,
+        ),
+    ] {
+        let Some(stream) = stream else { continue };
+        let (a, tail, forwarded) = (a.clone(), tail.clone(), forwarded.clone());
+        readers.push(tokio::spawn(async move {
+            let mut lines = BufReader::new(stream).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let line = if is_err {
+                    format!("[stderr] {line}")
+                } else {
+                    line
+                };
+                {
+                    let mut t = tail.lock();
+                    t.push_back(line.clone());
+                    if t.len() > TAIL_LINES {
+                        t.pop_front();
+                    }
+                }
+                if forwarded.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    < MAX_PROGRESS_EVENTS
+                {
+                    a.emit(status_event(&a, RunStatus::Progress, line));
+                }
+            }
+        }));
+    }
+
+    Ok(Agent {
+        child,
+        pid,
+        tail,
+        readers,
+    })
+}
+
+/// How an awcpfs task ends once its agent exited (the mount already finished).
+fn end_after_exit(
+    a: &Assignment,
+    mount: &Mount,
+    state_dir: &std::path::Path,
+    status: std::io::Result<std::process::ExitStatus>,
+    agent: &Agent,
+) {
+    match mount.ended() {
+        Some(reason @ (EndReason::Revoked | EndReason::Expired)) => {
+            let (code, msg, hint) = lease_error(&reason);
+            finish_error(a, code, msg, hint);
+        }
+        _ if mount.unsynced() => finish_error(
+            a,
+            ErrorCode::TransportError,
+            format!(
+                "some changes could not be written back; they are kept in {}",
+                state_dir.display()
+            ),
+            Some("Collect them from the Executor's state directory".into()),
+        ),
+        _ => match status {
+            Ok(s) if s.success() => {
+                let summary = format!(
+                    "agent finished{}; {} file(s) written back",
+                    agent
+                        .last_line()
+                        .map(|l| format!(": {l}"))
+                        .unwrap_or_default(),
+                    mount.stats().files_written_back
+                );
+                finish_done(a, summary, None);
+            }
+            Ok(s) => finish_error(
+                a,
+                ErrorCode::TaskFailed,
+                format!(
+                    "the agent exited with {s}; last output:\n{}",
+                    agent.tail_text()
+                ),
+                Some("Check task requirements and try again".into()),
+            ),
+            Err(e) => finish_error(
+                a,
+                ErrorCode::TaskFailed,
+                format!("waiting for the agent failed: {e}"),
+                None,
+            ),
+        },
+    }
+}
+
+/// What the Delegator asks of an idle multi-round session.
+#[derive(Debug)]
+pub(crate) enum RoundCmd {
+    /// CONTINUE: run the agent again with this task.
+    Continue {
+        /// The round's task.
+        task: TaskSpec,
+        /// Its number.
+        round: u32,
+    },
+    /// CLOSE: end the session.
+    Close,
+}
+
+/// The next command of an idle session (a closed channel counts as CLOSE).
+pub(super) async fn next_round(
+    rx: &mut Option<tokio::sync::mpsc::UnboundedReceiver<RoundCmd>>,
+) -> RoundCmd {
+    match rx {
+        Some(rx) => rx.recv().await.unwrap_or(RoundCmd::Close),
+        None => RoundCmd::Close,
+    }
+}
+
+/// A round finished: `round_done`, and the assignment goes `idle`.
+pub(super) fn finish_round(a: &Assignment, summary: String, snapshot: Option<DoneSnapshot>) {
+    {
+        let mut st = a.state.lock();
+        if let Ok(next) = st.apply(AssignmentEvent::RoundComplete) {
+            *st = next;
+        }
+    }
+    a.emit(TaskEvent::RoundDone(RoundDoneEvent {
+        delegation_id: a.invite.delegation_id.clone(),
+        timestamp: crate::now_iso(),
+        round: a.round.load(std::sync::atomic::Ordering::SeqCst),
+        summary,
+        highlights: None,
+        snapshot_ids: snapshot.as_ref().map(|s| vec![s.id.clone()]),
+        recommended_snapshot_id: snapshot.map(|s| s.id),
+    }));
+}
+
+/// CONTINUE: the next round starts (the route checked the assignment was idle).
+pub(super) fn start_round(a: &Assignment, task: TaskSpec, round: u32) {
+    {
+        let mut st = a.state.lock();
+        if let Ok(next) = st.apply(AssignmentEvent::ReceiveContinue) {
+            *st = next;
+        }
+    }
+    *a.task.lock() = task;
+    a.round.store(round, std::sync::atomic::Ordering::SeqCst);
+    a.emit(status_event(
+        a,
+        RunStatus::Running,
+        format!("Round {round} execution started"),
+    ));
+}
+
+/// CLOSE: `idle → completed`, and `done` as the reference words it.
+pub(super) fn close_session(a: &Assignment) {
+    {
+        let mut st = a.state.lock();
+        if let Ok(next) = st.apply(AssignmentEvent::ReceiveClose) {
+            *st = next;
+        }
+    }
+    finish_done(a, "Session closed by delegator".into(), None);
+}
+
 /// Run the task of `start` to its end.
 pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessage) {
     let received = std::time::Instant::now();
@@ -160,17 +417,24 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     }
     *a.started_at.lock() = Some(crate::now_iso());
     let id = a.invite.delegation_id.as_str().to_string();
-    let TransportHandle::Awcpfs(h) = start.transport_handle else {
-        finish_error(
-            &a,
-            ErrorCode::SetupFailed,
-            format!(
-                "transport {} is not supported by this executor",
-                start.transport_handle.transport_type().as_str()
-            ),
-            Some("Delegate with the awcpfs transport".into()),
-        );
-        return;
+    let h = match start.transport_handle {
+        TransportHandle::Awcpfs(h) => h,
+        TransportHandle::Archive(h) => {
+            let expires_at = start.lease.expires_at;
+            return super::archive_task::run(ex, a, expires_at, h, received).await;
+        }
+        other => {
+            finish_error(
+                &a,
+                ErrorCode::SetupFailed,
+                format!(
+                    "transport {} is not supported by this executor",
+                    other.transport_type().as_str()
+                ),
+                Some("Delegate with the awcpfs or archive transport".into()),
+            );
+            return;
+        }
     };
     let state_dir = ex.cfg.state_dir.join(&id);
     if let Err(e) =
@@ -245,159 +509,111 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
         ),
     ));
 
-    let mut cmd = tokio::process::Command::new("sh");
-    cmd.arg("-c")
-        .arg(&ex.cfg.agent_cmd)
-        .current_dir(&a.work_path)
-        .env("AWCP_DELEGATION_ID", &id)
-        .env("AWCP_TASK_DESCRIPTION", &a.invite.task.description)
-        .env("AWCP_TASK_PROMPT", &a.invite.task.prompt)
-        .env("AWCP_WORKSPACE", &a.work_path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true);
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            let m = mount.clone();
-            let _ = tokio::task::spawn_blocking(move || m.finish()).await;
-            finish_error(
-                &a,
-                ErrorCode::SetupFailed,
-                format!("cannot start the agent command: {e}"),
-                None,
-            );
-            return;
-        }
-    };
-    let pid = child.id();
-    let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
-    let forwarded = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut readers = Vec::new();
-    for (stream, is_err) in [
-        (
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
-            false,
-        ),
-        (
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
-            true,
-        ),
-    ] {
-        let Some(stream) = stream else { continue };
-        let (a, tail, forwarded) = (a.clone(), tail.clone(), forwarded.clone());
-        readers.push(tokio::spawn(async move {
-            let mut lines = BufReader::new(stream).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                let line = if is_err {
-                    format!("[stderr] {line}")
-                } else {
-                    line
-                };
-                {
-                    let mut t = tail.lock();
-                    t.push_back(line.clone());
-                    if t.len() > TAIL_LINES {
-                        t.pop_front();
-                    }
-                }
-                if forwarded.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                    < MAX_PROGRESS_EVENTS
-                {
-                    a.emit(status_event(&a, RunStatus::Progress, line));
-                }
-            }
-        }));
-    }
-
-    enum Outcome {
-        Exited(std::io::Result<std::process::ExitStatus>),
-        LeaseEnded(EndReason),
-        Cancelled,
-    }
-    let outcome = tokio::select! {
-        s = child.wait() => Outcome::Exited(s),
-        r = end_rx => Outcome::LeaseEnded(r.unwrap_or(EndReason::Unmounted)),
-        _ = a.cancel.notified() => Outcome::Cancelled,
-    };
-    match outcome {
-        Outcome::Exited(status) => {
-            for r in readers {
-                let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
-            }
-            let m = mount.clone();
-            let _ = tokio::task::spawn_blocking(move || m.finish()).await;
-            let tail_text = tail.lock().iter().cloned().collect::<Vec<_>>().join("\n");
-            match mount.ended() {
-                Some(reason @ (EndReason::Revoked | EndReason::Expired)) => {
-                    let (code, msg, hint) = lease_error(&reason);
-                    finish_error(&a, code, msg, hint);
-                }
-                _ if mount.unsynced() => finish_error(
+    let mut end_rx = end_rx;
+    let mut rounds = a.rounds_rx.lock().take();
+    loop {
+        let mut agent = match spawn_agent(&ex, &a, &a.work_path) {
+            Ok(agent) => agent,
+            Err(e) => {
+                let m = mount.clone();
+                let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+                finish_error(
                     &a,
-                    ErrorCode::TransportError,
-                    format!(
-                        "some changes could not be written back; they are kept in {}",
-                        state_dir.display()
-                    ),
-                    Some("Collect them from the Executor's state directory".into()),
-                ),
-                _ => match status {
-                    Ok(s) if s.success() => {
-                        let stats = mount.stats();
-                        let last = tail
-                            .lock()
-                            .iter()
-                            .rev()
-                            .find(|l| !l.starts_with("[stderr]"))
-                            .cloned();
-                        let summary = format!(
-                            "agent finished{}; {} file(s) written back",
-                            last.map(|l| format!(": {l}")).unwrap_or_default(),
-                            stats.files_written_back
-                        );
-                        finish_done(&a, summary);
+                    ErrorCode::SetupFailed,
+                    format!("cannot start the agent command: {e}"),
+                    None,
+                );
+                return;
+            }
+        };
+        enum Outcome {
+            Exited(std::io::Result<std::process::ExitStatus>),
+            LeaseEnded(EndReason),
+            Cancelled,
+        }
+        let outcome = tokio::select! {
+            s = agent.child.wait() => Outcome::Exited(s),
+            r = &mut end_rx => Outcome::LeaseEnded(r.unwrap_or(EndReason::Unmounted)),
+            _ = a.cancel.notified() => Outcome::Cancelled,
+        };
+        match outcome {
+            Outcome::Exited(Ok(s)) if s.success() && a.multi_round => {
+                // A round: write everything back, report, and wait for the next one with
+                // the mount (and its warm cache) in place.
+                agent.drain().await;
+                let m = mount.clone();
+                let flushed = tokio::task::spawn_blocking(move || m.flush()).await;
+                if !matches!(flushed, Ok(Ok(_))) || mount.ended().is_some() {
+                    // Fall through to the end of the task: the mount says why.
+                    let m = mount.clone();
+                    let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+                    end_after_exit(&a, &mount, &state_dir, Ok(s), &agent);
+                    break;
+                }
+                let summary = format!(
+                    "round {} finished{}; {} file(s) written back so far",
+                    a.round.load(std::sync::atomic::Ordering::SeqCst),
+                    agent
+                        .last_line()
+                        .map(|l| format!(": {l}"))
+                        .unwrap_or_default(),
+                    mount.stats().files_written_back
+                );
+                finish_round(&a, summary, None);
+                let next = tokio::select! {
+                    cmd = next_round(&mut rounds) => Some(cmd),
+                    r = &mut end_rx => {
+                        let (code, msg, hint) = lease_error(&r.unwrap_or(EndReason::Unmounted));
+                        finish_error(&a, code, msg, hint);
+                        None
                     }
-                    Ok(s) => finish_error(
-                        &a,
-                        ErrorCode::TaskFailed,
-                        format!("the agent exited with {s}; last output:\n{tail_text}"),
-                        Some("Check task requirements and try again".into()),
-                    ),
-                    Err(e) => finish_error(
-                        &a,
-                        ErrorCode::TaskFailed,
-                        format!("waiting for the agent failed: {e}"),
-                        None,
-                    ),
-                },
+                    _ = a.cancel.notified() => {
+                        let m = mount.clone();
+                        let _ = tokio::task::spawn_blocking(move || {
+                            m.end(EndReason::Revoked, Some(Duration::from_secs(5)))
+                        })
+                        .await;
+                        finish_error(&a, ErrorCode::Cancelled, "Delegation cancelled".into(), None);
+                        None
+                    }
+                };
+                match next {
+                    Some(RoundCmd::Continue { task, round }) => {
+                        start_round(&a, task, round);
+                        continue;
+                    }
+                    Some(RoundCmd::Close) => {
+                        let m = mount.clone();
+                        let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+                        close_session(&a);
+                    }
+                    None => {}
+                }
+                break;
+            }
+            Outcome::Exited(status) => {
+                agent.drain().await;
+                let m = mount.clone();
+                let _ = tokio::task::spawn_blocking(move || m.finish()).await;
+                end_after_exit(&a, &mount, &state_dir, status, &agent);
+            }
+            Outcome::LeaseEnded(reason) => {
+                agent.kill().await;
+                let (code, msg, hint) = lease_error(&reason);
+                finish_error(&a, code, msg, hint);
+            }
+            Outcome::Cancelled => {
+                let m = mount.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    m.end(EndReason::Revoked, Some(Duration::from_secs(5)))
+                })
+                .await;
+                agent.kill().await;
+                let (code, msg, hint) = lease_error(&mount.ended().unwrap_or(EndReason::Revoked));
+                finish_error(&a, code, msg, hint);
             }
         }
-        Outcome::LeaseEnded(reason) => {
-            kill_group(pid);
-            let _ = child.kill().await;
-            let (code, msg, hint) = lease_error(&reason);
-            finish_error(&a, code, msg, hint);
-        }
-        Outcome::Cancelled => {
-            let m = mount.clone();
-            let _ = tokio::task::spawn_blocking(move || {
-                m.end(EndReason::Revoked, Some(Duration::from_secs(5)))
-            })
-            .await;
-            kill_group(pid);
-            let _ = child.kill().await;
-            let (code, msg, hint) = lease_error(&mount.ended().unwrap_or(EndReason::Revoked));
-            finish_error(&a, code, msg, hint);
-        }
+        break;
     }
     *a.mount.lock() = None;
     let _ = std::fs::remove_dir(&a.work_path);

@@ -97,6 +97,21 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
         });
     }
     let root = &export.blocks.root;
+    if let Some(f) = &export.filter
+        && let Some(hidden) = cs.changes.iter().find(|c| {
+            !f.shows(
+                c.path(),
+                matches!(c, Change::Mkdir { .. } | Change::Rmdir { .. }),
+            )
+        })
+    {
+        return Err(ApiError::InvalidPath {
+            reason: format!(
+                "{:?} is hidden by the export (excluded or sensitive); it cannot be written",
+                hidden.path()
+            ),
+        });
+    }
     let writes = validate(root, &cs.changes)?;
     let mut staged = stage(export, &cs.changes, &writes)?;
 

@@ -51,6 +51,7 @@ pub(crate) struct ManifestParams {
     pub(crate) export_id: String,
     pub(crate) block_size: u32,
     pub(crate) read_only: bool,
+    pub(crate) filter: Option<super::PathFilter>,
 }
 
 /// A file the walk opened, for a hashing thread.
@@ -116,6 +117,7 @@ pub(crate) fn build(
         stamps: Vec::new(),
         cache,
         jobs: Some(tx),
+        filter: params.filter.clone(),
     };
     let walked = std::thread::scope(|s| {
         for _ in 0..threads {
@@ -279,6 +281,7 @@ fn hash_blocks_with(mut reader: impl Read, buf: &mut [u8]) -> io::Result<FileHas
 }
 
 struct Walker<'a> {
+    filter: Option<super::PathFilter>,
     block_size: u32,
     entries: Vec<ManifestEntry>,
     /// Content hashes per entry (files only), filled from the cache or by the workers.
@@ -327,6 +330,11 @@ impl Walker<'_> {
 
     fn visit(&mut self, dir: &Dir, name: &str, rel: &str, depth: usize) -> io::Result<()> {
         let st = fstatat(dir.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW)?;
+        // Hidden paths are left out (parents were checked on the way down).
+        let is_dir = NodeKind::of(&st) == NodeKind::Dir;
+        if self.filter.as_ref().is_some_and(|f| !(f.0)(rel, is_dir)) {
+            return Ok(());
+        }
         match NodeKind::of(&st) {
             NodeKind::Dir => {
                 if depth + 1 >= MAX_DEPTH {

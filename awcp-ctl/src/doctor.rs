@@ -1,0 +1,224 @@
+//! `awcp-ctl doctor`: check what delegations need on this machine and around it — the FUSE
+//! device, the privileges to mount, kernel passthrough support, the daemon and Executors
+//! being reachable — and say how to fix each problem found.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// How a check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Fine.
+    Ok,
+    /// Works, with a limitation.
+    Warn,
+    /// Delegations will fail here until it is fixed.
+    Fail,
+}
+
+/// One check.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    /// What was checked.
+    pub check: String,
+    /// How it came out.
+    pub status: Status,
+    /// What was found.
+    pub detail: String,
+    /// What to do about it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+fn check(name: &str, status: Status, detail: String, fix: Option<&str>) -> Check {
+    Check {
+        check: name.into(),
+        status,
+        detail,
+        fix: fix.map(str::to_owned),
+    }
+}
+
+/// `CAP_SYS_ADMIN` in the effective set (bit 21 of `CapEff`).
+fn has_cap_sys_admin() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << 21) != 0)
+}
+
+fn on_path(bin: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file()))
+}
+
+/// Kernel release as (major, minor).
+fn kernel() -> Option<(u32, u32)> {
+    let r = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
+    let mut it = r.trim().split(['.', '-']);
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
+/// The local checks: FUSE device, privileges, kernel.
+pub fn local() -> Vec<Check> {
+    let mut out = Vec::new();
+    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/fuse") {
+        Ok(_) => out.push(check("fuse device", Status::Ok, "/dev/fuse opens read-write".into(), None)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => out.push(check(
+            "fuse device",
+            Status::Fail,
+            "/dev/fuse is missing: an Executor cannot mount workspaces".into(),
+            Some("load the module (`modprobe fuse`); in a container, start it with `--device /dev/fuse`"),
+        )),
+        Err(e) => out.push(check(
+            "fuse device",
+            Status::Fail,
+            format!("/dev/fuse cannot be opened: {e}"),
+            Some("run the Executor as root, or give its user access to /dev/fuse"),
+        )),
+    }
+    let root = nix::unistd::geteuid().is_root();
+    if root || has_cap_sys_admin() {
+        out.push(check(
+            "mount privileges",
+            Status::Ok,
+            if root {
+                "running as root".into()
+            } else {
+                "CAP_SYS_ADMIN is effective".into()
+            },
+            None,
+        ));
+    } else if on_path("fusermount3") {
+        out.push(check(
+            "mount privileges",
+            Status::Warn,
+            "not root: mounts go through fusermount3 (FUSE passthrough is unavailable)".into(),
+            Some("run the Executor as root or with CAP_SYS_ADMIN for passthrough"),
+        ));
+    } else {
+        out.push(check(
+            "mount privileges",
+            Status::Fail,
+            "not root, no CAP_SYS_ADMIN, and no fusermount3: mounting will fail".into(),
+            Some("run the Executor as root, or install fuse3 (`apt-get install fuse3`)"),
+        ));
+    }
+    match kernel() {
+        Some((maj, min)) if (maj, min) >= (6, 9) => out.push(check(
+            "kernel passthrough",
+            Status::Ok,
+            format!("Linux {maj}.{min} has FUSE passthrough (`executor --passthrough`)"),
+            None,
+        )),
+        Some((maj, min)) => out.push(check(
+            "kernel passthrough",
+            Status::Warn,
+            format!("Linux {maj}.{min} lacks FUSE passthrough: reads are served through FUSE"),
+            Some("Linux 6.9 or later gives native read speed with `executor --passthrough`"),
+        )),
+        None => out.push(check(
+            "kernel passthrough",
+            Status::Warn,
+            "cannot read the kernel version".into(),
+            None,
+        )),
+    }
+    out
+}
+
+/// Is the daemon there (and does it take our token)?
+pub async fn daemon(url: &str, token: Option<&str>) -> Check {
+    let http = reqwest::Client::new();
+    let base = url.trim_end_matches('/');
+    let health = http
+        .get(format!("{base}/health"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await;
+    match health {
+        Ok(r) if r.status().is_success() => {}
+        Ok(r) => {
+            return check(
+                "daemon",
+                Status::Fail,
+                format!("{base}/health answered {}", r.status()),
+                Some("is --daemon the URL of an `awcp-ctl serve`?"),
+            );
+        }
+        Err(e) => {
+            return check(
+                "daemon",
+                Status::Fail,
+                format!("cannot reach {base}: {e}"),
+                Some("start `awcp-ctl serve`, or point --daemon / AWCP_DAEMON_URL at it"),
+            );
+        }
+    }
+    let mut rq = http
+        .get(format!("{base}/delegations"))
+        .timeout(Duration::from_secs(2));
+    if let Some(t) = token {
+        rq = rq.bearer_auth(t);
+    }
+    match rq.send().await {
+        Ok(r) if r.status().as_u16() == 401 => check(
+            "daemon",
+            Status::Fail,
+            format!("{base} requires an API token, and ours is missing or wrong"),
+            Some("set --api-token or AWCP_API_TOKEN to the daemon's token"),
+        ),
+        Ok(r) if r.status().is_success() => {
+            check("daemon", Status::Ok, format!("{base} answers"), None)
+        }
+        Ok(r) => check(
+            "daemon",
+            Status::Fail,
+            format!("{base}/delegations answered {}", r.status()),
+            None,
+        ),
+        Err(e) => check("daemon", Status::Fail, format!("{base}: {e}"), None),
+    }
+}
+
+/// Is this Executor's AWCP endpoint there?
+pub async fn executor(url: &str, token: Option<&str>) -> Check {
+    let u = url.trim_end_matches('/');
+    let base = u.strip_suffix("/awcp").unwrap_or(u);
+    let mut rq = reqwest::Client::new()
+        .get(format!("{base}/awcp/status"))
+        .timeout(Duration::from_secs(2));
+    if let Some(t) = token {
+        rq = rq.bearer_auth(t);
+    }
+    let name = format!("executor {url}");
+    match rq.send().await {
+        Ok(r) if r.status().is_success() => {
+            check(&name, Status::Ok, "the AWCP endpoint answers".into(), None)
+        }
+        Ok(r) if r.status().as_u16() == 401 => check(
+            &name,
+            Status::Fail,
+            "the Executor requires a token".into(),
+            Some("give it with --executor-token (AWCP_EXECUTOR_TOKEN)"),
+        ),
+        Ok(r) => check(
+            &name,
+            Status::Fail,
+            format!("{base}/awcp/status answered {}", r.status()),
+            Some("the Executor's AWCP endpoint is <base>/awcp (`awcp-ctl executor` serves it)"),
+        ),
+        Err(e) => check(
+            &name,
+            Status::Fail,
+            format!("cannot reach it: {e}"),
+            Some("start `awcp-ctl executor` there, and check --listen and firewalls"),
+        ),
+    }
+}

@@ -1,0 +1,218 @@
+//! Admission on the Delegator for `awcpfs` delegations: sensitive files refuse a
+//! delegation; excluded, `.gitignore`d and sensitive files are invisible on the mount and
+//! refused by the export; size and file-count limits.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use awcp_ctl::client::ClientError;
+use awcp_protocol::DelegationState;
+use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
+use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
+use awcp_tests::{Harness, eventually, fuse_available};
+
+fn request(
+    h: &Harness,
+    dir: &std::path::Path,
+    exclude: Option<Vec<String>>,
+    gitignore: bool,
+) -> DelegateRequest {
+    DelegateRequest {
+        executor_url: h.executor.awcp_url(),
+        environment: EnvironmentSpec {
+            resources: vec![ResourceSpec {
+                name: "workspace".into(),
+                resource_type: ResourceType::Fs,
+                source: dir.display().to_string(),
+                mode: AccessMode::Rw,
+                include: None,
+                exclude,
+                gitignore: gitignore.then_some(true),
+            }],
+        },
+        task: TaskSpec {
+            description: "admission".into(),
+            prompt: "p".into(),
+        },
+        ttl_seconds: Some(120),
+        access_mode: Some(AccessMode::Rw),
+        snapshot_mode: None,
+        auth: None,
+        transport: None,
+        multi_round: None,
+    }
+}
+
+fn repo(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir.join("conf")).unwrap();
+    std::fs::create_dir_all(dir.join("target")).unwrap();
+    std::fs::write(dir.join("main.py"), "print(1)\n").unwrap();
+    std::fs::write(dir.join("conf/app.toml"), "x = 1\n").unwrap();
+    std::fs::write(dir.join("conf/.env"), "TOKEN=secret\n").unwrap();
+    std::fs::write(dir.join("target/out.bin"), "bin").unwrap();
+    std::fs::write(dir.join("debug.log"), "log").unwrap();
+    std::fs::write(dir.join(".gitignore"), "*.log\n").unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn excluded_and_sensitive_files_are_invisible_on_the_mount_and_refused_by_the_export() {
+    if !fuse_available() {
+        return;
+    }
+    let flags = tempfile::tempdir().unwrap();
+    let flag = flags.path().join("release");
+    let agent = format!(
+        "set -e; test -f main.py; test -f conf/app.toml; test ! -e conf/.env; test ! -e target; \
+         test ! -e debug.log; ls -a conf > listing.txt; \
+         while [ ! -e {} ]; do sleep 0.05; done",
+        flag.display()
+    );
+    let h = Harness::start(&agent).await;
+    let dir = h.path("repo");
+    repo(&dir);
+    // Sensitive files refuse the delegation, as in the reference.
+    let err = h
+        .client
+        .delegate(&request(&h, &dir, None, false))
+        .await
+        .unwrap_err();
+    let ClientError::Refused { status, body } = err else {
+        panic!("{err}")
+    };
+    assert_eq!(status, 400);
+    assert_eq!(body.code.unwrap().as_str(), "SENSITIVE_FILES");
+    assert_eq!(body.error, "Sensitive files detected: conf/.env");
+    // Excluded (and .gitignore'd), the rest is delegated and they are invisible.
+    let id = h
+        .client
+        .delegate(&request(
+            &h,
+            &dir,
+            Some(vec![".env".into(), "target".into()]),
+            true,
+        ))
+        .await
+        .unwrap()
+        .delegation_id;
+    let id = id.as_str().to_string();
+    assert!(
+        eventually(Duration::from_secs(30), || dir.join("listing.txt").exists()).await,
+        "the agent never got past its checks"
+    );
+    let listing = std::fs::read_to_string(dir.join("listing.txt")).unwrap();
+    assert!(
+        listing.contains("app.toml") && !listing.contains(".env"),
+        "{listing}"
+    );
+    // The export refuses writes to hidden paths, whoever asks.
+    let token = h.daemon.daemon.export_token(&id).unwrap();
+    let url = format!("{}/v1/exports/{id}/commit", h.daemon.daemon.export_url());
+    for change in [
+        json!({"op": "symlink", "path": "conf/.env", "target": "x"}),
+        json!({"op": "mkdir", "path": "target/sub", "mode": 493}),
+        json!({"op": "mkdir", "path": "logs.log", "mode": 493}),
+    ] {
+        let r = reqwest::Client::new()
+            .post(&url)
+            .bearer_auth(&token)
+            .json(&json!({"commitId": format!("c-{}", rand::random::<u32>()), "changes": [change]}))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let b: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, 400, "{change}: {b}");
+        assert!(b.to_string().contains("hidden"), "{b}");
+    }
+    std::fs::write(&flag, "").unwrap();
+    assert_eq!(
+        h.wait_end(&id, Duration::from_secs(60)).await,
+        DelegationState::Completed
+    );
+    // Nothing hidden was touched.
+    assert_eq!(
+        std::fs::read_to_string(dir.join("conf/.env")).unwrap(),
+        "TOKEN=secret\n"
+    );
+    assert!(!dir.join("target/sub").exists());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn awcpfs_delegations_have_size_and_file_count_limits() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start_full("true", |d| d.awcpfs_limits.max_files = 2, |_| {}).await;
+    let dir = h.path("repo");
+    repo(&dir);
+    let req = request(&h, &dir, Some(vec![".env".into()]), false);
+    let err = h.client.delegate(&req).await.unwrap_err();
+    let ClientError::Refused { status, body } = err else {
+        panic!("{err}")
+    };
+    assert_eq!(status, 400);
+    assert_eq!(body.code.unwrap().as_str(), "WORKSPACE_TOO_LARGE");
+    assert!(body.hint.unwrap().contains("(limit 2)"));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_executor_admits_only_its_modes_transports_and_capacity() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start_with("sleep 30", |c| {
+        c.access_modes = vec![AccessMode::Ro];
+        c.transports = vec![awcp_protocol::TransportType::Archive];
+        c.max_concurrent = 1;
+    })
+    .await;
+    let awcp = h.executor.awcp_url();
+    let invite = |mode: &str, transport: &str| {
+        json!({
+            "version": "1", "type": "INVITE",
+            "delegationId": awcp_protocol::DelegationId::from_random_bytes(rand::random()).as_str(),
+            "task": {"description": "d", "prompt": "p"},
+            "lease": {"ttlSeconds": 60, "accessMode": mode}, "retentionMs": 1000,
+            "environment": {"resources": [{"name": "w", "type": "fs", "mode": mode}]},
+            "requirements": {"transport": transport}
+        })
+    };
+    let post = |body: Value| {
+        let awcp = awcp.clone();
+        async move {
+            reqwest::Client::new()
+                .post(&awcp)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let b = post(invite("rw", "archive")).await;
+    assert_eq!(
+        (b["type"].as_str(), b["code"].as_str()),
+        (Some("ERROR"), Some("DECLINED")),
+        "{b}"
+    );
+    let b = post(invite("ro", "awcpfs")).await;
+    assert_eq!(b["code"], "DEP_MISSING", "{b}");
+    assert_eq!(b["hint"], "Delegate with one of: archive");
+    let b = post(invite("ro", "archive")).await;
+    assert_eq!(b["type"], "ACCEPT", "{b}");
+    let b = post(invite("ro", "archive")).await;
+    assert_eq!(b["code"], "DECLINED", "capacity: {b}");
+    assert!(
+        b["message"]
+            .as_str()
+            .unwrap()
+            .contains("Maximum concurrent"),
+        "{b}"
+    );
+    h.stop().await;
+}
