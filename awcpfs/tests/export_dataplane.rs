@@ -197,6 +197,7 @@ fn write(path: &str, base: Option<&[u8]>, content: &[u8], mode: u32) -> Change {
         size: content.len() as u64,
         blocks: block_hashes(content),
         mtime_ns: 1_500_000_000,
+        link_to: None,
     }
 }
 

@@ -156,6 +156,13 @@ pub enum Change {
         blocks: Vec<String>,
         /// Modification time to set, nanoseconds since the Unix epoch.
         mtime_ns: i64,
+        /// On the Executor this file is a hard link of the file at `linkTo` (a path written
+        /// earlier in the same change set, or already at the export with this content). If
+        /// that file has `hash` when this change is applied, the export makes `path` a hard
+        /// link to it; otherwise it writes the content as for any write. Absent for files
+        /// with one name.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        link_to: Option<String>,
     },
     /// Remove a file or symlink.
     #[serde(rename_all = "camelCase")]

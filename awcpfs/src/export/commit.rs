@@ -36,10 +36,10 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, validate_rel_path};
 use nix::errno::Errno;
-use nix::fcntl::{OFlag, openat, readlinkat, renameat};
+use nix::fcntl::{AtFlags, OFlag, openat, readlinkat, renameat};
 use nix::sys::stat::{FchmodatFlags, Mode, fchmod, fchmodat, futimens, mkdirat};
 use nix::sys::time::TimeSpec;
-use nix::unistd::{UnlinkatFlags, fsync, symlinkat, unlinkat};
+use nix::unistd::{UnlinkatFlags, fsync, linkat, symlinkat, unlinkat};
 
 use super::Export;
 use super::error::ApiError;
@@ -246,6 +246,19 @@ fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePl
         validate_rel_path(path).map_err(|e| ApiError::InvalidPath {
             reason: e.to_string(),
         })?;
+        if let Change::Write {
+            link_to: Some(src), ..
+        } = change
+        {
+            validate_rel_path(src).map_err(|e| ApiError::InvalidPath {
+                reason: format!("linkTo of {path:?}: {e}"),
+            })?;
+            if src.split('/').any(|c| c.starts_with(TMP_PREFIX)) {
+                return Err(ApiError::InvalidPath {
+                    reason: format!("linkTo {src:?} uses the reserved name prefix `{TMP_PREFIX}`"),
+                });
+            }
+        }
         if path.split('/').any(|c| c.starts_with(TMP_PREFIX)) {
             return Err(ApiError::InvalidPath {
                 reason: format!("{path:?} uses the reserved name prefix `{TMP_PREFIX}`"),
@@ -560,6 +573,16 @@ fn apply_write(
     };
     match precondition {
         Ok(()) => {
+            if let Change::Write {
+                link_to: Some(src), ..
+            } = change
+                && let Some(new) = new
+                && link_into(root, src, &new, dir.as_fd(), name, path)
+            {
+                // The staged copy is not needed: dropping it removes the temp file.
+                written.push(Written::of(path.clone(), staged));
+                return Ok(Outcome::Applied);
+            }
             move_into(staged, dir.as_fd(), name, path)?;
             written.push(Written::of(path.clone(), staged));
             Ok(Outcome::Applied)
@@ -585,6 +608,43 @@ fn apply_write(
             }
         }
     }
+}
+
+/// Make `name` in `dir` a hard link to the file at `src`, if that is a regular file with
+/// content `hash`: link it under a temp name, then rename that over `name`, so the path is
+/// replaced atomically as by a write. False (nothing changed) when the source does not
+/// qualify or linking fails (another filesystem, a link limit…): the caller writes the
+/// content instead.
+fn link_into(
+    root: &RootDir,
+    src: &str,
+    hash: &BlockHash,
+    dir: BorrowedFd<'_>,
+    name: &str,
+    rel: &str,
+) -> bool {
+    let Ok((sdir, sname)) = root.open_parent(src) else {
+        return false;
+    };
+    if !matches!(kind_at(sdir.as_fd(), sname, src), Ok(NodeKind::File)) {
+        return false;
+    }
+    if !hash_file_at(sdir.as_fd(), sname, src).is_ok_and(|h| h.as_bytes() == hash) {
+        return false;
+    }
+    let tmp = tmp_name();
+    // linkat without AT_SYMLINK_FOLLOW never follows a symlink at `sname`.
+    if let Err(e) = linkat(sdir.as_fd(), sname, dir, tmp.as_str(), AtFlags::empty()) {
+        tracing::debug!(path = rel, src, error = %e, "hard link failed; writing a copy");
+        return false;
+    }
+    if let Err(e) = renameat(dir, tmp.as_str(), dir, name) {
+        tracing::debug!(path = rel, src, error = %e, "hard link rename failed; writing a copy");
+        let _ = unlinkat(dir, tmp.as_str(), UnlinkatFlags::NoRemoveDir);
+        return false;
+    }
+    let _ = fsync(dir);
+    true
 }
 
 /// Rename a staged file to `name` in `dir` (copying when the temp is on another filesystem).

@@ -201,6 +201,8 @@ enum Cur {
 
 struct CurFile {
     ino: Ino,
+    /// Names of the inode (hard links).
+    nlink: u32,
     mode: u32,
     mtime_ns: i64,
     size: u64,
@@ -319,6 +321,7 @@ impl Syncer {
                     };
                     Cur::File(CurFile {
                         ino: n.ino,
+                        nlink: n.nlink(),
                         mode: u32::from(n.perm),
                         mtime_ns: time_to_ns(n.mtime),
                         size: n.size,
@@ -390,6 +393,9 @@ impl Syncer {
         // (ino, generation, hash) of dirty files to mark clean after the commit.
         let mut cleaned: Vec<(Ino, u64, String)> = Vec::new();
         let mut next: Vec<(String, Option<Synced>)> = Vec::new();
+        // First path and hash of each hard-linked inode, in walk (= write) order: later
+        // names with the same content are sent as links to it.
+        let mut first_name: HashMap<Ino, (String, String)> = HashMap::new();
 
         let remove_old = |path: &str,
                           old: &Synced,
@@ -460,6 +466,18 @@ impl Syncer {
                     if hashed.is_some() {
                         cleaned.push((f.ino, f.generation, hash.clone()));
                     }
+                    let link_to = if f.nlink > 1 {
+                        match first_name.get(&f.ino) {
+                            Some((p, h)) if *h == hash => Some(p.clone()),
+                            Some(_) => None,
+                            None => {
+                                first_name.insert(f.ino, (path.clone(), hash.clone()));
+                                None
+                            }
+                        }
+                    } else {
+                        None
+                    };
                     let base = match old {
                         Some(Synced::File { hash: h, mode: m }) if *h == hash => {
                             if *m != f.mode {
@@ -506,6 +524,7 @@ impl Syncer {
                         size: hd.size,
                         blocks: hd.blocks,
                         mtime_ns: f.mtime_ns,
+                        link_to,
                     });
                     next.push((path.clone(), Some(Synced::File { hash, mode: f.mode })));
                 }
