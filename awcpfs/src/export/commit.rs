@@ -31,7 +31,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
-use std::io::{self, Write};
+use std::io::{self, Seek, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, validate_rel_path};
@@ -352,6 +352,15 @@ impl Drop for Staged {
     }
 }
 
+/// Whether block `h` of `len` bytes is all zeros, by its (verified) hash: no scan of the
+/// data. `cache` keeps the hash of a zero block per length.
+fn is_zero_block(cache: &mut HashMap<usize, BlockHash>, h: &BlockHash, len: usize) -> bool {
+    let zero = cache
+        .entry(len)
+        .or_insert_with(|| *blake3::hash(&vec![0u8; len]).as_bytes());
+    zero == h
+}
+
 /// Phase 2: assemble every write's content.
 fn stage(
     export: &Export,
@@ -361,6 +370,7 @@ fn stage(
     let root = &export.blocks.root;
     let mut staged = HashMap::new();
     let mut missing: Vec<String> = Vec::new();
+    let mut zero_hashes: HashMap<usize, BlockHash> = HashMap::new();
     for (i, change) in changes.iter().enumerate() {
         let (
             Change::Write {
@@ -417,8 +427,15 @@ fn stage(
         for h in &plan.blocks {
             match export.blocks.read_block(h) {
                 Some(data) => {
-                    file.write_all(&data)
-                        .map_err(|e| internal("writing a staged file", e))?;
+                    // A block of zeros becomes a hole: a sparse file on the Executor stays
+                    // sparse here (the length is fixed after the last block).
+                    if is_zero_block(&mut zero_hashes, h, data.len()) {
+                        file.seek(io::SeekFrom::Current(data.len() as i64))
+                            .map_err(|e| internal("writing a staged file", e))?;
+                    } else {
+                        file.write_all(&data)
+                            .map_err(|e| internal("writing a staged file", e))?;
+                    }
                     hasher.update(&data);
                     // Blocks are at most MAX_BLOCK_SIZE or an upload frame (u32 length).
                     s.blocks
@@ -435,6 +452,8 @@ fn stage(
             }
         }
         if complete {
+            file.set_len(s.size)
+                .map_err(|e| internal("writing a staged file", e))?;
             let actual = hasher.finalize();
             if actual.as_bytes() != &plan.hash || s.size != *size {
                 return Err(ApiError::ChecksumMismatch {

@@ -207,10 +207,18 @@ impl AwcpFs {
             Kind::Dir => 4096,
             _ => node.size,
         };
+        // Local content: the upper file's own allocation, so sparse files look sparse (`du`,
+        // `cp --sparse=auto` and `tar -S` rely on it). Remote content: what it will take.
+        let blocks = match (node.kind, &node.data) {
+            (Kind::File, Data::Local { .. }) => std::fs::metadata(self.upper_path(node.ino))
+                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m))
+                .unwrap_or_else(|_| size.div_ceil(512)),
+            _ => size.div_ceil(512),
+        };
         FileAttr {
             ino: INodeNo(node.ino),
             size,
-            blocks: size.div_ceil(512),
+            blocks,
             atime: node.atime,
             mtime: node.mtime,
             ctime: node.ctime,

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use awcp_protocol::dataplane::{Change, ChangeSet, Conflict, EntryKind, Manifest};
+use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, EntryKind, Manifest};
 
 use super::fs::AwcpFs;
 use super::inode::{Data, Ino, Kind, time_to_ns};
@@ -28,6 +28,25 @@ use super::remote::{RemoteError, parse_hash};
 
 /// Upload at most this many bytes per request.
 const UPLOAD_BATCH_BYTES: usize = 32 << 20;
+/// Hashes per `/missing` question (the export answers at most 65,536).
+const MISSING_BATCH: usize = 32_768;
+/// Changes per commit (the export takes at most 100,000).
+const COMMIT_CHANGES: usize = 50_000;
+/// Rough bytes of JSON per commit (the export reads at most 64 MiB).
+const COMMIT_BYTES: usize = 32 << 20;
+
+/// A generous estimate of a change's JSON size.
+fn approx_size(c: &Change) -> usize {
+    // Strings may need escaping: up to 6 bytes per byte for control characters.
+    let extra = match c {
+        Change::Write {
+            blocks, link_to, ..
+        } => blocks.len() * 67 + 6 * link_to.as_ref().map_or(0, String::len),
+        Change::Symlink { target, .. } => 6 * target.len(),
+        _ => 0,
+    };
+    256 + 6 * c.path().len() + extra
+}
 
 /// Wakes the syncer.
 #[derive(Debug, Default)]
@@ -565,11 +584,16 @@ impl Syncer {
         }
         let mut uploaded = 0u64;
         if !wanted.is_empty() {
-            let missing = self
-                .fs
-                .remote
-                .missing(&wanted)
-                .map_err(|source| SyncError::Remote { source })?;
+            // The export answers at most 65,536 hashes per question.
+            let mut missing = Vec::new();
+            for chunk in wanted.chunks(MISSING_BATCH) {
+                missing.extend(
+                    self.fs
+                        .remote
+                        .missing(chunk)
+                        .map_err(|source| SyncError::Remote { source })?,
+                );
+            }
             let mut batch: Vec<([u8; 32], &[u8])> = Vec::new();
             let mut batch_bytes = 0usize;
             for h in &missing {
@@ -601,16 +625,46 @@ impl Syncer {
                 tracing::trace!(change = ?c, "sync change");
             }
         }
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let cs = ChangeSet {
-            commit_id: format!("{}-{seq}", self.instance),
-            changes,
+        // One commit per round, unless the round is larger than the export takes in one
+        // (100,000 changes, 64 MiB): then consecutive commits in the same order. If a later
+        // one fails, the round is retried whole; the export answers what the earlier ones
+        // already applied as no-ops (same content, directory exists, path already gone).
+        let all_changes = changes.len();
+        let mut files_written = 0;
+        let mut result = CommitResult {
+            commit_id: String::new(),
+            applied: 0,
+            conflicts: Vec::new(),
         };
-        let result = self
-            .fs
-            .remote
-            .commit(&cs)
-            .map_err(|source| SyncError::Remote { source })?;
+        let mut rest = changes;
+        while !rest.is_empty() {
+            let mut take = 0;
+            let mut bytes = 0usize;
+            while take < rest.len() && take < COMMIT_CHANGES && bytes < COMMIT_BYTES {
+                bytes += approx_size(&rest[take]);
+                take += 1;
+            }
+            let tail = rest.split_off(take);
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+            let cs = ChangeSet {
+                commit_id: format!("{}-{seq}", self.instance),
+                changes: rest,
+            };
+            rest = tail;
+            files_written += cs
+                .changes
+                .iter()
+                .filter(|c| matches!(c, Change::Write { .. }))
+                .count();
+            let r = self
+                .fs
+                .remote
+                .commit(&cs)
+                .map_err(|source| SyncError::Remote { source })?;
+            result.commit_id = r.commit_id;
+            result.applied += r.applied;
+            result.conflicts.extend(r.conflicts);
+        }
         for conflict in &result.conflicts {
             tracing::warn!(path = %conflict.path, reason = %conflict.reason,
                 kept_as = ?conflict.kept_as, "write-back conflict: the Delegator's copy changed");
@@ -655,12 +709,8 @@ impl Syncer {
                 }
             }
         }
-        report.files_written = cs
-            .changes
-            .iter()
-            .filter(|c| matches!(c, Change::Write { .. }))
-            .count();
-        report.changes = cs.changes.len();
+        report.files_written = files_written;
+        report.changes = all_changes;
         report.conflicts = result.conflicts.clone();
         self.fs
             .stats
