@@ -424,3 +424,100 @@ fn background_hydration_fetches_small_files_in_one_request() {
     assert_eq!(f.fs.prefetch(&inos).unwrap(), 0, "nothing left to fetch");
     assert_eq!(f.sync().changes, 0, "hydration is not a change");
 }
+
+/// Hard links (made on the mount and found on the Delegator), renames of one of their
+/// names, an exchange and extended attributes: the journal replays to the same names, link
+/// counts and attributes, and the write-back makes hard links on the Delegator.
+#[test]
+fn hard_links_and_xattrs_replay_and_write_back_as_links() {
+    use std::os::unix::fs::MetadataExt;
+    let f = fixture(false, |root| {
+        tree(root);
+        std::fs::hard_link(root.join("src/a.txt"), root.join("a-link")).unwrap();
+    });
+    // The Delegator's hard link is one inode on the mount.
+    assert_eq!(f.ino("a-link"), f.ino("src/a.txt"));
+    assert_eq!(f.fs.getattr(f.ino("a-link")).unwrap().nlink, 2);
+    // New links to a new file and to a file not fetched yet.
+    f.write_new("", "n1", b"shared\n");
+    let n1 = f.ino("n1");
+    f.fs.link(n1, ROOT_INO, o("n2")).unwrap();
+    f.fs.link(n1, f.ino("src"), o("n3")).unwrap();
+    f.fs.link(f.ino("big"), ROOT_INO, o("big2")).unwrap();
+    assert!(matches!(
+        f.fs.link(f.ino("src"), ROOT_INO, o("dirlink")),
+        Err(FsError::NoHardLinks)
+    ));
+    assert!(matches!(
+        f.fs.link(n1, ROOT_INO, o("ref")),
+        Err(FsError::Exists)
+    ));
+    assert_eq!(f.fs.getattr(n1).unwrap().nlink, 3);
+    // Remove the first name, rename another, exchange one with a plain file.
+    f.fs.unlink(ROOT_INO, o("n1")).unwrap();
+    f.fs.rename(ROOT_INO, o("n2"), f.ino("src/deep"), o("n2"), false, false)
+        .unwrap();
+    f.fs.rename(f.ino("src"), o("n3"), ROOT_INO, o("ref"), false, true)
+        .unwrap();
+    assert_eq!(f.fs.getattr(n1).unwrap().nlink, 2);
+    assert_eq!(f.read("ref"), b"shared\n");
+    assert_eq!(f.read("src/n3"), b"old-ref\n");
+    f.fs.setxattr(n1, o("user.k"), b"v\0bytes", 0).unwrap();
+    f.fs.setxattr(n1, o("user.gone"), b"x", 0).unwrap();
+    f.fs.removexattr(n1, o("user.gone")).unwrap();
+    assert!(matches!(
+        f.fs.setxattr(n1, o("trusted.k"), b"v", 0),
+        Err(FsError::Unsupported { .. })
+    ));
+
+    // Replay gives the same names, inodes, link counts and attributes.
+    let records = Journal::read_all(&f.state.join("journal.log")).unwrap();
+    let mut replayed = InodeTable::from_manifest(&f.manifest, 0, 0).unwrap();
+    journal::replay(&mut replayed, &records, 0, 0);
+    let mut rep = Vec::new();
+    replayed.walk(|p, n| rep.push((p.to_string(), n.ino, n.nlink(), n.xattrs.clone())));
+    let live: Vec<_> = rep
+        .iter()
+        .map(|(p, ..)| {
+            let ino = f.ino(p);
+            let mut xattrs = std::collections::BTreeMap::new();
+            if let Ok(awcpfs::mount::posix::XattrReply::Data(v)) =
+                f.fs.getxattr(ino, o("user.k"), 1024)
+            {
+                xattrs.insert("user.k".to_string(), v);
+            }
+            (p.clone(), ino, f.fs.getattr(ino).unwrap().nlink, xattrs)
+        })
+        .collect();
+    assert_eq!(rep, live);
+    assert!(rep.iter().any(|(p, ..)| p == "src/deep/n2"));
+
+    // Write-back: names of one inode are hard links on the Delegator.
+    f.sync();
+    let meta = |p: &str| std::fs::metadata(f.root.join(p)).unwrap();
+    assert_eq!(meta("ref").ino(), meta("src/deep/n2").ino());
+    assert_eq!(meta("ref").nlink(), 2);
+    assert_eq!(std::fs::read(f.root.join("ref")).unwrap(), b"shared\n");
+    assert_eq!(std::fs::read(f.root.join("src/n3")).unwrap(), b"old-ref\n");
+    assert_eq!(meta("big").ino(), meta("big2").ino());
+    assert!(!f.root.join("n1").exists());
+    // A write through one name re-links the other after the rewrite.
+    let fh =
+        f.fs.open(
+            f.ino("ref"),
+            OpenMode {
+                write: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    f.fs.write(fh, 0, b"SHARED").unwrap();
+    f.fs.flush(fh).unwrap();
+    f.fs.release(fh).unwrap();
+    f.sync();
+    assert_eq!(meta("ref").ino(), meta("src/deep/n2").ino());
+    assert_eq!(
+        std::fs::read(f.root.join("src/deep/n2")).unwrap(),
+        b"SHARED\n"
+    );
+}
