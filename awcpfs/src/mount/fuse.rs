@@ -358,6 +358,18 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("rename");
+        // RENAME_WHITEOUT (overlayfs on top of the mount) would need a whiteout device node,
+        // which awcpfs cannot store: refuse it as filesystems without support do, instead of
+        // renaming without the whiteout.
+        if flags.contains(RenameFlags::RENAME_WHITEOUT) {
+            return reply_err!(
+                reply,
+                "rename",
+                super::error::FsError::Invalid {
+                    what: "RENAME_WHITEOUT is not supported",
+                }
+            );
+        }
         let noreplace = flags.contains(RenameFlags::RENAME_NOREPLACE);
         let exchange = flags.contains(RenameFlags::RENAME_EXCHANGE);
         match self
