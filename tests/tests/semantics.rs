@@ -141,21 +141,21 @@ async fn a_100000_entry_directory_lists_stably_while_it_changes() {
     if !fuse_available() || !tools_available(&["python3"]) {
         return;
     }
-    // 100,000 entries on the Delegator (from the manifest) and 200 created on the mount;
+    // 100,000 entries on the Delegator (from the manifest) and 2,000 created on the mount;
     // while one reader walks the listing in small steps, another process creates and
     // removes entries. Every entry present throughout must be listed exactly once.
     let agent = r#"python3 - > ../../../listing.out 2>&1 <<'PY'
 import os, subprocess, sys, time
-for i in range(200):
+for i in range(2000):
     open(f"big/new-{i:05d}", "w").close()
 churn = subprocess.Popen([sys.executable, "-c", """
 import os
-for i in range(300):
+for i in range(3000):
     p = f'big/churn-{i:05d}'
     open(p, 'w').close()
     if i % 2:
         os.unlink(p)
-    if i < 100:
+    if i < 1000:
         os.unlink(f'big/new-{i:05d}')
 """])
 seen = []
@@ -166,7 +166,7 @@ with os.scandir(fd) as it:
         if len(seen) % 1000 == 0:
             time.sleep(0.01)
 churn.wait()
-stable = [n for n in seen if n.startswith("f-") or (n.startswith("new-") and int(n[4:]) >= 100)]
+stable = [n for n in seen if n.startswith("f-") or (n.startswith("new-") and int(n[4:]) >= 1000)]
 print("entries", len(set(n for n in seen if n.startswith("f-"))))
 print("stable_new", len(set(n for n in stable if n.startswith("new-"))))
 print("duplicates", len(seen) - len(set(seen)))
@@ -196,15 +196,15 @@ PY"#;
         .filter_map(|(k, v)| Some((k, v.parse().ok()?)))
         .collect();
     assert_eq!(r.get("entries"), Some(&100_000), "{out}");
-    assert_eq!(r.get("stable_new"), Some(&100), "{out}");
+    assert_eq!(r.get("stable_new"), Some(&1000), "{out}");
     assert_eq!(r.get("duplicates"), Some(&0), "{out}");
-    // 100,000 + new-00100..00199 + 150 churn files kept.
-    assert_eq!(r.get("count_after"), Some(&100_250), "{out}");
+    // 100,000 + new-01000..01999 + 1,500 churn files kept.
+    assert_eq!(r.get("count_after"), Some(&102_500), "{out}");
     assert_eq!(r.get("nlink"), Some(&2), "{out}");
     // And the Delegator has the same directory.
     assert!(
         eventually(Duration::from_secs(5), || std::fs::read_dir(&big)
-            .map(|d| d.count() == 100_250)
+            .map(|d| d.count() == 102_500)
             .unwrap_or(false))
         .await
     );
