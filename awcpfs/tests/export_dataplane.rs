@@ -763,6 +763,7 @@ async fn commit_round_trip_of_every_operation() {
                 Change::Chmod {
                     path: "run.sh".into(),
                     mode: 0o700,
+                    mtime_ns: None,
                 },
                 Change::Unlink {
                     path: "outlink".into(),
@@ -1076,6 +1077,7 @@ async fn path_escapes_are_refused_and_nothing_outside_changes() {
         vec![Change::Chmod {
             path: "out/secret".into(),
             mode: 0o777,
+            mtime_ns: None,
         }],
         vec![Change::Symlink {
             path: "out/l".into(),
@@ -1117,6 +1119,7 @@ async fn path_escapes_are_refused_and_nothing_outside_changes() {
                 Change::Chmod {
                     path: "secret-link".into(),
                     mode: 0o777,
+                    mtime_ns: None,
                 },
                 Change::Unlink {
                     path: "secret-link".into(),
@@ -1174,6 +1177,7 @@ async fn setuid_bits_are_never_set_by_a_commit() {
                 Change::Chmod {
                     path: "run.sh".into(),
                     mode: 0o4755,
+                    mtime_ns: None,
                 },
             ],
         ))

@@ -521,3 +521,29 @@ fn hard_links_and_xattrs_replay_and_write_back_as_links() {
         b"SHARED\n"
     );
 }
+
+/// `touch -d` of a file whose content did not change reaches the Delegator as a new mtime
+/// (to the nanosecond), with a chmod in the same change, and never rewrites the content.
+#[test]
+fn a_new_mtime_alone_is_written_back() {
+    use std::os::unix::fs::MetadataExt;
+    let f = fixture(false, tree);
+    let before_ino = std::fs::metadata(f.root.join("big")).unwrap().ino();
+    let t = std::time::UNIX_EPOCH + Duration::new(1_300_000_000, 123_456_789);
+    f.fs.setattr(
+        f.ino("big"),
+        awcpfs::mount::content::SetAttr {
+            mtime: Some(t),
+            mode: Some(0o600),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let report = f.sync();
+    assert_eq!((report.changes, report.files_written), (1, 0), "{report:?}");
+    let m = std::fs::metadata(f.root.join("big")).unwrap();
+    assert_eq!((m.mtime(), m.mtime_nsec()), (1_300_000_000, 123_456_789));
+    assert_eq!(m.mode() & 0o7777, 0o600);
+    assert_eq!(m.ino(), before_ino, "the content must not be rewritten");
+    assert_eq!(f.sync().changes, 0, "nothing left to send");
+}

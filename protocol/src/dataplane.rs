@@ -187,6 +187,10 @@ pub enum Change {
         path: String,
         /// New permission bits.
         mode: u32,
+        /// Also set a file's modification time (nanoseconds since the epoch): the content is
+        /// unchanged but its time is not (`touch`, `utimensat`). Ignored for directories.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mtime_ns: Option<i64>,
     },
 }
 

@@ -38,7 +38,9 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, validate_rel_path};
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat, readlinkat, renameat};
-use nix::sys::stat::{FchmodatFlags, Mode, fchmod, fchmodat, futimens, mkdirat};
+use nix::sys::stat::{
+    FchmodatFlags, Mode, UtimensatFlags, fchmod, fchmodat, futimens, mkdirat, utimensat,
+};
 use nix::sys::time::TimeSpec;
 use nix::unistd::{UnlinkatFlags, linkat, symlinkat, syncfs, unlinkat};
 
@@ -870,12 +872,24 @@ fn apply_other(
                 other.describe()
             ))),
         },
-        Change::Chmod { mode, .. } => match current {
+        Change::Chmod { mode, mtime_ns, .. } => match current {
             NodeKind::Absent => Ok(conflict("it does not exist on the export")),
             // Linux ignores a symlink's own mode: nothing to do.
             NodeKind::Symlink => Ok(Outcome::Applied),
             NodeKind::File | NodeKind::Dir => {
                 chmod_at(dir, name, mode & MODE_MASK, path)?;
+                if let (NodeKind::File, Some(ns)) = (current, mtime_ns) {
+                    let mtime =
+                        TimeSpec::new(ns.div_euclid(1_000_000_000), ns.rem_euclid(1_000_000_000));
+                    utimensat(
+                        dir,
+                        name,
+                        &TimeSpec::UTIME_OMIT,
+                        &mtime,
+                        UtimensatFlags::NoFollowSymlink,
+                    )
+                    .map_err(|e| fs_io("set mtime", path, e))?;
+                }
                 Ok(Outcome::Applied)
             }
             NodeKind::Special => Ok(conflict("a special file is on the export at this path")),

@@ -98,6 +98,9 @@ pub enum Synced {
         hash: String,
         /// Permission bits.
         mode: u32,
+        /// Modification time, when known (absent in `synced.log` lines of older versions).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mtime_ns: Option<i64>,
     },
     /// A symlink.
     Symlink {
@@ -291,6 +294,7 @@ impl Syncer {
                     EntryKind::File => Synced::File {
                         hash: e.hash.clone().unwrap_or_default(),
                         mode: e.mode & 0o7777,
+                        mtime_ns: Some(e.mtime_ns),
                     },
                     EntryKind::Symlink => Synced::Symlink {
                         target: e.target.clone().unwrap_or_default(),
@@ -442,6 +446,7 @@ impl Syncer {
                         chmods.push(Change::Chmod {
                             path: path.clone(),
                             mode: *mode,
+                            mtime_ns: None,
                         });
                         next.push((path.clone(), Some(Synced::Dir { mode: *mode })));
                     }
@@ -498,15 +503,26 @@ impl Syncer {
                         None
                     };
                     let base = match old {
-                        Some(Synced::File { hash: h, mode: m }) if *h == hash => {
-                            if *m != f.mode {
+                        Some(Synced::File {
+                            hash: h,
+                            mode: m,
+                            mtime_ns: t,
+                        }) if *h == hash => {
+                            // Same content: send a new mode or a new mtime (`touch`) alone.
+                            let new_time = t.is_some_and(|t| t != f.mtime_ns);
+                            if *m != f.mode || new_time {
                                 chmods.push(Change::Chmod {
                                     path: path.clone(),
                                     mode: f.mode,
+                                    mtime_ns: new_time.then_some(f.mtime_ns),
                                 });
                                 next.push((
                                     path.clone(),
-                                    Some(Synced::File { hash, mode: f.mode }),
+                                    Some(Synced::File {
+                                        hash,
+                                        mode: f.mode,
+                                        mtime_ns: Some(f.mtime_ns),
+                                    }),
                                 ));
                             }
                             continue;
@@ -545,7 +561,14 @@ impl Syncer {
                         mtime_ns: f.mtime_ns,
                         link_to,
                     });
-                    next.push((path.clone(), Some(Synced::File { hash, mode: f.mode })));
+                    next.push((
+                        path.clone(),
+                        Some(Synced::File {
+                            hash,
+                            mode: f.mode,
+                            mtime_ns: Some(f.mtime_ns),
+                        }),
+                    ));
                 }
             }
         }
