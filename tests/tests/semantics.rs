@@ -120,6 +120,14 @@ async fn operations_on_the_mount_match_a_native_directory() {
     let falloc = std::fs::read(repo.join("falloc")).unwrap();
     assert_eq!(falloc.len(), 1 << 20);
     assert!(falloc[..4096].iter().all(|b| *b == 0) && falloc[4096..4106] == [0u8; 10]);
+    // utimens to the nanosecond, written back although the content did not change.
+    let times = std::fs::metadata(repo.join("times")).unwrap();
+    assert_eq!(
+        (times.mtime(), times.mtime_nsec()),
+        (1_000_000_000, 2),
+        "mtime at the Delegator"
+    );
+    assert_eq!(times.mode() & 0o7777, 0o600);
     let long = "é".repeat(127) + "a";
     assert_eq!(std::fs::read(repo.join(&long)).unwrap(), b"long");
     assert!(!repo.join("open/gone").exists());
