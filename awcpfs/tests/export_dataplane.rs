@@ -198,6 +198,7 @@ fn write(path: &str, base: Option<&[u8]>, content: &[u8], mode: u32) -> Change {
         blocks: block_hashes(content),
         mtime_ns: 1_500_000_000,
         link_to: None,
+        xattrs: None,
     }
 }
 
@@ -764,6 +765,7 @@ async fn commit_round_trip_of_every_operation() {
                     path: "run.sh".into(),
                     mode: 0o700,
                     mtime_ns: None,
+                    xattrs: None,
                 },
                 Change::Unlink {
                     path: "outlink".into(),
@@ -1078,6 +1080,7 @@ async fn path_escapes_are_refused_and_nothing_outside_changes() {
             path: "out/secret".into(),
             mode: 0o777,
             mtime_ns: None,
+            xattrs: None,
         }],
         vec![Change::Symlink {
             path: "out/l".into(),
@@ -1120,6 +1123,7 @@ async fn path_escapes_are_refused_and_nothing_outside_changes() {
                     path: "secret-link".into(),
                     mode: 0o777,
                     mtime_ns: None,
+                    xattrs: None,
                 },
                 Change::Unlink {
                     path: "secret-link".into(),
@@ -1178,6 +1182,7 @@ async fn setuid_bits_are_never_set_by_a_commit() {
                     path: "run.sh".into(),
                     mode: 0o4755,
                     mtime_ns: None,
+                    xattrs: None,
                 },
             ],
         ))

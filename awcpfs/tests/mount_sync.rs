@@ -492,8 +492,29 @@ fn hard_links_and_xattrs_replay_and_write_back_as_links() {
     assert_eq!(rep, live);
     assert!(rep.iter().any(|(p, ..)| p == "src/deep/n2"));
 
-    // Write-back: names of one inode are hard links on the Delegator.
+    // Write-back: names of one inode are hard links on the Delegator, with the attributes.
+    f.fs.setxattr(f.ino("src"), o("user.dir"), b"d", 0).unwrap();
     f.sync();
+    let xattr = |p: &str, n: &str| {
+        let file = std::fs::File::open(f.root.join(p)).unwrap();
+        let mut buf = vec![0u8; 256];
+        rustix::fs::fgetxattr(&file, n, &mut buf[..])
+            .ok()
+            .map(|len| buf[..len].to_vec())
+    };
+    assert_eq!(xattr("ref", "user.k").as_deref(), Some(&b"v\0bytes"[..]));
+    assert_eq!(xattr("src", "user.dir").as_deref(), Some(&b"d"[..]));
+    // An attribute change alone: set one, remove another, content untouched.
+    let ino_before = std::fs::metadata(f.root.join("ref")).unwrap().ino();
+    f.fs.setxattr(n1, o("user.new"), b"1", 0).unwrap();
+    f.fs.removexattr(n1, o("user.k")).unwrap();
+    f.sync();
+    assert_eq!(xattr("ref", "user.new").as_deref(), Some(&b"1"[..]));
+    assert_eq!(xattr("ref", "user.k"), None);
+    assert_eq!(
+        std::fs::metadata(f.root.join("ref")).unwrap().ino(),
+        ino_before
+    );
     let meta = |p: &str| std::fs::metadata(f.root.join(p)).unwrap();
     assert_eq!(meta("ref").ino(), meta("src/deep/n2").ino());
     assert_eq!(meta("ref").nlink(), 2);

@@ -20,6 +20,8 @@
 //! little-endian `u32` length, then that many bytes. A length of [`MISSING_BLOCK`] with no
 //! bytes following means the export no longer has that block.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// Version of the data-plane API described here.
@@ -163,6 +165,10 @@ pub enum Change {
         /// with one name.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         link_to: Option<String>,
+        /// The file's `user.*` extended attributes on the Executor, name → value in hex; the
+        /// export gives them to the new file. Absent: the new file has none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        xattrs: Option<BTreeMap<String, String>>,
     },
     /// Remove a file or symlink.
     #[serde(rename_all = "camelCase")]
@@ -191,6 +197,11 @@ pub enum Change {
         /// unchanged but its time is not (`touch`, `utimensat`). Ignored for directories.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         mtime_ns: Option<i64>,
+        /// `user.*` extended attributes of the file or directory that changed on the
+        /// Executor: name → new value in hex, or `null` for one removed. Attributes not
+        /// listed are left as they are.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        xattrs: Option<BTreeMap<String, Option<String>>>,
     },
 }
 

@@ -128,6 +128,12 @@ async fn operations_on_the_mount_match_a_native_directory() {
         "mtime at the Delegator"
     );
     assert_eq!(times.mode() & 0o7777, 0o600);
+    // user.* attributes arrive: the binary one set, the removed one gone.
+    let xattrs = sh(
+        &repo,
+        "python3 -c \"import os; print(sorted(os.listxattr('xa')), os.getxattr('xa', 'user.bin') == bytes(range(256)))\"",
+    );
+    assert_eq!(xattrs, "['user.bin'] True\n");
     let long = "é".repeat(127) + "a";
     assert_eq!(std::fs::read(repo.join(&long)).unwrap(), b"long");
     assert!(!repo.join("open/gone").exists());

@@ -249,6 +249,64 @@ impl Overlay<'_> {
     }
 }
 
+/// Most extended attributes in one change.
+const MAX_XATTRS: usize = 1024;
+/// Longest extended attribute value (the kernel's `XATTR_SIZE_MAX`).
+const MAX_XATTR_VALUE: usize = 64 * 1024;
+
+/// Extended attributes from the Executor: `user.*` names of at most 255 bytes without NUL,
+/// hex values of at most 64 KiB, at most 1,024 per change.
+fn check_xattrs<'a>(
+    path: &str,
+    attrs: impl ExactSizeIterator<Item = (&'a String, Option<&'a String>)>,
+) -> Result<(), ApiError> {
+    let bad = |why: String| ApiError::bad_body("POST /commit", format!("{path:?}: {why}"));
+    if attrs.len() > MAX_XATTRS {
+        return Err(bad(format!("more than {MAX_XATTRS} extended attributes")));
+    }
+    for (name, value) in attrs {
+        if !name.starts_with("user.") || name.len() <= 5 || name.len() > 255 || name.contains('\0')
+        {
+            return Err(bad(format!(
+                "extended attribute {name:?}: only user.* names of at most 255 bytes"
+            )));
+        }
+        if let Some(v) = value
+            && (v.len() > 2 * MAX_XATTR_VALUE || hex::decode(v).is_err())
+        {
+            return Err(bad(format!(
+                "extended attribute {name:?}: the value must be hex of at most 64 KiB"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Set (or with `None`, remove) extended attributes on an open file or directory. Failures
+/// (a Delegator filesystem without user xattrs, a full inode) are logged, not fatal: the
+/// content matters more than its attributes.
+fn apply_xattrs<'a>(
+    fd: BorrowedFd<'_>,
+    path: &str,
+    attrs: impl Iterator<Item = (&'a String, Option<&'a String>)>,
+) {
+    for (name, value) in attrs {
+        let result = match value.map(hex::decode) {
+            Some(Ok(v)) => {
+                rustix::fs::fsetxattr(fd, name.as_str(), &v, rustix::fs::XattrFlags::empty())
+            }
+            Some(Err(_)) => continue, // refused in phase 1
+            None => match rustix::fs::fremovexattr(fd, name.as_str()) {
+                Err(rustix::io::Errno::NODATA) => Ok(()),
+                other => other,
+            },
+        };
+        if let Err(e) = result {
+            tracing::warn!(path, name = %name, error = %e, "cannot set an extended attribute on the export");
+        }
+    }
+}
+
 /// Phase 1: paths, hashes, and parent chains; returns the parsed writes by change index.
 fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePlan>, ApiError> {
     let mut overlay = Overlay {
@@ -262,6 +320,15 @@ fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePl
         validate_rel_path(path).map_err(|e| ApiError::InvalidPath {
             reason: e.to_string(),
         })?;
+        match change {
+            Change::Write {
+                xattrs: Some(x), ..
+            } => check_xattrs(path, x.iter().map(|(k, v)| (k, Some(v))))?,
+            Change::Chmod {
+                xattrs: Some(x), ..
+            } => check_xattrs(path, x.iter().map(|(k, v)| (k, v.as_ref())))?,
+            _ => {}
+        }
         if let Change::Write {
             link_to: Some(src), ..
         } = change
@@ -485,6 +552,12 @@ fn stage(
             }
             finish_temp(&file, s.mode, s.mtime_ns)
                 .map_err(|e| internal("finishing a staged file", e))?;
+            if let Change::Write {
+                xattrs: Some(x), ..
+            } = change
+            {
+                apply_xattrs(file.as_fd(), path, x.iter().map(|(k, v)| (k, Some(v))));
+            }
         }
         staged.insert(i, s);
     }
@@ -878,6 +951,25 @@ fn apply_other(
             NodeKind::Symlink => Ok(Outcome::Applied),
             NodeKind::File | NodeKind::Dir => {
                 chmod_at(dir, name, mode & MODE_MASK, path)?;
+                if let Change::Chmod {
+                    xattrs: Some(x), ..
+                } = change
+                {
+                    let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+                    let flags = if current == NodeKind::Dir {
+                        flags | OFlag::O_DIRECTORY
+                    } else {
+                        flags | OFlag::O_NONBLOCK
+                    };
+                    match openat(dir, name, flags, Mode::empty()) {
+                        Ok(fd) => {
+                            apply_xattrs(fd.as_fd(), path, x.iter().map(|(k, v)| (k, v.as_ref())))
+                        }
+                        Err(e) => {
+                            tracing::warn!(path, error = %e, "cannot open to set extended attributes")
+                        }
+                    }
+                }
                 if let (NodeKind::File, Some(ns)) = (current, mtime_ns) {
                     let mtime =
                         TimeSpec::new(ns.div_euclid(1_000_000_000), ns.rem_euclid(1_000_000_000));

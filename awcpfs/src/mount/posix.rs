@@ -4,9 +4,9 @@
 //! survive a crash of the process like any other namespace change. Only the `user.*`
 //! namespace is stored: `trusted.*` and `security.*` need privileges the Executor should
 //! not exercise on behalf of an agent, and `system.*` (POSIX ACLs) would change permission
-//! checks the kernel makes with `default_permissions`. They are local to the Executor: the
-//! wire has no field for them, so they are not written back to the Delegator (see
-//! `docs/SEMANTICS.md`).
+//! checks the kernel makes with `default_permissions`. The syncer writes them back with the
+//! file (`xattrs` of a write) or alone (`xattrs` of a chmod); the Delegator's own attributes
+//! are not in the manifest, so the mount does not show them (see `docs/SEMANTICS.md`).
 
 use std::ffi::OsStr;
 use std::os::fd::AsFd;

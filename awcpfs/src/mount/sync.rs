@@ -12,7 +12,7 @@
 //! A file still open for writing is left for a later round (live mode syncs on close and
 //! fsync) unless the round is a final flush.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,14 +35,54 @@ const COMMIT_CHANGES: usize = 50_000;
 /// Rough bytes of JSON per commit (the export reads at most 64 MiB).
 const COMMIT_BYTES: usize = 32 << 20;
 
+/// A node's `user.*` attributes with hex values, as the wire carries them.
+fn hex_xattrs(n: &super::inode::Node) -> BTreeMap<String, String> {
+    n.xattrs
+        .iter()
+        .map(|(k, v)| (k.clone(), hex::encode(v)))
+        .collect()
+}
+
+/// What changed between two attribute sets: new values, and `None` for removed names;
+/// `None` when nothing did.
+fn xattr_delta(
+    old: &BTreeMap<String, String>,
+    new: &BTreeMap<String, String>,
+) -> Option<BTreeMap<String, Option<String>>> {
+    let mut delta: BTreeMap<String, Option<String>> = new
+        .iter()
+        .filter(|(k, v)| old.get(*k) != Some(*v))
+        .map(|(k, v)| (k.clone(), Some(v.clone())))
+        .collect();
+    for k in old.keys().filter(|k| !new.contains_key(*k)) {
+        delta.insert(k.clone(), None);
+    }
+    (!delta.is_empty()).then_some(delta)
+}
+
 /// A generous estimate of a change's JSON size.
 fn approx_size(c: &Change) -> usize {
     // Strings may need escaping: up to 6 bytes per byte for control characters.
     let extra = match c {
         Change::Write {
-            blocks, link_to, ..
-        } => blocks.len() * 67 + 6 * link_to.as_ref().map_or(0, String::len),
+            blocks,
+            link_to,
+            xattrs,
+            ..
+        } => {
+            blocks.len() * 67
+                + 6 * link_to.as_ref().map_or(0, String::len)
+                + xattrs.as_ref().map_or(0, |x| {
+                    x.iter().map(|(k, v)| 6 * k.len() + v.len() + 8).sum()
+                })
+        }
         Change::Symlink { target, .. } => 6 * target.len(),
+        Change::Chmod {
+            xattrs: Some(x), ..
+        } => x
+            .iter()
+            .map(|(k, v)| 6 * k.len() + v.as_ref().map_or(4, String::len) + 8)
+            .sum(),
         _ => 0,
     };
     256 + 6 * c.path().len() + extra
@@ -91,6 +131,9 @@ pub enum Synced {
     Dir {
         /// Permission bits.
         mode: u32,
+        /// `user.*` extended attributes this mount set (name → hex value).
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        xattrs: BTreeMap<String, String>,
     },
     /// A file.
     File {
@@ -101,6 +144,9 @@ pub enum Synced {
         /// Modification time, when known (absent in `synced.log` lines of older versions).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         mtime_ns: Option<i64>,
+        /// `user.*` extended attributes this mount gave it (name → hex value).
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        xattrs: BTreeMap<String, String>,
     },
     /// A symlink.
     Symlink {
@@ -212,6 +258,7 @@ pub struct RoundReport {
 enum Cur {
     Dir {
         mode: u32,
+        xattrs: BTreeMap<String, String>,
     },
     Symlink {
         target: String,
@@ -222,6 +269,8 @@ enum Cur {
 }
 
 struct CurFile {
+    /// `user.*` attributes, values in hex.
+    xattrs: BTreeMap<String, String>,
     ino: Ino,
     /// Names of the inode (hard links).
     nlink: u32,
@@ -290,11 +339,13 @@ impl Syncer {
                 let s = match e.kind {
                     EntryKind::Dir => Synced::Dir {
                         mode: e.mode & 0o7777,
+                        xattrs: BTreeMap::new(),
                     },
                     EntryKind::File => Synced::File {
                         hash: e.hash.clone().unwrap_or_default(),
                         mode: e.mode & 0o7777,
                         mtime_ns: Some(e.mtime_ns),
+                        xattrs: BTreeMap::new(),
                     },
                     EntryKind::Symlink => Synced::Symlink {
                         target: e.target.clone().unwrap_or_default(),
@@ -319,6 +370,7 @@ impl Syncer {
             let cur = match n.kind {
                 Kind::Dir => Cur::Dir {
                     mode: u32::from(n.perm),
+                    xattrs: hex_xattrs(n),
                 },
                 Kind::Symlink => Cur::Symlink {
                     target: n.target.clone().unwrap_or_default(),
@@ -343,6 +395,7 @@ impl Syncer {
                         Data::None => (None, None, 0),
                     };
                     Cur::File(CurFile {
+                        xattrs: hex_xattrs(n),
                         ino: n.ino,
                         nlink: n.nlink(),
                         mode: u32::from(n.perm),
@@ -440,15 +493,22 @@ impl Syncer {
             let old = synced.get(path.as_str());
             match cur {
                 Cur::Skip => report.pending_open += 1,
-                Cur::Dir { mode } => match old {
-                    Some(Synced::Dir { mode: m }) if m == mode => {}
-                    Some(Synced::Dir { .. }) => {
+                Cur::Dir { mode, xattrs } => match old {
+                    Some(Synced::Dir { mode: m, xattrs: x }) if m == mode && x == xattrs => {}
+                    Some(Synced::Dir { xattrs: x, .. }) => {
                         chmods.push(Change::Chmod {
                             path: path.clone(),
                             mode: *mode,
                             mtime_ns: None,
+                            xattrs: xattr_delta(x, xattrs),
                         });
-                        next.push((path.clone(), Some(Synced::Dir { mode: *mode })));
+                        next.push((
+                            path.clone(),
+                            Some(Synced::Dir {
+                                mode: *mode,
+                                xattrs: xattrs.clone(),
+                            }),
+                        ));
                     }
                     _ => {
                         if let Some(old) = old {
@@ -458,7 +518,21 @@ impl Syncer {
                             path: path.clone(),
                             mode: *mode,
                         });
-                        next.push((path.clone(), Some(Synced::Dir { mode: *mode })));
+                        if let Some(delta) = xattr_delta(&BTreeMap::new(), xattrs) {
+                            chmods.push(Change::Chmod {
+                                path: path.clone(),
+                                mode: *mode,
+                                mtime_ns: None,
+                                xattrs: Some(delta),
+                            });
+                        }
+                        next.push((
+                            path.clone(),
+                            Some(Synced::Dir {
+                                mode: *mode,
+                                xattrs: xattrs.clone(),
+                            }),
+                        ));
                     }
                 },
                 Cur::Symlink { target } => match old {
@@ -507,14 +581,18 @@ impl Syncer {
                             hash: h,
                             mode: m,
                             mtime_ns: t,
+                            xattrs: x,
                         }) if *h == hash => {
-                            // Same content: send a new mode or a new mtime (`touch`) alone.
+                            // Same content: send a new mode, mtime (`touch`) or extended
+                            // attributes alone.
                             let new_time = t.is_some_and(|t| t != f.mtime_ns);
-                            if *m != f.mode || new_time {
+                            let delta = xattr_delta(x, &f.xattrs);
+                            if *m != f.mode || new_time || delta.is_some() {
                                 chmods.push(Change::Chmod {
                                     path: path.clone(),
                                     mode: f.mode,
                                     mtime_ns: new_time.then_some(f.mtime_ns),
+                                    xattrs: delta,
                                 });
                                 next.push((
                                     path.clone(),
@@ -522,6 +600,7 @@ impl Syncer {
                                         hash,
                                         mode: f.mode,
                                         mtime_ns: Some(f.mtime_ns),
+                                        xattrs: f.xattrs.clone(),
                                     }),
                                 ));
                             }
@@ -560,6 +639,7 @@ impl Syncer {
                         blocks: hd.blocks,
                         mtime_ns: f.mtime_ns,
                         link_to,
+                        xattrs: (!f.xattrs.is_empty()).then(|| f.xattrs.clone()),
                     });
                     next.push((
                         path.clone(),
@@ -567,6 +647,7 @@ impl Syncer {
                             hash,
                             mode: f.mode,
                             mtime_ns: Some(f.mtime_ns),
+                            xattrs: f.xattrs.clone(),
                         }),
                     ));
                 }
