@@ -18,8 +18,8 @@ use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
 use awcp_tests::{Harness, eventually, fuse_available, sample_repo};
 
-/// A tree as seen through `stat`/`read`: path → (kind, mode, content or target).
-fn snapshot(root: &Path) -> BTreeMap<String, (char, u32, Vec<u8>)> {
+/// A tree as seen through `stat`/`read`: path → (kind, mode, link count, content or target).
+fn snapshot(root: &Path) -> BTreeMap<String, (char, u32, u64, Vec<u8>)> {
     let mut out = BTreeMap::new();
     let mut stack = vec![PathBuf::new()];
     while let Some(rel) = stack.pop() {
@@ -39,12 +39,13 @@ fn snapshot(root: &Path) -> BTreeMap<String, (char, u32, Vec<u8>)> {
             let key = r.display().to_string();
             if m.file_type().is_symlink() {
                 let t = std::fs::read_link(&p).unwrap();
-                out.insert(key, ('l', 0, t.display().to_string().into_bytes()));
+                out.insert(key, ('l', 0, 1, t.display().to_string().into_bytes()));
             } else if m.is_dir() {
-                out.insert(key, ('d', mode, Vec::new()));
+                out.insert(key, ('d', mode, 0, Vec::new()));
                 stack.push(r);
             } else {
-                out.insert(key, ('f', mode, std::fs::read(&p).unwrap()));
+                let nlink = std::os::unix::fs::MetadataExt::nlink(&m);
+                out.insert(key, ('f', mode, nlink, std::fs::read(&p).unwrap()));
             }
         }
     }
@@ -63,7 +64,7 @@ impl Exerciser {
         let snap = snapshot(&self.roots[1]);
         let all: Vec<_> = snap
             .iter()
-            .filter(|(_, (k, _, _))| *k == kind)
+            .filter(|(_, (k, ..))| *k == kind)
             .map(|(p, _)| p.clone())
             .collect();
         if all.is_empty() {
@@ -200,6 +201,16 @@ impl Exerciser {
                     both(&|r| std::os::unix::fs::symlink(&t, r.join(&p))),
                 )
             }
+            92..=95 => {
+                let Some(p) = self.pick('f') else {
+                    return "noop".into();
+                };
+                let to = format!("{}{}", self.dir(), self.name());
+                (
+                    format!("link {p} -> {to}"),
+                    both(&|r| std::fs::hard_link(r.join(&p), r.join(&to))),
+                )
+            }
             _ => {
                 let Some(p) = self.pick('f') else {
                     return "noop".into();
@@ -331,9 +342,24 @@ async fn random_operations_match_a_native_directory_and_write_back_completely() 
         .filter(|k| !want.contains_key(*k))
         .take(10)
         .collect();
+    let show = |e: Option<&(char, u32, u64, Vec<u8>)>| {
+        e.map(|(k, m, n, c)| format!("{k} {m:o} nlink {n}, {} bytes", c.len()))
+    };
+    let details: Vec<String> = missing
+        .iter()
+        .take(3)
+        .map(|k| {
+            format!(
+                "{k}: Delegator {:?}, native {:?}",
+                show(got.get(*k)),
+                show(want.get(*k))
+            )
+        })
+        .collect();
     assert!(
         missing.is_empty() && extra.is_empty(),
-        "AWCP_SEED={seed}: the Delegator's directory differs after write-back: wrong or missing {missing:?}, extra {extra:?}"
+        "AWCP_SEED={seed}: the Delegator's directory differs after write-back: wrong or missing {missing:?}, extra {extra:?}\n{}",
+        details.join("\n")
     );
     h.stop().await;
 }

@@ -472,6 +472,12 @@ impl Syncer {
         // First path and hash of each hard-linked inode, in walk (= write) order: later
         // names with the same content are sent as links to it.
         let mut first_name: HashMap<Ino, (String, String)> = HashMap::new();
+        // A name of a hard-linked inode that the export already has with its current
+        // content (unchanged this round), and the writes of such inodes that found no
+        // earlier name to link to: they link to the unchanged name instead (a renamed
+        // first name, say), so the Delegator keeps one inode.
+        let mut unchanged_name: HashMap<Ino, (String, String)> = HashMap::new();
+        let mut unlinked_writes: Vec<(usize, Ino, String)> = Vec::new();
 
         let remove_old = |path: &str,
                           old: &Synced,
@@ -583,6 +589,11 @@ impl Syncer {
                             mtime_ns: t,
                             xattrs: x,
                         }) if *h == hash => {
+                            if f.nlink > 1 {
+                                unchanged_name
+                                    .entry(f.ino)
+                                    .or_insert_with(|| (path.clone(), hash.clone()));
+                            }
                             // Same content: send a new mode, mtime (`touch`) or extended
                             // attributes alone.
                             let new_time = t.is_some_and(|t| t != f.mtime_ns);
@@ -630,6 +641,9 @@ impl Syncer {
                         },
                     };
                     let hash = hd.hash.clone();
+                    if f.nlink > 1 && link_to.is_none() {
+                        unlinked_writes.push((writes.len(), f.ino, hash.clone()));
+                    }
                     writes.push(Change::Write {
                         path: path.clone(),
                         mode: f.mode,
@@ -651,6 +665,14 @@ impl Syncer {
                         }),
                     ));
                 }
+            }
+        }
+        for (i, ino, hash) in unlinked_writes {
+            if let Some((anchor, h)) = unchanged_name.get(&ino)
+                && *h == hash
+                && let Some(Change::Write { link_to, .. }) = writes.get_mut(i)
+            {
+                *link_to = Some(anchor.clone());
             }
         }
         // Paths that are gone. Paths skipped as open keep their synced state.
