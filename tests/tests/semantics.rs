@@ -35,6 +35,17 @@ fn results(text: &str) -> BTreeMap<String, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn operations_on_the_mount_match_a_native_directory() {
+    operations_match(false).await;
+}
+
+/// The same with FUSE passthrough for read-only opens, where the kernel reads the local
+/// copy itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn operations_match_a_native_directory_with_passthrough() {
+    operations_match(true).await;
+}
+
+async fn operations_match(passthrough: bool) {
     if !fuse_available() || !tools_available(&["python3"]) {
         return;
     }
@@ -43,7 +54,7 @@ async fn operations_on_the_mount_match_a_native_directory() {
         "python3 {s} . > ../../../mount.out 2>&1; python3 {s} ../../../native > ../../../native.out 2>&1",
         s = script.display()
     );
-    let h = Harness::start(&agent).await;
+    let h = Harness::start_with(&agent, |c| c.passthrough = passthrough).await;
     let repo = h.path("repo");
     std::fs::create_dir_all(&repo).unwrap();
     std::fs::write(repo.join("README"), "semantics\n").unwrap();
@@ -58,6 +69,12 @@ async fn operations_on_the_mount_match_a_native_directory() {
         "{mount_out}\n{:?}",
         h.client.get(&id).await.map(|v| v.record.error)
     );
+    let status: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(h.path(&format!("executor/state/{id}/status.json"))).unwrap(),
+    )
+    .unwrap();
+    let pt_opens = status["stats"]["passthroughOpens"].as_u64().unwrap();
+    assert_eq!(pt_opens > 0, passthrough, "passthrough opens: {pt_opens}");
     let (on_mount, native) = (results(&mount_out), results(&native_out));
     assert_eq!(
         native.get("done").map(String::as_str),
