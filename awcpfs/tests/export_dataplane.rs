@@ -765,6 +765,7 @@ async fn commit_round_trip_of_every_operation() {
                     path: "run.sh".into(),
                     mode: 0o700,
                     mtime_ns: None,
+                    base: None,
                     xattrs: None,
                 },
                 Change::Unlink {
@@ -1080,6 +1081,7 @@ async fn path_escapes_are_refused_and_nothing_outside_changes() {
             path: "out/secret".into(),
             mode: 0o777,
             mtime_ns: None,
+            base: None,
             xattrs: None,
         }],
         vec![Change::Symlink {
@@ -1123,6 +1125,7 @@ async fn path_escapes_are_refused_and_nothing_outside_changes() {
                     path: "secret-link".into(),
                     mode: 0o777,
                     mtime_ns: None,
+                    base: None,
                     xattrs: None,
                 },
                 Change::Unlink {
@@ -1182,6 +1185,7 @@ async fn setuid_bits_are_never_set_by_a_commit() {
                     path: "run.sh".into(),
                     mode: 0o4755,
                     mtime_ns: None,
+                    base: None,
                     xattrs: None,
                 },
             ],

@@ -567,4 +567,22 @@ fn a_new_mtime_alone_is_written_back() {
     assert_eq!(m.mode() & 0o7777, 0o600);
     assert_eq!(m.ino(), before_ino, "the content must not be rewritten");
     assert_eq!(f.sync().changes, 0, "nothing left to send");
+    // The Delegator changed a file meanwhile: an older time from the mount must not land on
+    // its new content.
+    std::fs::write(f.root.join("src/a.txt"), "changed on the Delegator\n").unwrap();
+    let delegator_mtime = std::fs::metadata(f.root.join("src/a.txt")).unwrap().mtime();
+    f.fs.setattr(
+        f.ino("src/a.txt"),
+        awcpfs::mount::content::SetAttr {
+            mtime: Some(std::time::UNIX_EPOCH + Duration::from_secs(1_000_000_000)),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let report = f.sync();
+    assert_eq!(report.conflicts.len(), 1, "{report:?}");
+    assert_eq!(
+        std::fs::metadata(f.root.join("src/a.txt")).unwrap().mtime(),
+        delegator_mtime
+    );
 }

@@ -197,6 +197,11 @@ pub enum Change {
         /// unchanged but its time is not (`touch`, `utimensat`). Ignored for directories.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         mtime_ns: Option<i64>,
+        /// With `mtime_ns`: the content hash the time belongs to. The export sets the time
+        /// only if the file still has this content, so an older time never lands on content
+        /// the Delegator changed meanwhile.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        base: Option<String>,
         /// `user.*` extended attributes of the file or directory that changed on the
         /// Executor: name → new value in hex, or `null` for one removed. Attributes not
         /// listed are left as they are.

@@ -945,7 +945,12 @@ fn apply_other(
                 other.describe()
             ))),
         },
-        Change::Chmod { mode, mtime_ns, .. } => match current {
+        Change::Chmod {
+            mode,
+            mtime_ns,
+            base,
+            ..
+        } => match current {
             NodeKind::Absent => Ok(conflict("it does not exist on the export")),
             // Linux ignores a symlink's own mode: nothing to do.
             NodeKind::Symlink => Ok(Outcome::Applied),
@@ -971,6 +976,15 @@ fn apply_other(
                     }
                 }
                 if let (NodeKind::File, Some(ns)) = (current, mtime_ns) {
+                    // The time belongs to the content it was set on: not on content the
+                    // Delegator changed meanwhile.
+                    if let Some(b) = base
+                        && hash_file_at(dir.as_fd(), name, path)?.to_hex().as_str() != b.as_str()
+                    {
+                        return Ok(conflict(
+                            "the file changed on the export since the base; mode set, mtime not",
+                        ));
+                    }
                     let mtime =
                         TimeSpec::new(ns.div_euclid(1_000_000_000), ns.rem_euclid(1_000_000_000));
                     utimensat(

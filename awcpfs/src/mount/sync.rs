@@ -506,6 +506,7 @@ impl Syncer {
                             path: path.clone(),
                             mode: *mode,
                             mtime_ns: None,
+                            base: None,
                             xattrs: xattr_delta(x, xattrs),
                         });
                         next.push((
@@ -529,6 +530,7 @@ impl Syncer {
                                 path: path.clone(),
                                 mode: *mode,
                                 mtime_ns: None,
+                                base: None,
                                 xattrs: Some(delta),
                             });
                         }
@@ -603,6 +605,7 @@ impl Syncer {
                                     path: path.clone(),
                                     mode: f.mode,
                                     mtime_ns: new_time.then_some(f.mtime_ns),
+                                    base: new_time.then(|| hash.clone()),
                                     xattrs: delta,
                                 });
                                 next.push((
