@@ -1428,3 +1428,65 @@ fn register_refuses_bad_configs() {
     assert!(not_dir.is_err());
     assert!(reg.get("e1").is_some() && reg.get("e2").is_none());
 }
+
+/// `linkTo` never links to anything outside the root: a path escape is refused as a whole,
+/// and a source that is a symlink (to a file outside with the same content) or sits behind
+/// one gets a copy, never a hard link to the outside file. A source inside with the content
+/// gets a real hard link.
+#[tokio::test]
+async fn link_to_never_reaches_outside_the_root() {
+    use std::os::unix::fs::MetadataExt;
+    let f = fixture(|root, outside| {
+        escape_tree(root, outside);
+        std::fs::write(outside.join("same"), b"pwned").unwrap();
+        symlink(outside.join("same"), root.join("same-link")).unwrap();
+        std::fs::write(root.join("inside"), b"pwned").unwrap();
+    })
+    .await;
+    f.upload(b"pwned").await;
+    let linked = |path: &str, to: &str| {
+        let mut c = write(path, None, b"pwned", 0o644);
+        if let Change::Write { link_to, .. } = &mut c {
+            *link_to = Some(to.into());
+        }
+        c
+    };
+    for bad in ["../x", "/etc/passwd", ".awcp-tmp-x"] {
+        let (status, err) = refusal(f.commit_raw(&cs("bad", vec![linked("new", bad)])).await).await;
+        assert_eq!(
+            (status, err.code.as_str()),
+            (StatusCode::BAD_REQUEST, "INVALID_PATH"),
+            "{bad}"
+        );
+    }
+    let r = f
+        .commit(&cs(
+            "links",
+            vec![
+                linked("via-symlink", "same-link"),
+                linked("via-dir", "out/same"),
+                linked("real", "inside"),
+            ],
+        ))
+        .await;
+    assert_eq!((r.applied, r.conflicts.len()), (3, 0), "{r:?}");
+    let outside_ino = std::fs::metadata(f.outside.path().join("same"))
+        .unwrap()
+        .ino();
+    for p in ["via-symlink", "via-dir"] {
+        let m = std::fs::symlink_metadata(f.path(p)).unwrap();
+        assert!(m.is_file(), "{p}");
+        assert_ne!(m.ino(), outside_ino, "{p} linked to a file outside");
+        assert_eq!(std::fs::read(f.path(p)).unwrap(), b"pwned");
+    }
+    assert_eq!(
+        std::fs::metadata(f.outside.path().join("same"))
+            .unwrap()
+            .nlink(),
+        1
+    );
+    assert_eq!(
+        std::fs::metadata(f.path("real")).unwrap().ino(),
+        std::fs::metadata(f.path("inside")).unwrap().ino()
+    );
+}
