@@ -1490,3 +1490,79 @@ async fn link_to_never_reaches_outside_the_root() {
         std::fs::metadata(f.path("inside")).unwrap().ino()
     );
 }
+
+/// Extended attributes from the Executor: `user.*` only, hex values, set on a written file
+/// and changed alone by a chmod; anything else is a 400 and nothing applies.
+#[tokio::test]
+async fn xattrs_are_user_only_and_applied_with_writes_and_chmods() {
+    let f = fixture(small_tree).await;
+    f.upload(b"pwned").await;
+    let with = |attrs: &[(&str, &str)]| {
+        let mut c = write("x", None, b"pwned", 0o644);
+        if let Change::Write { xattrs, .. } = &mut c {
+            *xattrs = Some(
+                attrs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            );
+        }
+        c
+    };
+    for bad in [
+        ("trusted.x", "00"),
+        ("security.selinux", "00"),
+        ("user.", "00"),
+        ("user.x", "not hex"),
+    ] {
+        let (status, err) = refusal(f.commit_raw(&cs("bad", vec![with(&[bad])])).await).await;
+        assert_eq!(
+            (status, err.code.as_str()),
+            (StatusCode::BAD_REQUEST, "BAD_REQUEST"),
+            "{bad:?}: {}",
+            err.message
+        );
+    }
+    assert!(!f.path("x").exists());
+    let get = |n: &str| {
+        let file = std::fs::File::open(f.path("x")).unwrap();
+        let mut buf = vec![0u8; 64];
+        rustix::fs::fgetxattr(&file, n, &mut buf[..])
+            .ok()
+            .map(|len| buf[..len].to_vec())
+    };
+    f.commit(&cs(
+        "ok",
+        vec![with(&[("user.a", "6869"), ("user.b", "00ff")])],
+    ))
+    .await;
+    assert_eq!(get("user.a").as_deref(), Some(&b"hi"[..]));
+    assert_eq!(get("user.b").as_deref(), Some(&[0u8, 255][..]));
+    let r = f
+        .commit(&cs(
+            "chmod",
+            vec![Change::Chmod {
+                path: "x".into(),
+                mode: 0o600,
+                mtime_ns: None,
+                base: None,
+                xattrs: Some(
+                    [
+                        ("user.a".to_string(), None),
+                        ("user.c".to_string(), Some("63".to_string())),
+                    ]
+                    .into_iter()
+                    .collect(),
+                ),
+            }],
+        ))
+        .await;
+    assert_eq!(r.applied, 1, "{r:?}");
+    assert_eq!(get("user.a"), None);
+    assert_eq!(
+        get("user.b").as_deref(),
+        Some(&[0u8, 255][..]),
+        "left alone"
+    );
+    assert_eq!(get("user.c").as_deref(), Some(&b"c"[..]));
+}
