@@ -1526,7 +1526,7 @@ async fn xattrs_are_user_only_and_applied_with_writes_and_chmods() {
     assert!(!f.path("x").exists());
     let get = |n: &str| {
         let file = std::fs::File::open(f.path("x")).unwrap();
-        let mut buf = vec![0u8; 64];
+        let mut buf = [0u8; 64];
         rustix::fs::fgetxattr(&file, n, &mut buf[..])
             .ok()
             .map(|len| buf[..len].to_vec())
