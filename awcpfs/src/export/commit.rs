@@ -815,7 +815,10 @@ fn move_into(
             .map_err(|e| fs_io("create temp", rel, e))?;
             let mut dst = File::from(fd);
             let copied = io::copy(&mut &src, &mut dst)
-                .and_then(|_| finish_temp(&dst, staged.mode, staged.mtime_ns));
+                .and_then(|_| finish_temp(&dst, staged.mode, staged.mtime_ns))
+                // This copy was made after the commit's syncfs of staged data: it must be
+                // on disk before the rename makes it the file.
+                .and_then(|_| dst.sync_all());
             if let Err(source) = copied {
                 let _ = unlinkat(dir, tmp.as_str(), UnlinkatFlags::NoRemoveDir);
                 return Err(FsError::Io {
