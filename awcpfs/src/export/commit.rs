@@ -10,9 +10,10 @@
 //!    `[symlink a → /etc, write a/passwd]` is refused as a whole, not half-applied.
 //! 2. **Stage** every write: assemble its content from blocks (staging store, or verified
 //!    reads from the tree) into `.awcp-tmp-<random>` in the target's directory (the root if
-//!    that directory does not exist yet), check its size and hash, set mode and mtime; then
-//!    one `syncfs` per filesystem written to makes all staged data durable. A missing block
-//!    fails the commit with 409 `MISSING_BLOCKS` listing all of them.
+//!    that directory does not exist yet), check its size and hash, set mode and mtime, and
+//!    make it durable (`fsync`, or for a commit of many files one `syncfs` per filesystem
+//!    afterwards: see `Durability`). A missing block fails the commit with 409
+//!    `MISSING_BLOCKS` listing all of them.
 //! 3. **Check and apply** each change in the given order. The precondition of each change is
 //!    checked right before it is applied, against the real tree, so earlier changes of the
 //!    same set count. A failed precondition is a [`Conflict`], not an error: the change is
@@ -42,7 +43,7 @@ use nix::sys::stat::{
     FchmodatFlags, Mode, UtimensatFlags, fchmod, fchmodat, futimens, mkdirat, utimensat,
 };
 use nix::sys::time::TimeSpec;
-use nix::unistd::{UnlinkatFlags, linkat, symlinkat, syncfs, unlinkat};
+use nix::unistd::{UnlinkatFlags, fsync, linkat, symlinkat, syncfs, unlinkat};
 
 use super::Export;
 use super::error::ApiError;
@@ -101,13 +102,13 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
     }
     let root = &export.blocks.root;
     let writes = validate(root, &cs.changes)?;
-    let mut durable = Durability::default();
+    let mut durable = Durability::new(writes.len());
     durable.note(root.fd());
     let mut staged = stage(export, &cs.changes, &writes, &mut durable)?;
-    // Every staged file's data reaches the disk before any rename makes it visible: one
-    // syncfs per filesystem instead of one fsync per file.
+    // Every staged file's data reaches the disk before any rename makes it visible (each
+    // file was fsynced as it was staged, or now with one syncfs per filesystem).
     durable
-        .sync()
+        .sync_staged()
         .map_err(|e| internal("syncing staged files", e))?;
 
     let tag = conflict_tag(&cs.commit_id);
@@ -154,7 +155,7 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
     // Should this fail, the client retries and the export answers what was applied as
     // no-ops.
     durable
-        .sync()
+        .sync_applied()
         .map_err(|e| internal("syncing the applied changes", e))?;
 
     let mut index = export.blocks.index.write();
@@ -552,6 +553,10 @@ fn stage(
             }
             finish_temp(&file, s.mode, s.mtime_ns)
                 .map_err(|e| internal("finishing a staged file", e))?;
+            if !durable.bulk {
+                file.sync_all()
+                    .map_err(|e| internal("finishing a staged file", e))?;
+            }
             if let Change::Write {
                 xattrs: Some(x), ..
             } = change
@@ -578,32 +583,66 @@ fn finish_temp(file: &File, mode: u32, mtime_ns: i64) -> io::Result<()> {
     Ok(())
 }
 
-/// The filesystems a commit writes to, synced with one `syncfs(2)` each: a commit of
-/// thousands of small files costs two syncs per filesystem, not two `fsync`s per file
-/// (about 27 ms each on a virtual disk, which made large write-backs miss their deadline).
-#[derive(Default)]
+/// Commits with more written files than this sync whole filesystems instead of each file.
+const BULK_WRITES: usize = 128;
+
+/// How a commit makes its changes durable. A commit of a few files fsyncs each file as it is
+/// staged and each directory it changed once at the end: its cost does not depend on what
+/// else is written to the Delegator's filesystem. A bulk commit (over [`BULK_WRITES`] files)
+/// uses one `syncfs(2)` per filesystem after staging and one after applying: two `fsync`s
+/// per file cost about 27 ms each on a virtual disk, which made write-backs of thousands of
+/// files miss their deadline.
 struct Durability {
-    /// One open directory per filesystem (by `st_dev`).
-    filesystems: HashMap<u64, OwnedFd>,
+    /// Whether this commit syncs whole filesystems.
+    bulk: bool,
+    /// Each directory changed, by (`st_dev`, `st_ino`).
+    dirs: HashMap<(u64, u64), OwnedFd>,
 }
 
 impl Durability {
-    /// Remember the filesystem of `dir`.
+    fn new(writes: usize) -> Durability {
+        Durability {
+            bulk: writes > BULK_WRITES,
+            dirs: HashMap::new(),
+        }
+    }
+
+    /// Remember a directory the commit changes.
     fn note(&mut self, dir: BorrowedFd<'_>) {
         let Ok(st) = nix::sys::stat::fstat(dir) else {
             return;
         };
-        if let std::collections::hash_map::Entry::Vacant(v) = self.filesystems.entry(st.st_dev)
+        if let std::collections::hash_map::Entry::Vacant(v) =
+            self.dirs.entry((st.st_dev, st.st_ino))
             && let Ok(fd) = dir.try_clone_to_owned()
         {
             v.insert(fd);
         }
     }
 
-    /// Sync every filesystem noted.
-    fn sync(&self) -> io::Result<()> {
-        for fd in self.filesystems.values() {
-            syncfs(fd).map_err(io::Error::from)?;
+    /// After staging: the staged data is on disk.
+    fn sync_staged(&self) -> io::Result<()> {
+        if self.bulk { self.syncfs() } else { Ok(()) }
+    }
+
+    /// After applying: the directories (renames, links, removals) are on disk.
+    fn sync_applied(&self) -> io::Result<()> {
+        if self.bulk {
+            return self.syncfs();
+        }
+        for fd in self.dirs.values() {
+            fsync(fd).map_err(io::Error::from)?;
+        }
+        Ok(())
+    }
+
+    /// One `syncfs` per filesystem noted.
+    fn syncfs(&self) -> io::Result<()> {
+        let mut done = std::collections::HashSet::new();
+        for ((dev, _), fd) in &self.dirs {
+            if done.insert(*dev) {
+                syncfs(fd).map_err(io::Error::from)?;
+            }
         }
         Ok(())
     }
