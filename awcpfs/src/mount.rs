@@ -4,6 +4,7 @@
 //! * [`session`] — a mount's life: start, lease watching, fencing, final flush, unmount;
 //! * `fuse` — the thin `fuser::Filesystem` adapter (no logic);
 //! * [`fs`] and [`content`] — the operations as plain functions over the inode table;
+//! * [`posix`] — extended attributes and `fallocate`;
 //! * [`inode`], [`journal`], [`sync`] — the namespace, its durable log, and write-back;
 //! * [`remote`] — the data-plane client behind a trait.
 
@@ -15,6 +16,7 @@ mod fuse;
 pub use fuse::KernelOptions;
 pub mod inode;
 pub mod journal;
+pub mod posix;
 pub mod recover;
 pub mod remote;
 pub mod session;

@@ -197,6 +197,8 @@ fn write(path: &str, base: Option<&[u8]>, content: &[u8], mode: u32) -> Change {
         size: content.len() as u64,
         blocks: block_hashes(content),
         mtime_ns: 1_500_000_000,
+        link_to: None,
+        xattrs: None,
     }
 }
 
@@ -780,6 +782,9 @@ async fn commit_round_trip_of_every_operation() {
                 Change::Chmod {
                     path: "run.sh".into(),
                     mode: 0o700,
+                    mtime_ns: None,
+                    base: None,
+                    xattrs: None,
                 },
                 Change::Unlink {
                     path: "outlink".into(),
@@ -1093,6 +1098,9 @@ async fn path_escapes_are_refused_and_nothing_outside_changes() {
         vec![Change::Chmod {
             path: "out/secret".into(),
             mode: 0o777,
+            mtime_ns: None,
+            base: None,
+            xattrs: None,
         }],
         vec![Change::Symlink {
             path: "out/l".into(),
@@ -1134,6 +1142,9 @@ async fn path_escapes_are_refused_and_nothing_outside_changes() {
                 Change::Chmod {
                     path: "secret-link".into(),
                     mode: 0o777,
+                    mtime_ns: None,
+                    base: None,
+                    xattrs: None,
                 },
                 Change::Unlink {
                     path: "secret-link".into(),
@@ -1191,6 +1202,9 @@ async fn setuid_bits_are_never_set_by_a_commit() {
                 Change::Chmod {
                     path: "run.sh".into(),
                     mode: 0o4755,
+                    mtime_ns: None,
+                    base: None,
+                    xattrs: None,
                 },
             ],
         ))
@@ -1431,4 +1445,142 @@ fn register_refuses_bad_configs() {
     );
     assert!(not_dir.is_err());
     assert!(reg.get("e1").is_some() && reg.get("e2").is_none());
+}
+
+/// `linkTo` never links to anything outside the root: a path escape is refused as a whole,
+/// and a source that is a symlink (to a file outside with the same content) or sits behind
+/// one gets a copy, never a hard link to the outside file. A source inside with the content
+/// gets a real hard link.
+#[tokio::test]
+async fn link_to_never_reaches_outside_the_root() {
+    use std::os::unix::fs::MetadataExt;
+    let f = fixture(|root, outside| {
+        escape_tree(root, outside);
+        std::fs::write(outside.join("same"), b"pwned").unwrap();
+        symlink(outside.join("same"), root.join("same-link")).unwrap();
+        std::fs::write(root.join("inside"), b"pwned").unwrap();
+    })
+    .await;
+    f.upload(b"pwned").await;
+    let linked = |path: &str, to: &str| {
+        let mut c = write(path, None, b"pwned", 0o644);
+        if let Change::Write { link_to, .. } = &mut c {
+            *link_to = Some(to.into());
+        }
+        c
+    };
+    for bad in ["../x", "/etc/passwd", ".awcp-tmp-x"] {
+        let (status, err) = refusal(f.commit_raw(&cs("bad", vec![linked("new", bad)])).await).await;
+        assert_eq!(
+            (status, err.code.as_str()),
+            (StatusCode::BAD_REQUEST, "INVALID_PATH"),
+            "{bad}"
+        );
+    }
+    let r = f
+        .commit(&cs(
+            "links",
+            vec![
+                linked("via-symlink", "same-link"),
+                linked("via-dir", "out/same"),
+                linked("real", "inside"),
+            ],
+        ))
+        .await;
+    assert_eq!((r.applied, r.conflicts.len()), (3, 0), "{r:?}");
+    let outside_ino = std::fs::metadata(f.outside.path().join("same"))
+        .unwrap()
+        .ino();
+    for p in ["via-symlink", "via-dir"] {
+        let m = std::fs::symlink_metadata(f.path(p)).unwrap();
+        assert!(m.is_file(), "{p}");
+        assert_ne!(m.ino(), outside_ino, "{p} linked to a file outside");
+        assert_eq!(std::fs::read(f.path(p)).unwrap(), b"pwned");
+    }
+    assert_eq!(
+        std::fs::metadata(f.outside.path().join("same"))
+            .unwrap()
+            .nlink(),
+        1
+    );
+    assert_eq!(
+        std::fs::metadata(f.path("real")).unwrap().ino(),
+        std::fs::metadata(f.path("inside")).unwrap().ino()
+    );
+}
+
+/// Extended attributes from the Executor: `user.*` only, hex values, set on a written file
+/// and changed alone by a chmod; anything else is a 400 and nothing applies.
+#[tokio::test]
+async fn xattrs_are_user_only_and_applied_with_writes_and_chmods() {
+    let f = fixture(small_tree).await;
+    f.upload(b"pwned").await;
+    let with = |attrs: &[(&str, &str)]| {
+        let mut c = write("x", None, b"pwned", 0o644);
+        if let Change::Write { xattrs, .. } = &mut c {
+            *xattrs = Some(
+                attrs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            );
+        }
+        c
+    };
+    for bad in [
+        ("trusted.x", "00"),
+        ("security.selinux", "00"),
+        ("user.", "00"),
+        ("user.x", "not hex"),
+    ] {
+        let (status, err) = refusal(f.commit_raw(&cs("bad", vec![with(&[bad])])).await).await;
+        assert_eq!(
+            (status, err.code.as_str()),
+            (StatusCode::BAD_REQUEST, "BAD_REQUEST"),
+            "{bad:?}: {}",
+            err.message
+        );
+    }
+    assert!(!f.path("x").exists());
+    let get = |n: &str| {
+        let file = std::fs::File::open(f.path("x")).unwrap();
+        let mut buf = [0u8; 64];
+        rustix::fs::fgetxattr(&file, n, &mut buf[..])
+            .ok()
+            .map(|len| buf[..len].to_vec())
+    };
+    f.commit(&cs(
+        "ok",
+        vec![with(&[("user.a", "6869"), ("user.b", "00ff")])],
+    ))
+    .await;
+    assert_eq!(get("user.a").as_deref(), Some(&b"hi"[..]));
+    assert_eq!(get("user.b").as_deref(), Some(&[0u8, 255][..]));
+    let r = f
+        .commit(&cs(
+            "chmod",
+            vec![Change::Chmod {
+                path: "x".into(),
+                mode: 0o600,
+                mtime_ns: None,
+                base: None,
+                xattrs: Some(
+                    [
+                        ("user.a".to_string(), None),
+                        ("user.c".to_string(), Some("63".to_string())),
+                    ]
+                    .into_iter()
+                    .collect(),
+                ),
+            }],
+        ))
+        .await;
+    assert_eq!(r.applied, 1, "{r:?}");
+    assert_eq!(get("user.a"), None);
+    assert_eq!(
+        get("user.b").as_deref(),
+        Some(&[0u8, 255][..]),
+        "left alone"
+    );
+    assert_eq!(get("user.c").as_deref(), Some(&b"c"[..]));
 }

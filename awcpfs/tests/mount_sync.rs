@@ -424,3 +424,165 @@ fn background_hydration_fetches_small_files_in_one_request() {
     assert_eq!(f.fs.prefetch(&inos).unwrap(), 0, "nothing left to fetch");
     assert_eq!(f.sync().changes, 0, "hydration is not a change");
 }
+
+/// Hard links (made on the mount and found on the Delegator), renames of one of their
+/// names, an exchange and extended attributes: the journal replays to the same names, link
+/// counts and attributes, and the write-back makes hard links on the Delegator.
+#[test]
+fn hard_links_and_xattrs_replay_and_write_back_as_links() {
+    use std::os::unix::fs::MetadataExt;
+    let f = fixture(false, |root| {
+        tree(root);
+        std::fs::hard_link(root.join("src/a.txt"), root.join("a-link")).unwrap();
+    });
+    // The Delegator's hard link is one inode on the mount.
+    assert_eq!(f.ino("a-link"), f.ino("src/a.txt"));
+    assert_eq!(f.fs.getattr(f.ino("a-link")).unwrap().nlink, 2);
+    // New links to a new file and to a file not fetched yet.
+    f.write_new("", "n1", b"shared\n");
+    let n1 = f.ino("n1");
+    f.fs.link(n1, ROOT_INO, o("n2")).unwrap();
+    f.fs.link(n1, f.ino("src"), o("n3")).unwrap();
+    f.fs.link(f.ino("big"), ROOT_INO, o("big2")).unwrap();
+    assert!(matches!(
+        f.fs.link(f.ino("src"), ROOT_INO, o("dirlink")),
+        Err(FsError::NoHardLinks)
+    ));
+    assert!(matches!(
+        f.fs.link(n1, ROOT_INO, o("ref")),
+        Err(FsError::Exists)
+    ));
+    assert_eq!(f.fs.getattr(n1).unwrap().nlink, 3);
+    // Remove the first name, rename another, exchange one with a plain file.
+    f.fs.unlink(ROOT_INO, o("n1")).unwrap();
+    f.fs.rename(ROOT_INO, o("n2"), f.ino("src/deep"), o("n2"), false, false)
+        .unwrap();
+    f.fs.rename(f.ino("src"), o("n3"), ROOT_INO, o("ref"), false, true)
+        .unwrap();
+    assert_eq!(f.fs.getattr(n1).unwrap().nlink, 2);
+    assert_eq!(f.read("ref"), b"shared\n");
+    assert_eq!(f.read("src/n3"), b"old-ref\n");
+    f.fs.setxattr(n1, o("user.k"), b"v\0bytes", 0).unwrap();
+    f.fs.setxattr(n1, o("user.gone"), b"x", 0).unwrap();
+    f.fs.removexattr(n1, o("user.gone")).unwrap();
+    assert!(matches!(
+        f.fs.setxattr(n1, o("trusted.k"), b"v", 0),
+        Err(FsError::Unsupported { .. })
+    ));
+
+    // Replay gives the same names, inodes, link counts and attributes.
+    let records = Journal::read_all(&f.state.join("journal.log")).unwrap();
+    let mut replayed = InodeTable::from_manifest(&f.manifest, 0, 0).unwrap();
+    journal::replay(&mut replayed, &records, 0, 0);
+    let mut rep = Vec::new();
+    replayed.walk(|p, n| rep.push((p.to_string(), n.ino, n.nlink(), n.xattrs.clone())));
+    let live: Vec<_> = rep
+        .iter()
+        .map(|(p, ..)| {
+            let ino = f.ino(p);
+            let mut xattrs = std::collections::BTreeMap::new();
+            if let Ok(awcpfs::mount::posix::XattrReply::Data(v)) =
+                f.fs.getxattr(ino, o("user.k"), 1024)
+            {
+                xattrs.insert("user.k".to_string(), v);
+            }
+            (p.clone(), ino, f.fs.getattr(ino).unwrap().nlink, xattrs)
+        })
+        .collect();
+    assert_eq!(rep, live);
+    assert!(rep.iter().any(|(p, ..)| p == "src/deep/n2"));
+
+    // Write-back: names of one inode are hard links on the Delegator, with the attributes.
+    f.fs.setxattr(f.ino("src"), o("user.dir"), b"d", 0).unwrap();
+    f.sync();
+    let xattr = |p: &str, n: &str| {
+        let file = std::fs::File::open(f.root.join(p)).unwrap();
+        let mut buf = vec![0u8; 256];
+        rustix::fs::fgetxattr(&file, n, &mut buf[..])
+            .ok()
+            .map(|len| buf[..len].to_vec())
+    };
+    assert_eq!(xattr("ref", "user.k").as_deref(), Some(&b"v\0bytes"[..]));
+    assert_eq!(xattr("src", "user.dir").as_deref(), Some(&b"d"[..]));
+    // An attribute change alone: set one, remove another, content untouched.
+    let ino_before = std::fs::metadata(f.root.join("ref")).unwrap().ino();
+    f.fs.setxattr(n1, o("user.new"), b"1", 0).unwrap();
+    f.fs.removexattr(n1, o("user.k")).unwrap();
+    f.sync();
+    assert_eq!(xattr("ref", "user.new").as_deref(), Some(&b"1"[..]));
+    assert_eq!(xattr("ref", "user.k"), None);
+    assert_eq!(
+        std::fs::metadata(f.root.join("ref")).unwrap().ino(),
+        ino_before
+    );
+    let meta = |p: &str| std::fs::metadata(f.root.join(p)).unwrap();
+    assert_eq!(meta("ref").ino(), meta("src/deep/n2").ino());
+    assert_eq!(meta("ref").nlink(), 2);
+    assert_eq!(std::fs::read(f.root.join("ref")).unwrap(), b"shared\n");
+    assert_eq!(std::fs::read(f.root.join("src/n3")).unwrap(), b"old-ref\n");
+    assert_eq!(meta("big").ino(), meta("big2").ino());
+    assert!(!f.root.join("n1").exists());
+    // A write through one name re-links the other after the rewrite.
+    let fh =
+        f.fs.open(
+            f.ino("ref"),
+            OpenMode {
+                write: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    f.fs.write(fh, 0, b"SHARED").unwrap();
+    f.fs.flush(fh).unwrap();
+    f.fs.release(fh).unwrap();
+    f.sync();
+    assert_eq!(meta("ref").ino(), meta("src/deep/n2").ino());
+    assert_eq!(
+        std::fs::read(f.root.join("src/deep/n2")).unwrap(),
+        b"SHARED\n"
+    );
+}
+
+/// `touch -d` of a file whose content did not change reaches the Delegator as a new mtime
+/// (to the nanosecond), with a chmod in the same change, and never rewrites the content.
+#[test]
+fn a_new_mtime_alone_is_written_back() {
+    use std::os::unix::fs::MetadataExt;
+    let f = fixture(false, tree);
+    let before_ino = std::fs::metadata(f.root.join("big")).unwrap().ino();
+    let t = std::time::UNIX_EPOCH + Duration::new(1_300_000_000, 123_456_789);
+    f.fs.setattr(
+        f.ino("big"),
+        awcpfs::mount::content::SetAttr {
+            mtime: Some(t),
+            mode: Some(0o600),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let report = f.sync();
+    assert_eq!((report.changes, report.files_written), (1, 0), "{report:?}");
+    let m = std::fs::metadata(f.root.join("big")).unwrap();
+    assert_eq!((m.mtime(), m.mtime_nsec()), (1_300_000_000, 123_456_789));
+    assert_eq!(m.mode() & 0o7777, 0o600);
+    assert_eq!(m.ino(), before_ino, "the content must not be rewritten");
+    assert_eq!(f.sync().changes, 0, "nothing left to send");
+    // The Delegator changed a file meanwhile: an older time from the mount must not land on
+    // its new content.
+    std::fs::write(f.root.join("src/a.txt"), "changed on the Delegator\n").unwrap();
+    let delegator_mtime = std::fs::metadata(f.root.join("src/a.txt")).unwrap().mtime();
+    f.fs.setattr(
+        f.ino("src/a.txt"),
+        awcpfs::mount::content::SetAttr {
+            mtime: Some(std::time::UNIX_EPOCH + Duration::from_secs(1_000_000_000)),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let report = f.sync();
+    assert_eq!(report.conflicts.len(), 1, "{report:?}");
+    assert_eq!(
+        std::fs::metadata(f.root.join("src/a.txt")).unwrap().mtime(),
+        delegator_mtime
+    );
+}

@@ -20,6 +20,8 @@
 //! little-endian `u32` length, then that many bytes. A length of [`MISSING_BLOCK`] with no
 //! bytes following means the export no longer has that block.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// Version of the data-plane API described here.
@@ -156,6 +158,17 @@ pub enum Change {
         blocks: Vec<String>,
         /// Modification time to set, nanoseconds since the Unix epoch.
         mtime_ns: i64,
+        /// On the Executor this file is a hard link of the file at `linkTo` (a path written
+        /// earlier in the same change set, or already at the export with this content). If
+        /// that file has `hash` when this change is applied, the export makes `path` a hard
+        /// link to it; otherwise it writes the content as for any write. Absent for files
+        /// with one name.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        link_to: Option<String>,
+        /// The file's `user.*` extended attributes on the Executor, name → value in hex; the
+        /// export gives them to the new file. Absent: the new file has none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        xattrs: Option<BTreeMap<String, String>>,
     },
     /// Remove a file or symlink.
     #[serde(rename_all = "camelCase")]
@@ -180,6 +193,20 @@ pub enum Change {
         path: String,
         /// New permission bits.
         mode: u32,
+        /// Also set a file's modification time (nanoseconds since the epoch): the content is
+        /// unchanged but its time is not (`touch`, `utimensat`). Ignored for directories.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mtime_ns: Option<i64>,
+        /// With `mtime_ns`: the content hash the time belongs to. The export sets the time
+        /// only if the file still has this content, so an older time never lands on content
+        /// the Delegator changed meanwhile.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        base: Option<String>,
+        /// `user.*` extended attributes of the file or directory that changed on the
+        /// Executor: name → new value in hex, or `null` for one removed. Attributes not
+        /// listed are left as they are.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        xattrs: Option<BTreeMap<String, Option<String>>>,
     },
 }
 

@@ -238,3 +238,30 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
     }
     f()
 }
+
+/// Whether every command in `tools` is installed (each checked with `sh -c 'command -v …'`).
+/// Under `CI=true` a missing tool fails the test (`.ci/run` installs them all); elsewhere the
+/// test is skipped, loudly.
+pub fn tools_available(tools: &[&str]) -> bool {
+    let missing: Vec<&str> = tools
+        .iter()
+        .copied()
+        .filter(|t| {
+            !Command::new("sh")
+                .arg("-c")
+                .arg(format!("command -v {t}"))
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .collect();
+    if missing.is_empty() {
+        return true;
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!(
+            "toolchain tests must run in CI, but these tools are missing: {missing:?} (.ci/run installs them)"
+        );
+    }
+    eprintln!("\n!!!!!!!! SKIPPING a toolchain test: missing {missing:?} !!!!!!!!\n");
+    false
+}

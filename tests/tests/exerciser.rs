@@ -18,8 +18,39 @@ use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
 use awcp_tests::{Harness, eventually, fuse_available, sample_repo};
 
-/// A tree as seen through `stat`/`read`: path → (kind, mode, content or target).
-fn snapshot(root: &Path) -> BTreeMap<String, (char, u32, Vec<u8>)> {
+/// The `user.*` extended attributes of a file or directory, as `name=hex` joined by `;`.
+fn user_xattrs(p: &Path) -> String {
+    let mut names = vec![0u8; 4096];
+    let Ok(len) = rustix::fs::listxattr(p, &mut names[..]) else {
+        return String::new();
+    };
+    let mut out: Vec<String> = names[..len]
+        .split(|b| *b == 0)
+        .filter(|n| n.starts_with(b"user."))
+        .map(|n| {
+            let name = String::from_utf8_lossy(n).into_owned();
+            let mut value = vec![0u8; 1024];
+            let v = rustix::fs::getxattr(p, name.as_str(), &mut value[..])
+                .map(|l| {
+                    value[..l]
+                        .iter()
+                        .map(|b| format!("{b:02x}"))
+                        .collect::<String>()
+                })
+                .unwrap_or_else(|e| format!("error {e}"));
+            format!("{name}={v}")
+        })
+        .collect();
+    out.sort();
+    out.join(";")
+}
+
+/// One entry as seen through `stat`/`read`: kind, mode, link count, content or target,
+/// `user.*` extended attributes.
+type Entry = (char, u32, u64, Vec<u8>, String);
+
+/// A tree: path → entry.
+fn snapshot(root: &Path) -> BTreeMap<String, Entry> {
     let mut out = BTreeMap::new();
     let mut stack = vec![PathBuf::new()];
     while let Some(rel) = stack.pop() {
@@ -39,12 +70,23 @@ fn snapshot(root: &Path) -> BTreeMap<String, (char, u32, Vec<u8>)> {
             let key = r.display().to_string();
             if m.file_type().is_symlink() {
                 let t = std::fs::read_link(&p).unwrap();
-                out.insert(key, ('l', 0, t.display().to_string().into_bytes()));
+                out.insert(
+                    key,
+                    (
+                        'l',
+                        0,
+                        1,
+                        t.display().to_string().into_bytes(),
+                        String::new(),
+                    ),
+                );
             } else if m.is_dir() {
-                out.insert(key, ('d', mode, Vec::new()));
+                out.insert(key, ('d', mode, 0, Vec::new(), user_xattrs(&p)));
                 stack.push(r);
             } else {
-                out.insert(key, ('f', mode, std::fs::read(&p).unwrap()));
+                let nlink = std::os::unix::fs::MetadataExt::nlink(&m);
+                let content = std::fs::read(&p).unwrap();
+                out.insert(key, ('f', mode, nlink, content, user_xattrs(&p)));
             }
         }
     }
@@ -63,7 +105,7 @@ impl Exerciser {
         let snap = snapshot(&self.roots[1]);
         let all: Vec<_> = snap
             .iter()
-            .filter(|(_, (k, _, _))| *k == kind)
+            .filter(|(_, (k, ..))| *k == kind)
             .map(|(p, _)| p.clone())
             .collect();
         if all.is_empty() {
@@ -200,6 +242,47 @@ impl Exerciser {
                     both(&|r| std::os::unix::fs::symlink(&t, r.join(&p))),
                 )
             }
+            92..=94 => {
+                let Some(p) = self.pick('f') else {
+                    return "noop".into();
+                };
+                let to = format!("{}{}", self.dir(), self.name());
+                (
+                    format!("link {p} -> {to}"),
+                    both(&|r| std::fs::hard_link(r.join(&p), r.join(&to))),
+                )
+            }
+            95..=96 => {
+                let kind = if self.rng.random_bool(0.8) { 'f' } else { 'd' };
+                let Some(p) = self.pick(kind) else {
+                    return "noop".into();
+                };
+                let name = format!("user.{}", ['a', 'b', 'c'][self.rng.random_range(0..3)]);
+                if self.rng.random_bool(0.7) {
+                    let len = self.rng.random_range(0..20);
+                    let value: Vec<u8> = (0..len).map(|_| self.rng.random::<u8>()).collect();
+                    (
+                        format!("setxattr {p} {name} ({len} bytes)"),
+                        both(&|r| {
+                            rustix::fs::setxattr(
+                                r.join(&p),
+                                name.as_str(),
+                                &value,
+                                rustix::fs::XattrFlags::empty(),
+                            )
+                            .map_err(std::io::Error::from)
+                        }),
+                    )
+                } else {
+                    (
+                        format!("removexattr {p} {name}"),
+                        both(&|r| {
+                            rustix::fs::removexattr(r.join(&p), name.as_str())
+                                .map_err(std::io::Error::from)
+                        }),
+                    )
+                }
+            }
             _ => {
                 let Some(p) = self.pick('f') else {
                     return "noop".into();
@@ -331,9 +414,24 @@ async fn random_operations_match_a_native_directory_and_write_back_completely() 
         .filter(|k| !want.contains_key(*k))
         .take(10)
         .collect();
+    let show = |e: Option<&Entry>| {
+        e.map(|(k, m, n, c, x)| format!("{k} {m:o} nlink {n}, {} bytes, xattrs {x:?}", c.len()))
+    };
+    let details: Vec<String> = missing
+        .iter()
+        .take(3)
+        .map(|k| {
+            format!(
+                "{k}: Delegator {:?}, native {:?}",
+                show(got.get(*k)),
+                show(want.get(*k))
+            )
+        })
+        .collect();
     assert!(
         missing.is_empty() && extra.is_empty(),
-        "AWCP_SEED={seed}: the Delegator's directory differs after write-back: wrong or missing {missing:?}, extra {extra:?}"
+        "AWCP_SEED={seed}: the Delegator's directory differs after write-back: wrong or missing {missing:?}, extra {extra:?}\n{}",
+        details.join("\n")
     );
     h.stop().await;
 }

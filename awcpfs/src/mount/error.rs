@@ -71,9 +71,21 @@ pub enum FsError {
     /// Unknown file handle.
     #[error("bad file handle")]
     BadHandle,
-    /// Hard links are not supported.
-    #[error("hard links are not supported on awcpfs")]
+    /// A hard link to a directory.
+    #[error("hard links to directories are not allowed")]
     NoHardLinks,
+    /// No such extended attribute.
+    #[error("no such extended attribute")]
+    NoAttr,
+    /// The caller's buffer is too small for the attribute value or list.
+    #[error("the buffer is too small")]
+    AttrRange,
+    /// An extended attribute value or the inode's attributes together are too large.
+    #[error("extended attribute too large: {what}")]
+    AttrTooBig {
+        /// Which limit.
+        what: &'static str,
+    },
     /// Not implemented by awcpfs.
     #[error("{op} is not supported on awcpfs")]
     Unsupported {
@@ -128,9 +140,14 @@ impl FsError {
             FsError::Fenced { .. } => Errno::EACCES,
             FsError::BadHandle => Errno::EBADF,
             FsError::Unsupported { .. } => Errno::EOPNOTSUPP,
-            // link(2): "EPERM The filesystem containing oldpath and newpath does not
-            // support the creation of hard links."
+            // link(2): "EPERM oldpath is a directory."
             FsError::NoHardLinks => Errno::EPERM,
+            // getxattr(2)/removexattr(2): "ENODATA The named attribute does not exist".
+            FsError::NoAttr => Errno::ENODATA,
+            FsError::AttrRange => Errno::ERANGE,
+            // setxattr(2): "E2BIG The size of name or value exceeds a filesystem-specific
+            // limit"; ENOSPC would suggest the disk is full.
+            FsError::AttrTooBig { .. } => Errno::E2BIG,
             FsError::Remote { source } => match source {
                 // The lease ended between the fence check and the fetch.
                 RemoteError::Unauthorized { .. } | RemoteError::LeaseEnded { .. } => Errno::EACCES,

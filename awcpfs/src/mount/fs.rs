@@ -207,10 +207,18 @@ impl AwcpFs {
             Kind::Dir => 4096,
             _ => node.size,
         };
+        // Local content: the upper file's own allocation, so sparse files look sparse (`du`,
+        // `cp --sparse=auto` and `tar -S` rely on it). Remote content: what it will take.
+        let blocks = match (node.kind, &node.data) {
+            (Kind::File, Data::Local { .. }) => std::fs::metadata(self.upper_path(node.ino))
+                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m))
+                .unwrap_or_else(|_| size.div_ceil(512)),
+            _ => size.div_ceil(512),
+        };
         FileAttr {
             ino: INodeNo(node.ino),
             size,
-            blocks: size.div_ceil(512),
+            blocks,
             atime: node.atime,
             mtime: node.mtime,
             ctime: node.ctime,
@@ -270,6 +278,8 @@ impl AwcpFs {
             open_handles: 0,
             open_writers: 0,
             unlinked: false,
+            links: Vec::new(),
+            xattrs: Default::default(),
         }
     }
 
@@ -393,6 +403,19 @@ impl AwcpFs {
         }
     }
 
+    /// Remove the dentry `parent`/`name`; drop its node if that was its last name.
+    pub(super) fn remove_dentry(&self, table: &mut InodeTable, parent: Ino, name: &str) {
+        match table.unlink_dentry(parent, name) {
+            Some((ino, true)) => self.drop_node(table, ino),
+            Some((ino, false)) => {
+                if let Some(n) = table.get_mut(ino) {
+                    n.ctime = SystemTime::now();
+                }
+            }
+            None => {}
+        }
+    }
+
     fn touch_dir(table: &mut InodeTable, ino: Ino) {
         if let Some(d) = table.get_mut(ino) {
             let now = SystemTime::now();
@@ -411,9 +434,8 @@ impl AwcpFs {
         if table.get(ino).map(|n| n.kind) == Some(Kind::Dir) {
             return Err(FsError::IsDir);
         }
-        table.remove_child(parent, name);
         Self::touch_dir(&mut table, parent);
-        self.drop_node(&mut table, ino);
+        self.remove_dentry(&mut table, parent, name);
         self.journal(&[Record::Unlink {
             parent,
             name: name.to_string(),
@@ -484,13 +506,22 @@ impl AwcpFs {
             }
             table.insert_child(parent, name.to_string(), dst);
             table.insert_child(newparent, newname.to_string(), src);
+            table.move_dentry(dst, (newparent, newname), (parent, name));
+            table.move_dentry(src, (parent, name), (newparent, newname));
             let now = SystemTime::now();
-            for (ino, p, n) in [(dst, parent, name), (src, newparent, newname)] {
+            for (ino, from, to) in [
+                (src, (parent, name), (newparent, newname)),
+                (dst, (newparent, newname), (parent, name)),
+            ] {
                 if let Some(node) = table.get_mut(ino) {
-                    node.parent = p;
-                    node.name = n.to_string();
                     node.ctime = now;
-                    records.push(Record::node(node));
+                    records.push(Record::Move {
+                        ino,
+                        from_parent: from.0,
+                        from_name: from.1.to_string(),
+                        parent: to.0,
+                        name: to.1.to_string(),
+                    });
                 }
             }
         } else {
@@ -507,20 +538,24 @@ impl AwcpFs {
                     }
                     _ => {}
                 }
-                table.remove_child(newparent, newname);
-                self.drop_node(&mut table, dst);
+                self.remove_dentry(&mut table, newparent, newname);
+                records.push(Record::Unlink {
+                    parent: newparent,
+                    name: newname.to_string(),
+                });
             }
             table.remove_child(parent, name);
-            records.push(Record::Unlink {
-                parent,
-                name: name.to_string(),
-            });
             table.insert_child(newparent, newname.to_string(), src);
+            table.move_dentry(src, (parent, name), (newparent, newname));
             if let Some(node) = table.get_mut(src) {
-                node.parent = newparent;
-                node.name = newname.to_string();
                 node.ctime = SystemTime::now();
-                records.push(Record::node(node));
+                records.push(Record::Move {
+                    ino: src,
+                    from_parent: parent,
+                    from_name: name.to_string(),
+                    parent: newparent,
+                    name: newname.to_string(),
+                });
             }
         }
         Self::touch_dir(&mut table, parent);
@@ -530,11 +565,35 @@ impl AwcpFs {
         Ok(())
     }
 
-    /// `link`: hard links are not supported (yet); `EPERM` as POSIX prescribes for a
-    /// filesystem that does not support them.
-    pub fn link(&self) -> Result<FileAttr, FsError> {
+    /// `link`: another name for a file or symlink (`EPERM` for a directory, as POSIX says).
+    pub fn link(&self, ino: Ino, newparent: Ino, newname: &OsStr) -> Result<FileAttr, FsError> {
         self.check_write()?;
-        Err(FsError::NoHardLinks)
+        let newname = name_str(newname)?;
+        let mut table = self.table.lock();
+        Self::dir_mut(&mut table, newparent)?;
+        let node = table.get(ino).ok_or(FsError::NotFound)?;
+        if node.kind == Kind::Dir {
+            return Err(FsError::NoHardLinks);
+        }
+        if node.unlinked {
+            // linkat(2) of an unlinked file (AT_EMPTY_PATH of an O_TMPFILE excepted): ENOENT.
+            return Err(FsError::NotFound);
+        }
+        if table.child(newparent, newname).is_some() {
+            return Err(FsError::Exists);
+        }
+        table.add_link(ino, newparent, newname);
+        Self::touch_dir(&mut table, newparent);
+        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+        node.ctime = SystemTime::now();
+        let attr = self.attr_of(node);
+        self.journal(&[Record::Link {
+            ino,
+            parent: newparent,
+            name: newname.to_string(),
+        }])?;
+        self.sync.request();
+        Ok(attr)
     }
 
     /// `opendir`: snapshot the listing so offsets stay stable while it is read.

@@ -21,6 +21,7 @@ use fuser::{
 
 use super::content::{OpenMode, SetAttr};
 use super::fs::{AwcpFs, kind_to_fuse};
+use super::posix::XattrReply;
 
 /// How the adapter talks to the kernel.
 #[derive(Debug, Clone, Copy)]
@@ -357,6 +358,18 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("rename");
+        // RENAME_WHITEOUT (overlayfs on top of the mount) would need a whiteout device node,
+        // which awcpfs cannot store: refuse it as filesystems without support do, instead of
+        // renaming without the whiteout.
+        if flags.contains(RenameFlags::RENAME_WHITEOUT) {
+            return reply_err!(
+                reply,
+                "rename",
+                super::error::FsError::Invalid {
+                    what: "RENAME_WHITEOUT is not supported",
+                }
+            );
+        }
         let noreplace = flags.contains(RenameFlags::RENAME_NOREPLACE);
         let exchange = flags.contains(RenameFlags::RENAME_EXCHANGE);
         match self
@@ -371,13 +384,13 @@ impl Filesystem for FuseAdapter {
     fn link(
         &self,
         _req: &Request,
-        _ino: INodeNo,
-        _newparent: INodeNo,
-        _newname: &OsStr,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("link");
-        match self.fs.link() {
+        match self.fs.link(ino.0, newparent.0, newname) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "link", e),
         }
@@ -646,20 +659,20 @@ impl Filesystem for FuseAdapter {
         }
     }
 
-    fn getxattr(&self, _req: &Request, ino: INodeNo, _name: &OsStr, _size: u32, reply: ReplyXattr) {
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         self.fs.stats().count_op("getxattr");
-        // No extended attributes are stored: "no such attribute" for every name.
-        match self.fs.access(ino.0, false) {
-            Ok(()) => reply.error(Errno::ENODATA),
+        match self.fs.getxattr(ino.0, name, size) {
+            Ok(XattrReply::Size(n)) => reply.size(n),
+            Ok(XattrReply::Data(d)) => reply.data(&d),
             Err(e) => reply_err!(reply, "getxattr", e),
         }
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         self.fs.stats().count_op("listxattr");
-        match self.fs.access(ino.0, false) {
-            Ok(()) if size == 0 => reply.size(0),
-            Ok(()) => reply.data(&[]),
+        match self.fs.listxattr(ino.0, size) {
+            Ok(XattrReply::Size(n)) => reply.size(n),
+            Ok(XattrReply::Data(d)) => reply.data(&d),
             Err(e) => reply_err!(reply, "listxattr", e),
         }
     }
@@ -668,26 +681,41 @@ impl Filesystem for FuseAdapter {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _name: &OsStr,
-        _value: &[u8],
-        _flags: i32,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
         _position: u32,
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("setxattr");
-        // Extended attributes are not stored (yet): say so, as filesystems without xattr
-        // support do; `cp -a` and editors then carry on without them.
-        match self.fs.access(ino.0, true) {
-            Ok(()) => reply.error(Errno::EOPNOTSUPP),
+        match self.fs.setxattr(ino.0, name, value, flags) {
+            Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "setxattr", e),
         }
     }
 
-    fn removexattr(&self, _req: &Request, ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.fs.stats().count_op("removexattr");
-        match self.fs.access(ino.0, true) {
-            Ok(()) => reply.error(Errno::ENODATA),
+        match self.fs.removexattr(ino.0, name) {
+            Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "removexattr", e),
+        }
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.stats().count_op("fallocate");
+        match self.fs.fallocate(fh.0, offset, length, mode) {
+            Ok(_) => reply.ok(),
+            Err(e) => reply_err!(reply, "fallocate", e),
         }
     }
 }

@@ -7,8 +7,9 @@
 //! take numbers above all of them.
 //!
 //! Invariants:
-//! * every node reachable from the root has `parent`/`name` naming its one dentry
-//!   (hard links are not supported, so a node has at most one dentry);
+//! * every node reachable from the root has `parent`/`name` naming its first dentry; a
+//!   file or symlink with hard links lists its other dentries in `links`, and each of them
+//!   names it in its parent's `children` (directories never have more than one dentry);
 //! * a node that was unlinked while open stays in the table with `unlinked = true` and no
 //!   dentry until its last handle is released;
 //! * a file's content is either remote (hash and block list from the manifest) or local (an
@@ -108,16 +109,21 @@ pub struct Node {
     pub open_writers: u32,
     /// Removed from the namespace, kept while open.
     pub unlinked: bool,
+    /// Dentries beyond `parent`/`name` (hard links), as (directory, name).
+    pub links: Vec<(Ino, String)>,
+    /// Extended attributes (`user.*` only), name → value.
+    pub xattrs: BTreeMap<String, Vec<u8>>,
 }
 
 impl Node {
     /// Link count as `stat` reports it: 2 plus one per subdirectory for a directory (tools
-    /// like `find` rely on it to skip leaf directories), 1 for a linked file, 0 once unlinked.
+    /// like `find` rely on it to skip leaf directories), the number of names for a file or
+    /// symlink, 0 once unlinked.
     pub fn nlink(&self) -> u32 {
         match self.kind {
             Kind::Dir => 2u32.saturating_add(self.subdirs),
             _ if self.unlinked => 0,
-            _ => 1,
+            _ => 1u32.saturating_add(u32::try_from(self.links.len()).unwrap_or(u32::MAX)),
         }
     }
 }
@@ -135,6 +141,19 @@ pub fn time_to_ns(t: SystemTime) -> i64 {
         Ok(d) => i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
         Err(_) => 0,
     }
+}
+
+/// Whether two manifest entries with one inode number are names of one file (hard links):
+/// both files, same content and mode.
+fn is_hard_link(
+    a: &awcp_protocol::dataplane::ManifestEntry,
+    b: &awcp_protocol::dataplane::ManifestEntry,
+) -> bool {
+    a.kind == EntryKind::File
+        && b.kind == EntryKind::File
+        && a.hash == b.hash
+        && a.size == b.size
+        && a.mode == b.mode
 }
 
 /// Error building the table from a manifest.
@@ -197,16 +216,29 @@ impl InodeTable {
                 open_handles: 0,
                 open_writers: 0,
                 unlinked: false,
+                links: Vec::new(),
+                xattrs: BTreeMap::new(),
             },
         );
         // Inode numbers: the Delegator's own where they are usable (unique, not the root's
         // 1), so git's index, which records st_ino, still matches on the mount; otherwise,
         // and for new files, numbers above every one of them.
-        let mut seen_ino = std::collections::HashSet::with_capacity(m.entries.len());
-        let use_source = m
-            .entries
-            .iter()
-            .all(|e| e.ino.is_some_and(|i| i > ROOT_INO && seen_ino.insert(i)));
+        // Entries sharing an inode number are hard links on the Delegator when both are
+        // files with the same content: they become one node with several names here.
+        let mut seen_ino: HashMap<Ino, &awcp_protocol::dataplane::ManifestEntry> =
+            HashMap::with_capacity(m.entries.len());
+        let use_source = m.entries.iter().all(|e| {
+            e.ino.is_some_and(|i| {
+                i > ROOT_INO
+                    && match seen_ino.get(&i) {
+                        None => {
+                            seen_ino.insert(i, e);
+                            true
+                        }
+                        Some(first) => is_hard_link(first, e),
+                    }
+            })
+        });
         if use_source {
             let max = m
                 .entries
@@ -237,6 +269,20 @@ impl InodeTable {
             }
             let kind = Kind::from(e.kind);
             let t = time_from_ns(e.mtime_ns);
+            if use_source
+                && let Some(ino) = e.ino
+                && let Some(first) = table.nodes.get_mut(&ino)
+            {
+                // Another name of a file already listed (checked by `is_hard_link`).
+                first.links.push((parent, name.to_string()));
+                if by_path.insert(&e.path, ino).is_some() {
+                    return Err(ManifestError::Duplicate {
+                        path: e.path.clone(),
+                    });
+                }
+                table.insert_child(parent, name.to_string(), ino);
+                continue;
+            }
             let ino = match e.ino {
                 Some(ino) if use_source => ino,
                 _ => table.alloc_ino(),
@@ -269,6 +315,8 @@ impl InodeTable {
                 open_handles: 0,
                 open_writers: 0,
                 unlinked: false,
+                links: Vec::new(),
+                xattrs: BTreeMap::new(),
             };
             if by_path.insert(&e.path, ino).is_some() {
                 return Err(ManifestError::Duplicate {
@@ -354,6 +402,58 @@ impl InodeTable {
             p.subdirs = p.subdirs.saturating_sub(1);
         }
         Some(ino)
+    }
+
+    /// Remove the dentry `parent`/`name` of a file or symlink, keeping the node's other
+    /// names: when the first name goes, the next one takes its place. Returns the inode and
+    /// whether that was its last name (the caller then drops it or keeps it while open).
+    pub fn unlink_dentry(&mut self, parent: Ino, name: &str) -> Option<(Ino, bool)> {
+        let ino = self.remove_child(parent, name)?;
+        let node = self.nodes.get_mut(&ino)?;
+        if node.parent == parent && node.name == name {
+            if node.links.is_empty() {
+                return Some((ino, true));
+            }
+            let (p, n) = node.links.remove(0);
+            node.parent = p;
+            node.name = n;
+        } else {
+            node.links.retain(|(p, n)| !(*p == parent && n == name));
+        }
+        Some((ino, false))
+    }
+
+    /// Add the dentry `parent`/`name` for an existing file or symlink (a hard link),
+    /// replacing whatever that name named (the caller has dealt with it).
+    pub fn add_link(&mut self, ino: Ino, parent: Ino, name: &str) {
+        let Some(node) = self.nodes.get_mut(&ino) else {
+            return;
+        };
+        if (node.parent == parent && node.name == name)
+            || node.links.iter().any(|(p, n)| *p == parent && n == name)
+        {
+            return;
+        }
+        node.links.push((parent, name.to_string()));
+        self.insert_child(parent, name.to_string(), ino);
+    }
+
+    /// Rename one dentry of `ino` in the node's own records (`children` maps are the
+    /// caller's): the first name or one of its hard links.
+    pub fn move_dentry(&mut self, ino: Ino, from: (Ino, &str), to: (Ino, &str)) {
+        let Some(node) = self.nodes.get_mut(&ino) else {
+            return;
+        };
+        if node.parent == from.0 && node.name == from.1 {
+            node.parent = to.0;
+            node.name = to.1.to_string();
+        } else if let Some(l) = node
+            .links
+            .iter_mut()
+            .find(|(p, n)| *p == from.0 && n == from.1)
+        {
+            *l = (to.0, to.1.to_string());
+        }
     }
 
     /// Number of nodes, the root included.

@@ -23,7 +23,7 @@ use super::inode::{Data, Ino, InodeTable, Kind, Node, time_from_ns};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "r", rename_all = "lowercase")]
 pub enum Record {
-    /// A node's state and its one dentry (`parent`/`name`).
+    /// A node's state and its first dentry (`parent`/`name`).
     Node {
         /// Inode number.
         ino: Ino,
@@ -51,6 +51,39 @@ pub enum Record {
         parent: Ino,
         /// Name.
         name: String,
+    },
+    /// A new name for an existing file or symlink (a hard link).
+    Link {
+        /// The inode.
+        ino: Ino,
+        /// Directory of the new name.
+        parent: Ino,
+        /// The new name.
+        name: String,
+    },
+    /// One name of `ino` moved (rename); whatever the new name named was removed by an
+    /// `Unlink` record before.
+    Move {
+        /// The inode.
+        ino: Ino,
+        /// Old directory.
+        from_parent: Ino,
+        /// Old name.
+        from_name: String,
+        /// New directory.
+        parent: Ino,
+        /// New name.
+        name: String,
+    },
+    /// An extended attribute set (`value` hex) or removed (`None`).
+    Xattr {
+        /// The inode.
+        ino: Ino,
+        /// Attribute name.
+        name: String,
+        /// New value, hex-encoded; `None` when removed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        value: Option<String>,
     },
 }
 
@@ -158,13 +191,8 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
                     table.remove_child(old.0, &old.1);
                 }
                 // Whatever the name named before is replaced.
-                if let Some(prev) = table.child(*parent, name)
-                    && prev != *ino
-                {
-                    table.remove_child(*parent, name);
-                    if let Some(n) = table.get_mut(prev) {
-                        n.unlinked = true;
-                    }
+                if table.child(*parent, name).is_some_and(|prev| prev != *ino) {
+                    unlink_replayed(table, *parent, name);
                 }
                 let data = if *local {
                     Data::Local {
@@ -178,9 +206,16 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
                         .map(|n| n.data.clone())
                         .unwrap_or(Data::None)
                 };
-                let (children, subdirs) = table
+                let (children, subdirs, links, xattrs) = table
                     .get(*ino)
-                    .map(|n| (n.children.clone(), n.subdirs))
+                    .map(|n| {
+                        (
+                            n.children.clone(),
+                            n.subdirs,
+                            n.links.clone(),
+                            n.xattrs.clone(),
+                        )
+                    })
                     .unwrap_or_default();
                 table.insert(Node {
                     ino: *ino,
@@ -201,17 +236,66 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
                     open_handles: 0,
                     open_writers: 0,
                     unlinked: false,
+                    links,
+                    xattrs,
                 });
                 table.insert_child(*parent, name.clone(), *ino);
             }
-            Record::Unlink { parent, name } => {
-                if let Some(ino) = table.remove_child(*parent, name)
-                    && let Some(n) = table.get_mut(ino)
-                {
-                    n.unlinked = true;
+            Record::Unlink { parent, name } => unlink_replayed(table, *parent, name),
+            Record::Link { ino, parent, name } => {
+                if table.get(*ino).is_none() {
+                    continue;
+                }
+                if table.child(*parent, name).is_some_and(|prev| prev != *ino) {
+                    unlink_replayed(table, *parent, name);
+                }
+                table.add_link(*ino, *parent, name);
+            }
+            Record::Move {
+                ino,
+                from_parent,
+                from_name,
+                parent,
+                name,
+            } => {
+                if table.get(*ino).is_none() {
+                    continue;
+                }
+                if table.child(*from_parent, from_name) == Some(*ino) {
+                    table.remove_child(*from_parent, from_name);
+                }
+                table.insert_child(*parent, name.clone(), *ino);
+                table.move_dentry(*ino, (*from_parent, from_name), (*parent, name));
+                if let Some(n) = table.get_mut(*ino) {
+                    n.unlinked = false;
+                }
+            }
+            Record::Xattr { ino, name, value } => {
+                if let Some(n) = table.get_mut(*ino) {
+                    match value.as_deref().map(hex::decode) {
+                        Some(Ok(v)) => {
+                            n.xattrs.insert(name.clone(), v);
+                        }
+                        Some(Err(_)) => {
+                            tracing::warn!(ino, "journal: ignoring an unreadable xattr value");
+                        }
+                        None => {
+                            n.xattrs.remove(name);
+                        }
+                    }
                 }
             }
         }
+    }
+}
+
+/// Replay the removal of one name: the node loses that name, and is marked unlinked when
+/// it was its last.
+fn unlink_replayed(table: &mut InodeTable, parent: Ino, name: &str) {
+    if let Some((ino, true)) = table.unlink_dentry(parent, name)
+        && let Some(n) = table.get_mut(ino)
+    {
+        n.unlinked = true;
     }
 }
 

@@ -10,7 +10,7 @@ use serde::Serialize;
 use awcp_protocol::dataplane::Conflict;
 
 /// The FUSE operations counted, by name (the `fuser::Filesystem` method names).
-pub const OPS: [&str; 29] = [
+pub const OPS: [&str; 30] = [
     "lookup",
     "getattr",
     "setattr",
@@ -40,6 +40,7 @@ pub const OPS: [&str; 29] = [
     "listxattr",
     "setxattr",
     "removexattr",
+    "fallocate",
 ];
 
 /// Live counters, updated lock-free on the hot path.

@@ -12,7 +12,7 @@
 //! A file still open for writing is left for a later round (live mode syncs on close and
 //! fsync) unless the round is a final flush.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use awcp_protocol::dataplane::{Change, ChangeSet, Conflict, EntryKind, Manifest};
+use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, EntryKind, Manifest};
 
 use super::fs::AwcpFs;
 use super::inode::{Data, Ino, Kind, time_to_ns};
@@ -28,6 +28,65 @@ use super::remote::{RemoteError, parse_hash};
 
 /// Upload at most this many bytes per request.
 const UPLOAD_BATCH_BYTES: usize = 32 << 20;
+/// Hashes per `/missing` question (the export answers at most 65,536).
+const MISSING_BATCH: usize = 32_768;
+/// Changes per commit (the export takes at most 100,000).
+const COMMIT_CHANGES: usize = 50_000;
+/// Rough bytes of JSON per commit (the export reads at most 64 MiB).
+const COMMIT_BYTES: usize = 32 << 20;
+
+/// A node's `user.*` attributes with hex values, as the wire carries them.
+fn hex_xattrs(n: &super::inode::Node) -> BTreeMap<String, String> {
+    n.xattrs
+        .iter()
+        .map(|(k, v)| (k.clone(), hex::encode(v)))
+        .collect()
+}
+
+/// What changed between two attribute sets: new values, and `None` for removed names;
+/// `None` when nothing did.
+fn xattr_delta(
+    old: &BTreeMap<String, String>,
+    new: &BTreeMap<String, String>,
+) -> Option<BTreeMap<String, Option<String>>> {
+    let mut delta: BTreeMap<String, Option<String>> = new
+        .iter()
+        .filter(|(k, v)| old.get(*k) != Some(*v))
+        .map(|(k, v)| (k.clone(), Some(v.clone())))
+        .collect();
+    for k in old.keys().filter(|k| !new.contains_key(*k)) {
+        delta.insert(k.clone(), None);
+    }
+    (!delta.is_empty()).then_some(delta)
+}
+
+/// A generous estimate of a change's JSON size.
+fn approx_size(c: &Change) -> usize {
+    // Strings may need escaping: up to 6 bytes per byte for control characters.
+    let extra = match c {
+        Change::Write {
+            blocks,
+            link_to,
+            xattrs,
+            ..
+        } => {
+            blocks.len() * 67
+                + 6 * link_to.as_ref().map_or(0, String::len)
+                + xattrs.as_ref().map_or(0, |x| {
+                    x.iter().map(|(k, v)| 6 * k.len() + v.len() + 8).sum()
+                })
+        }
+        Change::Symlink { target, .. } => 6 * target.len(),
+        Change::Chmod {
+            xattrs: Some(x), ..
+        } => x
+            .iter()
+            .map(|(k, v)| 6 * k.len() + v.as_ref().map_or(4, String::len) + 8)
+            .sum(),
+        _ => 0,
+    };
+    256 + 6 * c.path().len() + extra
+}
 
 /// Wakes the syncer.
 #[derive(Debug, Default)]
@@ -72,6 +131,9 @@ pub enum Synced {
     Dir {
         /// Permission bits.
         mode: u32,
+        /// `user.*` extended attributes this mount set (name → hex value).
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        xattrs: BTreeMap<String, String>,
     },
     /// A file.
     File {
@@ -79,6 +141,12 @@ pub enum Synced {
         hash: String,
         /// Permission bits.
         mode: u32,
+        /// Modification time, when known (absent in `synced.log` lines of older versions).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mtime_ns: Option<i64>,
+        /// `user.*` extended attributes this mount gave it (name → hex value).
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        xattrs: BTreeMap<String, String>,
     },
     /// A symlink.
     Symlink {
@@ -190,6 +258,7 @@ pub struct RoundReport {
 enum Cur {
     Dir {
         mode: u32,
+        xattrs: BTreeMap<String, String>,
     },
     Symlink {
         target: String,
@@ -200,7 +269,11 @@ enum Cur {
 }
 
 struct CurFile {
+    /// `user.*` attributes, values in hex.
+    xattrs: BTreeMap<String, String>,
     ino: Ino,
+    /// Names of the inode (hard links).
+    nlink: u32,
     mode: u32,
     mtime_ns: i64,
     size: u64,
@@ -266,10 +339,13 @@ impl Syncer {
                 let s = match e.kind {
                     EntryKind::Dir => Synced::Dir {
                         mode: e.mode & 0o7777,
+                        xattrs: BTreeMap::new(),
                     },
                     EntryKind::File => Synced::File {
                         hash: e.hash.clone().unwrap_or_default(),
                         mode: e.mode & 0o7777,
+                        mtime_ns: Some(e.mtime_ns),
+                        xattrs: BTreeMap::new(),
                     },
                     EntryKind::Symlink => Synced::Symlink {
                         target: e.target.clone().unwrap_or_default(),
@@ -294,6 +370,7 @@ impl Syncer {
             let cur = match n.kind {
                 Kind::Dir => Cur::Dir {
                     mode: u32::from(n.perm),
+                    xattrs: hex_xattrs(n),
                 },
                 Kind::Symlink => Cur::Symlink {
                     target: n.target.clone().unwrap_or_default(),
@@ -318,7 +395,9 @@ impl Syncer {
                         Data::None => (None, None, 0),
                     };
                     Cur::File(CurFile {
+                        xattrs: hex_xattrs(n),
                         ino: n.ino,
+                        nlink: n.nlink(),
                         mode: u32::from(n.perm),
                         mtime_ns: time_to_ns(n.mtime),
                         size: n.size,
@@ -390,6 +469,15 @@ impl Syncer {
         // (ino, generation, hash) of dirty files to mark clean after the commit.
         let mut cleaned: Vec<(Ino, u64, String)> = Vec::new();
         let mut next: Vec<(String, Option<Synced>)> = Vec::new();
+        // First path and hash of each hard-linked inode, in walk (= write) order: later
+        // names with the same content are sent as links to it.
+        let mut first_name: HashMap<Ino, (String, String)> = HashMap::new();
+        // A name of a hard-linked inode that the export already has with its current
+        // content (unchanged this round), and the writes of such inodes that found no
+        // earlier name to link to: they link to the unchanged name instead (a renamed
+        // first name, say), so the Delegator keeps one inode.
+        let mut unchanged_name: HashMap<Ino, (String, String)> = HashMap::new();
+        let mut unlinked_writes: Vec<(usize, Ino, String)> = Vec::new();
 
         let remove_old = |path: &str,
                           old: &Synced,
@@ -411,14 +499,23 @@ impl Syncer {
             let old = synced.get(path.as_str());
             match cur {
                 Cur::Skip => report.pending_open += 1,
-                Cur::Dir { mode } => match old {
-                    Some(Synced::Dir { mode: m }) if m == mode => {}
-                    Some(Synced::Dir { .. }) => {
+                Cur::Dir { mode, xattrs } => match old {
+                    Some(Synced::Dir { mode: m, xattrs: x }) if m == mode && x == xattrs => {}
+                    Some(Synced::Dir { xattrs: x, .. }) => {
                         chmods.push(Change::Chmod {
                             path: path.clone(),
                             mode: *mode,
+                            mtime_ns: None,
+                            base: None,
+                            xattrs: xattr_delta(x, xattrs),
                         });
-                        next.push((path.clone(), Some(Synced::Dir { mode: *mode })));
+                        next.push((
+                            path.clone(),
+                            Some(Synced::Dir {
+                                mode: *mode,
+                                xattrs: xattrs.clone(),
+                            }),
+                        ));
                     }
                     _ => {
                         if let Some(old) = old {
@@ -428,7 +525,22 @@ impl Syncer {
                             path: path.clone(),
                             mode: *mode,
                         });
-                        next.push((path.clone(), Some(Synced::Dir { mode: *mode })));
+                        if let Some(delta) = xattr_delta(&BTreeMap::new(), xattrs) {
+                            chmods.push(Change::Chmod {
+                                path: path.clone(),
+                                mode: *mode,
+                                mtime_ns: None,
+                                base: None,
+                                xattrs: Some(delta),
+                            });
+                        }
+                        next.push((
+                            path.clone(),
+                            Some(Synced::Dir {
+                                mode: *mode,
+                                xattrs: xattrs.clone(),
+                            }),
+                        ));
                     }
                 },
                 Cur::Symlink { target } => match old {
@@ -460,16 +572,50 @@ impl Syncer {
                     if hashed.is_some() {
                         cleaned.push((f.ino, f.generation, hash.clone()));
                     }
+                    let link_to = if f.nlink > 1 {
+                        match first_name.get(&f.ino) {
+                            Some((p, h)) if *h == hash => Some(p.clone()),
+                            Some(_) => None,
+                            None => {
+                                first_name.insert(f.ino, (path.clone(), hash.clone()));
+                                None
+                            }
+                        }
+                    } else {
+                        None
+                    };
                     let base = match old {
-                        Some(Synced::File { hash: h, mode: m }) if *h == hash => {
-                            if *m != f.mode {
+                        Some(Synced::File {
+                            hash: h,
+                            mode: m,
+                            mtime_ns: t,
+                            xattrs: x,
+                        }) if *h == hash => {
+                            if f.nlink > 1 {
+                                unchanged_name
+                                    .entry(f.ino)
+                                    .or_insert_with(|| (path.clone(), hash.clone()));
+                            }
+                            // Same content: send a new mode, mtime (`touch`) or extended
+                            // attributes alone.
+                            let new_time = t.is_some_and(|t| t != f.mtime_ns);
+                            let delta = xattr_delta(x, &f.xattrs);
+                            if *m != f.mode || new_time || delta.is_some() {
                                 chmods.push(Change::Chmod {
                                     path: path.clone(),
                                     mode: f.mode,
+                                    mtime_ns: new_time.then_some(f.mtime_ns),
+                                    base: new_time.then(|| hash.clone()),
+                                    xattrs: delta,
                                 });
                                 next.push((
                                     path.clone(),
-                                    Some(Synced::File { hash, mode: f.mode }),
+                                    Some(Synced::File {
+                                        hash,
+                                        mode: f.mode,
+                                        mtime_ns: Some(f.mtime_ns),
+                                        xattrs: f.xattrs.clone(),
+                                    }),
                                 ));
                             }
                             continue;
@@ -498,6 +644,9 @@ impl Syncer {
                         },
                     };
                     let hash = hd.hash.clone();
+                    if f.nlink > 1 && link_to.is_none() {
+                        unlinked_writes.push((writes.len(), f.ino, hash.clone()));
+                    }
                     writes.push(Change::Write {
                         path: path.clone(),
                         mode: f.mode,
@@ -506,9 +655,27 @@ impl Syncer {
                         size: hd.size,
                         blocks: hd.blocks,
                         mtime_ns: f.mtime_ns,
+                        link_to,
+                        xattrs: (!f.xattrs.is_empty()).then(|| f.xattrs.clone()),
                     });
-                    next.push((path.clone(), Some(Synced::File { hash, mode: f.mode })));
+                    next.push((
+                        path.clone(),
+                        Some(Synced::File {
+                            hash,
+                            mode: f.mode,
+                            mtime_ns: Some(f.mtime_ns),
+                            xattrs: f.xattrs.clone(),
+                        }),
+                    ));
                 }
+            }
+        }
+        for (i, ino, hash) in unlinked_writes {
+            if let Some((anchor, h)) = unchanged_name.get(&ino)
+                && *h == hash
+                && let Some(Change::Write { link_to, .. }) = writes.get_mut(i)
+            {
+                *link_to = Some(anchor.clone());
             }
         }
         // Paths that are gone. Paths skipped as open keep their synced state.
@@ -546,11 +713,16 @@ impl Syncer {
         }
         let mut uploaded = 0u64;
         if !wanted.is_empty() {
-            let missing = self
-                .fs
-                .remote
-                .missing(&wanted)
-                .map_err(|source| SyncError::Remote { source })?;
+            // The export answers at most 65,536 hashes per question.
+            let mut missing = Vec::new();
+            for chunk in wanted.chunks(MISSING_BATCH) {
+                missing.extend(
+                    self.fs
+                        .remote
+                        .missing(chunk)
+                        .map_err(|source| SyncError::Remote { source })?,
+                );
+            }
             let mut batch: Vec<([u8; 32], &[u8])> = Vec::new();
             let mut batch_bytes = 0usize;
             for h in &missing {
@@ -582,16 +754,46 @@ impl Syncer {
                 tracing::trace!(change = ?c, "sync change");
             }
         }
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let cs = ChangeSet {
-            commit_id: format!("{}-{seq}", self.instance),
-            changes,
+        // One commit per round, unless the round is larger than the export takes in one
+        // (100,000 changes, 64 MiB): then consecutive commits in the same order. If a later
+        // one fails, the round is retried whole; the export answers what the earlier ones
+        // already applied as no-ops (same content, directory exists, path already gone).
+        let all_changes = changes.len();
+        let mut files_written = 0;
+        let mut result = CommitResult {
+            commit_id: String::new(),
+            applied: 0,
+            conflicts: Vec::new(),
         };
-        let result = self
-            .fs
-            .remote
-            .commit(&cs)
-            .map_err(|source| SyncError::Remote { source })?;
+        let mut rest = changes;
+        while !rest.is_empty() {
+            let mut take = 0;
+            let mut bytes = 0usize;
+            while take < rest.len() && take < COMMIT_CHANGES && bytes < COMMIT_BYTES {
+                bytes += approx_size(&rest[take]);
+                take += 1;
+            }
+            let tail = rest.split_off(take);
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+            let cs = ChangeSet {
+                commit_id: format!("{}-{seq}", self.instance),
+                changes: rest,
+            };
+            rest = tail;
+            files_written += cs
+                .changes
+                .iter()
+                .filter(|c| matches!(c, Change::Write { .. }))
+                .count();
+            let r = self
+                .fs
+                .remote
+                .commit(&cs)
+                .map_err(|source| SyncError::Remote { source })?;
+            result.commit_id = r.commit_id;
+            result.applied += r.applied;
+            result.conflicts.extend(r.conflicts);
+        }
         for conflict in &result.conflicts {
             tracing::warn!(path = %conflict.path, reason = %conflict.reason,
                 kept_as = ?conflict.kept_as, "write-back conflict: the Delegator's copy changed");
@@ -636,12 +838,8 @@ impl Syncer {
                 }
             }
         }
-        report.files_written = cs
-            .changes
-            .iter()
-            .filter(|c| matches!(c, Change::Write { .. }))
-            .count();
-        report.changes = cs.changes.len();
+        report.files_written = files_written;
+        report.changes = all_changes;
         report.conflicts = result.conflicts.clone();
         self.fs
             .stats
