@@ -105,7 +105,8 @@ async fn excluded_and_sensitive_files_are_invisible_on_the_mount_and_refused_by_
         listing.contains("app.toml") && !listing.contains(".env"),
         "{listing}"
     );
-    // The export refuses writes to hidden paths, whoever asks.
+    // The export never writes hidden paths, whoever asks: each such change comes back as a
+    // conflict (kept nowhere) and the rest of the set still applies.
     let token = h.daemon.daemon.export_token(&id).unwrap();
     let url = format!("{}/v1/exports/{id}/commit", h.daemon.daemon.export_url());
     for change in [
@@ -122,9 +123,32 @@ async fn excluded_and_sensitive_files_are_invisible_on_the_mount_and_refused_by_
             .unwrap();
         let status = r.status().as_u16();
         let b: Value = r.json().await.unwrap_or(Value::Null);
-        assert_eq!(status, 400, "{change}: {b}");
-        assert!(b.to_string().contains("hidden"), "{b}");
+        assert_eq!(status, 200, "{change}: {b}");
+        assert_eq!(b["applied"], 0, "{b}");
+        assert_eq!(b["conflicts"][0]["path"], change["path"], "{b}");
+        assert!(
+            b["conflicts"][0]["reason"]
+                .as_str()
+                .unwrap()
+                .contains("hidden"),
+            "{b}"
+        );
     }
+    // Mixed with a visible change, the visible one applies.
+    let r = reqwest::Client::new()
+        .post(&url)
+        .bearer_auth(&token)
+        .json(&json!({"commitId": "c-mixed", "changes": [
+            {"op": "mkdir", "path": "target", "mode": 493},
+            {"op": "mkdir", "path": "visible-dir", "mode": 493},
+        ]}))
+        .send()
+        .await
+        .unwrap();
+    let b: Value = r.json().await.unwrap();
+    assert_eq!(b["applied"], 1, "{b}");
+    assert_eq!(b["conflicts"].as_array().unwrap().len(), 1, "{b}");
+    assert!(dir.join("visible-dir").is_dir());
     std::fs::write(&flag, "").unwrap();
     assert_eq!(
         h.wait_end(&id, Duration::from_secs(60)).await,

@@ -58,6 +58,9 @@ pub(crate) const MAX_CHANGES: usize = 100_000;
 const MAX_COMMIT_ID: usize = 256;
 /// Longest symlink target accepted (Linux `PATH_MAX` minus the NUL).
 const MAX_TARGET: usize = 4095;
+/// The conflict reason of a change to a path the export hides.
+pub(crate) const HIDDEN_REASON: &str =
+    "hidden by the export (excluded or sensitive): not written to the Delegator";
 /// Mode bits an Executor may set: permissions and sticky, never set-uid/set-gid.
 const MODE_MASK: u32 = 0o1777;
 
@@ -101,21 +104,13 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
         });
     }
     let root = &export.blocks.root;
-    if let Some(f) = &export.filter
-        && let Some(hidden) = cs.changes.iter().find(|c| {
-            !f.shows(
-                c.path(),
-                matches!(c, Change::Mkdir { .. } | Change::Rmdir { .. }),
-            )
-        })
-    {
-        return Err(ApiError::InvalidPath {
-            reason: format!(
-                "{:?} is hidden by the export (excluded or sensitive); it cannot be written",
-                hidden.path()
-            ),
-        });
-    }
+    // Paths the export hides (excluded or sensitive) are never written: such a change is
+    // answered as a conflict, kept nowhere, and the rest of the set applies. Refusing the
+    // whole set would leave every other change of the round unsynced because a tool wrote,
+    // say, a `*.pem` inside a virtualenv; writing it could clobber a file the Executor was
+    // never shown.
+    let (cs, hidden) = split_hidden(export, cs);
+    let cs = &cs;
     let writes = validate(root, &cs.changes)?;
     let mut durable = Durability::new(writes.len());
     durable.note(root.fd());
@@ -192,6 +187,10 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
         super::Stats::add(&export.stats.bytes_written, *size);
     }
     drop(index);
+    for h in &hidden {
+        tracing::warn!(export = %export.id, path = %h.path, "a change to a hidden path was not written");
+    }
+    conflicts.extend(hidden);
     super::Stats::add(&export.stats.commits, 1);
     tracing::info!(export = %export.id, commit = %cs.commit_id, applied, conflicts = conflicts.len(), "commit applied");
     Ok(CommitResult {
@@ -199,6 +198,32 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
         applied,
         conflicts,
     })
+}
+
+/// The changes of `cs` the export shows, and a conflict for each one it hides.
+fn split_hidden(export: &Export, cs: &ChangeSet) -> (ChangeSet, Vec<Conflict>) {
+    let Some(f) = &export.filter else {
+        return (cs.clone(), Vec::new());
+    };
+    let mut shown = Vec::with_capacity(cs.changes.len());
+    let mut hidden = Vec::new();
+    for c in &cs.changes {
+        let is_dir = matches!(c, Change::Mkdir { .. } | Change::Rmdir { .. });
+        if f.shows(c.path(), is_dir) {
+            shown.push(c.clone());
+        } else {
+            hidden.push(Conflict {
+                path: c.path().to_owned(),
+                reason: HIDDEN_REASON.into(),
+                kept_as: None,
+            });
+        }
+    }
+    let visible = ChangeSet {
+        commit_id: cs.commit_id.clone(),
+        changes: shown,
+    };
+    (visible, hidden)
 }
 
 /// A file a commit wrote, for the block index and the counters.
