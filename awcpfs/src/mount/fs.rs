@@ -47,8 +47,18 @@ pub struct Handle {
     pub wrote: AtomicBool,
 }
 
+/// Directory listings kept for readdir without opendir (least recently listed go first).
+const DIR_SNAPS: usize = 512;
+
+/// A directory's listing as last read, and its generation.
+#[derive(Debug)]
+struct DirSnap {
+    generation: u32,
+    entries: Arc<Vec<DirEntry>>,
+}
+
 /// One entry of an open directory's listing.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirEntry {
     /// The entry's inode.
     pub ino: Ino,
@@ -78,6 +88,9 @@ pub struct AwcpFs {
     pub(super) table: Mutex<InodeTable>,
     pub(super) handles: Mutex<HashMap<u64, Arc<Handle>>>,
     pub(super) dirs: Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>,
+    /// Listings by directory, for a kernel that opens directories without asking
+    /// (no-opendir): readdir offsets carry the listing's generation (see [`AwcpFs::listing_at`]).
+    dir_snaps: Mutex<lru::LruCache<Ino, DirSnap>>,
     pub(super) next_fh: AtomicU64,
     pub(super) remote: Arc<dyn Remote>,
     pub(super) journal: Journal,
@@ -135,6 +148,9 @@ impl AwcpFs {
             table: Mutex::new(table),
             handles: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
+            dir_snaps: Mutex::new(lru::LruCache::new(
+                std::num::NonZeroUsize::new(DIR_SNAPS).expect("nonzero"),
+            )),
             next_fh: AtomicU64::new(1),
             remote,
             journal,
@@ -598,6 +614,59 @@ impl AwcpFs {
 
     /// `opendir`: snapshot the listing so offsets stay stable while it is read.
     pub fn opendir(&self, ino: Ino) -> Result<u64, FsError> {
+        let entries = self.build_listing(ino)?;
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.dirs.lock().insert(fh, Arc::new(entries));
+        Ok(fh)
+    }
+
+    /// The listing of directory `ino` for a `readdir` at `offset` when the kernel opened the
+    /// directory without asking (no-opendir): the entries and the index to start at.
+    ///
+    /// Offsets handed out are `generation << 32 | index + 1`. A readdir at 0 reads the
+    /// directory afresh; if it differs from the listing kept for it, that listing gets the
+    /// next generation. A readdir at a later offset continues in the listing of its own
+    /// generation when it is still kept, so a listing read in several calls sees one
+    /// consistent snapshot even while the directory changes; only if that snapshot was
+    /// replaced (the directory changed and was listed again from the start meanwhile) or
+    /// evicted does it continue at the same index in the current one.
+    pub fn listing_at(
+        &self,
+        ino: Ino,
+        offset: u64,
+    ) -> Result<(Arc<Vec<DirEntry>>, u64, usize), FsError> {
+        let (want_gen, index) = ((offset >> 32) as u32, (offset & 0xffff_ffff) as usize);
+        if offset != 0 {
+            self.check()?;
+            if let Some(s) = self.dir_snaps.lock().get(&ino)
+                && s.generation == want_gen
+            {
+                return Ok((s.entries.clone(), u64::from(s.generation), index));
+            }
+        }
+        let fresh = self.build_listing(ino)?;
+        let mut snaps = self.dir_snaps.lock();
+        let (generation, entries) = match snaps.get(&ino) {
+            Some(s) if *s.entries == fresh => (s.generation, s.entries.clone()),
+            old => {
+                // Generation 0 is never used, so no offset handed out is 0.
+                let g = old.map_or(1, |s| s.generation.wrapping_add(1).max(1));
+                let e = Arc::new(fresh);
+                snaps.put(
+                    ino,
+                    DirSnap {
+                        generation: g,
+                        entries: e.clone(),
+                    },
+                );
+                (g, e)
+            }
+        };
+        Ok((entries, u64::from(generation), index))
+    }
+
+    /// Read directory `ino`: `.`, `..`, then its children.
+    fn build_listing(&self, ino: Ino) -> Result<Vec<DirEntry>, FsError> {
         self.check()?;
         let table = self.table.lock();
         let node = table.get(ino).ok_or(FsError::NotFound)?;
@@ -628,10 +697,7 @@ impl AwcpFs {
                 });
             }
         }
-        drop(table);
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.dirs.lock().insert(fh, Arc::new(entries));
-        Ok(fh)
+        Ok(entries)
     }
 
     /// `readdir`: the listing from `offset` on.

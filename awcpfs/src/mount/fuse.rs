@@ -34,6 +34,9 @@ pub struct KernelOptions {
     /// Off by default: the kernel then reads the local copy without asking the filesystem,
     /// so a revocation cannot stop reads on files that were opened before it.
     pub passthrough: bool,
+    /// Let the kernel open directories without a round trip (it then keeps their listings,
+    /// and `opendir`/`releasedir` never reach the filesystem) where it supports that.
+    pub no_opendir: bool,
 }
 
 impl Default for KernelOptions {
@@ -41,6 +44,7 @@ impl Default for KernelOptions {
         KernelOptions {
             ttl: Duration::from_secs(3600),
             passthrough: false,
+            no_opendir: true,
         }
     }
 }
@@ -53,6 +57,9 @@ pub struct FuseAdapter {
     want_passthrough: bool,
     /// Set in `init` when the kernel accepted passthrough.
     passthrough: AtomicBool,
+    want_no_opendir: bool,
+    /// Set in `init` when the kernel opens directories without asking once told `ENOSYS`.
+    no_opendir: AtomicBool,
     /// Backing ids of passthrough handles, dropped (closed) at release.
     /// Backing ids of passthrough inodes (one per inode: the kernel refuses a second open
     /// of an inode with a different backing file, with EIO) and how many handles use each.
@@ -69,8 +76,26 @@ impl FuseAdapter {
             ttl: opts.ttl,
             want_passthrough: opts.passthrough,
             passthrough: AtomicBool::new(false),
+            want_no_opendir: opts.no_opendir,
+            no_opendir: AtomicBool::new(false),
             backing: Mutex::new(HashMap::new()),
             pt_handles: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The listing a readdir at `offset` continues: the one `opendir` took for handle `fh`
+    /// (generation 0, offsets are indexes), or, when the kernel opened the directory
+    /// without asking (handle 0), the directory's own (see `AwcpFs::listing_at`).
+    fn listing(
+        &self,
+        ino: u64,
+        fh: u64,
+        offset: u64,
+    ) -> Result<(Arc<Vec<crate::mount::fs::DirEntry>>, u64, usize), crate::mount::FsError> {
+        if fh == 0 {
+            self.fs.listing_at(ino, offset)
+        } else {
+            self.fs.readdir(fh).map(|e| (e, 0, offset as usize))
         }
     }
 
@@ -205,6 +230,13 @@ impl Filesystem for FuseAdapter {
             if config.add_capabilities(flag).is_err() {
                 tracing::debug!(?flag, "kernel lacks this FUSE feature: {why}");
             }
+        }
+        if self.want_no_opendir
+            && config
+                .capabilities()
+                .contains(InitFlags::FUSE_NO_OPENDIR_SUPPORT)
+        {
+            self.no_opendir.store(true, Ordering::Relaxed);
         }
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
@@ -513,6 +545,12 @@ impl Filesystem for FuseAdapter {
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         self.fs.stats().count_op("opendir");
+        if self.no_opendir.load(Ordering::Relaxed) {
+            // The kernel takes this as "open directories yourself from now on": the open
+            // succeeds, no further opendir or releasedir is sent, and listings are cached
+            // (FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE) — git opens every directory.
+            return reply.error(Errno::ENOSYS);
+        }
         match self.fs.opendir(ino.0) {
             // The kernel may keep the listing: every change to this directory goes through
             // it, and it drops the cached listing when the directory changes.
@@ -527,18 +565,18 @@ impl Filesystem for FuseAdapter {
     fn readdir(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
         self.fs.stats().count_op("readdir");
-        match self.fs.readdir(fh.0) {
-            Ok(entries) => {
-                for (i, e) in entries.iter().enumerate().skip(offset as usize) {
+        match self.listing(ino.0, fh.0, offset) {
+            Ok((entries, generation, start)) => {
+                for (i, e) in entries.iter().enumerate().skip(start) {
                     if reply.add(
                         INodeNo(e.ino),
-                        (i + 1) as u64,
+                        generation << 32 | (i + 1) as u64,
                         kind_to_fuse(e.kind),
                         &e.name,
                     ) {
@@ -554,21 +592,21 @@ impl Filesystem for FuseAdapter {
     fn readdirplus(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
         self.fs.stats().count_op("readdirplus");
-        match self.fs.readdir(fh.0) {
-            Ok(entries) => {
-                for (i, e) in entries.iter().enumerate().skip(offset as usize) {
+        match self.listing(ino.0, fh.0, offset) {
+            Ok((entries, generation, start)) => {
+                for (i, e) in entries.iter().enumerate().skip(start) {
                     let Ok(attr) = self.fs.getattr(e.ino) else {
                         continue;
                     };
                     if reply.add(
                         INodeNo(e.ino),
-                        (i + 1) as u64,
+                        generation << 32 | (i + 1) as u64,
                         &e.name,
                         &self.ttl,
                         &attr,
