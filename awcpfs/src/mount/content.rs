@@ -96,13 +96,21 @@ impl AwcpFs {
         // the blocks are the manifest's for this content: no second pass over the file.
         // Large files: the next batch is fetched while this one is written (one ahead).
         let block_list = &blocks;
+        let block_size = u64::from(self.opts.block_size.max(1));
+        type Batch = Result<(Vec<Vec<u8>>, super::budget::Grant), FsError>;
         let written: Result<(), FsError> = std::thread::scope(|scope| {
-            let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Vec<Vec<u8>>, FsError>>(1);
+            let (tx, rx) = std::sync::mpsc::sync_channel::<Batch>(1);
             scope.spawn(move || {
                 for chunk in block_list.chunks(FETCH_BATCH) {
-                    let batch = self
-                        .check()
-                        .and_then(|()| self.remote.fetch_blocks(chunk).map_err(FsError::from));
+                    // The mount-wide budget bounds what every fetch holds in memory at once;
+                    // the grant travels with the batch and is returned once it is written.
+                    let grant = self.fetch_budget.acquire(chunk.len() as u64 * block_size);
+                    let batch = self.check().and_then(|()| {
+                        self.remote
+                            .fetch_blocks(chunk)
+                            .map(|b| (b, grant))
+                            .map_err(FsError::from)
+                    });
                     let failed = batch.is_err();
                     if tx.send(batch).is_err() || failed {
                         return;
@@ -110,7 +118,8 @@ impl AwcpFs {
                 }
             });
             for batch in rx {
-                for d in &batch? {
+                let (batch, _grant) = batch?;
+                for d in &batch {
                     out.write_all(d)?;
                     fetched += d.len() as u64;
                 }
@@ -163,6 +172,14 @@ impl AwcpFs {
         if hashes.is_empty() {
             return Ok(0);
         }
+        let bytes: u64 = {
+            let table = self.table.lock();
+            wanted
+                .iter()
+                .filter_map(|w| table.get(w.0).map(|n| n.size))
+                .sum()
+        };
+        let _grant = self.fetch_budget.acquire(bytes);
         let data = self.remote.fetch_blocks(&hashes)?;
         let by_hash: std::collections::HashMap<&str, &[u8]> = hashes
             .iter()

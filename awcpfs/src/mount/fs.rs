@@ -92,6 +92,8 @@ pub struct AwcpFs {
     /// (no-opendir): readdir offsets carry the listing's generation (see [`AwcpFs::listing_at`]).
     dir_snaps: Mutex<lru::LruCache<Ino, DirSnap>>,
     pub(super) next_fh: AtomicU64,
+    /// Bounds fetched content held in memory by all fetches together.
+    pub(super) fetch_budget: Arc<super::budget::Budget>,
     pub(super) remote: Arc<dyn Remote>,
     pub(super) journal: Journal,
     pub(super) opts: FsOptions,
@@ -152,6 +154,7 @@ impl AwcpFs {
                 std::num::NonZeroUsize::new(DIR_SNAPS).expect("nonzero"),
             )),
             next_fh: AtomicU64::new(1),
+            fetch_budget: super::budget::Budget::new(super::budget::DEFAULT_FETCH_BUDGET),
             remote,
             journal,
             opts,
