@@ -131,10 +131,13 @@ impl Filter {
 pub(crate) fn glob_path(pattern: &str, rel: &str) -> bool {
     let pattern = pattern.trim_start_matches("./");
     let pattern = pattern.strip_suffix('/').unwrap_or(pattern);
-    let path: Vec<&str> = rel.split('/').collect();
     if !pattern.contains('/') || pattern.is_empty() {
-        return path.last().is_some_and(|name| glob_name(pattern, name));
+        // The common case (every default sensitive pattern): match the last name only,
+        // without splitting the path. Called for every entry of a large tree.
+        let name = rel.rsplit('/').next().unwrap_or(rel);
+        return glob_name(pattern, name);
     }
+    let path: Vec<&str> = rel.split('/').collect();
     let pat: Vec<&str> = pattern.trim_start_matches('/').split('/').collect();
     glob_parts(&pat, &path)
 }
@@ -152,14 +155,23 @@ fn glob_parts(pat: &[&str], path: &[&str]) -> bool {
 
 /// `*` and `?` within one name.
 fn glob_name(pattern: &str, name: &str) -> bool {
+    if pattern.is_ascii() && name.is_ascii() {
+        // Bytes are characters: no allocation.
+        return glob_seq(pattern.as_bytes(), name.as_bytes(), b'*', b'?');
+    }
     let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    glob_seq(&p, &n, '*', '?')
+}
+
+/// Wildcard matching over any sequence: `star` matches any run, `any` one element.
+fn glob_seq<T: PartialEq + Copy>(p: &[T], n: &[T], star_c: T, any: T) -> bool {
     let (mut pi, mut ni) = (0, 0);
     let (mut star, mut mark) = (None, 0);
     while ni < n.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == n[ni]) {
+        if pi < p.len() && (p[pi] == any || p[pi] == n[ni]) {
             pi += 1;
             ni += 1;
-        } else if pi < p.len() && p[pi] == '*' {
+        } else if pi < p.len() && p[pi] == star_c {
             star = Some(pi);
             mark = ni;
             pi += 1;
@@ -171,7 +183,7 @@ fn glob_name(pattern: &str, name: &str) -> bool {
             return false;
         }
     }
-    p[pi..].iter().all(|c| *c == '*')
+    p[pi..].iter().all(|c| *c == star_c)
 }
 
 /// A file that travels.
@@ -307,6 +319,11 @@ mod tests {
     fn globs() {
         assert!(glob_path(".env", ".env"));
         assert!(glob_path(".env", "a/b/.env"));
+        // Non-ASCII names take the per-character path; `?` is one character, not one byte.
+        assert!(glob_path("*.pem", "dir/clé.pem"));
+        assert!(glob_path("cl?.pem", "clé.pem"));
+        assert!(!glob_path("cl?.pem", "cl.pem"));
+        assert!(glob_path("é*", "x/éa"));
         assert!(glob_path(".env.*", "conf/.env.local"));
         assert!(!glob_path(".env.*", ".env"));
         assert!(glob_path("*.pem", "keys/server.pem"));
