@@ -6,3 +6,40 @@
 pub mod cache;
 pub mod export;
 pub mod mount;
+
+/// Raise this process's soft limit on open files to its hard limit, and say what it is.
+///
+/// A large commit stages every file before any is applied, holding a directory descriptor
+/// per staged file, and a mount serves many open files at once: the common default soft
+/// limit of 1,024 is too low for either. Failing to raise it is logged, not fatal.
+pub fn raise_fd_limit() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => hard,
+            Err(e) => {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open-file limit");
+                soft
+            }
+        },
+        Ok((soft, _)) => soft,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the open-file limit");
+            0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_open_file_limit_is_raised_to_the_hard_limit() {
+        use nix::sys::resource::{Resource, getrlimit, setrlimit};
+        let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+        // Start from a low soft limit, as on a default system (this test runs in its own
+        // process under nextest).
+        setrlimit(Resource::RLIMIT_NOFILE, hard.min(256), hard).unwrap();
+        assert_eq!(super::raise_fd_limit(), hard);
+        assert_eq!(getrlimit(Resource::RLIMIT_NOFILE).unwrap(), (hard, hard));
+    }
+}
