@@ -254,7 +254,7 @@ struct ExecutorArgs {
     #[arg(long, env = "AWCP_CACHE_DIR")]
     cache_dir: Option<PathBuf>,
     /// Bound on the block cache's disk use (least recently used blocks go first).
-    #[arg(long, default_value = "4GiB", value_parser = awcpfs::cache::parse_size)]
+    #[arg(long, default_value = "4GiB", value_parser = parse_size)]
     cache_size: u64,
     /// No block cache: every block comes from the Delegator, and no content outlives a
     /// lease on this machine.
@@ -384,20 +384,8 @@ fn default_state_dir(what: &str) -> PathBuf {
     }
 }
 
-/// `512`, `100K`, `100M`, `2G` (powers of 1024).
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last() {
-        Some((i, 'K' | 'k')) => (&s[..i], 1u64 << 10),
-        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
-        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("`{s}` is not a size; use e.g. 100M, 2G, 4096"))
-}
+/// `512`, `100K`, `100M`, `2G`, `4GiB` (powers of 1024): the one size parser.
+use awcpfs::cache::parse_size;
 
 fn mode_of(m: Mode) -> AccessMode {
     match m {

@@ -90,8 +90,8 @@ impl Remote for CachedRemote {
 
     fn fetch_blocks(&self, hashes: &[String]) -> Result<Vec<Vec<u8>>, RemoteError> {
         let mut out: Vec<Option<Vec<u8>>> = vec![None; hashes.len()];
-        // Blocks this call fetches: hash → (hex, indexes in `out`).
-        let mut fetch: HashMap<BlockHash, (String, Vec<usize>)> = HashMap::new();
+        // Blocks this call fetches: hash → (hex, indexes in `out`, its in-flight entry).
+        let mut fetch: HashMap<BlockHash, (String, Vec<usize>, Arc<Inflight>)> = HashMap::new();
         let mut fetch_order: Vec<BlockHash> = Vec::new();
         let mut waits: Vec<(usize, Arc<Inflight>)> = Vec::new();
         let mut guard = InflightGuard {
@@ -105,7 +105,7 @@ impl Remote for CachedRemote {
                 unparsed.push(i);
                 continue;
             };
-            if let Some((_, idx)) = fetch.get_mut(&h) {
+            if let Some((_, idx, _)) = fetch.get_mut(&h) {
                 idx.push(i);
                 continue;
             }
@@ -122,9 +122,9 @@ impl Remote for CachedRemote {
             let f = Arc::new(Inflight::default());
             map.insert(h, f.clone());
             drop(map);
-            guard.mine.push((h, f));
+            guard.mine.push((h, f.clone()));
             self.stats.add_cache(false, 0);
-            fetch.insert(h, (hex_hash.clone(), vec![i]));
+            fetch.insert(h, (hex_hash.clone(), vec![i], f));
             fetch_order.push(h);
         }
         if !fetch_order.is_empty() || !unparsed.is_empty() {
@@ -137,10 +137,9 @@ impl Remote for CachedRemote {
                 let d: Arc<[u8]> = d.into();
                 // The inner remote verified it against its hash.
                 self.cache.put(*h, d.clone());
-                if let Some((_, f)) = guard.mine.iter().find(|(m, _)| m == h) {
-                    f.finish(Some(d.clone()));
-                }
-                for &i in &fetch[h].1 {
+                let (_, indexes, inflight) = &fetch[h];
+                inflight.finish(Some(d.clone()));
+                for &i in indexes {
                     out[i] = Some(d.to_vec());
                 }
             }
