@@ -202,6 +202,11 @@ struct ServeArgs {
     /// Close an idle multi-round session after this long without `continue`.
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     idle_timeout: Duration,
+    /// Do not watch delegated directories: running `awcpfs` mounts then keep showing each
+    /// directory as it was when it was delegated (changes made here meanwhile still win
+    /// over the Executor's, as conflicts, at write-back).
+    #[arg(long)]
+    no_watch: bool,
     /// `awcpfs` delegations: largest workspace (all files delegated).
     #[arg(long, default_value = "1024G", value_parser = parse_size)]
     awcpfs_max_bytes: u64,
@@ -478,6 +483,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.aglx = a.aglx.config()?;
             cfg.api_token = cli.api_token.clone();
             cfg.idle_timeout = a.idle_timeout;
+            cfg.watch = !a.no_watch;
             cfg.awcpfs_limits = awcp_ctl::archive::ScanLimits {
                 max_total_bytes: a.awcpfs_max_bytes,
                 max_files: a.awcpfs_max_files,

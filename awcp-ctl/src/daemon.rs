@@ -76,6 +76,9 @@ pub struct DaemonConfig {
     /// When set, every daemon API route but `GET /health` requires
     /// `Authorization: Bearer <token>` (401 otherwise).
     pub api_token: Option<String>,
+    /// Watch delegated directories and show the Delegator's own changes on running mounts
+    /// (`awcpfs` transport). Off: a mount sees the directory as it was when delegated.
+    pub watch: bool,
 }
 
 impl DaemonConfig {
@@ -107,6 +110,7 @@ impl DaemonConfig {
                 .map(|s| s.to_string())
                 .collect(),
             api_token: None,
+            watch: true,
             idle_timeout: Duration::from_secs(300),
         }
     }
@@ -227,11 +231,17 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         .as_ref()
         .map(crate::aglx::DaemonNotifier::start)
         .transpose()?;
+    let exports = ExportRegistry::with_hash_cache(Arc::new(hashes));
+    let exports = if cfg.watch {
+        exports
+    } else {
+        exports.without_watch()
+    };
     let daemon = Arc::new(Daemon {
         aglx,
         cfg,
         store,
-        exports: ExportRegistry::with_hash_cache(Arc::new(hashes)),
+        exports,
         live: Mutex::new(HashMap::new()),
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(30))

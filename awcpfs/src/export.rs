@@ -38,6 +38,7 @@ mod http;
 pub mod manifest;
 mod rootfs;
 mod store;
+mod watch;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -262,6 +263,8 @@ pub struct Export {
     stats: Stats,
     commits: tokio::sync::Mutex<commit::CommitLog>,
     filter: Option<PathFilter>,
+    /// Changes to the tree since registration, for mounts (see `watch`).
+    feed: watch::ChangeFeed,
 }
 
 impl Export {
@@ -374,25 +377,46 @@ pub enum BundleError {
 }
 
 /// All exports of a process. Cheap to clone (shared state).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ExportRegistry {
     exports: Arc<RwLock<HashMap<String, Arc<Export>>>>,
     hash_cache: Option<Arc<hashcache::HashCache>>,
+    watch: bool,
+}
+
+impl Default for ExportRegistry {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl ExportRegistry {
-    /// An empty registry; every registration hashes every file.
+    /// An empty registry; every registration hashes every file. Exports watch their tree
+    /// and tell mounts about the Delegator's own changes (see [`without_watch`]).
+    ///
+    /// [`without_watch`]: Self::without_watch
     pub fn new() -> Self {
-        Self::default()
+        ExportRegistry {
+            exports: Arc::default(),
+            hash_cache: None,
+            watch: true,
+        }
     }
 
     /// An empty registry whose manifest builds reuse the hashes of files unchanged since
     /// an earlier build (saved to the cache's file after each registration).
     pub fn with_hash_cache(cache: Arc<hashcache::HashCache>) -> Self {
         ExportRegistry {
-            exports: Arc::default(),
             hash_cache: Some(cache),
+            ..Self::new()
         }
+    }
+
+    /// Do not watch exported trees: mounts then see each tree as it was when it was
+    /// registered, plus their own changes (the manifest is a snapshot).
+    pub fn without_watch(mut self) -> Self {
+        self.watch = false;
+        self
     }
 
     /// Serve `cfg.root` as `export_id`, guarded by `token` and `lease`.
@@ -479,7 +503,9 @@ impl ExportRegistry {
             digest = %manifest_digest,
             "export registered"
         );
+        let feed = watch::ChangeFeed::new(&built.manifest);
         let export = Arc::new(Export {
+            feed,
             token_hash: blake3::hash(token.as_bytes()),
             read_only: cfg.read_only,
             block_size: cfg.block_size,
@@ -504,6 +530,10 @@ impl ExportRegistry {
             return Err(ExportError::Duplicate { export_id });
         }
         exports.insert(export_id, export.clone());
+        drop(exports);
+        if self.watch {
+            watch::spawn(&export, self.hash_cache.clone());
+        }
         Ok(export)
     }
 

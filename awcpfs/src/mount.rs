@@ -23,6 +23,7 @@ pub mod remote;
 pub mod session;
 pub mod stats;
 pub mod sync;
+pub mod upstream;
 
 pub use error::{EndReason, FsError};
 pub use session::{Mount, MountConfig, MountError, MountStatus};

@@ -1584,3 +1584,155 @@ async fn xattrs_are_user_only_and_applied_with_writes_and_chmods() {
     );
     assert_eq!(get("user.c").as_deref(), Some(&b"c"[..]));
 }
+
+// ---------------------------------------------------------------------------------------
+// Delegator-side changes
+
+/// Read `changed` events until `done` says enough was seen (or 20 s pass); returns what
+/// every event listed: present entries by path, and removed paths.
+async fn collect_changes<B: AsRef<[u8]>>(
+    stream: &mut (impl futures::Stream<Item = reqwest::Result<B>> + Unpin),
+    buf: &mut String,
+    mut done: impl FnMut(
+        &std::collections::BTreeMap<String, awcp_protocol::dataplane::ManifestEntry>,
+        &[String],
+    ) -> bool,
+) -> (
+    std::collections::BTreeMap<String, awcp_protocol::dataplane::ManifestEntry>,
+    Vec<String>,
+) {
+    let mut present = std::collections::BTreeMap::new();
+    let mut removed = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !done(&present, &removed) {
+        let ev = tokio::time::timeout_at(deadline, next_event(stream, buf))
+            .await
+            .unwrap_or_else(|_| panic!("changes not seen in time: {present:?} {removed:?}"));
+        match ev {
+            Some(ExportEvent::Changed {
+                entries,
+                removed: gone,
+                ..
+            }) => {
+                for e in entries {
+                    present.insert(e.path.clone(), e);
+                }
+                removed.extend(gone);
+            }
+            Some(_) => {}
+            None => panic!("the event stream ended"),
+        }
+    }
+    (present, removed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegator_changes_are_streamed_and_the_exports_own_commits_are_not() {
+    let f = fixture(|root, outside| {
+        small_tree(root, outside);
+        std::fs::write(root.join("gone.txt"), b"soon removed").unwrap();
+    })
+    .await;
+    let resp = f
+        .client
+        .get(f.url("events"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    let mut buf = String::new();
+    assert!(matches!(
+        next_event(&mut stream, &mut buf).await,
+        Some(ExportEvent::Lease { .. })
+    ));
+    // Give the watcher a moment to be in place (it starts with the export, off-thread).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // The Executor's own write-back: never reported as a Delegator change.
+    let mine = b"written by the executor";
+    assert_eq!(f.upload(mine).await.status(), StatusCode::OK);
+    let r = f
+        .commit(&cs("own-1", vec![write("mine.txt", None, mine, 0o644)]))
+        .await;
+    assert!(r.conflicts.is_empty(), "{r:?}");
+
+    // The Delegator's changes: an edit, a new file in a new directory, a removal.
+    std::fs::write(f.path("a.txt"), b"hello from the delegator").unwrap();
+    std::fs::create_dir(f.path("fresh")).unwrap();
+    std::fs::write(f.path("fresh/new.txt"), b"new").unwrap();
+    std::fs::remove_file(f.path("gone.txt")).unwrap();
+
+    let (present, _) = collect_changes(&mut stream, &mut buf, |p, r| {
+        p.get("a.txt").is_some_and(|e| {
+            e.hash.as_deref() == Some(blake3::hash(b"hello from the delegator").to_hex().as_str())
+        }) && p.contains_key("fresh/new.txt")
+            && r.iter().any(|x| x == "gone.txt")
+    })
+    .await;
+    assert_eq!(present["fresh"].kind, EntryKind::Dir);
+    assert_eq!(present["a.txt"].size, 24);
+    assert!(
+        !present.contains_key("mine.txt"),
+        "the export's own commit came back as a Delegator change"
+    );
+    // The new content can be fetched by the hashes the event gave.
+    let got = f.blocks(&present["a.txt"].blocks).await;
+    let content: Vec<u8> = got.into_iter().flat_map(|(_, d)| d.unwrap()).collect();
+    assert_eq!(content, b"hello from the delegator");
+
+    // A mount that connects later is told every change so far, in its first events.
+    let resp = f
+        .client
+        .get(f.url("events"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let mut late = resp.bytes_stream();
+    let mut buf2 = String::new();
+    assert!(matches!(
+        next_event(&mut late, &mut buf2).await,
+        Some(ExportEvent::Lease { .. })
+    ));
+    let (present, removed) = collect_changes(&mut late, &mut buf2, |p, r| {
+        p.contains_key("fresh/new.txt") && r.iter().any(|x| x == "gone.txt")
+    })
+    .await;
+    assert!(present.contains_key("a.txt"));
+    // Our own commit is in the catch-up too, as what it left (a mount recognises it).
+    let mine_hash = blake3::hash(mine).to_hex().to_string();
+    assert!(
+        present
+            .get("mine.txt")
+            .is_none_or(|e| e.hash.as_deref() == Some(mine_hash.as_str()))
+    );
+    assert!(removed.iter().all(|r| r == "gone.txt"), "{removed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hidden_and_temporary_paths_are_never_reported() {
+    let f = fixture(small_tree).await;
+    let resp = f
+        .client
+        .get(f.url("events"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    let mut buf = String::new();
+    assert!(matches!(
+        next_event(&mut stream, &mut buf).await,
+        Some(ExportEvent::Lease { .. })
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    std::fs::write(f.path(".awcp-tmp-0123456789abcdef"), b"staging").unwrap();
+    std::fs::write(f.path("seen.txt"), b"x").unwrap();
+    let (present, _) =
+        collect_changes(&mut stream, &mut buf, |p, _| p.contains_key("seen.txt")).await;
+    assert!(
+        present.keys().all(|p| !p.starts_with(".awcp-tmp-")),
+        "{present:?}"
+    );
+}

@@ -288,6 +288,22 @@ pub enum ExportEvent {
         #[serde(default)]
         flush_grace_ms: u64,
     },
+    /// The Delegator changed the tree: what these paths are now. Sent when the export sees a
+    /// change (after a short debounce), and on connect for every path changed since the
+    /// export was registered, so a mount that reconnects catches up. Changes the export
+    /// made itself (commits) are reported too: a mount recognises its own write-back by its
+    /// hash. A path is listed at most once per event; parents come before children.
+    #[serde(rename_all = "camelCase")]
+    Changed {
+        /// Increases with every change the export records; a path's latest change wins.
+        seq: u64,
+        /// Entries now present (new or changed), as the manifest would list them.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        entries: Vec<ManifestEntry>,
+        /// Paths that no longer exist (a directory's removal implies its whole subtree).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        removed: Vec<String>,
+    },
 }
 
 /// Error body of every refused data-plane request.

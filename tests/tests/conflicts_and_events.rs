@@ -22,7 +22,10 @@ async fn overwriting_a_file_the_delegator_changed_keeps_both_versions() {
         echo $? > {o}/rc"#,
         o = out.path().display()
     );
-    let h = Harness::start(&agent).await;
+    // Without the daemon's watch, the mount keeps showing the file as delegated; with it,
+    // the Delegator's edit would reach the mount first and the overwrite would simply win
+    // (see `upstream.rs`).
+    let h = Harness::start_full(&agent, |d| d.watch = false, |_| {}).await;
     let repo = h.path("repo");
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;

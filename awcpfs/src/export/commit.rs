@@ -104,6 +104,8 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
         });
     }
     let root = &export.blocks.root;
+    // The watcher waits while a commit writes, and finds its files noted as ours after.
+    let _quiet = export.feed.quiet.lock();
     // Paths the export hides (excluded or sensitive) are never written: such a change is
     // answered as a conflict, kept nowhere, and the rest of the set applies. Refusing the
     // whole set would leave every other change of the round unsynced because a tool wrote,
@@ -187,6 +189,7 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
         super::Stats::add(&export.stats.bytes_written, *size);
     }
     drop(index);
+    export.feed.note_commit(root, &cs.changes, &conflicts);
     for h in &hidden {
         tracing::warn!(export = %export.id, path = %h.path, "a change to a hidden path was not written");
     }

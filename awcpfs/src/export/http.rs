@@ -424,22 +424,85 @@ async fn commit(
 async fn events(
     Extension(export): Extension<Arc<Export>>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    Sse::new(lease_events(export)).keep_alive(KeepAlive::default())
+    Sse::new(export_events(export)).keep_alive(KeepAlive::default())
 }
 
-/// One `lease` event now, then one on every change of the lease and at its deadline; ends
-/// after the first event whose state is not `Active`.
-fn lease_events(export: Arc<Export>) -> impl Stream<Item = Result<Event, Infallible>> {
-    let rx = export.lease().subscribe();
-    futures::stream::unfold(Some((export, rx, true)), |state| async move {
-        let (export, mut rx, first) = state?;
-        if !first {
-            wait_for_lease_change(&export, &mut rx).await;
+/// State of one `GET /events` stream.
+struct EventStream {
+    export: Arc<Export>,
+    lease: tokio::sync::watch::Receiver<LeaseSnapshot>,
+    changes: tokio::sync::watch::Receiver<u64>,
+    /// Events ready to send, as JSON.
+    queue: std::collections::VecDeque<String>,
+    /// The change feed's sequence number this stream has sent up to.
+    sent: u64,
+    started: bool,
+    /// The lease ended: send what is queued, then end.
+    done: bool,
+}
+
+impl EventStream {
+    fn queue_lease(&mut self) {
+        let snap = self.export.lease().snapshot();
+        self.queue.push_back(lease_event_json(&snap));
+        if snap.state != LeaseState::Active {
+            self.done = true;
         }
-        let snap = export.lease().snapshot();
-        let event = Event::default().data(lease_event_json(&snap));
-        let next = (snap.state == LeaseState::Active).then_some((export, rx, false));
-        Some((Ok(event), next))
+    }
+
+    fn queue_changes(&mut self) {
+        self.changes.mark_unchanged();
+        let (events, seq) = self.export.feed.since(self.sent);
+        self.sent = seq;
+        for e in events {
+            match serde_json::to_string(&e) {
+                Ok(json) => self.queue.push_back(json),
+                Err(e) => tracing::warn!(error = %e, "cannot encode a change event"),
+            }
+        }
+    }
+}
+
+/// One `lease` event now, then every Delegator-side change recorded so far (`changed`
+/// events); afterwards a `lease` event on every change of the lease and at its deadline and
+/// `changed` events as changes are seen. Ends after the first `lease` event whose state is
+/// not `Active`.
+fn export_events(export: Arc<Export>) -> impl Stream<Item = Result<Event, Infallible>> {
+    let s = EventStream {
+        lease: export.lease().subscribe(),
+        changes: export.feed.subscribe(),
+        export,
+        queue: std::collections::VecDeque::new(),
+        sent: 0,
+        started: false,
+        done: false,
+    };
+    futures::stream::unfold(s, |mut s| async move {
+        loop {
+            if let Some(json) = s.queue.pop_front() {
+                return Some((Ok(Event::default().data(json)), s));
+            }
+            if s.done {
+                return None;
+            }
+            if !s.started {
+                s.started = true;
+                s.queue_lease();
+                if !s.done {
+                    s.queue_changes();
+                }
+                continue;
+            }
+            let export = s.export.clone();
+            tokio::select! {
+                () = wait_for_lease_change(&export, &mut s.lease) => s.queue_lease(),
+                changed = s.changes.changed() => {
+                    if changed.is_ok() {
+                        s.queue_changes();
+                    }
+                }
+            }
+        }
     })
 }
 

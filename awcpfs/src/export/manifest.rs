@@ -104,6 +104,85 @@ pub(crate) fn build(
     cache: Option<&HashCache>,
 ) -> io::Result<Built> {
     let root_stat = fstat(root.fd())?;
+    let walker = walk_with(params, cache, |walker| {
+        Dir::openat(root.fd(), ".", dir_flags(), Mode::empty())
+            .map_err(io::Error::from)
+            .and_then(|dir| walker.walk_dir(dir, "", 0))
+    })?;
+    Ok(Built {
+        manifest: Manifest {
+            version: DATA_PLANE_VERSION,
+            export_id: params.export_id.clone(),
+            block_size: params.block_size,
+            read_only: params.read_only,
+            root_mode: perm(&root_stat),
+            root_mtime_ns: mtime_ns(&root_stat),
+            entries: walker.entries,
+        },
+        index: walker.index,
+    })
+}
+
+/// The entries of `paths` as they are now, for the change watcher: each path's own entry
+/// (none if it is absent, hidden or unreadable) and, for a path given with `deep` that is a
+/// directory, its whole subtree. Files are hashed as in [`build`] (the cache is used).
+/// The returned manifest carries only these entries, in the order found.
+pub(crate) fn describe(
+    root: &RootDir,
+    params: &ManifestParams,
+    cache: Option<&HashCache>,
+    paths: &[(String, bool)],
+) -> io::Result<Built> {
+    let walked = walk_with(params, cache, |walker| {
+        for (rel, deep) in paths {
+            let (dir, name) = match root.open_parent(rel) {
+                Ok(x) => x,
+                Err(e) if e.is_not_found() => continue,
+                Err(e) => {
+                    tracing::debug!(path = %rel, error = %e, "cannot describe a changed path");
+                    continue;
+                }
+            };
+            let dir = match Dir::from_fd(dir) {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::debug!(path = %rel, error = %e, "cannot describe a changed path");
+                    continue;
+                }
+            };
+            walker.recurse = *deep;
+            let depth = rel.matches('/').count();
+            match walker.visit(&dir, name, rel, depth) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::debug!(path = %rel, error = %e, "cannot describe a changed path")
+                }
+            }
+        }
+        Ok(())
+    })?;
+    Ok(Built {
+        manifest: Manifest {
+            version: DATA_PLANE_VERSION,
+            export_id: params.export_id.clone(),
+            block_size: params.block_size,
+            read_only: params.read_only,
+            root_mode: 0,
+            root_mtime_ns: 0,
+            entries: walked.entries,
+        },
+        index: walked.index,
+    })
+}
+
+/// Run `walk` with a [`Walker`] whose files are hashed by a few threads meanwhile, then
+/// put the hashes into the entries and build the block index (dropping files that failed).
+fn walk_with(
+    params: &ManifestParams,
+    cache: Option<&HashCache>,
+    walk: impl FnOnce(&mut Walker<'_>) -> io::Result<()>,
+) -> io::Result<Walked> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, HASH_THREADS);
@@ -118,14 +197,13 @@ pub(crate) fn build(
         cache,
         jobs: Some(tx),
         filter: params.filter.clone(),
+        recurse: true,
     };
     let walked = std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| hash_worker(&rx, &results, params.block_size, cache));
         }
-        let r = Dir::openat(root.fd(), ".", dir_flags(), Mode::empty())
-            .map_err(io::Error::from)
-            .and_then(|dir| walker.walk_dir(dir, "", 0));
+        let r = walk(&mut walker);
         // Closing the queue ends the workers once it is drained.
         walker.jobs = None;
         r
@@ -184,19 +262,7 @@ pub(crate) fn build(
         }
         entries.push(e);
     }
-    let walker = Walked { entries, index };
-    Ok(Built {
-        manifest: Manifest {
-            version: DATA_PLANE_VERSION,
-            export_id: params.export_id.clone(),
-            block_size: params.block_size,
-            read_only: params.read_only,
-            root_mode: perm(&root_stat),
-            root_mtime_ns: mtime_ns(&root_stat),
-            entries: walker.entries,
-        },
-        index: walker.index,
-    })
+    Ok(Walked { entries, index })
 }
 
 /// Most threads hashing at once during a build.
@@ -290,6 +356,8 @@ struct Walker<'a> {
     stamps: Vec<Option<Stamp>>,
     cache: Option<&'a HashCache>,
     jobs: Option<SyncSender<Job>>,
+    /// Enter directories (a shallow [`describe`] lists a known directory's own entry only).
+    recurse: bool,
 }
 
 impl Walker<'_> {
@@ -356,6 +424,9 @@ impl Walker<'_> {
                 });
                 self.hashes.push(None);
                 self.stamps.push(None);
+                if !self.recurse {
+                    return Ok(());
+                }
                 self.walk_dir(sub, rel, depth + 1)
             }
             NodeKind::File => {

@@ -115,6 +115,16 @@ impl BlockIndex {
         self.map.get(hash).cloned().unwrap_or_default()
     }
 
+    /// Add everything `other` knows (its places go first, as the newest).
+    pub(crate) fn merge(&mut self, other: BlockIndex) {
+        for (hash, locs) in other.map {
+            for loc in locs.into_iter().rev() {
+                self.insert(hash, loc);
+            }
+        }
+        self.stamps.extend(other.stamps);
+    }
+
     /// How many distinct blocks are indexed.
     pub(crate) fn len(&self) -> usize {
         self.map.len()

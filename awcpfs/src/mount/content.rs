@@ -135,7 +135,7 @@ impl AwcpFs {
         self.stats.add_fetched(fetched, blocks.len() as u64);
         let mut table = self.table.lock();
         if let Some(node) = table.get_mut(ino)
-            && matches!(node.data, Data::Remote { .. })
+            && matches!(&node.data, Data::Remote { hash: now, .. } if *now == hash)
         {
             node.size = fetched;
             node.data = Data::Local {

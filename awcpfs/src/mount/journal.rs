@@ -75,6 +75,35 @@ pub enum Record {
         /// New name.
         name: String,
     },
+    /// A node given the Delegator's state (a change made on the Delegator's side during the
+    /// lease), with its first dentry; replaces whatever the name named.
+    Upstream {
+        /// Inode number.
+        ino: Ino,
+        /// Parent directory.
+        parent: Ino,
+        /// Name in the parent.
+        name: String,
+        /// Kind.
+        kind: Kind,
+        /// Permission bits.
+        perm: u16,
+        /// Size.
+        size: u64,
+        /// Modification time.
+        mtime_ns: i64,
+        /// Status change time.
+        ctime_ns: i64,
+        /// Symlink target.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        target: Option<String>,
+        /// Content hash (files).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        hash: Option<String>,
+        /// Block hashes (files).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        blocks: Vec<String>,
+    },
     /// An extended attribute set (`value` hex) or removed (`None`).
     Xattr {
         /// The inode.
@@ -100,6 +129,27 @@ impl Record {
             mtime_ns: super::inode::time_to_ns(node.mtime),
             target: node.target.clone(),
             local: matches!(node.data, Data::Local { .. }),
+        }
+    }
+
+    /// The record of a node that took the Delegator's state (its data is remote).
+    pub fn upstream(node: &Node) -> Record {
+        let (hash, blocks) = match &node.data {
+            Data::Remote { hash, blocks } => (Some(hash.clone()), blocks.clone()),
+            _ => (None, Vec::new()),
+        };
+        Record::Upstream {
+            ino: node.ino,
+            parent: node.parent,
+            name: node.name.clone(),
+            kind: node.kind,
+            perm: node.perm,
+            size: node.size,
+            mtime_ns: super::inode::time_to_ns(node.mtime),
+            ctime_ns: super::inode::time_to_ns(node.ctime),
+            target: node.target.clone(),
+            hash,
+            blocks,
         }
     }
 }
@@ -241,6 +291,58 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
                 });
                 table.insert_child(*parent, name.clone(), *ino);
             }
+            Record::Upstream {
+                ino,
+                parent,
+                name,
+                kind,
+                perm,
+                size,
+                mtime_ns,
+                ctime_ns,
+                target,
+                hash,
+                blocks,
+            } => {
+                if table.child(*parent, name).is_some_and(|prev| prev != *ino) {
+                    unlink_replayed(table, *parent, name);
+                }
+                table.reserve_ino(*ino);
+                let t = time_from_ns(*mtime_ns);
+                let (children, subdirs, xattrs) = table
+                    .get(*ino)
+                    .map(|n| (n.children.clone(), n.subdirs, n.xattrs.clone()))
+                    .unwrap_or_default();
+                table.insert(Node {
+                    ino: *ino,
+                    parent: *parent,
+                    name: name.clone(),
+                    kind: *kind,
+                    perm: *perm,
+                    uid,
+                    gid,
+                    size: *size,
+                    atime: t,
+                    mtime: t,
+                    ctime: time_from_ns(*ctime_ns),
+                    children,
+                    subdirs,
+                    target: target.clone(),
+                    data: match (kind, hash) {
+                        (Kind::File, Some(h)) => Data::Remote {
+                            hash: h.clone(),
+                            blocks: blocks.clone(),
+                        },
+                        _ => Data::None,
+                    },
+                    open_handles: 0,
+                    open_writers: 0,
+                    unlinked: false,
+                    links: Vec::new(),
+                    xattrs,
+                });
+                table.insert_child(*parent, name.clone(), *ino);
+            }
             Record::Unlink { parent, name } => unlink_replayed(table, *parent, name),
             Record::Link { ino, parent, name } => {
                 if table.get(*ino).is_none() {
@@ -318,5 +420,63 @@ mod tests {
         f.write_all(b"{\"r\":\"unl").unwrap();
         let recs = Journal::read_all(&p).unwrap();
         assert_eq!(recs.len(), 1);
+    }
+
+    #[test]
+    fn upstream_records_replay_the_delegators_state() {
+        use awcp_protocol::dataplane::{EntryKind, Manifest, ManifestEntry};
+        let file = |path: &str, hash: &str| ManifestEntry {
+            path: path.into(),
+            kind: EntryKind::File,
+            mode: 0o644,
+            size: 1,
+            mtime_ns: 1,
+            hash: Some(hash.into()),
+            blocks: vec![hash.into()],
+            target: None,
+            ino: None,
+            ctime_ns: None,
+        };
+        let m = Manifest {
+            version: 1,
+            export_id: "e".into(),
+            block_size: 8,
+            read_only: false,
+            root_mode: 0o755,
+            root_mtime_ns: 0,
+            entries: vec![file("a", "h1")],
+        };
+        let mut table = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        let a = table.child(super::super::inode::ROOT_INO, "a").unwrap();
+        let mut changed = table.get(a).unwrap().clone();
+        changed.data = Data::Remote {
+            hash: "h2".into(),
+            blocks: vec!["h2".into()],
+        };
+        changed.size = 2;
+        let new_ino = a + 100;
+        let mut created = changed.clone();
+        created.ino = new_ino;
+        created.name = "b".into();
+        let records = vec![Record::upstream(&changed), Record::upstream(&created)];
+        // Through the text form, as recovery reads it.
+        let lines: Vec<Record> = records
+            .iter()
+            .map(|r| serde_json::from_str(&serde_json::to_string(r).unwrap()).unwrap())
+            .collect();
+        replay(&mut table, &lines, 0, 0);
+        let root = super::super::inode::ROOT_INO;
+        let a_now = table.get(table.child(root, "a").unwrap()).unwrap();
+        assert_eq!(
+            a_now.data,
+            Data::Remote {
+                hash: "h2".into(),
+                blocks: vec!["h2".into()]
+            }
+        );
+        assert_eq!(a_now.size, 2);
+        assert_eq!(table.child(root, "b"), Some(new_ino));
+        // New inode numbers stay above the replayed ones.
+        assert!(table.alloc_ino() > new_ino);
     }
 }

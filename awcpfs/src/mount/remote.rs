@@ -395,6 +395,7 @@ mod tests {
             ExportEvent::Lease { state, .. } => {
                 assert_eq!(*state, awcp_protocol::dataplane::LeaseState::Revoked)
             }
+            other => panic!("expected a lease event, got {other:?}"),
         }
     }
 

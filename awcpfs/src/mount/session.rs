@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 
-use awcp_protocol::dataplane::{ExportEvent, LeaseState};
+use awcp_protocol::dataplane::{ExportEvent, LeaseState, ManifestEntry};
 
 use super::error::EndReason;
 use super::fs::{AwcpFs, FsOptions};
@@ -34,6 +34,7 @@ use super::journal::Journal;
 use super::remote::{HttpRemote, Remote, RemoteError, StreamItem};
 use super::stats::{Stats, StatsSnapshot};
 use super::sync::{RoundReport, SyncError, SyncSignal, Syncer};
+use super::upstream::Inval;
 
 /// Everything a mount needs.
 #[derive(Debug, Clone)]
@@ -598,14 +599,20 @@ impl Mount {
                         if self.inner.ending.load(Ordering::SeqCst) {
                             return;
                         }
-                        let StreamItem::Event(ExportEvent::Lease {
-                            state,
-                            remaining_ms,
-                            flush_grace_ms,
-                            ..
-                        }) = item
-                        else {
-                            continue;
+                        let (state, remaining_ms, flush_grace_ms) = match item {
+                            StreamItem::Event(ExportEvent::Lease {
+                                state,
+                                remaining_ms,
+                                flush_grace_ms,
+                                ..
+                            }) => (state, remaining_ms, flush_grace_ms),
+                            StreamItem::Event(ExportEvent::Changed {
+                                entries, removed, ..
+                            }) => {
+                                self.apply_upstream(&entries, &removed);
+                                continue;
+                            }
+                            StreamItem::KeepAlive => continue,
                         };
                         match state {
                             LeaseState::Active => {
@@ -798,6 +805,47 @@ impl Mount {
             }
             if Instant::now() >= deadline {
                 return false;
+            }
+        }
+    }
+
+    /// Show the Delegator's own changes (a `changed` event) where the mount has nothing of
+    /// its own, and make the kernel forget what it cached about them.
+    fn apply_upstream(&self, entries: &[ManifestEntry], removed: &[String]) {
+        if self.inner.fs.fenced().is_some() {
+            return;
+        }
+        let (invals, report) = self.inner.syncer.apply_upstream(entries, removed);
+        self.inner
+            .fs
+            .stats
+            .add_upstream(report.applied as u64, report.kept_local as u64);
+        tracing::info!(
+            applied = report.applied,
+            kept_local = report.kept_local,
+            "Delegator-side changes"
+        );
+        let notifier = match self.inner.session.lock().as_ref() {
+            Some(s) => s.notifier(),
+            None => return,
+        };
+        for inval in invals {
+            // ENOENT: the kernel had nothing cached for it.
+            let r = match &inval {
+                Inval::Inode(ino) => notifier.inval_inode(fuser::INodeNo(*ino), 0, -1),
+                Inval::Entry(parent, name) => {
+                    notifier.inval_entry(fuser::INodeNo(*parent), std::ffi::OsStr::new(name))
+                }
+                Inval::Delete(parent, child, name) => notifier.delete(
+                    fuser::INodeNo(*parent),
+                    fuser::INodeNo(*child),
+                    std::ffi::OsStr::new(name),
+                ),
+            };
+            if let Err(e) = r
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::debug!(error = %e, ?inval, "kernel invalidation failed");
             }
         }
     }

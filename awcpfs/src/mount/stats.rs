@@ -58,6 +58,8 @@ pub struct Stats {
     cache_hits: AtomicU64,
     cache_misses: AtomicU64,
     bytes_from_cache: AtomicU64,
+    upstream_applied: AtomicU64,
+    upstream_kept_local: AtomicU64,
     conflicts: Mutex<Vec<Conflict>>,
     last_sync_error: Mutex<Option<String>>,
 }
@@ -91,6 +93,12 @@ pub struct StatsSnapshot {
     /// Content bytes served by the block cache (included in `bytesFetched`).
     #[serde(default)]
     pub bytes_from_cache: u64,
+    /// Delegator-side changes shown on the mount (paths updated, created or removed).
+    #[serde(default)]
+    pub upstream_applied: u64,
+    /// Delegator-side changes not shown because the mount has its own change there.
+    #[serde(default)]
+    pub upstream_kept_local: u64,
     /// FUSE requests served, by operation (operations never requested are left out).
     pub ops: BTreeMap<String, u64>,
     /// Changes the export kept beside instead of applying.
@@ -137,6 +145,13 @@ impl Stats {
         self.renewals.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Count Delegator-side changes: shown, and kept local.
+    pub fn add_upstream(&self, applied: u64, kept_local: u64) {
+        self.upstream_applied.fetch_add(applied, Ordering::Relaxed);
+        self.upstream_kept_local
+            .fetch_add(kept_local, Ordering::Relaxed);
+    }
+
     /// Count an open served with FUSE passthrough.
     pub fn add_passthrough_open(&self) {
         self.passthrough_opens.fetch_add(1, Ordering::Relaxed);
@@ -162,6 +177,8 @@ impl Stats {
             cache_hits: self.cache_hits.load(Ordering::Relaxed),
             cache_misses: self.cache_misses.load(Ordering::Relaxed),
             bytes_from_cache: self.bytes_from_cache.load(Ordering::Relaxed),
+            upstream_applied: self.upstream_applied.load(Ordering::Relaxed),
+            upstream_kept_local: self.upstream_kept_local.load(Ordering::Relaxed),
             ops: OPS
                 .iter()
                 .zip(&self.ops)

@@ -293,7 +293,7 @@ struct Hashed {
 /// The write-back engine of one mount.
 pub struct Syncer {
     fs: Arc<AwcpFs>,
-    synced: Mutex<HashMap<String, Synced>>,
+    pub(super) synced: Mutex<HashMap<String, Synced>>,
     log: Option<SyncedLog>,
     seq: AtomicU64,
     instance: String,
@@ -360,6 +360,23 @@ impl Syncer {
             log: None,
             seq: AtomicU64::new(0),
             instance: hex::encode(rand::random::<[u8; 8]>()),
+        }
+    }
+
+    /// The filesystem this syncer writes back.
+    pub(super) fn fs(&self) -> &AwcpFs {
+        &self.fs
+    }
+
+    /// Append to `synced.log` (if this syncer keeps one).
+    pub(super) fn log_synced(&self, records: &[SyncedRecord]) {
+        if records.is_empty() {
+            return;
+        }
+        if let Some(log) = &self.log
+            && let Err(e) = log.append(records)
+        {
+            tracing::warn!(error = %e, "cannot append to synced.log");
         }
     }
 

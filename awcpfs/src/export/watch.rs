@@ -1,0 +1,517 @@
+//! The Delegator's own changes during a lease: seen, described, and told to mounts.
+//!
+//! A watcher thread per export (inotify through the `notify` crate, recursive) collects the
+//! paths that changed, waits [`DEBOUNCE`] for a burst to settle, then describes each path as
+//! the manifest would (a new directory with its whole subtree; files hashed, the hash cache
+//! used) and compares it with what the export last told its mounts ([`ChangeFeed`]'s
+//! `known` state: the manifest, plus every change since). What differs becomes an
+//! [`ExportEvent::Changed`] on `GET /events`, and the new blocks join the block index so a
+//! mount can fetch the new content.
+//!
+//! The export's own commits are not reported back as Delegator changes: a commit records
+//! what it wrote (its state, and the `stat` stamp of the file it left) before the watcher
+//! sees the event, and a path whose stamp still matches is skipped without being read.
+//! Conflict copies (`kept_as`) are new to the mount and are reported.
+//!
+//! Directory modification times are not compared (every create in a directory changes
+//! them); a directory is reported when it appears, disappears or changes mode.
+//!
+//! Limits: changes made between the manifest walk and the start of the watch are not seen;
+//! if the kernel's event queue overflows, the whole tree is walked again and compared.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use awcp_protocol::dataplane::{Change, Conflict, EntryKind, ExportEvent, Manifest, ManifestEntry};
+use nix::fcntl::AtFlags;
+use nix::sys::stat::fstatat;
+use parking_lot::Mutex;
+
+use super::Export;
+use super::hashcache::HashCache;
+use super::manifest::{self, ManifestParams};
+use super::rootfs::RootDir;
+use super::store::{Stamp, TMP_PREFIX};
+
+/// How long a burst of changes may go on before it is described.
+pub(crate) const DEBOUNCE: Duration = Duration::from_millis(50);
+/// Most entries in one `changed` event (larger changes are split).
+pub(crate) const MAX_EVENT_ENTRIES: usize = 1024;
+
+/// What a mount needs to know changed about a path (no inode number, no ctime, and no
+/// modification time for directories).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Sig {
+    kind: EntryKind,
+    mode: u32,
+    size: u64,
+    mtime_ns: i64,
+    /// Content hash (files) or target (symlinks).
+    content: Option<String>,
+}
+
+impl Sig {
+    fn of(e: &ManifestEntry) -> Sig {
+        match e.kind {
+            EntryKind::Dir => Sig {
+                kind: e.kind,
+                mode: e.mode & 0o7777,
+                size: 0,
+                mtime_ns: 0,
+                content: None,
+            },
+            EntryKind::File => Sig {
+                kind: e.kind,
+                mode: e.mode & 0o7777,
+                size: e.size,
+                mtime_ns: e.mtime_ns,
+                content: e.hash.clone(),
+            },
+            EntryKind::Symlink => Sig {
+                kind: e.kind,
+                mode: 0,
+                size: 0,
+                mtime_ns: 0,
+                content: e.target.clone(),
+            },
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct FeedState {
+    /// Bumped once per batch of recorded changes.
+    seq: u64,
+    /// What mounts were told each path is (the manifest, then every change since).
+    known: HashMap<String, Sig>,
+    /// Files the export's own commits left, by the stamp they had right after.
+    own: HashMap<String, Stamp>,
+    /// Every path changed since registration: the batch it changed in and what it is now
+    /// (`None`: removed, with its subtree).
+    changed: HashMap<String, (u64, Option<ManifestEntry>)>,
+}
+
+/// The record of one export's changes since registration, and the signal that there are
+/// new ones.
+#[derive(Debug)]
+pub(crate) struct ChangeFeed {
+    /// Held by a commit while it writes and by the watcher while it describes, so the
+    /// watcher sees a commit's files only once they are noted as the export's own.
+    pub(crate) quiet: Mutex<()>,
+    state: Mutex<FeedState>,
+    tx: tokio::sync::watch::Sender<u64>,
+}
+
+impl ChangeFeed {
+    /// A feed whose starting point is `manifest`.
+    pub(crate) fn new(manifest: &Manifest) -> ChangeFeed {
+        let known = manifest
+            .entries
+            .iter()
+            .map(|e| (e.path.clone(), Sig::of(e)))
+            .collect();
+        ChangeFeed {
+            quiet: Mutex::new(()),
+            // 1, so that a stream starting from 0 gets even the commits recorded before
+            // the first Delegator-side change (see `note_commit`).
+            state: Mutex::new(FeedState {
+                seq: 1,
+                known,
+                ..FeedState::default()
+            }),
+            tx: tokio::sync::watch::channel(0).0,
+        }
+    }
+
+    /// Woken with the latest sequence number whenever changes are recorded.
+    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.tx.subscribe()
+    }
+
+    /// Every change recorded after batch `since` (the latest per path), as events of at
+    /// most [`MAX_EVENT_ENTRIES`] entries, and the sequence number they reach.
+    pub(crate) fn since(&self, since: u64) -> (Vec<ExportEvent>, u64) {
+        let st = self.state.lock();
+        let mut entries: Vec<ManifestEntry> = Vec::new();
+        let mut removed: Vec<String> = Vec::new();
+        for (path, (seq, e)) in &st.changed {
+            if *seq <= since {
+                continue;
+            }
+            match e {
+                Some(e) => entries.push(e.clone()),
+                None => removed.push(path.clone()),
+            }
+        }
+        let seq = st.seq;
+        drop(st);
+        // Parents before children, and removals (deepest first) before anything new.
+        entries.sort_unstable_by(|a, b| a.path.cmp(&b.path));
+        removed.sort_unstable_by(|a, b| b.cmp(a));
+        let mut events = Vec::new();
+        let mut removed = removed.into_iter().peekable();
+        let mut entries = entries.into_iter().peekable();
+        while removed.peek().is_some() || entries.peek().is_some() {
+            let r: Vec<String> = removed.by_ref().take(MAX_EVENT_ENTRIES).collect();
+            let room = MAX_EVENT_ENTRIES - r.len();
+            let e: Vec<ManifestEntry> = entries.by_ref().take(room).collect();
+            events.push(ExportEvent::Changed {
+                seq,
+                entries: e,
+                removed: r,
+            });
+        }
+        (events, seq)
+    }
+
+    /// What a path is known as, if anything.
+    fn known_kind(&self, path: &str) -> Option<EntryKind> {
+        self.state.lock().known.get(path).map(|s| s.kind)
+    }
+
+    /// Whether `path` is still exactly as a commit of ours left it (and forget that).
+    fn take_own(&self, path: &str, stamp: Option<Stamp>) -> bool {
+        let mut st = self.state.lock();
+        match (st.own.remove(path), stamp) {
+            (Some(own), Some(now)) => own == now,
+            _ => false,
+        }
+    }
+
+    /// Compare what was found with what is known; record and announce the differences.
+    /// `absent` paths that are known are removed with their subtrees.
+    fn record(&self, present: Vec<ManifestEntry>, absent: &[String]) -> usize {
+        let mut st = self.state.lock();
+        let seq = st.seq + 1;
+        let mut n = 0;
+        for path in absent {
+            if st.known.remove(path).is_none() {
+                continue;
+            }
+            let prefix = format!("{path}/");
+            st.known.retain(|p, _| !p.starts_with(&prefix));
+            st.changed.retain(|p, _| !p.starts_with(&prefix));
+            st.changed.insert(path.clone(), (seq, None));
+            n += 1;
+        }
+        for e in present {
+            let sig = Sig::of(&e);
+            if st.known.get(&e.path) == Some(&sig) {
+                continue;
+            }
+            if st.known.get(&e.path).map(|s| s.kind) == Some(EntryKind::Dir)
+                && e.kind != EntryKind::Dir
+            {
+                // A directory replaced by a file: its old subtree is gone.
+                let prefix = format!("{}/", e.path);
+                st.known.retain(|p, _| !p.starts_with(&prefix));
+                st.changed.retain(|p, _| !p.starts_with(&prefix));
+            }
+            st.known.insert(e.path.clone(), sig);
+            st.changed.insert(e.path.clone(), (seq, Some(e)));
+            n += 1;
+        }
+        if n > 0 {
+            st.seq = seq;
+            drop(st);
+            self.tx.send_replace(seq);
+        }
+        n
+    }
+
+    /// A commit applied `changes` (except the conflicting ones) to the tree: remember what
+    /// it left so the watcher does not report it back, and so a mount that reconnects is
+    /// not handed an older Delegator-side state of those paths.
+    pub(crate) fn note_commit(&self, root: &RootDir, changes: &[Change], conflicts: &[Conflict]) {
+        let stamp_of = |path: &str| {
+            let (dir, name) = root.open_parent(path).ok()?;
+            fstatat(&dir, name, AtFlags::AT_SYMLINK_NOFOLLOW)
+                .ok()
+                .map(|st| Stamp::of(&st))
+        };
+        let mut st = self.state.lock();
+        // Recorded in the current batch, not a new one: streams already past it (the
+        // committing mount's) do not get their own changes back; a stream that connects
+        // later does.
+        let seq = st.seq;
+        for c in changes {
+            let path = c.path();
+            if conflicts.iter().any(|k| k.path == path) {
+                continue;
+            }
+            let stamp = stamp_of(path);
+            let entry = match c {
+                Change::Mkdir { mode, .. } => Some(ManifestEntry {
+                    path: path.to_owned(),
+                    kind: EntryKind::Dir,
+                    mode: *mode & 0o7777,
+                    size: 0,
+                    mtime_ns: stamp.map_or(0, |s| s.mtime_ns),
+                    hash: None,
+                    blocks: Vec::new(),
+                    target: None,
+                    ino: stamp.map(|s| s.ino),
+                    ctime_ns: stamp.map(|s| s.ctime_ns),
+                }),
+                Change::Write {
+                    mode,
+                    hash,
+                    size,
+                    blocks,
+                    mtime_ns,
+                    ..
+                } => Some(ManifestEntry {
+                    path: path.to_owned(),
+                    kind: EntryKind::File,
+                    mode: *mode & 0o7777,
+                    size: *size,
+                    mtime_ns: *mtime_ns,
+                    hash: Some(hash.clone()),
+                    blocks: blocks.clone(),
+                    target: None,
+                    ino: stamp.map(|s| s.ino),
+                    ctime_ns: stamp.map(|s| s.ctime_ns),
+                }),
+                Change::Symlink { target, .. } => Some(ManifestEntry {
+                    path: path.to_owned(),
+                    kind: EntryKind::Symlink,
+                    mode: 0o777,
+                    size: target.len() as u64,
+                    mtime_ns: stamp.map_or(0, |s| s.mtime_ns),
+                    hash: None,
+                    blocks: Vec::new(),
+                    target: Some(target.clone()),
+                    ino: stamp.map(|s| s.ino),
+                    ctime_ns: stamp.map(|s| s.ctime_ns),
+                }),
+                Change::Chmod { mode, mtime_ns, .. } => {
+                    match st.changed.get(path).and_then(|(_, e)| e.clone()) {
+                        Some(mut e) => {
+                            e.mode = *mode & 0o7777;
+                            if let Some(t) = mtime_ns {
+                                e.mtime_ns = *t;
+                            }
+                            Some(e)
+                        }
+                        None => {
+                            // Not changed before: only the known state moves.
+                            if let Some(k) = st.known.get_mut(path) {
+                                k.mode = *mode & 0o7777;
+                                if let (Some(t), EntryKind::File) = (mtime_ns, k.kind) {
+                                    k.mtime_ns = *t;
+                                }
+                            }
+                            if let Some(s) = stamp {
+                                st.own.insert(path.to_owned(), s);
+                            }
+                            continue;
+                        }
+                    }
+                }
+                Change::Unlink { .. } | Change::Rmdir { .. } => None,
+            };
+            match entry {
+                Some(e) => {
+                    st.known.insert(path.to_owned(), Sig::of(&e));
+                    st.changed.insert(path.to_owned(), (seq, Some(e)));
+                    if let Some(s) = stamp {
+                        st.own.insert(path.to_owned(), s);
+                    }
+                }
+                None => {
+                    if st.known.remove(path).is_some() {
+                        let prefix = format!("{path}/");
+                        st.known.retain(|p, _| !p.starts_with(&prefix));
+                    }
+                    st.changed.insert(path.to_owned(), (seq, None));
+                    st.own.remove(path);
+                }
+            }
+        }
+    }
+}
+
+/// Start watching `export`'s tree on a thread of its own; it stops when the export is
+/// dropped or its lease is no longer active.
+pub(crate) fn spawn(export: &Arc<Export>, cache: Option<Arc<HashCache>>) {
+    let weak = Arc::downgrade(export);
+    let root = export.root().to_path_buf();
+    let id = export.id().to_owned();
+    let spawned = std::thread::Builder::new()
+        .name("awcpfs-watch".into())
+        .spawn(move || {
+            if let Err(e) = watch(&weak, &root, cache.as_deref()) {
+                tracing::warn!(export = %id, error = %e,
+                    "cannot watch the exported tree: Delegator-side changes will not reach mounts");
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the export's watcher thread");
+    }
+}
+
+/// Paths collected from the kernel's events, and whether the whole tree must be walked.
+#[derive(Debug, Default)]
+struct Pending {
+    paths: Vec<String>,
+    rescan: bool,
+}
+
+impl Pending {
+    fn add(&mut self, root: &Path, event: notify::Result<notify::Event>) {
+        let event = match event {
+            Ok(ev) => ev,
+            Err(e) => {
+                tracing::debug!(error = %e, "watch error: walking the tree again");
+                self.rescan = true;
+                return;
+            }
+        };
+        if event.need_rescan() {
+            self.rescan = true;
+        }
+        for p in event.paths {
+            let Ok(rel) = p.strip_prefix(root) else {
+                continue;
+            };
+            let Some(rel) = rel.to_str() else { continue };
+            if rel.is_empty() || rel.split('/').any(|c| c.starts_with(TMP_PREFIX)) {
+                continue;
+            }
+            self.paths.push(rel.to_owned());
+        }
+    }
+}
+
+fn watch(weak: &Weak<Export>, root: &Path, cache: Option<&HashCache>) -> notify::Result<()> {
+    use notify::Watcher;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut watcher = notify::recommended_watcher(move |ev| {
+        let _ = tx.send(ev);
+    })?;
+    watcher.watch(root, notify::RecursiveMode::Recursive)?;
+    tracing::debug!(root = %root.display(), "watching the exported tree");
+    loop {
+        let first = match rx.recv_timeout(Duration::from_millis(500)) {
+            Ok(ev) => Some(ev),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+        };
+        let Some(export) = weak.upgrade() else {
+            return Ok(());
+        };
+        if export.lease().check_access().is_err() {
+            return Ok(());
+        }
+        let Some(first) = first else { continue };
+        let mut pending = Pending::default();
+        pending.add(root, first);
+        let until = Instant::now() + DEBOUNCE;
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            match rx.recv_timeout(left) {
+                Ok(ev) => pending.add(root, ev),
+                Err(_) => break,
+            }
+        }
+        let n = {
+            let _quiet = export.feed.quiet.lock();
+            process(&export, cache, pending)
+        };
+        if n > 0 {
+            tracing::debug!(export = %export.id(), changes = n, "Delegator-side changes");
+        }
+    }
+}
+
+fn params_of(export: &Export) -> ManifestParams {
+    ManifestParams {
+        export_id: export.id().to_owned(),
+        block_size: export.block_size(),
+        read_only: export.read_only(),
+        filter: export.filter.clone(),
+    }
+}
+
+/// Describe what changed and record it; returns how many paths changed.
+fn process(export: &Export, cache: Option<&HashCache>, mut pending: Pending) -> usize {
+    let root = &export.blocks.root;
+    let params = params_of(export);
+    let feed = &export.feed;
+    if pending.rescan {
+        let built = match manifest::build(root, &params, cache) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot walk the exported tree again");
+                return 0;
+            }
+        };
+        let present: std::collections::HashSet<&str> = built
+            .manifest
+            .entries
+            .iter()
+            .map(|e| e.path.as_str())
+            .collect();
+        let absent: Vec<String> = feed
+            .state
+            .lock()
+            .known
+            .keys()
+            .filter(|p| !present.contains(p.as_str()))
+            .cloned()
+            .collect();
+        drop(present);
+        export.blocks.index.write().merge(built.index);
+        return feed.record(built.manifest.entries, &absent);
+    }
+    pending.paths.sort_unstable();
+    pending.paths.dedup();
+    let mut ask: Vec<(String, bool)> = Vec::with_capacity(pending.paths.len());
+    for rel in pending.paths {
+        if awcp_protocol::dataplane::validate_rel_path(&rel).is_err() {
+            continue;
+        }
+        if let Some(filter) = &export.filter
+            && !rel
+                .match_indices('/')
+                .all(|(end, _)| (filter.0)(&rel[..end], true))
+        {
+            continue;
+        }
+        let stamp = root.open_parent(&rel).ok().and_then(|(dir, name)| {
+            fstatat(&dir, name, AtFlags::AT_SYMLINK_NOFOLLOW)
+                .ok()
+                .map(|st| Stamp::of(&st))
+        });
+        if feed.take_own(&rel, stamp) {
+            continue;
+        }
+        let deep = feed.known_kind(&rel) != Some(EntryKind::Dir);
+        ask.push((rel, deep));
+    }
+    if ask.is_empty() {
+        return 0;
+    }
+    let built = match manifest::describe(root, &params, cache, &ask) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot describe changed paths");
+            return 0;
+        }
+    };
+    let found: std::collections::HashSet<&str> = built
+        .manifest
+        .entries
+        .iter()
+        .map(|e| e.path.as_str())
+        .collect();
+    let absent: Vec<String> = ask
+        .iter()
+        .filter(|(p, _)| !found.contains(p.as_str()))
+        .map(|(p, _)| p.clone())
+        .collect();
+    drop(found);
+    export.blocks.index.write().merge(built.index);
+    feed.record(built.manifest.entries, &absent)
+}

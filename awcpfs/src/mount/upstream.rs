@@ -1,0 +1,439 @@
+//! The Delegator's own changes, shown on a running mount.
+//!
+//! The export watches its tree and sends `changed` events on its event stream (see the
+//! export's `watch` module). The mount applies each changed path only where it has nothing
+//! of its own to write back there: a path is *clean* when the node is exactly what the
+//! syncer last knew the export to have (`synced`: same kind, content hash, mode, modification
+//! time, attributes or target, and, for a file, not open for writing). A clean path takes
+//! the Delegator's new state — metadata at once, content fetched on the next open — and the
+//! syncer's record moves with it, so nothing is written back. A path with local changes
+//! keeps them: the write-back that follows meets the Delegator's change and becomes a
+//! conflict as before (both versions kept). Files with several names (hard links) are left
+//! alone.
+//!
+//! Every applied change is journaled ([`Record::Upstream`], [`Record::Unlink`]) and logged
+//! to `synced.log`, so crash recovery rebuilds the same tree and does not mistake the
+//! Delegator's change for one of ours. The kernel is told after the tables are unlocked
+//! ([`Inval`]): cached attributes and pages of changed files, and cached names, including
+//! negative ones, of new and removed entries.
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use awcp_protocol::dataplane::{EntryKind, ManifestEntry};
+
+use super::inode::{Data, Ino, InodeTable, Kind, Node, ROOT_INO, time_from_ns, time_to_ns};
+use super::journal::Record;
+use super::sync::{Synced, SyncedRecord, Syncer};
+
+/// Something the kernel must forget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inval {
+    /// Attributes and cached pages of an inode.
+    Inode(Ino),
+    /// A name in a directory (it may be cached as absent).
+    Entry(Ino, String),
+    /// A name removed from a directory, and the inode it named.
+    Delete(Ino, Ino, String),
+}
+
+/// What one batch of Delegator-side changes did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct UpstreamReport {
+    /// Paths updated, created or removed on the mount.
+    pub applied: usize,
+    /// Paths left alone because the mount has its own changes there.
+    pub kept_local: usize,
+}
+
+/// The syncer's view of a path's node, as it would record it after a commit.
+fn state_of(n: &Node) -> Option<Synced> {
+    let xattrs = || {
+        n.xattrs
+            .iter()
+            .map(|(k, v)| (k.clone(), hex::encode(v)))
+            .collect()
+    };
+    match n.kind {
+        Kind::Dir => Some(Synced::Dir {
+            mode: u32::from(n.perm),
+            xattrs: xattrs(),
+        }),
+        Kind::Symlink => Some(Synced::Symlink {
+            target: n.target.clone().unwrap_or_default(),
+        }),
+        Kind::File => {
+            let hash = match &n.data {
+                Data::Remote { hash, .. } => hash.clone(),
+                Data::Local {
+                    dirty: false,
+                    hash: Some(h),
+                    ..
+                } => h.clone(),
+                _ => return None,
+            };
+            Some(Synced::File {
+                hash,
+                mode: u32::from(n.perm),
+                mtime_ns: Some(time_to_ns(n.mtime)),
+                xattrs: xattrs(),
+            })
+        }
+    }
+}
+
+/// What the syncer should record for an entry the Delegator now has.
+fn state_of_entry(e: &ManifestEntry) -> Synced {
+    match e.kind {
+        EntryKind::Dir => Synced::Dir {
+            mode: e.mode & 0o7777,
+            xattrs: Default::default(),
+        },
+        EntryKind::File => Synced::File {
+            hash: e.hash.clone().unwrap_or_default(),
+            mode: e.mode & 0o7777,
+            mtime_ns: Some(e.mtime_ns),
+            xattrs: Default::default(),
+        },
+        EntryKind::Symlink => Synced::Symlink {
+            target: e.target.clone().unwrap_or_default(),
+        },
+    }
+}
+
+/// Whether two syncer states agree on what a mount must show (a state logged before
+/// modification times were recorded matches any time).
+fn same_state(a: &Synced, b: &Synced) -> bool {
+    match (a, b) {
+        (
+            Synced::File {
+                hash: h1,
+                mode: m1,
+                mtime_ns: t1,
+                xattrs: x1,
+            },
+            Synced::File {
+                hash: h2,
+                mode: m2,
+                mtime_ns: t2,
+                xattrs: x2,
+            },
+        ) => h1 == h2 && m1 == m2 && x1 == x2 && (t1.is_none() || t2.is_none() || t1 == t2),
+        _ => a == b,
+    }
+}
+
+/// The node at `path`, resolved from the root.
+fn resolve(table: &InodeTable, path: &str) -> Option<Ino> {
+    let mut ino = ROOT_INO;
+    for comp in path.split('/') {
+        ino = table.child(ino, comp)?;
+    }
+    Some(ino)
+}
+
+/// `path`'s node and every node below it, with their paths, parents first.
+fn subtree(table: &InodeTable, path: &str, ino: Ino) -> Vec<(String, Ino)> {
+    let mut out = vec![(path.to_owned(), ino)];
+    let mut i = 0;
+    while i < out.len() {
+        let (p, n) = out[i].clone();
+        if let Some(node) = table.get(n) {
+            for (name, child) in &node.children {
+                out.push((format!("{p}/{name}"), *child));
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Whether every node in `nodes` is exactly what `synced` says the export has, not open
+/// for writing, and has one name.
+fn all_clean(
+    table: &InodeTable,
+    synced: &HashMap<String, Synced>,
+    nodes: &[(String, Ino)],
+) -> bool {
+    nodes.iter().all(|(path, ino)| {
+        let Some(n) = table.get(*ino) else {
+            return false;
+        };
+        if n.open_writers > 0 || !n.links.is_empty() {
+            return false;
+        }
+        match (state_of(n), synced.get(path)) {
+            (Some(now), Some(known)) => same_state(&now, known),
+            _ => false,
+        }
+    })
+}
+
+impl Syncer {
+    /// Apply one `changed` event; returns what the kernel must forget and what was done.
+    pub fn apply_upstream(
+        &self,
+        entries: &[ManifestEntry],
+        removed: &[String],
+    ) -> (Vec<Inval>, UpstreamReport) {
+        let mut synced = self.synced.lock();
+        let fs = self.fs();
+        let mut table = fs.table.lock();
+        let mut invals = Vec::new();
+        let mut records: Vec<Record> = Vec::new();
+        let mut logged: Vec<SyncedRecord> = Vec::new();
+        let mut report = UpstreamReport::default();
+
+        for path in removed {
+            if awcp_protocol::dataplane::validate_rel_path(path).is_err() {
+                continue;
+            }
+            match resolve(&table, path) {
+                None => {
+                    // Gone here too (removed or moved away locally): the syncer must not
+                    // send a removal the Delegator already made.
+                    forget(&mut synced, &mut logged, path);
+                }
+                Some(ino) => {
+                    let nodes = subtree(&table, path, ino);
+                    if !all_clean(&table, &synced, &nodes) {
+                        report.kept_local += 1;
+                        continue;
+                    }
+                    remove_subtree(fs, &mut table, &nodes, &mut records, &mut invals);
+                    forget(&mut synced, &mut logged, path);
+                    report.applied += 1;
+                }
+            }
+        }
+
+        for e in entries {
+            if awcp_protocol::dataplane::validate_rel_path(&e.path).is_err() {
+                continue;
+            }
+            let (parent_path, name) = match e.path.rsplit_once('/') {
+                Some((p, n)) => (Some(p), n),
+                None => (None, e.path.as_str()),
+            };
+            let parent = match parent_path {
+                None => Some(ROOT_INO),
+                Some(p) => resolve(&table, p),
+            };
+            let Some(parent) =
+                parent.filter(|p| table.get(*p).is_some_and(|n| n.kind == Kind::Dir))
+            else {
+                // The directory is gone here (or never came): the entry has nowhere to go.
+                report.kept_local += 1;
+                continue;
+            };
+            let want = state_of_entry(e);
+            match table.child(parent, name) {
+                None => {
+                    if synced.contains_key(&e.path) {
+                        // Removed or renamed away here: that change is still to be written
+                        // back (and meets the Delegator's as a conflict).
+                        report.kept_local += 1;
+                        continue;
+                    }
+                    create(
+                        &mut table,
+                        parent,
+                        name,
+                        e,
+                        &mut records,
+                        &mut invals,
+                        fs.options(),
+                    );
+                }
+                Some(ino) => {
+                    let Some(node) = table.get(ino) else { continue };
+                    if node.kind == Kind::from(e.kind)
+                        && state_of(node).is_some_and(|s| same_state(&s, &want))
+                    {
+                        // Already so (our own write-back, or a repeat after a reconnect).
+                        if synced.get(&e.path) != Some(&want) {
+                            synced.insert(e.path.clone(), want.clone());
+                            logged.push(SyncedRecord {
+                                path: e.path.clone(),
+                                state: Some(want),
+                            });
+                        }
+                        continue;
+                    }
+                    let nodes = if node.kind == Kind::Dir {
+                        vec![(e.path.clone(), ino)]
+                    } else {
+                        subtree(&table, &e.path, ino)
+                    };
+                    if !all_clean(&table, &synced, &nodes) {
+                        report.kept_local += 1;
+                        continue;
+                    }
+                    if node.kind == Kind::from(e.kind) {
+                        update(fs, &mut table, ino, e, &mut records);
+                        invals.push(Inval::Inode(ino));
+                    } else {
+                        let all = subtree(&table, &e.path, ino);
+                        if !all_clean(&table, &synced, &all) {
+                            report.kept_local += 1;
+                            continue;
+                        }
+                        remove_subtree(fs, &mut table, &all, &mut records, &mut invals);
+                        forget(&mut synced, &mut logged, &e.path);
+                        create(
+                            &mut table,
+                            parent,
+                            name,
+                            e,
+                            &mut records,
+                            &mut invals,
+                            fs.options(),
+                        );
+                    }
+                }
+            }
+            synced.insert(e.path.clone(), want.clone());
+            logged.push(SyncedRecord {
+                path: e.path.clone(),
+                state: Some(want),
+            });
+            report.applied += 1;
+        }
+        drop(table);
+        if let Err(e) = fs.journal(&records) {
+            tracing::warn!(error = %e, "cannot journal the Delegator's changes");
+        }
+        self.log_synced(&logged);
+        (invals, report)
+    }
+}
+
+/// Drop `path` and everything below it from the syncer's record.
+fn forget(synced: &mut HashMap<String, Synced>, logged: &mut Vec<SyncedRecord>, path: &str) {
+    let prefix = format!("{path}/");
+    let gone: Vec<String> = synced
+        .keys()
+        .filter(|p| *p == path || p.starts_with(&prefix))
+        .cloned()
+        .collect();
+    for p in gone {
+        synced.remove(&p);
+        logged.push(SyncedRecord {
+            path: p,
+            state: None,
+        });
+    }
+}
+
+/// Remove the nodes of a subtree (given parents first), deepest first.
+fn remove_subtree(
+    fs: &super::fs::AwcpFs,
+    table: &mut InodeTable,
+    nodes: &[(String, Ino)],
+    records: &mut Vec<Record>,
+    invals: &mut Vec<Inval>,
+) {
+    for (_, ino) in nodes.iter().rev() {
+        let Some((parent, name)) = table.get(*ino).map(|n| (n.parent, n.name.clone())) else {
+            continue;
+        };
+        fs.remove_dentry(table, parent, &name);
+        records.push(Record::Unlink {
+            parent,
+            name: name.clone(),
+        });
+        if let Some((_, top)) = nodes.first()
+            && top == ino
+        {
+            invals.push(Inval::Delete(parent, *ino, name));
+        }
+    }
+}
+
+/// A new node for an entry the Delegator created.
+fn create(
+    table: &mut InodeTable,
+    parent: Ino,
+    name: &str,
+    e: &ManifestEntry,
+    records: &mut Vec<Record>,
+    invals: &mut Vec<Inval>,
+    opts: &super::fs::FsOptions,
+) {
+    let ino = table.alloc_ino();
+    let t = time_from_ns(e.mtime_ns);
+    let kind = Kind::from(e.kind);
+    let node = Node {
+        ino,
+        parent,
+        name: name.to_owned(),
+        kind,
+        perm: (e.mode & 0o7777) as u16,
+        uid: opts.uid,
+        gid: opts.gid,
+        size: e.size,
+        atime: t,
+        mtime: t,
+        ctime: e.ctime_ns.map_or(t, time_from_ns),
+        children: Default::default(),
+        subdirs: 0,
+        target: e.target.clone(),
+        data: match kind {
+            Kind::File => Data::Remote {
+                hash: e.hash.clone().unwrap_or_default(),
+                blocks: e.blocks.clone(),
+            },
+            _ => Data::None,
+        },
+        open_handles: 0,
+        open_writers: 0,
+        unlinked: false,
+        links: Vec::new(),
+        xattrs: Default::default(),
+    };
+    records.push(Record::upstream(&node));
+    table.insert(node);
+    table.insert_child(parent, name.to_owned(), ino);
+    if let Some(p) = table.get_mut(parent) {
+        p.mtime = SystemTime::now();
+        p.ctime = p.mtime;
+    }
+    invals.push(Inval::Entry(parent, name.to_owned()));
+}
+
+/// Give an existing, clean node the entry's state; its content is fetched again on the
+/// next open.
+fn update(
+    fs: &super::fs::AwcpFs,
+    table: &mut InodeTable,
+    ino: Ino,
+    e: &ManifestEntry,
+    records: &mut Vec<Record>,
+) {
+    let Some(n) = table.get_mut(ino) else { return };
+    let t = time_from_ns(e.mtime_ns);
+    n.perm = (e.mode & 0o7777) as u16;
+    n.ctime = e.ctime_ns.map_or_else(SystemTime::now, time_from_ns);
+    match n.kind {
+        Kind::File => {
+            let had_local = matches!(n.data, Data::Local { .. });
+            n.size = e.size;
+            n.mtime = t;
+            n.data = Data::Remote {
+                hash: e.hash.clone().unwrap_or_default(),
+                blocks: e.blocks.clone(),
+            };
+            if had_local {
+                // Open readers keep the old content through their descriptors.
+                let _ = std::fs::remove_file(fs.upper_path(ino));
+            }
+        }
+        Kind::Symlink => {
+            n.target = e.target.clone();
+            n.size = e.target.as_ref().map_or(0, |t| t.len() as u64);
+            n.mtime = t;
+        }
+        Kind::Dir => {}
+    }
+    records.push(Record::upstream(n));
+}
