@@ -388,9 +388,14 @@ impl Pending {
 fn watch(weak: &Weak<Export>, root: &Path, cache: Option<&HashCache>) -> notify::Result<()> {
     use notify::Watcher;
     let (tx, rx) = std::sync::mpsc::channel();
-    let mut watcher = notify::recommended_watcher(move |ev| {
-        let _ = tx.send(ev);
-    })?;
+    // Symlinks are never followed: one pointing at `/` would otherwise put the whole
+    // machine under watch (the export never follows them either).
+    let mut watcher = notify::RecommendedWatcher::new(
+        move |ev| {
+            let _ = tx.send(ev);
+        },
+        notify::Config::default().with_follow_symlinks(false),
+    )?;
     watcher.watch(root, notify::RecursiveMode::Recursive)?;
     tracing::debug!(root = %root.display(), "watching the exported tree");
     loop {
