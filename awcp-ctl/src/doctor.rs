@@ -130,7 +130,48 @@ pub fn local() -> Vec<Check> {
             None,
         )),
     }
+    out.push(inotify_watches(
+        std::fs::read_to_string("/proc/sys/fs/inotify/max_user_watches")
+            .ok()
+            .and_then(|s| s.trim().parse().ok()),
+    ));
     out
+}
+
+/// Fewest inotify watches per user before a Delegator's watch of a larger workspace (one
+/// watch per directory) is likely to fail.
+const MIN_INOTIFY_WATCHES: u64 = 65_536;
+
+/// The daemon watches every delegated directory (one inotify watch per directory).
+fn inotify_watches(limit: Option<u64>) -> Check {
+    const NAME: &str = "inotify watches";
+    const FIX: &str = "sysctl -w fs.inotify.max_user_watches=1048576 (and set it in \
+                       /etc/sysctl.d/ to keep it)";
+    match limit {
+        Some(n) if n >= MIN_INOTIFY_WATCHES => check(
+            NAME,
+            Status::Ok,
+            format!("up to {n} watched directories per user (Delegator-side changes reach mounts)"),
+            None,
+        ),
+        Some(n) => check(
+            NAME,
+            Status::Warn,
+            format!(
+                "only {n} watched directories per user: a daemon delegating larger workspaces \
+                 cannot watch them, and mounts then miss the Delegator's own changes"
+            ),
+            Some(FIX),
+        ),
+        None => check(
+            NAME,
+            Status::Warn,
+            "cannot read fs.inotify.max_user_watches: the daemon may not be able to watch \
+             delegated directories"
+                .into(),
+            Some(FIX),
+        ),
+    }
 }
 
 /// Is the daemon there (and does it take our token)?
@@ -220,5 +261,19 @@ pub async fn executor(url: &str, token: Option<&str>) -> Check {
             format!("cannot reach it: {e}"),
             Some("start `awcp-ctl executor` there, and check --listen and firewalls"),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_low_inotify_limit_is_a_warning_with_a_fix() {
+        let low = inotify_watches(Some(8192));
+        assert_eq!(low.status, Status::Warn);
+        assert!(low.fix.as_deref().unwrap().contains("max_user_watches"));
+        assert_eq!(inotify_watches(Some(1 << 20)).status, Status::Ok);
+        assert_eq!(inotify_watches(None).status, Status::Warn);
     }
 }
