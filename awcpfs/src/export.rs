@@ -76,11 +76,14 @@ impl std::fmt::Debug for PathFilter {
 }
 
 impl PathFilter {
-    /// Whether `path` and every directory above it are visible.
+    /// Whether `path` and every directory above it are visible. A name that is not UTF-8
+    /// is matched with each undecodable byte shown as U+FFFD (so `*` and `?` patterns
+    /// cover it; see [`awcp_protocol::rawname::lossy`]).
     pub fn shows(&self, path: &str, is_dir: bool) -> bool {
+        let path = awcp_protocol::rawname::lossy(path);
         path.match_indices('/')
             .all(|(end, _)| (self.0)(&path[..end], true))
-            && (self.0)(path, is_dir)
+            && (self.0)(&path, is_dir)
     }
 }
 

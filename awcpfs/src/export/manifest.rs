@@ -12,16 +12,26 @@
 //! relative to its parent's descriptor and every file with `openat(O_NOFOLLOW | O_NONBLOCK)`,
 //! so the walk cannot be led outside the root even if the tree changes while it runs.
 //!
-//! Skipped, each with a `warn`: special files (FIFOs, sockets, devices), names and symlink
-//! targets that are not UTF-8, our own temporary names (`.awcp-tmp-*`), entries that
+//! Names and symlink targets are bytes; those that are not UTF-8 are held in their escaped
+//! `String` form (see `awcp_protocol::rawname`) and travel as raw bytes or base64.
+//!
+//! Skipped, each with a `warn`: special files (FIFOs, sockets, devices), our own temporary
+//! names (`.awcp-tmp-*`), entries that
 //! vanish or cannot be read during the walk, and directories deeper than `MAX_DEPTH`.
 //! Only a failure at the root itself fails the build.
 
+use std::collections::BTreeMap;
 use std::io::{self, Read};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Arc;
 
-use awcp_protocol::dataplane::{DATA_PLANE_VERSION, EntryKind, Manifest, ManifestEntry};
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+
+use awcp_protocol::dataplane::{
+    DATA_PLANE_VERSION, EntryKind, MAX_MANIFEST_XATTR_VALUE, Manifest, ManifestEntry,
+};
+use awcp_protocol::rawname;
 use nix::dir::Dir;
 use nix::fcntl::{AtFlags, OFlag, readlinkat};
 use nix::sys::stat::{FileStat, Mode, fstat, fstatat};
@@ -302,37 +312,37 @@ impl Walker<'_> {
             if raw == b"." || raw == b".." {
                 continue;
             }
-            match std::str::from_utf8(raw) {
-                Ok(name) => names.push(name.to_owned()),
-                Err(_) => tracing::warn!(
-                    dir = prefix,
-                    name = %String::from_utf8_lossy(raw),
-                    "skipping a name that is not UTF-8"
-                ),
-            }
+            names.push(raw.to_vec());
         }
+        // Sorted by raw bytes: names that are not UTF-8 among the rest, as `ls` sorts in C.
         names.sort_unstable();
-        for name in names {
-            if name.starts_with(TMP_PREFIX) {
+        for raw in names {
+            if raw.starts_with(TMP_PREFIX.as_bytes()) {
                 continue;
             }
+            // Names that are not UTF-8 are held escaped (see `awcp_protocol::rawname`).
+            let name = rawname::from_bytes(&raw);
             let rel = if prefix.is_empty() {
-                name.clone()
+                name.into_owned()
             } else {
                 format!("{prefix}/{name}")
             };
-            if let Err(e) = self.visit(&dir, &name, &rel, depth) {
+            if let Err(e) = self.visit(&dir, OsStr::from_bytes(&raw), &rel, depth) {
                 tracing::warn!(path = %rel, error = %e, "skipping an entry that cannot be read");
             }
         }
         Ok(())
     }
 
-    fn visit(&mut self, dir: &Dir, name: &str, rel: &str, depth: usize) -> io::Result<()> {
+    fn visit(&mut self, dir: &Dir, name: &OsStr, rel: &str, depth: usize) -> io::Result<()> {
         let st = fstatat(dir.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW)?;
         // Hidden paths are left out (parents were checked on the way down).
         let is_dir = NodeKind::of(&st) == NodeKind::Dir;
-        if self.filter.as_ref().is_some_and(|f| !(f.0)(rel, is_dir)) {
+        if self
+            .filter
+            .as_ref()
+            .is_some_and(|f| !(f.0)(&rawname::lossy(rel), is_dir))
+        {
             return Ok(());
         }
         match NodeKind::of(&st) {
@@ -353,6 +363,7 @@ impl Walker<'_> {
                     target: None,
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
+                    xattrs: user_xattrs(dir.as_fd(), name, rel),
                 });
                 self.hashes.push(None);
                 self.stamps.push(None);
@@ -373,6 +384,7 @@ impl Walker<'_> {
                     target: None,
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
+                    xattrs: user_xattrs(dir.as_fd(), name, rel),
                 });
                 if cached.is_some() {
                     self.hashes.push(cached);
@@ -404,21 +416,21 @@ impl Walker<'_> {
             }
             NodeKind::Symlink => {
                 let target = readlinkat(dir.as_fd(), name)?;
-                let Some(target) = target.to_str() else {
-                    tracing::warn!(path = %rel, "skipping a symlink whose target is not UTF-8");
-                    return Ok(());
-                };
+                let size = target.len() as u64;
+                let target = rawname::from_os(&target);
                 self.entries.push(ManifestEntry {
                     path: rel.to_owned(),
                     kind: EntryKind::Symlink,
                     mode: perm(&st),
-                    size: target.len() as u64,
+                    size,
                     mtime_ns: mtime_ns(&st),
                     hash: None,
                     blocks: Vec::new(),
-                    target: Some(target.to_owned()),
+                    target: Some(target.into_owned()),
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
+                    // Linux allows no user.* attributes on a symlink.
+                    xattrs: BTreeMap::new(),
                 });
                 self.hashes.push(None);
                 self.stamps.push(None);
@@ -430,6 +442,63 @@ impl Walker<'_> {
             }
         }
     }
+}
+
+/// The `user.*` extended attributes of `name` in `dir` (a symlink there is not followed),
+/// name → value in hex. Left out, each with a `warn`: names that are not UTF-8 and values
+/// over [`MAX_MANIFEST_XATTR_VALUE`] bytes. A filesystem without extended attributes has
+/// none.
+fn user_xattrs(dir: BorrowedFd<'_>, name: &OsStr, rel: &str) -> BTreeMap<String, String> {
+    thread_local! {
+        // XATTR_LIST_MAX and the largest value carried: one buffer each per thread.
+        static BUFS: std::cell::RefCell<(Vec<u8>, Vec<u8>)> =
+            const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+    let mut out = BTreeMap::new();
+    // No `*at` form of listxattr/getxattr before Linux 6.13: name the entry through its
+    // directory's descriptor in /proc, which resolves like `openat` (only the last
+    // component is looked up, and the `l` variants do not follow it).
+    let mut path = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
+    path.extend_from_slice(name.as_bytes());
+    let path = OsStr::from_bytes(&path);
+    BUFS.with_borrow_mut(|(list, value)| {
+        list.resize(64 * 1024, 0);
+        value.resize(MAX_MANIFEST_XATTR_VALUE, 0);
+        let n = match rustix::fs::llistxattr(path, &mut list[..]) {
+            Ok(n) => n,
+            Err(rustix::io::Errno::NOTSUP | rustix::io::Errno::NOENT) => return,
+            Err(e) => {
+                tracing::warn!(path = %rel, error = %e, "cannot list extended attributes");
+                return;
+            }
+        };
+        for attr in list[..n].split(|&b| b == 0) {
+            if !attr.starts_with(b"user.") {
+                continue;
+            }
+            let Ok(attr) = std::str::from_utf8(attr) else {
+                tracing::warn!(path = %rel, "skipping an extended attribute whose name is not UTF-8");
+                continue;
+            };
+            match rustix::fs::lgetxattr(path, attr, &mut value[..]) {
+                Ok(len) => {
+                    out.insert(attr.to_owned(), hex::encode(&value[..len]));
+                }
+                Err(rustix::io::Errno::RANGE) => tracing::warn!(
+                    path = %rel,
+                    name = attr,
+                    max = MAX_MANIFEST_XATTR_VALUE,
+                    "skipping an extended attribute whose value is too large for the manifest"
+                ),
+                // Removed since it was listed.
+                Err(rustix::io::Errno::NODATA) => {}
+                Err(e) => {
+                    tracing::warn!(path = %rel, name = attr, error = %e, "cannot read an extended attribute")
+                }
+            }
+        }
+    });
+    out
 }
 
 #[cfg(test)]

@@ -316,7 +316,12 @@ impl InodeTable {
                 open_writers: 0,
                 unlinked: false,
                 links: Vec::new(),
-                xattrs: BTreeMap::new(),
+                // The Delegator's `user.*` attributes (hex on the wire).
+                xattrs: e
+                    .xattrs
+                    .iter()
+                    .filter_map(|(k, v)| Some((k.clone(), hex::decode(v).ok()?)))
+                    .collect(),
             };
             if by_path.insert(&e.path, ino).is_some() {
                 return Err(ManifestError::Duplicate {
@@ -541,6 +546,7 @@ mod tests {
             target: (kind == EntryKind::Symlink).then(|| "t".into()),
             ino: None,
             ctime_ns: None,
+            xattrs: Default::default(),
         }
     }
 
