@@ -420,7 +420,13 @@ fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePl
                 matches!(current, NodeKind::File | NodeKind::Symlink).then_some(NodeKind::Absent)
             }
             Change::Symlink { target, .. } => {
-                if target.is_empty() || target.contains('\0') || target.len() > MAX_TARGET {
+                // Checked on the bytes it stands for (a target that is not UTF-8 is held
+                // escaped: see `awcp_protocol::rawname`).
+                let raw = awcp_protocol::rawname::decode(target);
+                if raw
+                    .as_deref()
+                    .map_or(true, |t| t.is_empty() || t.contains(&0) || t.len() > MAX_TARGET)
+                {
                     return Err(ApiError::bad_body(
                         "POST /commit",
                         format!(
