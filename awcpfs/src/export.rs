@@ -571,6 +571,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn filters_see_non_utf8_names_with_replacement_characters() {
+        let f = PathFilter(Arc::new(|p: &str, _| {
+            assert!(
+                !p.contains('\0'),
+                "the escaped form reached a filter: {p:?}"
+            );
+            !p.ends_with(".secret") && p != "h\u{fffd}dden"
+        }));
+        assert!(!f.shows("d\0ff/x.secret", false));
+        assert!(
+            !f.shows("h\0e9dden/x", false),
+            "a hidden directory hides what is inside"
+        );
+        assert!(f.shows("d\0ff/x", false));
+    }
+
+    #[test]
     fn ids_are_url_safe() {
         assert!(valid_id("exp_0123abcd"));
         assert!(valid_id("a.b-c"));

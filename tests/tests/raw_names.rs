@@ -142,7 +142,10 @@ async fn non_utf8_names_and_delegator_xattrs_round_trip() {
     assert!(!raw(&repo, b"caf\xe9.txt").exists(), "renamed away");
     assert_eq!(std::fs::read(raw(&repo, b"nd\xf1/f\xf2")).unwrap(), b"deep");
     assert_eq!(
-        std::fs::read_link(raw(&repo, b"l\xfa")).unwrap().as_os_str().as_bytes(),
+        std::fs::read_link(raw(&repo, b"l\xfa"))
+            .unwrap()
+            .as_os_str()
+            .as_bytes(),
         b"new\xfe.bin"
     );
     assert!(!raw(&repo, b"d\xff/gone").exists());
@@ -175,9 +178,7 @@ async fn non_utf8_names_and_delegator_xattrs_round_trip() {
         .map(|e| e.unwrap().file_name().as_bytes().to_vec())
         .collect();
     assert!(
-        names
-            .iter()
-            .all(|n| !n.windows(5).any(|w| w == b".awcp")),
+        names.iter().all(|n| !n.windows(5).any(|w| w == b".awcp")),
         "{names:?}"
     );
     h.stop().await;

@@ -423,10 +423,9 @@ fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePl
                 // Checked on the bytes it stands for (a target that is not UTF-8 is held
                 // escaped: see `awcp_protocol::rawname`).
                 let raw = awcp_protocol::rawname::decode(target);
-                if raw
-                    .as_deref()
-                    .map_or(true, |t| t.is_empty() || t.contains(&0) || t.len() > MAX_TARGET)
-                {
+                if raw.as_deref().map_or(true, |t| {
+                    t.is_empty() || t.contains(&0) || t.len() > MAX_TARGET
+                }) {
                     return Err(ApiError::bad_body(
                         "POST /commit",
                         format!(

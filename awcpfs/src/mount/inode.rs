@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use awcp_protocol::dataplane::{EntryKind, Manifest};
+use awcp_protocol::dataplane::{EntryKind, MAX_MANIFEST_XATTR_VALUE, Manifest};
 
 /// Inode number.
 pub type Ino = u64;
@@ -316,10 +316,13 @@ impl InodeTable {
                 open_writers: 0,
                 unlinked: false,
                 links: Vec::new(),
-                // The Delegator's `user.*` attributes (hex on the wire).
+                // The Delegator's `user.*` attributes (hex on the wire); nothing else.
                 xattrs: e
                     .xattrs
                     .iter()
+                    .filter(|(k, v)| {
+                        k.starts_with("user.") && v.len() <= 2 * MAX_MANIFEST_XATTR_VALUE
+                    })
                     .filter_map(|(k, v)| Some((k.clone(), hex::decode(v).ok()?)))
                     .collect(),
             };
@@ -608,6 +611,39 @@ mod tests {
         m.entries[1].ino = Some(ROOT_INO);
         let t = InodeTable::from_manifest(&m, 0, 0).unwrap();
         assert_eq!(t.child(ROOT_INO, "src"), Some(2));
+    }
+
+    #[test]
+    fn non_utf8_names_and_manifest_xattrs() {
+        let mut m = manifest(vec![
+            entry(
+                &awcp_protocol::rawname::from_bytes(b"d\xff"),
+                EntryKind::Dir,
+            ),
+            entry(
+                &awcp_protocol::rawname::from_bytes(b"d\xff/caf\xe9"),
+                EntryKind::File,
+            ),
+        ]);
+        m.entries[1].xattrs = [
+            ("user.a".to_string(), "6869".to_string()),
+            ("trusted.x".to_string(), "00".to_string()),
+            ("user.bad".to_string(), "zz".to_string()),
+        ]
+        .into_iter()
+        .collect();
+        let t = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        let d = t.child(ROOT_INO, "d\0ff").unwrap();
+        let f = t.child(d, "caf\0e9").unwrap();
+        assert_eq!(t.path_of(f).as_deref(), Some("d\0ff/caf\0e9"));
+        let x: Vec<_> = t.get(f).unwrap().xattrs.iter().collect();
+        assert_eq!(x, [(&"user.a".to_string(), &b"hi".to_vec())], "user.* only");
+        // A malformed escape is refused like any bad path.
+        let m = manifest(vec![entry("d\0zz", EntryKind::File)]);
+        assert!(matches!(
+            InodeTable::from_manifest(&m, 0, 0),
+            Err(ManifestError::BadPath { .. })
+        ));
     }
 
     #[test]

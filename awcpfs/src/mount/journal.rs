@@ -319,4 +319,16 @@ mod tests {
         let recs = Journal::read_all(&p).unwrap();
         assert_eq!(recs.len(), 1);
     }
+
+    #[test]
+    fn non_utf8_names_survive_the_journal() {
+        // Held escaped in memory (see `awcp_protocol::rawname`), as JSON in the journal.
+        let name = awcp_protocol::rawname::from_bytes(b"caf\xe9").into_owned();
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("j");
+        let j = Journal::open(&p).unwrap();
+        let rec = Record::Unlink { parent: 1, name };
+        j.append(std::slice::from_ref(&rec)).unwrap();
+        assert_eq!(Journal::read_all(&p).unwrap(), [rec]);
+    }
 }
