@@ -22,7 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{self, Read};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 
 use std::ffi::OsStr;
@@ -88,7 +88,9 @@ fn hash_worker(
         let r = (|| {
             // Metadata from the opened file, so size, mode and content belong together.
             let before = fstat(&job.file)?;
-            let hashes = hash_blocks(&job.file, block_size)?;
+            let mut hashes = hash_blocks(&job.file, block_size)?;
+            // Between the two stats: a change of an attribute changes the ctime too.
+            hashes.xattrs = fd_user_xattrs(job.file.as_fd(), &job.rel);
             let after = fstat(&job.file)?;
             let same = Stamp::of(&after) == Stamp::of(&before);
             if !same {
@@ -170,7 +172,8 @@ pub(crate) fn build(
         .zip(walker.stamps)
     {
         if e.kind == EntryKind::File {
-            let Some(h) = h else { continue };
+            let Some(mut h) = h else { continue };
+            e.xattrs = std::mem::take(&mut h.xattrs);
             let path: Arc<str> = Arc::from(e.path.as_str());
             if let Some(stamp) = stamp {
                 index.set_stamp(path.clone(), stamp);
@@ -234,6 +237,10 @@ pub struct FileHashes {
     pub blocks: Vec<(blake3::Hash, u32)>,
     /// Bytes read.
     pub size: u64,
+    /// The file's `user.*` extended attributes, name → value in hex (not part of the
+    /// content hash: carried with it because the hash cache's validity test, which includes
+    /// the ctime, covers both).
+    pub xattrs: BTreeMap<String, String>,
 }
 
 /// Hash `reader` whole and in blocks of `block_size` bytes (offset-aligned; the last block
@@ -287,7 +294,12 @@ fn hash_blocks_with(mut reader: impl Read, buf: &mut [u8]) -> io::Result<FileHas
         [(only, _)] => *only,
         _ => whole.finalize(),
     };
-    Ok(FileHashes { hash, blocks, size })
+    Ok(FileHashes {
+        hash,
+        blocks,
+        size,
+        xattrs: BTreeMap::new(),
+    })
 }
 
 struct Walker<'a> {
@@ -352,6 +364,7 @@ impl Walker<'_> {
                     return Ok(());
                 }
                 let sub = Dir::openat(dir.as_fd(), name, dir_flags(), Mode::empty())?;
+                let xattrs = fd_user_xattrs(sub.as_fd(), rel);
                 self.entries.push(ManifestEntry {
                     path: rel.to_owned(),
                     kind: EntryKind::Dir,
@@ -363,7 +376,7 @@ impl Walker<'_> {
                     target: None,
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
-                    xattrs: user_xattrs(dir.as_fd(), name, rel),
+                    xattrs,
                 });
                 self.hashes.push(None);
                 self.stamps.push(None);
@@ -384,7 +397,8 @@ impl Walker<'_> {
                     target: None,
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
-                    xattrs: user_xattrs(dir.as_fd(), name, rel),
+                    // With the content, from the hashing thread or the hash cache.
+                    xattrs: BTreeMap::new(),
                 });
                 if cached.is_some() {
                     self.hashes.push(cached);
@@ -444,29 +458,24 @@ impl Walker<'_> {
     }
 }
 
-/// The `user.*` extended attributes of `name` in `dir` (a symlink there is not followed),
-/// name → value in hex. Left out, each with a `warn`: names that are not UTF-8 and values
-/// over [`MAX_MANIFEST_XATTR_VALUE`] bytes. A filesystem without extended attributes has
-/// none.
-fn user_xattrs(dir: BorrowedFd<'_>, name: &OsStr, rel: &str) -> BTreeMap<String, String> {
+/// The `user.*` extended attributes of the file or directory open as `fd`, name → value in
+/// hex. Left out, each with a `warn`: names that are not UTF-8 and values over
+/// [`MAX_MANIFEST_XATTR_VALUE`] bytes (Linux's own limit, so none in practice). A filesystem
+/// without extended attributes has none. Read from a descriptor the walk or a hashing
+/// thread holds anyway: one `flistxattr` per entry (and a `fgetxattr` per attribute), no
+/// path lookup.
+pub(crate) fn fd_user_xattrs(fd: BorrowedFd<'_>, rel: &str) -> BTreeMap<String, String> {
     thread_local! {
         // XATTR_LIST_MAX and the largest value carried: one buffer each per thread.
         static BUFS: std::cell::RefCell<(Vec<u8>, Vec<u8>)> =
             const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     }
     let mut out = BTreeMap::new();
-    // No `*at` form of listxattr/getxattr before Linux 6.13: name the entry through its
-    // directory's descriptor in /proc, which resolves like `openat` (only the last
-    // component is looked up, and the `l` variants do not follow it).
-    let mut path = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
-    path.extend_from_slice(name.as_bytes());
-    let path = OsStr::from_bytes(&path);
     BUFS.with_borrow_mut(|(list, value)| {
         list.resize(64 * 1024, 0);
-        value.resize(MAX_MANIFEST_XATTR_VALUE, 0);
-        let n = match rustix::fs::llistxattr(path, &mut list[..]) {
+        let n = match rustix::fs::flistxattr(fd, &mut list[..]) {
             Ok(n) => n,
-            Err(rustix::io::Errno::NOTSUP | rustix::io::Errno::NOENT) => return,
+            Err(rustix::io::Errno::NOTSUP) => return,
             Err(e) => {
                 tracing::warn!(path = %rel, error = %e, "cannot list extended attributes");
                 return;
@@ -480,7 +489,8 @@ fn user_xattrs(dir: BorrowedFd<'_>, name: &OsStr, rel: &str) -> BTreeMap<String,
                 tracing::warn!(path = %rel, "skipping an extended attribute whose name is not UTF-8");
                 continue;
             };
-            match rustix::fs::lgetxattr(path, attr, &mut value[..]) {
+            value.resize(MAX_MANIFEST_XATTR_VALUE, 0);
+            match rustix::fs::fgetxattr(fd, attr, &mut value[..]) {
                 Ok(len) => {
                     out.insert(attr.to_owned(), hex::encode(&value[..len]));
                 }
