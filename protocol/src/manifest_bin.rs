@@ -250,6 +250,9 @@ impl Manifest {
                 return Err(r.err("bad shared path prefix"));
             }
             let suffix = if v2 { r.bytes()? } else { r.str()?.as_bytes() };
+            if suffix.contains(&0) {
+                return Err(r.err("NUL in a path"));
+            }
             prev.truncate(shared);
             prev.extend_from_slice(suffix);
             if !v2 && std::str::from_utf8(&prev).is_err() {
@@ -289,7 +292,11 @@ impl Manifest {
             let target = if flags & HAS_TARGET == 0 {
                 None
             } else if v2 {
-                Some(rawname::from_bytes(r.bytes()?).into_owned())
+                let t = r.bytes()?;
+                if t.contains(&0) {
+                    return Err(r.err("NUL in a symlink target"));
+                }
+                Some(rawname::from_bytes(t).into_owned())
             } else {
                 Some(r.string()?)
             };
