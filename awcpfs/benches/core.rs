@@ -28,6 +28,7 @@ fn manifest(files: usize) -> Manifest {
             target: None,
             ino: Some(1000 + d as u64),
             ctime_ns: Some(1_700_000_000_000_000_000),
+            xattrs: Default::default(),
         });
         for f in 0..24 {
             if n == files {
@@ -45,6 +46,7 @@ fn manifest(files: usize) -> Manifest {
                 target: None,
                 ino: Some(100_000 + n as u64),
                 ctime_ns: Some(1_700_000_000_000_000_000 + n as i64),
+                xattrs: Default::default(),
             });
             n += 1;
         }

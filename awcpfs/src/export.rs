@@ -77,11 +77,14 @@ impl std::fmt::Debug for PathFilter {
 }
 
 impl PathFilter {
-    /// Whether `path` and every directory above it are visible.
+    /// Whether `path` and every directory above it are visible. A name that is not UTF-8
+    /// is matched with each undecodable byte shown as U+FFFD (so `*` and `?` patterns
+    /// cover it; see [`awcp_protocol::rawname::lossy`]).
     pub fn shows(&self, path: &str, is_dir: bool) -> bool {
+        let path = awcp_protocol::rawname::lossy(path);
         path.match_indices('/')
             .all(|(end, _)| (self.0)(&path[..end], true))
-            && (self.0)(path, is_dir)
+            && (self.0)(&path, is_dir)
     }
 }
 
@@ -596,6 +599,23 @@ fn open_staging(cfg: &ExportConfig) -> Result<Staging, ExportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filters_see_non_utf8_names_with_replacement_characters() {
+        let f = PathFilter(Arc::new(|p: &str, _| {
+            assert!(
+                !p.contains('\0'),
+                "the escaped form reached a filter: {p:?}"
+            );
+            !p.ends_with(".secret") && p != "h\u{fffd}dden"
+        }));
+        assert!(!f.shows("d\0ff/x.secret", false));
+        assert!(
+            !f.shows("h\0e9dden/x", false),
+            "a hidden directory hides what is inside"
+        );
+        assert!(f.shows("d\0ff/x", false));
+    }
 
     #[test]
     fn ids_are_url_safe() {

@@ -1736,3 +1736,175 @@ async fn hidden_and_temporary_paths_are_never_reported() {
         "{present:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Names that are not UTF-8, and the Delegator's extended attributes
+
+fn raw_tree(root: &Path, _outside: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let raw = |n: &[u8]| root.join(std::ffi::OsStr::from_bytes(n));
+    std::fs::create_dir(raw(b"d\xff")).unwrap();
+    std::fs::write(raw(b"caf\xe9.txt"), b"hello").unwrap();
+    std::fs::write(raw(b"d\xff/x"), b"x").unwrap();
+    symlink(std::ffi::OsStr::from_bytes(b"caf\xe9.txt"), raw(b"l\xfa")).unwrap();
+    std::fs::write(root.join("tagged"), b"t").unwrap();
+    rustix::fs::setxattr(
+        root.join("tagged"),
+        "user.color",
+        b"blue",
+        rustix::fs::XattrFlags::empty(),
+    )
+    .unwrap();
+}
+
+/// `rel` (raw bytes) below the export root.
+fn raw_path(f: &Fixture, rel: &[u8]) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    f.root.path().join(std::ffi::OsStr::from_bytes(rel))
+}
+
+#[tokio::test]
+async fn non_utf8_names_are_served_and_committed_byte_exactly() {
+    use awcp_protocol::rawname;
+    let f = fixture(raw_tree).await;
+    let (m, body) = f.manifest().await;
+    let body = String::from_utf8(body).unwrap();
+    // base64 of "caf\xe9.txt"; the escaped in-memory form never reaches the wire.
+    assert!(body.contains(r#""path":{"b64":"Y2Fm6S50eHQ="}"#), "{body}");
+    assert!(!body.contains("\\u0000"), "{body}");
+    assert!(body.contains(r#""path":"tagged""#), "UTF-8 stays a string");
+    let raw_paths: Vec<Vec<u8>> = m
+        .entries
+        .iter()
+        .map(|e| rawname::to_bytes(&e.path).into_owned())
+        .collect();
+    assert_eq!(
+        raw_paths,
+        [
+            &b"caf\xe9.txt"[..],
+            b"d\xff",
+            b"d\xff/x",
+            b"l\xfa",
+            b"tagged"
+        ]
+    );
+    let link = &m.entries[3];
+    assert_eq!(
+        &*rawname::to_bytes(link.target.as_deref().unwrap()),
+        b"caf\xe9.txt"
+    );
+    assert_eq!(link.size, 8, "the target's length in bytes");
+    let tagged = &m.entries[4];
+    assert_eq!(
+        tagged.xattrs.get("user.color").map(String::as_str),
+        Some("626c7565")
+    );
+    // The binary form says the same (format 2: raw bytes and attributes).
+    let compressed = f
+        .client
+        .get(f.url("manifest"))
+        .bearer_auth(TOKEN)
+        .header("accept", awcp_protocol::manifest_bin::MEDIA_TYPE)
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let (decoded, _) = awcpfs::mount::remote::decode_manifest(&compressed).unwrap();
+    assert_eq!(decoded, m);
+
+    // Blocks of a file with a non-UTF-8 name are served.
+    let frames = f.blocks(&m.entries[0].blocks).await;
+    assert_eq!(frames[0].1.as_deref(), Some(&b"hello"[..]));
+
+    // A rename on the Executor: write at the new name, unlink the old one.
+    f.upload(b"hello").await;
+    let file = |p: &[u8]| rawname::from_bytes(p).into_owned();
+    let r = f
+        .commit(&cs(
+            "rename",
+            vec![
+                write(&file(b"moved\xe8.txt"), None, b"hello", 0o644),
+                Change::Unlink {
+                    path: file(b"caf\xe9.txt"),
+                    base: Some(hex(b"hello")),
+                },
+                Change::Mkdir {
+                    path: file(b"n\xf1"),
+                    mode: 0o755,
+                },
+                Change::Symlink {
+                    path: file(b"n\xf1/s\xf3"),
+                    target: file(b"../moved\xe8.txt"),
+                },
+                Change::Unlink {
+                    path: file(b"l\xfa"),
+                    base: Some(file(b"caf\xe9.txt")),
+                },
+            ],
+        ))
+        .await;
+    assert!(r.conflicts.is_empty(), "{r:?}");
+    assert_eq!(
+        std::fs::read(raw_path(&f, b"moved\xe8.txt")).unwrap(),
+        b"hello"
+    );
+    assert!(!raw_path(&f, b"caf\xe9.txt").exists());
+    assert!(!raw_path(&f, b"l\xfa").exists());
+    assert_eq!(
+        std::fs::read(raw_path(&f, b"n\xf1/s\xf3")).unwrap(),
+        b"hello",
+        "through the new symlink"
+    );
+
+    // A conflict keeps the Executor's version beside, under the same raw name.
+    std::fs::write(raw_path(&f, b"d\xff/x"), b"delegator").unwrap();
+    f.upload(b"executor").await;
+    let r = f
+        .commit(&cs(
+            "conflict",
+            vec![write(&file(b"d\xff/x"), Some(b"x"), b"executor", 0o644)],
+        ))
+        .await;
+    assert_eq!(r.conflicts.len(), 1, "{r:?}");
+    let kept = r.conflicts[0].kept_as.clone().unwrap();
+    let kept_raw = rawname::to_bytes(&kept).into_owned();
+    assert!(kept_raw.starts_with(b"d\xff/x.awcp-conflict-"), "{kept:?}");
+    assert_eq!(std::fs::read(raw_path(&f, &kept_raw)).unwrap(), b"executor");
+    // And the result names both paths in the wire form.
+    let json = serde_json::to_string(&r).unwrap();
+    assert!(json.contains(r#""path":{"b64":"ZP8veA=="}"#), "{json}");
+}
+
+#[tokio::test]
+async fn malformed_non_utf8_paths_get_a_readable_400() {
+    let f = fixture(raw_tree).await;
+    for (path, needle) in [
+        (r#"{"b64":"!!"}"#, "not base64"),
+        (r#"{"b64":"YWJj"}"#, "send it as a string"),
+        (r#"{"b64":"YQBi6Q=="}"#, "NUL"),
+        (r#""a\u0000e9""#, "NUL"),
+        (r#"{"hex":"e9"}"#, "one key"),
+    ] {
+        let body = format!(
+            r#"{{"commitId":"c","changes":[{{"op":"unlink","path":{path},"base":null}}]}}"#
+        );
+        let (status, err) = refusal(f.post("commit").body(body).send().await.unwrap()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {}", err.message);
+        assert!(
+            err.message.contains(needle),
+            "{path}: message {:?} lacks {needle:?}",
+            err.message
+        );
+    }
+    // `..` and `/` inside a raw path are refused as paths.
+    for path in [r#"{"b64":"Li4v6Q=="}"#, r#"{"b64":"6S8uLg=="}"#] {
+        let body = format!(
+            r#"{{"commitId":"c","changes":[{{"op":"unlink","path":{path},"base":null}}]}}"#
+        );
+        let (status, err) = refusal(f.post("commit").body(body).send().await.unwrap()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {}", err.message);
+    }
+    assert!(raw_path(&f, b"caf\xe9.txt").exists());
+}

@@ -115,3 +115,27 @@ fn files_changed_moments_ago_are_not_remembered() {
     assert_eq!(cache.hits_and_misses(), (0, 2));
     assert!(cache.is_empty());
 }
+
+#[test]
+fn attributes_come_with_cached_hashes_and_a_change_of_one_is_seen() {
+    let root = tempfile::tempdir().unwrap();
+    let staging = tempfile::tempdir().unwrap();
+    let r = root.path();
+    std::fs::write(r.join("f"), "x").unwrap();
+    let set = |v: &[u8]| {
+        rustix::fs::setxattr(r.join("f"), "user.tag", v, rustix::fs::XattrFlags::empty()).unwrap()
+    };
+    set(b"one");
+    let cache = Arc::new(HashCache::in_memory().with_racy_window(Duration::ZERO));
+    let registry = ExportRegistry::with_hash_cache(cache.clone());
+    let tag = |m: &Manifest| m.entries[0].xattrs.get("user.tag").cloned();
+    let first = register(&registry, "exp_one", r, staging.path());
+    assert_eq!(tag(&first).as_deref(), Some("6f6e65"));
+    let second = register(&registry, "exp_two", r, staging.path());
+    assert_eq!(cache.hits_and_misses().0, 1, "from the cache");
+    assert_eq!(tag(&second).as_deref(), Some("6f6e65"));
+    // Setting an attribute changes the ctime: the cached entry no longer applies.
+    set(b"two");
+    let third = register(&registry, "exp_three", r, staging.path());
+    assert_eq!(tag(&third).as_deref(), Some("74776f"));
+}

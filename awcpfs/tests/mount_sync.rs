@@ -586,3 +586,152 @@ fn a_new_mtime_alone_is_written_back() {
         delegator_mtime
     );
 }
+
+/// `b` as an `OsStr` (names that are not UTF-8).
+fn ob(b: &[u8]) -> &OsStr {
+    use std::os::unix::ffi::OsStrExt;
+    OsStr::from_bytes(b)
+}
+
+fn raw_names_tree(root: &Path) {
+    std::fs::create_dir(root.join(ob(b"d\xff"))).unwrap();
+    std::fs::write(root.join(ob(b"d\xff/caf\xe9")), "latin1\n").unwrap();
+    std::fs::write(root.join(ob(b"edit\xe9")), "old\n").unwrap();
+    std::fs::write(root.join("tagged"), "t\n").unwrap();
+    for (n, v) in [
+        ("user.keep", &b"k"[..]),
+        ("user.change", b"1"),
+        ("user.drop", b"x"),
+    ] {
+        rustix::fs::setxattr(root.join("tagged"), n, v, rustix::fs::XattrFlags::empty()).unwrap();
+    }
+}
+
+#[test]
+fn non_utf8_names_and_delegator_xattrs_through_the_filesystem_layer() {
+    use std::os::unix::ffi::OsStrExt;
+    let f = fixture(false, raw_names_tree);
+    let d = f.fs.lookup(ROOT_INO, ob(b"d\xff")).unwrap().ino.0;
+    let cafe = f.fs.lookup(d, ob(b"caf\xe9")).unwrap().ino.0;
+    assert!(
+        matches!(f.fs.lookup(d, ob(b"caf\xc3\xa9")), Err(FsError::NotFound)),
+        "the UTF-8 é is another name"
+    );
+    // readdir gives the bytes back (what the FUSE layer hands the kernel).
+    let fh = f.fs.opendir(d).unwrap();
+    let names: Vec<Vec<u8>> =
+        f.fs.readdir(fh)
+            .unwrap()
+            .iter()
+            .map(|e| awcp_protocol::rawname::to_bytes(&e.name).into_owned())
+            .collect();
+    f.fs.releasedir(fh);
+    assert_eq!(names, [&b"."[..], b"..", b"caf\xe9"]);
+    let fh =
+        f.fs.open(
+            cafe,
+            OpenMode {
+                read: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(f.fs.read(fh, 0, 100).unwrap(), b"latin1\n");
+    f.fs.release(fh).unwrap();
+    // The Delegator's attributes are there.
+    let tagged = f.ino("tagged");
+    let get = |n: &str| match f.fs.getxattr(tagged, o(n), 100) {
+        Ok(awcpfs::mount::posix::XattrReply::Data(v)) => Some(v),
+        _ => None,
+    };
+    assert_eq!(get("user.change").as_deref(), Some(&b"1"[..]));
+
+    // Create, rename, symlink with raw names; change attributes.
+    let (_, fh) =
+        f.fs.create(d, ob(b"n\xfe"), 0o644, libc::O_WRONLY | libc::O_CREAT)
+            .unwrap();
+    f.fs.write(fh, 0, b"\x00new\xff").unwrap();
+    f.fs.release(fh).unwrap();
+    f.fs.rename(d, ob(b"caf\xe9"), ROOT_INO, ob(b"moved\xe8"), false, false)
+        .unwrap();
+    f.fs.symlink(ROOT_INO, ob(b"l\xfa"), ob(b"moved\xe8"))
+        .unwrap();
+    let l = f.fs.lookup(ROOT_INO, ob(b"l\xfa")).unwrap();
+    assert_eq!(
+        l.size, 6,
+        "a symlink's size is its target's length in bytes"
+    );
+    assert_eq!(
+        awcp_protocol::rawname::to_bytes(&f.fs.readlink(l.ino.0).unwrap()).as_ref(),
+        b"moved\xe8"
+    );
+    f.fs.setxattr(tagged, o("user.change"), b"2", 0).unwrap();
+    f.fs.removexattr(tagged, o("user.drop")).unwrap();
+    // The Delegator edits a raw-named file the mount then rewrites: a conflict.
+    std::fs::write(f.root.join(ob(b"edit\xe9")), "delegator\n").unwrap();
+    let edit = f.fs.lookup(ROOT_INO, ob(b"edit\xe9")).unwrap().ino.0;
+    let fh =
+        f.fs.open(
+            edit,
+            OpenMode {
+                read: true,
+                write: true,
+                truncate: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    f.fs.write(fh, 0, b"executor\n").unwrap();
+    f.fs.release(fh).unwrap();
+
+    // The journal replays to the same names.
+    let records = Journal::read_all(&f.state.join("journal.log")).unwrap();
+    let mut replayed = InodeTable::from_manifest(&f.manifest, 0, 0).unwrap();
+    journal::replay(&mut replayed, &records, 0, 0);
+    let mut paths = Vec::new();
+    replayed.walk(|p, _| paths.push(awcp_protocol::rawname::to_bytes(p).into_owned()));
+    for want in [&b"d\xff/n\xfe"[..], b"moved\xe8", b"l\xfa"] {
+        assert!(
+            paths.iter().any(|p| p == want),
+            "{want:?} not replayed: {paths:?}"
+        );
+    }
+    assert!(!paths.iter().any(|p| p == b"d\xff/caf\xe9"));
+
+    let r = f.sync();
+    assert_eq!(r.conflicts.len(), 1, "{r:?}");
+    let root = &f.root;
+    assert_eq!(
+        std::fs::read(root.join(ob(b"d\xff/n\xfe"))).unwrap(),
+        b"\x00new\xff"
+    );
+    assert_eq!(
+        std::fs::read(root.join(ob(b"moved\xe8"))).unwrap(),
+        b"latin1\n"
+    );
+    assert!(!root.join(ob(b"d\xff/caf\xe9")).exists());
+    assert_eq!(
+        std::fs::read_link(root.join(ob(b"l\xfa")))
+            .unwrap()
+            .as_os_str()
+            .as_bytes(),
+        b"moved\xe8"
+    );
+    assert_eq!(
+        std::fs::read(root.join(ob(b"edit\xe9"))).unwrap(),
+        b"delegator\n"
+    );
+    let kept =
+        awcp_protocol::rawname::to_bytes(r.conflicts[0].kept_as.as_deref().unwrap()).into_owned();
+    assert!(kept.starts_with(b"edit\xe9.awcp-conflict-"), "{kept:?}");
+    assert_eq!(std::fs::read(root.join(ob(&kept))).unwrap(), b"executor\n");
+    let at = |n: &str| {
+        let mut buf = [0u8; 16];
+        rustix::fs::getxattr(root.join("tagged"), n, &mut buf[..])
+            .ok()
+            .map(|len| buf[..len].to_vec())
+    };
+    assert_eq!(at("user.change").as_deref(), Some(&b"2"[..]));
+    assert_eq!(at("user.drop"), None);
+    assert_eq!(at("user.keep").as_deref(), Some(&b"k"[..]), "untouched");
+}

@@ -69,7 +69,9 @@ pub struct Manifest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ManifestEntry {
-    /// Path relative to the export root.
+    /// Path relative to the export root (see [`crate::rawname`] for names that are not
+    /// UTF-8).
+    #[serde(with = "crate::rawname::wire")]
     pub path: String,
     /// File, directory or symlink.
     pub kind: EntryKind,
@@ -86,7 +88,11 @@ pub struct ManifestEntry {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub blocks: Vec<String>,
     /// Target of a symlink, as stored (may point outside: shown, never followed).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::rawname::wire_opt"
+    )]
     pub target: Option<String>,
     /// Inode number on the Delegator. A mount reports it as `st_ino`, so an index that
     /// records inode numbers (git's) still matches on the mount.
@@ -96,7 +102,16 @@ pub struct ManifestEntry {
     /// reason).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ctime_ns: Option<i64>,
+    /// The entry's `user.*` extended attributes on the Delegator, name → value in hex.
+    /// Values over [`MAX_MANIFEST_XATTR_VALUE`] bytes and names that are not UTF-8 are left
+    /// out. Absent: none.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub xattrs: BTreeMap<String, String>,
 }
+
+/// Largest extended attribute value the manifest carries (64 KiB, what the mount accepts
+/// for a value too).
+pub const MAX_MANIFEST_XATTR_VALUE: usize = 64 * 1024;
 
 /// A list of block hashes: what to fetch, or what to check for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,6 +146,7 @@ pub enum Change {
     #[serde(rename_all = "camelCase")]
     Mkdir {
         /// Where.
+        #[serde(with = "crate::rawname::wire")]
         path: String,
         /// Permission bits.
         mode: u32,
@@ -139,12 +155,14 @@ pub enum Change {
     #[serde(rename_all = "camelCase")]
     Rmdir {
         /// Which.
+        #[serde(with = "crate::rawname::wire")]
         path: String,
     },
     /// Create or replace a file with the content made of `blocks`.
     #[serde(rename_all = "camelCase")]
     Write {
         /// Which file.
+        #[serde(with = "crate::rawname::wire")]
         path: String,
         /// Permission bits of the result.
         mode: u32,
@@ -163,7 +181,11 @@ pub enum Change {
         /// that file has `hash` when this change is applied, the export makes `path` a hard
         /// link to it; otherwise it writes the content as for any write. Absent for files
         /// with one name.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[serde(
+            default,
+            skip_serializing_if = "Option::is_none",
+            with = "crate::rawname::wire_opt"
+        )]
         link_to: Option<String>,
         /// The file's `user.*` extended attributes on the Executor, name → value in hex; the
         /// export gives them to the new file. Absent: the new file has none.
@@ -174,22 +196,27 @@ pub enum Change {
     #[serde(rename_all = "camelCase")]
     Unlink {
         /// Which.
+        #[serde(with = "crate::rawname::wire")]
         path: String,
         /// Content hash (files) or target (symlinks) the removal was based on.
+        #[serde(default, with = "crate::rawname::wire_opt")]
         base: Option<String>,
     },
     /// Create or replace a symlink.
     #[serde(rename_all = "camelCase")]
     Symlink {
         /// Where.
+        #[serde(with = "crate::rawname::wire")]
         path: String,
         /// Its target.
+        #[serde(with = "crate::rawname::wire")]
         target: String,
     },
     /// Change permission bits.
     #[serde(rename_all = "camelCase")]
     Chmod {
         /// Which.
+        #[serde(with = "crate::rawname::wire")]
         path: String,
         /// New permission bits.
         mode: u32,
@@ -239,11 +266,16 @@ pub struct ChangeSet {
 #[serde(rename_all = "camelCase")]
 pub struct Conflict {
     /// The path in question.
+    #[serde(with = "crate::rawname::wire")]
     pub path: String,
     /// What was found instead of the base.
     pub reason: String,
     /// Where the Executor's version was kept, if it was a write.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::rawname::wire_opt"
+    )]
     pub kept_as: Option<String>,
 }
 
@@ -334,8 +366,8 @@ pub enum PathError {
         /// The path.
         path: String,
     },
-    /// Contains a NUL byte.
-    #[error("path {path:?} contains NUL")]
+    /// Contains a NUL byte, or a malformed escape of a name that is not UTF-8.
+    #[error("path {path:?} contains NUL (or a malformed escape of a non-UTF-8 name)")]
     Nul {
         /// The path.
         path: String,
@@ -348,7 +380,9 @@ pub enum PathError {
     },
 }
 
-/// Check that `path` is a relative, normalised path inside an export.
+/// Check that `path` is a relative, normalised path inside an export. A path holding a
+/// name that is not UTF-8 must be in the canonical escaped form of [`crate::rawname`]; its
+/// components are checked on the raw bytes.
 pub fn validate_rel_path(path: &str) -> Result<(), PathError> {
     if path.is_empty() {
         return Err(PathError::Empty);
@@ -356,11 +390,12 @@ pub fn validate_rel_path(path: &str) -> Result<(), PathError> {
     if path.starts_with('/') {
         return Err(PathError::Absolute { path: path.into() });
     }
-    if path.contains('\0') {
+    let raw = crate::rawname::decode(path).map_err(|_| PathError::Nul { path: path.into() })?;
+    if raw.contains(&0) {
         return Err(PathError::Nul { path: path.into() });
     }
-    for comp in path.split('/') {
-        if comp.is_empty() || comp == "." || comp == ".." {
+    for comp in raw.split(|&b| b == b'/') {
+        if comp.is_empty() || comp == b"." || comp == b".." {
             return Err(PathError::BadComponent { path: path.into() });
         }
         if comp.len() > 255 {

@@ -15,7 +15,8 @@
 //! * [`state`] — the [`DelegationState`] and [`AssignmentState`] machines;
 //! * [`api`] — the JSON bodies of the Delegator daemon's and the Executor's HTTP routes;
 //! * [`ids`] — [`DelegationId`];
-//! * [`dataplane`] — the `awcpfs` data-plane API.
+//! * [`dataplane`] — the `awcpfs` data-plane API;
+//! * [`rawname`] — file names that are not UTF-8, held in a `String` and sent as base64.
 //!
 //! Wire conventions, all the reference's: JSON objects with camelCase keys; optional fields
 //! are omitted rather than `null`; timestamps are ISO 8601 strings, kept as `String` (this
@@ -32,6 +33,7 @@ pub mod events;
 pub mod ids;
 pub mod manifest_bin;
 pub mod messages;
+pub mod rawname;
 mod redact;
 pub mod state;
 pub mod transport;

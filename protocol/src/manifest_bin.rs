@@ -4,26 +4,40 @@
 //! LEB128 varints, and each path stores only what differs from the previous one.
 //!
 //! ```text
-//! manifest := "AWMF" u8:1 varint:version str:exportId varint:blockSize u8:readOnly
+//! manifest := "AWMF" u8:format varint:version str:exportId varint:blockSize u8:readOnly
 //!             varint:rootMode zigzag:rootMtimeNs varint:count entry*count
 //! entry    := varint:sharedPrefix str:suffix u8:flags varint:mode varint:size zigzag:mtimeNs
 //!             [varint:ino] [zigzag:ctimeNs] [hash:32] [varint:n hash:32*n] [str:target]
+//!             xattrs                                       (format 2 only)
+//! xattrs   := varint:n (str:name bytes:value)*n               (names ascending, no repeats)
 //! flags    := kind (bits 0-1: 0 file, 1 dir, 2 symlink) | 0x04 ino | 0x08 ctimeNs
 //!             | 0x10 hash | 0x20 the only block is the hash | 0x40 blocks | 0x80 target
 //! str      := varint:len bytes (UTF-8)
+//! bytes    := varint:len bytes
 //! ```
+//!
+//! Format 1 requires paths and targets to be UTF-8, and the shared prefix to end on a
+//! character boundary. Format 2 stores paths and targets as raw bytes (a name that is not
+//! UTF-8 is carried as it is on disk; see [`crate::rawname`]), shares prefixes bytewise, and
+//! adds each entry's extended attributes. The encoder writes format 1 whenever the manifest
+//! needs nothing of format 2 (every name UTF-8, no attributes), so such a manifest's bytes
+//! and digest are what they always were and an older mount reads it; the decoder reads both.
 //!
 //! The encoding of a manifest is canonical (one manifest, one byte string), so its blake3 is
 //! the manifest digest. Decoding checks every length against what is left, so a hostile
 //! input gives an error, never a panic or a huge allocation.
 
 use crate::dataplane::{EntryKind, Manifest, ManifestEntry};
+use crate::rawname;
 
 /// The media type of the zstd-compressed binary manifest (ask for it with `Accept`).
 pub const MEDIA_TYPE: &str = "application/vnd.awcp.manifest+zstd";
 
 const MAGIC: &[u8; 4] = b"AWMF";
-const FORMAT: u8 = 1;
+/// UTF-8 paths, no extended attributes.
+const FORMAT_V1: u8 = 1;
+/// Raw-byte paths and targets, extended attributes.
+const FORMAT_V2: u8 = 2;
 
 const KIND_MASK: u8 = 0x03;
 const HAS_INO: u8 = 0x04;
@@ -43,6 +57,14 @@ pub enum ManifestCodecError {
         path: String,
         /// Which hash.
         what: &'static str,
+    },
+    /// An extended attribute value in the manifest is not hex.
+    #[error("entry {path}: the value of extended attribute {name} is not hex")]
+    BadXattr {
+        /// The entry.
+        path: String,
+        /// The attribute.
+        name: String,
     },
     /// The bytes are not a binary manifest, or are cut short or malformed.
     #[error("malformed binary manifest at byte {offset}: {what}")]
@@ -67,8 +89,12 @@ fn put_zigzag(out: &mut Vec<u8>, v: i64) {
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
-    put_varint(out, s.len() as u64);
-    out.extend_from_slice(s.as_bytes());
+    put_bytes(out, s.as_bytes());
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    put_varint(out, b.len() as u64);
+    out.extend_from_slice(b);
 }
 
 fn put_hash(
@@ -86,18 +112,27 @@ fn put_hash(
     Ok(())
 }
 
-fn shared_prefix(a: &str, b: &str) -> usize {
-    let n = a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
-    // Never split a character: the suffix must be valid UTF-8 on its own.
-    (0..=n).rev().find(|&i| b.is_char_boundary(i)).unwrap_or(0)
+fn shared_prefix(a: &[u8], b: &[u8], utf8: bool) -> usize {
+    let n = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    if !utf8 {
+        return n;
+    }
+    // Format 1 never splits a character: the suffix must be valid UTF-8 on its own.
+    let is_boundary = |i: usize| i == b.len() || (b[i] as i8) >= -0x40;
+    (0..=n).rev().find(|&i| is_boundary(i)).unwrap_or(0)
 }
 
 impl Manifest {
     /// The canonical binary encoding.
     pub fn to_binary(&self) -> Result<Vec<u8>, ManifestCodecError> {
+        let v2 = self.entries.iter().any(|e| {
+            !e.xattrs.is_empty()
+                || rawname::is_escaped(&e.path)
+                || e.target.as_deref().is_some_and(rawname::is_escaped)
+        });
         let mut out = Vec::with_capacity(64 + self.entries.len() * 64);
         out.extend_from_slice(MAGIC);
-        out.push(FORMAT);
+        out.push(if v2 { FORMAT_V2 } else { FORMAT_V1 });
         put_varint(&mut out, u64::from(self.version));
         put_str(&mut out, &self.export_id);
         put_varint(&mut out, u64::from(self.block_size));
@@ -105,7 +140,7 @@ impl Manifest {
         put_varint(&mut out, u64::from(self.root_mode));
         put_zigzag(&mut out, self.root_mtime_ns);
         put_varint(&mut out, self.entries.len() as u64);
-        let mut prev = "";
+        let mut prev: std::borrow::Cow<'_, [u8]> = Default::default();
         for e in &self.entries {
             // Every field, so a new one cannot be forgotten here.
             let ManifestEntry {
@@ -119,11 +154,13 @@ impl Manifest {
                 target,
                 ino,
                 ctime_ns,
+                xattrs,
             } = e;
-            let shared = shared_prefix(prev, path);
+            let raw = rawname::to_bytes(path);
+            let shared = shared_prefix(&prev, &raw, !v2);
             put_varint(&mut out, shared as u64);
-            put_str(&mut out, &path[shared..]);
-            prev = path;
+            put_bytes(&mut out, &raw[shared..]);
+            prev = raw;
             let sole = matches!((hash, blocks.as_slice()), (Some(h), [b]) if h == b);
             let mut flags = match kind {
                 EntryKind::File => 0,
@@ -162,7 +199,18 @@ impl Manifest {
                 }
             }
             if let Some(t) = target {
-                put_str(&mut out, t);
+                put_bytes(&mut out, &rawname::to_bytes(t));
+            }
+            if v2 {
+                put_varint(&mut out, xattrs.len() as u64);
+                for (name, value) in xattrs {
+                    put_str(&mut out, name);
+                    let v = hex::decode(value).map_err(|_| ManifestCodecError::BadXattr {
+                        path: path.clone(),
+                        name: name.clone(),
+                    })?;
+                    put_bytes(&mut out, &v);
+                }
             }
         }
         Ok(out)
@@ -174,9 +222,11 @@ impl Manifest {
         if r.take(4)? != MAGIC {
             return Err(r.err("not a binary manifest"));
         }
-        if r.u8()? != FORMAT {
-            return Err(r.err("unknown format version"));
-        }
+        let v2 = match r.u8()? {
+            FORMAT_V1 => false,
+            FORMAT_V2 => true,
+            _ => return Err(r.err("unknown format version")),
+        };
         let version = r.u32()?;
         let export_id = r.string()?;
         let block_size = r.u32()?;
@@ -193,16 +243,22 @@ impl Manifest {
             return Err(r.err("entry count exceeds the data"));
         }
         let mut entries = Vec::with_capacity(count as usize);
-        let mut prev = String::new();
+        let mut prev: Vec<u8> = Vec::new();
         for _ in 0..count {
             let shared = r.varint()? as usize;
-            if shared > prev.len() || !prev.is_char_boundary(shared) {
+            if shared > prev.len() {
                 return Err(r.err("bad shared path prefix"));
             }
-            let suffix = r.str()?;
-            let mut path = String::with_capacity(shared + suffix.len());
-            path.push_str(&prev[..shared]);
-            path.push_str(suffix);
+            let suffix = if v2 { r.bytes()? } else { r.str()?.as_bytes() };
+            if suffix.contains(&0) {
+                return Err(r.err("NUL in a path"));
+            }
+            prev.truncate(shared);
+            prev.extend_from_slice(suffix);
+            if !v2 && std::str::from_utf8(&prev).is_err() {
+                return Err(r.err("bad shared path prefix"));
+            }
+            let path = rawname::from_bytes(&prev).into_owned();
             let flags = r.u8()?;
             let kind = match flags & KIND_MASK {
                 0 => EntryKind::File,
@@ -233,8 +289,31 @@ impl Manifest {
             } else {
                 Vec::new()
             };
-            let target = (flags & HAS_TARGET != 0).then(|| r.string()).transpose()?;
-            prev.clone_from(&path);
+            let target = if flags & HAS_TARGET == 0 {
+                None
+            } else if v2 {
+                let t = r.bytes()?;
+                if t.contains(&0) {
+                    return Err(r.err("NUL in a symlink target"));
+                }
+                Some(rawname::from_bytes(t).into_owned())
+            } else {
+                Some(r.string()?)
+            };
+            let mut xattrs = std::collections::BTreeMap::new();
+            if v2 {
+                let n = r.varint()?;
+                if n > (r.left() / 2) as u64 {
+                    return Err(r.err("attribute count exceeds the data"));
+                }
+                for _ in 0..n {
+                    let name = r.string()?;
+                    let value = hex::encode(r.bytes()?);
+                    if xattrs.insert(name, value).is_some() {
+                        return Err(r.err("an extended attribute is listed twice"));
+                    }
+                }
+            }
             entries.push(ManifestEntry {
                 path,
                 kind,
@@ -246,6 +325,7 @@ impl Manifest {
                 target,
                 ino,
                 ctime_ns,
+                xattrs,
             });
         }
         if r.left() != 0 {
@@ -319,12 +399,16 @@ impl<'a> Reader<'a> {
         Ok(((v >> 1) as i64) ^ -((v & 1) as i64))
     }
 
-    fn str(&mut self) -> Result<&'a str, ManifestCodecError> {
+    fn bytes(&mut self) -> Result<&'a [u8], ManifestCodecError> {
         let n = self.varint()?;
         if n > self.left() as u64 {
             return Err(self.err("string length exceeds the data"));
         }
-        let raw = self.take(n as usize)?;
+        self.take(n as usize)
+    }
+
+    fn str(&mut self) -> Result<&'a str, ManifestCodecError> {
+        let raw = self.bytes()?;
         std::str::from_utf8(raw).map_err(|_| self.err("string is not UTF-8"))
     }
 
@@ -365,6 +449,7 @@ mod tests {
                     target: None,
                     ino: Some(12),
                     ctime_ns: Some(1_700_000_000_000_000_001),
+                    xattrs: Default::default(),
                 },
                 ManifestEntry {
                     path: "src/é.rs".into(),
@@ -377,6 +462,7 @@ mod tests {
                     target: None,
                     ino: None,
                     ctime_ns: None,
+                    xattrs: Default::default(),
                 },
                 ManifestEntry {
                     path: "src/ê.rs".into(),
@@ -389,6 +475,7 @@ mod tests {
                     target: None,
                     ino: Some(u64::MAX),
                     ctime_ns: Some(i64::MIN),
+                    xattrs: Default::default(),
                 },
                 ManifestEntry {
                     path: "src/link".into(),
@@ -401,6 +488,7 @@ mod tests {
                     target: Some("../out".into()),
                     ino: Some(3),
                     ctime_ns: Some(0),
+                    xattrs: Default::default(),
                 },
                 ManifestEntry {
                     path: "src/empty".into(),
@@ -413,6 +501,7 @@ mod tests {
                     target: None,
                     ino: None,
                     ctime_ns: None,
+                    xattrs: Default::default(),
                 },
             ],
         }
@@ -424,6 +513,36 @@ mod tests {
         let bin = m.to_binary().unwrap();
         assert_eq!(Manifest::from_binary(&bin).unwrap(), m);
         assert!(bin.len() * 2 < serde_json::to_vec(&m).unwrap().len());
+    }
+
+    #[test]
+    fn format_1_unless_a_name_is_not_utf8_or_there_are_attributes() {
+        let m = sample();
+        let bin = m.to_binary().unwrap();
+        assert_eq!(bin[4], FORMAT_V1, "an older mount must still read it");
+        let mut raw = m.clone();
+        raw.entries[1].path = crate::rawname::from_bytes(b"src/\xe9.rs").into_owned();
+        raw.entries[3].target = Some(crate::rawname::from_bytes(b"../\xff").into_owned());
+        let bin = raw.to_binary().unwrap();
+        assert_eq!(bin[4], FORMAT_V2);
+        let back = Manifest::from_binary(&bin).unwrap();
+        assert_eq!(back, raw);
+        assert_eq!(
+            &*crate::rawname::to_bytes(&back.entries[1].path),
+            b"src/\xe9.rs"
+        );
+        let mut xa = m.clone();
+        xa.entries[1]
+            .xattrs
+            .insert("user.k".into(), hex::encode(b"\0v"));
+        let bin = xa.to_binary().unwrap();
+        assert_eq!(bin[4], FORMAT_V2);
+        assert_eq!(Manifest::from_binary(&bin).unwrap(), xa);
+        xa.entries[1].xattrs.insert("user.bad".into(), "zz".into());
+        assert!(matches!(
+            xa.to_binary(),
+            Err(ManifestCodecError::BadXattr { .. })
+        ));
     }
 
     #[test]
@@ -439,19 +558,27 @@ mod tests {
 
     #[test]
     fn every_truncation_and_single_byte_change_is_an_error_or_a_manifest() {
-        let bin = sample().to_binary().unwrap();
+        let mut v2 = sample();
+        v2.entries[2].xattrs.insert("user.a".into(), "00ff".into());
+        v2.entries[4].path = crate::rawname::from_bytes(b"src/\x80").into_owned();
+        for bin in [sample().to_binary().unwrap(), v2.to_binary().unwrap()] {
+            check_mutations(&bin);
+        }
+    }
+
+    fn check_mutations(bin: &[u8]) {
         for cut in 0..bin.len() {
             assert!(Manifest::from_binary(&bin[..cut]).is_err(), "cut at {cut}");
         }
         for i in 0..bin.len() {
             for v in [0u8, 0x7f, 0x80, 0xff] {
-                let mut b = bin.clone();
+                let mut b = bin.to_vec();
                 b[i] = v;
                 // Must not panic; either outcome is fine.
                 let _ = Manifest::from_binary(&b);
             }
         }
-        let mut trailing = bin.clone();
+        let mut trailing = bin.to_vec();
         trailing.push(0);
         assert!(Manifest::from_binary(&trailing).is_err());
     }

@@ -22,8 +22,6 @@ const TASK_TIMEOUT: Duration = Duration::from_secs(300);
 const DOCUMENTED_DIFFERENCES: &[(&str, &str)] = &[
     // No O_TMPFILE (EOPNOTSUPP, which Python names ENOTSUP): the kernel answers for FUSE.
     ("o_tmpfile", "ENOTSUP"),
-    // Names travel to the Delegator as JSON strings: UTF-8 only.
-    ("name.non_utf8", "EILSEQ"),
 ];
 
 fn results(text: &str) -> BTreeMap<String, String> {
@@ -153,6 +151,11 @@ async fn operations_match(passthrough: bool) {
     assert_eq!(xattrs, "['user.bin'] True\n");
     let long = "é".repeat(127) + "a";
     assert_eq!(std::fs::read(repo.join(&long)).unwrap(), b"long");
+    // Names that are not UTF-8 arrive with their exact bytes.
+    use std::os::unix::ffi::OsStrExt;
+    let raw = |n: &[u8]| repo.join(std::ffi::OsStr::from_bytes(n));
+    assert_eq!(std::fs::read(raw(b"bad\xff\xfename")).unwrap(), b"latin");
+    assert_eq!(std::fs::read(raw(&[0xff; 255])).unwrap(), b"ff");
     assert!(!repo.join("open/gone").exists());
     assert_eq!(
         std::fs::read(repo.join("open/victim")).unwrap(),

@@ -248,7 +248,11 @@ long_utf8 = "é" * 127 + "a"  # 255 bytes
 attempt("name.255_utf8", lambda: write(long_utf8, b"long"))
 out("name.255_listed", long_utf8 in os.listdir("."))
 attempt("name.256", lambda: write("b" * 256, b""))
-attempt("name.non_utf8", lambda: write(b"bad\xff\xfename", b""))
+attempt("name.non_utf8", lambda: write(b"bad\xff\xfename", b"latin"))
+out("name.non_utf8_listed", b"bad\xff\xfename" in os.listdir(b"."))
+out("name.non_utf8_read", read(b"bad\xff\xfename"))
+attempt("name.255_non_utf8", lambda: write(b"\xff" * 255, b"ff"))
+attempt("name.256_non_utf8", lambda: write(b"\xff" * 256, b""))
 attempt("name.non_utf8_lookup", lambda: os.stat(b"missing\xff"))
 # Deep: 40 levels of 120-byte names (over 4 KiB of path), walked with directory fds.
 dfd = os.open(".", os.O_RDONLY)

@@ -32,6 +32,7 @@
 //! Delegator's machine.
 
 use std::collections::{HashMap, VecDeque};
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{self, Seek, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -47,7 +48,7 @@ use nix::unistd::{UnlinkatFlags, fsync, linkat, symlinkat, syncfs, unlinkat};
 
 use super::Export;
 use super::error::ApiError;
-use super::rootfs::{FsError, NodeKind, RootDir, hash_file_at, kind_at, open_file_at};
+use super::rootfs::{FsError, NodeKind, RootDir, hash_file_at, kind_at, open_file_at, os};
 use super::store::{BlockHash, BlockLoc, TMP_PREFIX, hash_hex, parse_hash, tmp_name};
 
 /// How many commit results are remembered for idempotent retries.
@@ -422,7 +423,12 @@ fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePl
                 matches!(current, NodeKind::File | NodeKind::Symlink).then_some(NodeKind::Absent)
             }
             Change::Symlink { target, .. } => {
-                if target.is_empty() || target.contains('\0') || target.len() > MAX_TARGET {
+                // Checked on the bytes it stands for (a target that is not UTF-8 is held
+                // escaped: see `awcp_protocol::rawname`).
+                let raw = awcp_protocol::rawname::decode(target);
+                if raw.as_deref().map_or(true, |t| {
+                    t.is_empty() || t.contains(&0) || t.len() > MAX_TARGET
+                }) {
                     return Err(ApiError::bad_body(
                         "POST /commit",
                         format!(
@@ -772,11 +778,12 @@ fn apply_write(
     durable.note(dir.as_fd());
     let new = parse_hash(hash);
     let base = base.as_deref().and_then(parse_hash);
-    let precondition = match kind_at(dir.as_fd(), name, path)? {
+    let os_name = os(name);
+    let precondition = match kind_at(dir.as_fd(), &os_name, path)? {
         NodeKind::Absent if base.is_none() => Ok(()),
         NodeKind::Absent => Err("the file was deleted on the export since the base".to_owned()),
         NodeKind::File => {
-            let current = *hash_file_at(dir.as_fd(), name, path)?.as_bytes();
+            let current = *hash_file_at(dir.as_fd(), &os_name, path)?.as_bytes();
             if Some(current) == new {
                 // Already the content we would write: an idempotent retry.
                 written.push(Written::of(path.clone(), staged));
@@ -802,13 +809,13 @@ fn apply_write(
                 link_to: Some(src), ..
             } = change
                 && let Some(new) = new
-                && link_into(root, src, &new, dir.as_fd(), name, path)
+                && link_into(root, src, &new, dir.as_fd(), &os_name, path)
             {
                 // The staged copy is not needed: dropping it removes the temp file.
                 written.push(Written::of(path.clone(), staged));
                 return Ok(Outcome::Applied);
             }
-            move_into(staged, dir.as_fd(), name, path)?;
+            move_into(staged, dir.as_fd(), &os_name, path)?;
             written.push(Written::of(path.clone(), staged));
             Ok(Outcome::Applied)
         }
@@ -818,7 +825,7 @@ fn apply_write(
                 Some((p, _)) => format!("{p}/{kept_name}"),
                 None => kept_name.clone(),
             };
-            match move_into(staged, dir.as_fd(), &kept_name, &kept_rel) {
+            match move_into(staged, dir.as_fd(), &os(&kept_name), &kept_rel) {
                 Ok(()) => {
                     written.push(Written::of(kept_rel.clone(), staged));
                     Ok(Outcome::Conflict {
@@ -845,12 +852,14 @@ fn link_into(
     src: &str,
     hash: &BlockHash,
     dir: BorrowedFd<'_>,
-    name: &str,
+    name: &OsStr,
     rel: &str,
 ) -> bool {
     let Ok((sdir, sname)) = root.open_parent(src) else {
         return false;
     };
+    let sname = os(sname);
+    let sname: &OsStr = &sname;
     if !matches!(kind_at(sdir.as_fd(), sname, src), Ok(NodeKind::File)) {
         return false;
     }
@@ -875,14 +884,14 @@ fn link_into(
 fn move_into(
     staged: &mut Staged,
     dir: BorrowedFd<'_>,
-    name: &str,
+    name: &OsStr,
     rel: &str,
 ) -> Result<(), FsError> {
     match renameat(&staged.dir, staged.name.as_str(), dir, name) {
         Ok(()) => {}
         Err(Errno::EXDEV) => {
             // The temp was staged in an ancestor on another mount: copy into `dir` first.
-            let src = open_file_at(staged.dir.as_fd(), &staged.name, rel)?;
+            let src = open_file_at(staged.dir.as_fd(), OsStr::new(&staged.name), rel)?;
             let tmp = tmp_name();
             let fd = openat(
                 dir,
@@ -945,6 +954,8 @@ fn apply_other(
         Parent::Missing(e) => return Ok(conflict(e.to_string())),
     };
     let dir = dir.as_fd();
+    let name = os(name);
+    let name: &OsStr = &name;
     let current = kind_at(dir, name, path)?;
     match change {
         Change::Mkdir { mode, .. } => match current {
@@ -985,7 +996,7 @@ fn apply_other(
                 }
                 NodeKind::Symlink => {
                     let target = readlinkat(dir, name).map_err(|e| fs_io("readlink", path, e))?;
-                    base.as_deref().map(std::ffi::OsStr::new) == Some(target.as_os_str())
+                    base.as_deref().is_some_and(|b| *os(b) == *target)
                 }
                 other => {
                     return Ok(conflict(format!(
@@ -1007,17 +1018,17 @@ fn apply_other(
         }
         Change::Symlink { target, .. } => match current {
             NodeKind::Absent => {
-                symlinkat(target.as_str(), dir, name).map_err(|e| fs_io("symlink", path, e))?;
+                symlinkat(&*os(target), dir, name).map_err(|e| fs_io("symlink", path, e))?;
                 Ok(Outcome::Applied)
             }
             NodeKind::Symlink => {
                 let existing = readlinkat(dir, name).map_err(|e| fs_io("readlink", path, e))?;
-                if existing.as_os_str() == std::ffi::OsStr::new(target) {
+                if *existing == *os(target) {
                     return Ok(Outcome::Applied);
                 }
                 // Replace atomically: a new link under a temp name, renamed over the old one.
                 let tmp = tmp_name();
-                symlinkat(target.as_str(), dir, tmp.as_str())
+                symlinkat(&*os(target), dir, tmp.as_str())
                     .map_err(|e| fs_io("symlink", path, e))?;
                 if let Err(e) = renameat(dir, tmp.as_str(), dir, name) {
                     let _ = unlinkat(dir, tmp.as_str(), UnlinkatFlags::NoRemoveDir);
@@ -1090,7 +1101,7 @@ fn apply_other(
 }
 
 /// `chmod` of `name` in `dir` without following a symlink there.
-fn chmod_at(dir: BorrowedFd<'_>, name: &str, mode: u32, rel: &str) -> Result<(), FsError> {
+fn chmod_at(dir: BorrowedFd<'_>, name: &OsStr, mode: u32, rel: &str) -> Result<(), FsError> {
     let mode = Mode::from_bits_truncate(mode);
     match fchmodat(dir, name, mode, FchmodatFlags::NoFollowSymlink) {
         Ok(()) => Ok(()),

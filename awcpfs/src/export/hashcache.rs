@@ -6,6 +6,10 @@
 //! hashed — the test git's index uses. ctime cannot be set by a program and changes with
 //! every write, rename into place or metadata change, so a modified file never matches.
 //!
+//! Each entry also keeps the file's `user.*` extended attributes: setting or removing one
+//! changes the ctime, so the same test covers them, and a repeated delegation reads no
+//! attributes of unchanged files either.
+//!
 //! The "racy" case is kept out as git does: a file whose ctime or mtime is within
 //! [`RACY_WINDOW`] of when it was hashed could still change within the same timestamp tick
 //! without its times changing, so it is hashed again next time rather than remembered.
@@ -29,7 +33,8 @@ use super::rootfs::{ctime_ns, mtime_ns};
 pub const RACY_WINDOW: Duration = Duration::from_secs(2);
 /// Most entries kept; beyond it, entries unused since the cache was loaded are dropped.
 const MAX_ENTRIES: usize = 4_000_000;
-const MAGIC: &[u8; 8] = b"AWHC0001";
+/// Version 2 added the attributes; a version 1 file is ignored (everything hashed again once).
+const MAGIC: &[u8; 8] = b"AWHC0002";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Entry {
@@ -39,6 +44,8 @@ struct Entry {
     block_size: u32,
     hash: [u8; 32],
     blocks: Vec<([u8; 32], u32)>,
+    /// `user.*` attributes, name → hex value.
+    xattrs: std::collections::BTreeMap<String, String>,
     used: bool,
 }
 
@@ -138,6 +145,7 @@ impl HashCache {
                 .map(|(h, l)| (blake3::Hash::from_bytes(*h), *l))
                 .collect(),
             size: e.size,
+            xattrs: e.xattrs.clone(),
         })
     }
 
@@ -163,6 +171,7 @@ impl HashCache {
                     .iter()
                     .map(|(h, l)| (*h.as_bytes(), *l))
                     .collect(),
+                xattrs: hashes.xattrs.clone(),
                 used: true,
             },
         );
@@ -206,6 +215,13 @@ fn encode(map: &HashMap<(u64, u64), Entry>) -> io::Result<Vec<u8>> {
             raw.extend_from_slice(h);
             raw.extend_from_slice(&l.to_le_bytes());
         }
+        raw.extend_from_slice(&(e.xattrs.len() as u32).to_le_bytes());
+        for (k, v) in &e.xattrs {
+            for s in [k, v] {
+                raw.extend_from_slice(&(s.len() as u32).to_le_bytes());
+                raw.extend_from_slice(s.as_bytes());
+            }
+        }
     }
     let mut out = MAGIC.to_vec();
     out.extend_from_slice(&zstd::bulk::compress(&raw, 1)?);
@@ -232,6 +248,16 @@ impl Cursor<'_> {
     }
     fn u32(&mut self) -> io::Result<u32> {
         Ok(u32::from_le_bytes(self.take()?))
+    }
+    fn string(&mut self) -> io::Result<String> {
+        let n = self.u32()? as usize;
+        if n > self.0.len() {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "truncated"));
+        }
+        let (s, rest) = self.0.split_at(n);
+        self.0 = rest;
+        String::from_utf8(s.to_vec())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "not UTF-8"))
     }
 }
 
@@ -269,6 +295,19 @@ fn decode(mut f: impl Read) -> io::Result<HashMap<(u64, u64), Entry>> {
             let h = c.take::<32>()?;
             blocks.push((h, c.u32()?));
         }
+        let nx = c.u32()?;
+        // Each attribute takes at least 8 bytes.
+        if nx as usize > c.0.len() / 8 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "bad attribute count",
+            ));
+        }
+        let mut xattrs = std::collections::BTreeMap::new();
+        for _ in 0..nx {
+            let k = c.string()?;
+            xattrs.insert(k, c.string()?);
+        }
         map.insert(
             (dev, ino),
             Entry {
@@ -278,6 +317,7 @@ fn decode(mut f: impl Read) -> io::Result<HashMap<(u64, u64), Entry>> {
                 block_size,
                 hash,
                 blocks,
+                xattrs,
                 used: false,
             },
         );
@@ -309,7 +349,9 @@ mod tests {
         age(&file);
         let cache = HashCache::open(&dir.path().join("hashes.bin"));
         let st = stat_of(&file);
-        let hashes = hash_blocks(std::fs::File::open(&file).unwrap(), 4).unwrap();
+        let mut hashes = hash_blocks(std::fs::File::open(&file).unwrap(), 4).unwrap();
+        // The attributes are remembered with the hashes.
+        hashes.xattrs.insert("user.k".into(), "6869".into());
         // Recently changed (ctime is now): not remembered.
         cache.insert(&st, 4, &hashes);
         assert!(cache.lookup(&st, 4).is_none());
@@ -351,6 +393,7 @@ mod tests {
                 block_size: 6,
                 hash: [7; 32],
                 blocks: vec![([8; 32], 3)],
+                xattrs: [("user.a".to_string(), "00ff".to_string())].into(),
                 used: false,
             },
         );

@@ -12,16 +12,26 @@
 //! relative to its parent's descriptor and every file with `openat(O_NOFOLLOW | O_NONBLOCK)`,
 //! so the walk cannot be led outside the root even if the tree changes while it runs.
 //!
-//! Skipped, each with a `warn`: special files (FIFOs, sockets, devices), names and symlink
-//! targets that are not UTF-8, our own temporary names (`.awcp-tmp-*`), entries that
+//! Names and symlink targets are bytes; those that are not UTF-8 are held in their escaped
+//! `String` form (see `awcp_protocol::rawname`) and travel as raw bytes or base64.
+//!
+//! Skipped, each with a `warn`: special files (FIFOs, sockets, devices), our own temporary
+//! names (`.awcp-tmp-*`), entries that
 //! vanish or cannot be read during the walk, and directories deeper than `MAX_DEPTH`.
 //! Only a failure at the root itself fails the build.
 
+use std::collections::BTreeMap;
 use std::io::{self, Read};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 
-use awcp_protocol::dataplane::{DATA_PLANE_VERSION, EntryKind, Manifest, ManifestEntry};
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+
+use awcp_protocol::dataplane::{
+    DATA_PLANE_VERSION, EntryKind, MAX_MANIFEST_XATTR_VALUE, Manifest, ManifestEntry,
+};
+use awcp_protocol::rawname;
 use nix::dir::Dir;
 use nix::fcntl::{AtFlags, OFlag, readlinkat};
 use nix::sys::stat::{FileStat, Mode, fstat, fstatat};
@@ -78,7 +88,9 @@ fn hash_worker(
         let r = (|| {
             // Metadata from the opened file, so size, mode and content belong together.
             let before = fstat(&job.file)?;
-            let hashes = hash_blocks(&job.file, block_size)?;
+            let mut hashes = hash_blocks(&job.file, block_size)?;
+            // Between the two stats: a change of an attribute changes the ctime too.
+            hashes.xattrs = fd_user_xattrs(job.file.as_fd(), &job.rel);
             let after = fstat(&job.file)?;
             let same = Stamp::of(&after) == Stamp::of(&before);
             if !same {
@@ -152,7 +164,7 @@ pub(crate) fn describe(
             };
             walker.recurse = *deep;
             let depth = rel.matches('/').count();
-            match walker.visit(&dir, name, rel, depth) {
+            match walker.visit(&dir, &awcp_protocol::rawname::to_os(name), rel, depth) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => {
@@ -238,7 +250,8 @@ fn walk_with(
         .zip(walker.stamps)
     {
         if e.kind == EntryKind::File {
-            let Some(h) = h else { continue };
+            let Some(mut h) = h else { continue };
+            e.xattrs = std::mem::take(&mut h.xattrs);
             let path: Arc<str> = Arc::from(e.path.as_str());
             if let Some(stamp) = stamp {
                 index.set_stamp(path.clone(), stamp);
@@ -290,6 +303,10 @@ pub struct FileHashes {
     pub blocks: Vec<(blake3::Hash, u32)>,
     /// Bytes read.
     pub size: u64,
+    /// The file's `user.*` extended attributes, name → value in hex (not part of the
+    /// content hash: carried with it because the hash cache's validity test, which includes
+    /// the ctime, covers both).
+    pub xattrs: BTreeMap<String, String>,
 }
 
 /// Hash `reader` whole and in blocks of `block_size` bytes (offset-aligned; the last block
@@ -343,7 +360,12 @@ fn hash_blocks_with(mut reader: impl Read, buf: &mut [u8]) -> io::Result<FileHas
         [(only, _)] => *only,
         _ => whole.finalize(),
     };
-    Ok(FileHashes { hash, blocks, size })
+    Ok(FileHashes {
+        hash,
+        blocks,
+        size,
+        xattrs: BTreeMap::new(),
+    })
 }
 
 struct Walker<'a> {
@@ -370,37 +392,37 @@ impl Walker<'_> {
             if raw == b"." || raw == b".." {
                 continue;
             }
-            match std::str::from_utf8(raw) {
-                Ok(name) => names.push(name.to_owned()),
-                Err(_) => tracing::warn!(
-                    dir = prefix,
-                    name = %String::from_utf8_lossy(raw),
-                    "skipping a name that is not UTF-8"
-                ),
-            }
+            names.push(raw.to_vec());
         }
+        // Sorted by raw bytes: names that are not UTF-8 among the rest, as `ls` sorts in C.
         names.sort_unstable();
-        for name in names {
-            if name.starts_with(TMP_PREFIX) {
+        for raw in names {
+            if raw.starts_with(TMP_PREFIX.as_bytes()) {
                 continue;
             }
+            // Names that are not UTF-8 are held escaped (see `awcp_protocol::rawname`).
+            let name = rawname::from_bytes(&raw);
             let rel = if prefix.is_empty() {
-                name.clone()
+                name.into_owned()
             } else {
                 format!("{prefix}/{name}")
             };
-            if let Err(e) = self.visit(&dir, &name, &rel, depth) {
+            if let Err(e) = self.visit(&dir, OsStr::from_bytes(&raw), &rel, depth) {
                 tracing::warn!(path = %rel, error = %e, "skipping an entry that cannot be read");
             }
         }
         Ok(())
     }
 
-    fn visit(&mut self, dir: &Dir, name: &str, rel: &str, depth: usize) -> io::Result<()> {
+    fn visit(&mut self, dir: &Dir, name: &OsStr, rel: &str, depth: usize) -> io::Result<()> {
         let st = fstatat(dir.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW)?;
         // Hidden paths are left out (parents were checked on the way down).
         let is_dir = NodeKind::of(&st) == NodeKind::Dir;
-        if self.filter.as_ref().is_some_and(|f| !(f.0)(rel, is_dir)) {
+        if self
+            .filter
+            .as_ref()
+            .is_some_and(|f| !(f.0)(&rawname::lossy(rel), is_dir))
+        {
             return Ok(());
         }
         match NodeKind::of(&st) {
@@ -410,6 +432,7 @@ impl Walker<'_> {
                     return Ok(());
                 }
                 let sub = Dir::openat(dir.as_fd(), name, dir_flags(), Mode::empty())?;
+                let xattrs = fd_user_xattrs(sub.as_fd(), rel);
                 self.entries.push(ManifestEntry {
                     path: rel.to_owned(),
                     kind: EntryKind::Dir,
@@ -421,6 +444,7 @@ impl Walker<'_> {
                     target: None,
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
+                    xattrs,
                 });
                 self.hashes.push(None);
                 self.stamps.push(None);
@@ -444,6 +468,8 @@ impl Walker<'_> {
                     target: None,
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
+                    // With the content, from the hashing thread or the hash cache.
+                    xattrs: BTreeMap::new(),
                 });
                 if cached.is_some() {
                     self.hashes.push(cached);
@@ -475,21 +501,21 @@ impl Walker<'_> {
             }
             NodeKind::Symlink => {
                 let target = readlinkat(dir.as_fd(), name)?;
-                let Some(target) = target.to_str() else {
-                    tracing::warn!(path = %rel, "skipping a symlink whose target is not UTF-8");
-                    return Ok(());
-                };
+                let size = target.len() as u64;
+                let target = rawname::from_os(&target);
                 self.entries.push(ManifestEntry {
                     path: rel.to_owned(),
                     kind: EntryKind::Symlink,
                     mode: perm(&st),
-                    size: target.len() as u64,
+                    size,
                     mtime_ns: mtime_ns(&st),
                     hash: None,
                     blocks: Vec::new(),
-                    target: Some(target.to_owned()),
+                    target: Some(target.into_owned()),
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
+                    // Linux allows no user.* attributes on a symlink.
+                    xattrs: BTreeMap::new(),
                 });
                 self.hashes.push(None);
                 self.stamps.push(None);
@@ -501,6 +527,59 @@ impl Walker<'_> {
             }
         }
     }
+}
+
+/// The `user.*` extended attributes of the file or directory open as `fd`, name → value in
+/// hex. Left out, each with a `warn`: names that are not UTF-8 and values over
+/// [`MAX_MANIFEST_XATTR_VALUE`] bytes (Linux's own limit, so none in practice). A filesystem
+/// without extended attributes has none. Read from a descriptor the walk or a hashing
+/// thread holds anyway: one `flistxattr` per entry (and a `fgetxattr` per attribute), no
+/// path lookup.
+pub(crate) fn fd_user_xattrs(fd: BorrowedFd<'_>, rel: &str) -> BTreeMap<String, String> {
+    thread_local! {
+        // XATTR_LIST_MAX and the largest value carried: one buffer each per thread.
+        static BUFS: std::cell::RefCell<(Vec<u8>, Vec<u8>)> =
+            const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+    let mut out = BTreeMap::new();
+    BUFS.with_borrow_mut(|(list, value)| {
+        list.resize(64 * 1024, 0);
+        let n = match rustix::fs::flistxattr(fd, &mut list[..]) {
+            Ok(n) => n,
+            Err(rustix::io::Errno::NOTSUP) => return,
+            Err(e) => {
+                tracing::warn!(path = %rel, error = %e, "cannot list extended attributes");
+                return;
+            }
+        };
+        for attr in list[..n].split(|&b| b == 0) {
+            if !attr.starts_with(b"user.") {
+                continue;
+            }
+            let Ok(attr) = std::str::from_utf8(attr) else {
+                tracing::warn!(path = %rel, "skipping an extended attribute whose name is not UTF-8");
+                continue;
+            };
+            value.resize(MAX_MANIFEST_XATTR_VALUE, 0);
+            match rustix::fs::fgetxattr(fd, attr, &mut value[..]) {
+                Ok(len) => {
+                    out.insert(attr.to_owned(), hex::encode(&value[..len]));
+                }
+                Err(rustix::io::Errno::RANGE) => tracing::warn!(
+                    path = %rel,
+                    name = attr,
+                    max = MAX_MANIFEST_XATTR_VALUE,
+                    "skipping an extended attribute whose value is too large for the manifest"
+                ),
+                // Removed since it was listed.
+                Err(rustix::io::Errno::NODATA) => {}
+                Err(e) => {
+                    tracing::warn!(path = %rel, name = attr, error = %e, "cannot read an extended attribute")
+                }
+            }
+        }
+    });
+    out
 }
 
 #[cfg(test)]

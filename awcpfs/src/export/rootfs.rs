@@ -22,6 +22,8 @@
 //! Files are opened with `O_NONBLOCK` so that a FIFO planted in the tree can never block a
 //! request; anything that is not a regular file is refused after `fstat`.
 
+use std::borrow::Cow;
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -213,7 +215,7 @@ impl RootDir {
             check_component(whole, comp)?;
             end += comp.len() + usize::from(end > 0);
             let parent = cur.as_ref().map_or(self.fd.as_fd(), |f| f.as_fd());
-            match openat(parent, comp, dir_flags(), Mode::empty()) {
+            match openat(parent, &*os(comp), dir_flags(), Mode::empty()) {
                 Ok(fd) => cur = Some(fd),
                 Err(e) => {
                     let prefix = &dir_rel[..end];
@@ -232,7 +234,7 @@ impl RootDir {
     /// What `rel` names (the last component is not followed). A missing parent is `Absent`.
     pub(crate) fn kind(&self, rel: &str) -> Result<NodeKind, FsError> {
         match self.open_parent(rel) {
-            Ok((dir, name)) => kind_at(dir.as_fd(), name, rel),
+            Ok((dir, name)) => kind_at(dir.as_fd(), &os(name), rel),
             Err(e) if e.is_not_found() => Ok(NodeKind::Absent),
             Err(e) => Err(e),
         }
@@ -241,13 +243,24 @@ impl RootDir {
     /// Open `rel` for reading; it must be a regular file.
     pub(crate) fn open_file(&self, rel: &str) -> Result<File, FsError> {
         let (dir, name) = self.open_parent(rel)?;
-        open_file_at(dir.as_fd(), name, rel)
+        open_file_at(dir.as_fd(), &os(name), rel)
     }
+}
+
+/// The bytes a name or path component held as a `String` stands for (names that are not
+/// UTF-8 are held escaped: see [`awcp_protocol::rawname`]), for a system call.
+pub(crate) fn os(name: &str) -> Cow<'_, OsStr> {
+    awcp_protocol::rawname::to_os(name)
 }
 
 /// Refuse the components that could leave the directory they are resolved in.
 fn check_component(whole: &str, comp: &str) -> Result<(), FsError> {
-    if comp.is_empty() || comp == "." || comp == ".." || comp.contains('\0') {
+    let raw = awcp_protocol::rawname::decode(comp);
+    if comp.is_empty()
+        || comp == "."
+        || comp == ".."
+        || raw.as_deref().map_or(true, |r| r.contains(&0))
+    {
         return Err(FsError::BadComponent {
             path: whole.to_owned(),
         });
@@ -263,7 +276,7 @@ fn classify_open_failure(
     prefix: &str,
     e: Errno,
 ) -> FsError {
-    let found = match fstatat(parent, comp, AtFlags::AT_SYMLINK_NOFOLLOW) {
+    let found = match fstatat(parent, &*os(comp), AtFlags::AT_SYMLINK_NOFOLLOW) {
         Ok(st) => NodeKind::of(&st),
         Err(Errno::ENOENT) => NodeKind::Absent,
         Err(_) => return io_err("open directory", prefix, e),
@@ -287,7 +300,7 @@ fn classify_open_failure(
 }
 
 /// What `name` in `dir` is, without following a symlink.
-pub(crate) fn kind_at(dir: BorrowedFd<'_>, name: &str, rel: &str) -> Result<NodeKind, FsError> {
+pub(crate) fn kind_at(dir: BorrowedFd<'_>, name: &OsStr, rel: &str) -> Result<NodeKind, FsError> {
     match fstatat(dir, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
         Ok(st) => Ok(NodeKind::of(&st)),
         Err(Errno::ENOENT) => Ok(NodeKind::Absent),
@@ -296,7 +309,7 @@ pub(crate) fn kind_at(dir: BorrowedFd<'_>, name: &str, rel: &str) -> Result<Node
 }
 
 /// Open regular file `name` in `dir` for reading.
-pub(crate) fn open_file_at(dir: BorrowedFd<'_>, name: &str, rel: &str) -> Result<File, FsError> {
+pub(crate) fn open_file_at(dir: BorrowedFd<'_>, name: &OsStr, rel: &str) -> Result<File, FsError> {
     let fd = match openat(dir, name, read_flags(), Mode::empty()) {
         Ok(fd) => fd,
         // O_NOFOLLOW on a symlink gives ELOOP: say what it is rather than "too many links".
@@ -321,7 +334,7 @@ pub(crate) fn open_file_at(dir: BorrowedFd<'_>, name: &str, rel: &str) -> Result
 /// blake3 of the whole content of regular file `name` in `dir`.
 pub(crate) fn hash_file_at(
     dir: BorrowedFd<'_>,
-    name: &str,
+    name: &OsStr,
     rel: &str,
 ) -> Result<blake3::Hash, FsError> {
     let file = open_file_at(dir, name, rel)?;

@@ -50,6 +50,8 @@ struct Sig {
     mtime_ns: i64,
     /// Content hash (files) or target (symlinks).
     content: Option<String>,
+    /// `user.*` extended attributes (files and directories).
+    xattrs: std::collections::BTreeMap<String, String>,
 }
 
 impl Sig {
@@ -61,6 +63,7 @@ impl Sig {
                 size: 0,
                 mtime_ns: 0,
                 content: None,
+                xattrs: e.xattrs.clone(),
             },
             EntryKind::File => Sig {
                 kind: e.kind,
@@ -68,6 +71,7 @@ impl Sig {
                 size: e.size,
                 mtime_ns: e.mtime_ns,
                 content: e.hash.clone(),
+                xattrs: e.xattrs.clone(),
             },
             EntryKind::Symlink => Sig {
                 kind: e.kind,
@@ -75,6 +79,7 @@ impl Sig {
                 size: 0,
                 mtime_ns: 0,
                 content: e.target.clone(),
+                xattrs: Default::default(),
             },
         }
     }
@@ -227,9 +232,13 @@ impl ChangeFeed {
     pub(crate) fn note_commit(&self, root: &RootDir, changes: &[Change], conflicts: &[Conflict]) {
         let stamp_of = |path: &str| {
             let (dir, name) = root.open_parent(path).ok()?;
-            fstatat(&dir, name, AtFlags::AT_SYMLINK_NOFOLLOW)
-                .ok()
-                .map(|st| Stamp::of(&st))
+            fstatat(
+                &dir,
+                &*awcp_protocol::rawname::to_os(name),
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .ok()
+            .map(|st| Stamp::of(&st))
         };
         let mut st = self.state.lock();
         // Recorded in the current batch, not a new one: streams already past it (the
@@ -254,6 +263,7 @@ impl ChangeFeed {
                     target: None,
                     ino: stamp.map(|s| s.ino),
                     ctime_ns: stamp.map(|s| s.ctime_ns),
+                    xattrs: Default::default(),
                 }),
                 Change::Write {
                     mode,
@@ -273,6 +283,7 @@ impl ChangeFeed {
                     target: None,
                     ino: stamp.map(|s| s.ino),
                     ctime_ns: stamp.map(|s| s.ctime_ns),
+                    xattrs: Default::default(),
                 }),
                 Change::Symlink { target, .. } => Some(ManifestEntry {
                     path: path.to_owned(),
@@ -285,6 +296,7 @@ impl ChangeFeed {
                     target: Some(target.clone()),
                     ino: stamp.map(|s| s.ino),
                     ctime_ns: stamp.map(|s| s.ctime_ns),
+                    xattrs: Default::default(),
                 }),
                 Change::Chmod { mode, mtime_ns, .. } => {
                     match st.changed.get(path).and_then(|(_, e)| e.clone()) {
@@ -376,11 +388,12 @@ impl Pending {
             let Ok(rel) = p.strip_prefix(root) else {
                 continue;
             };
-            let Some(rel) = rel.to_str() else { continue };
+            // Names that are not UTF-8 are held escaped, as in the manifest.
+            let rel = awcp_protocol::rawname::from_os(rel.as_os_str());
             if rel.is_empty() || rel.split('/').any(|c| c.starts_with(TMP_PREFIX)) {
                 continue;
             }
-            self.paths.push(rel.to_owned());
+            self.paths.push(rel.into_owned());
         }
     }
 }
@@ -485,9 +498,13 @@ fn process(export: &Export, cache: Option<&HashCache>, mut pending: Pending) -> 
             continue;
         }
         let stamp = root.open_parent(&rel).ok().and_then(|(dir, name)| {
-            fstatat(&dir, name, AtFlags::AT_SYMLINK_NOFOLLOW)
-                .ok()
-                .map(|st| Stamp::of(&st))
+            fstatat(
+                &dir,
+                &*awcp_protocol::rawname::to_os(name),
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .ok()
+            .map(|st| Stamp::of(&st))
         });
         if feed.take_own(&rel, stamp) {
             continue;

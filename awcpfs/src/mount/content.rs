@@ -395,6 +395,7 @@ impl AwcpFs {
     ) -> Result<(FileAttr, u64), FsError> {
         self.check_write()?;
         let name = name_str(name)?;
+        let name = &*name;
         let ino = {
             let mut table = self.table.lock();
             let dir = table.get(parent).ok_or(FsError::NotFound)?;
@@ -427,6 +428,7 @@ impl AwcpFs {
             });
         }
         let name = name_str(name)?;
+        let name = &*name;
         let mut table = self.table.lock();
         if table.child(parent, name).is_some() {
             return Err(FsError::Exists);

@@ -53,9 +53,6 @@ pub enum FsError {
         /// What.
         what: &'static str,
     },
-    /// Names must be UTF-8 to be synced back.
-    #[error("file names on awcpfs must be valid UTF-8")]
-    NonUtf8Name,
     /// Over 255 bytes.
     #[error("file name too long")]
     NameTooLong,
@@ -130,9 +127,6 @@ impl FsError {
             FsError::IsDir => Errno::EISDIR,
             FsError::NotEmpty => Errno::ENOTEMPTY,
             FsError::Invalid { .. } => Errno::EINVAL,
-            // EILSEQ is what filesystems with a mandatory encoding (e.g. vfat with utf8)
-            // answer for names they cannot store.
-            FsError::NonUtf8Name => Errno::EILSEQ,
             FsError::NameTooLong => Errno::ENAMETOOLONG,
             FsError::ReadOnly => Errno::EROFS,
             // EACCES, not EIO: the data is intact, the caller simply has no right any more.
@@ -183,6 +177,5 @@ mod tests {
         assert_eq!(FsError::ReadOnly.errno(), Errno::EROFS);
         let enospc = std::io::Error::from_raw_os_error(libc::ENOSPC);
         assert_eq!(FsError::from(enospc).errno(), Errno::ENOSPC);
-        assert_eq!(FsError::NonUtf8Name.errno(), Errno::EILSEQ);
     }
 }

@@ -11,6 +11,7 @@
 //! Fencing: once the lease has ended, [`AwcpFs::fence`] is called and every operation —
 //! including those on handles opened before — fails with [`FsError::Fenced`].
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::File;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::SystemTime;
 
+use awcp_protocol::rawname;
 use fuser::{FileAttr, FileType, INodeNo};
 use parking_lot::{Mutex, RwLock};
 
@@ -122,12 +124,13 @@ pub(super) fn kind_to_fuse(k: Kind) -> FileType {
 /// Names the export reserves for its own temporary files; it never shows or accepts them.
 pub const RESERVED_PREFIX: &str = ".awcp-tmp-";
 
-/// Validate a name from the kernel for a new entry and make it a `String`.
-pub(super) fn name_str(name: &OsStr) -> Result<&str, FsError> {
+/// Validate a name from the kernel for a new entry and make it a `String` (a name that is
+/// not UTF-8 in its escaped form: see [`awcp_protocol::rawname`]).
+pub(super) fn name_str(name: &OsStr) -> Result<Cow<'_, str>, FsError> {
     if name.len() > 255 {
         return Err(FsError::NameTooLong);
     }
-    let name = name.to_str().ok_or(FsError::NonUtf8Name)?;
+    let name = rawname::from_os(name);
     if name.starts_with(RESERVED_PREFIX) {
         return Err(FsError::Invalid {
             what: "names starting with .awcp-tmp- are reserved by awcpfs",
@@ -333,15 +336,13 @@ impl AwcpFs {
     /// `lookup`: the attributes of `name` in `parent`.
     pub fn lookup(&self, parent: Ino, name: &OsStr) -> Result<FileAttr, FsError> {
         self.check()?;
-        let Some(name) = name.to_str() else {
-            return Err(FsError::NotFound);
-        };
+        let name = rawname::from_os(name);
         let table = self.table.lock();
         let dir = table.get(parent).ok_or(FsError::NotFound)?;
         if dir.kind != Kind::Dir {
             return Err(FsError::NotDir);
         }
-        let ino = table.child(parent, name).ok_or(FsError::NotFound)?;
+        let ino = table.child(parent, &name).ok_or(FsError::NotFound)?;
         let node = table.get(ino).ok_or(FsError::NotFound)?;
         Ok(self.attr_of(node))
     }
@@ -378,6 +379,7 @@ impl AwcpFs {
     pub fn mkdir(&self, parent: Ino, name: &OsStr, mode: u32) -> Result<FileAttr, FsError> {
         self.check_write()?;
         let name = name_str(name)?;
+        let name = &*name;
         let mut table = self.table.lock();
         Self::dir_mut(&mut table, parent)?;
         if table.child(parent, name).is_some() {
@@ -392,7 +394,8 @@ impl AwcpFs {
     pub fn symlink(&self, parent: Ino, name: &OsStr, target: &OsStr) -> Result<FileAttr, FsError> {
         self.check_write()?;
         let name = name_str(name)?;
-        let target = target.to_str().ok_or(FsError::NonUtf8Name)?;
+        let name = &*name;
+        let target = rawname::from_os(target);
         let mut table = self.table.lock();
         Self::dir_mut(&mut table, parent)?;
         if table.child(parent, name).is_some() {
@@ -400,8 +403,8 @@ impl AwcpFs {
         }
         let ino = table.alloc_ino();
         let mut node = self.new_node(ino, parent, name, Kind::Symlink, 0o777);
-        node.size = target.len() as u64;
-        node.target = Some(target.to_string());
+        node.size = rawname::to_bytes(&target).len() as u64;
+        node.target = Some(target.into_owned());
         self.add_node(&mut table, node)
     }
 
@@ -447,6 +450,7 @@ impl AwcpFs {
     pub fn unlink(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
         self.check_write()?;
         let name = name_str(name)?;
+        let name = &*name;
         let mut table = self.table.lock();
         Self::dir_mut(&mut table, parent)?;
         let ino = table.child(parent, name).ok_or(FsError::NotFound)?;
@@ -467,6 +471,7 @@ impl AwcpFs {
     pub fn rmdir(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
         self.check_write()?;
         let name = name_str(name)?;
+        let name = &*name;
         let mut table = self.table.lock();
         Self::dir_mut(&mut table, parent)?;
         let ino = table.child(parent, name).ok_or(FsError::NotFound)?;
@@ -500,7 +505,9 @@ impl AwcpFs {
     ) -> Result<(), FsError> {
         self.check_write()?;
         let name = name_str(name)?;
+        let name = &*name;
         let newname = name_str(newname)?;
+        let newname = &*newname;
         let mut table = self.table.lock();
         Self::dir_mut(&mut table, parent)?;
         Self::dir_mut(&mut table, newparent)?;
@@ -588,6 +595,7 @@ impl AwcpFs {
     pub fn link(&self, ino: Ino, newparent: Ino, newname: &OsStr) -> Result<FileAttr, FsError> {
         self.check_write()?;
         let newname = name_str(newname)?;
+        let newname = &*newname;
         let mut table = self.table.lock();
         Self::dir_mut(&mut table, newparent)?;
         let node = table.get(ino).ok_or(FsError::NotFound)?;

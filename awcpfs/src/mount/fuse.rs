@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
+use awcp_protocol::rawname;
 use parking_lot::Mutex;
 
 use fuser::{
@@ -310,7 +311,7 @@ impl Filesystem for FuseAdapter {
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         self.fs.stats().count_op("readlink");
         match self.fs.readlink(ino.0) {
-            Ok(t) => reply.data(t.as_bytes()),
+            Ok(t) => reply.data(&rawname::to_bytes(&t)),
             Err(e) => reply_err!(reply, "readlink", e),
         }
     }
@@ -578,7 +579,7 @@ impl Filesystem for FuseAdapter {
                         INodeNo(e.ino),
                         generation << 32 | (i + 1) as u64,
                         kind_to_fuse(e.kind),
-                        &e.name,
+                        rawname::to_os(&e.name),
                     ) {
                         break;
                     }
@@ -607,7 +608,7 @@ impl Filesystem for FuseAdapter {
                     if reply.add(
                         INodeNo(e.ino),
                         generation << 32 | (i + 1) as u64,
-                        &e.name,
+                        rawname::to_os(&e.name),
                         &self.ttl,
                         &attr,
                         Generation(0),

@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use awcp_protocol::dataplane::{EntryKind, Manifest};
+use awcp_protocol::dataplane::{EntryKind, MAX_MANIFEST_XATTR_VALUE, Manifest};
 
 /// Inode number.
 pub type Ino = u64;
@@ -154,6 +154,16 @@ fn is_hard_link(
         && a.hash == b.hash
         && a.size == b.size
         && a.mode == b.mode
+}
+
+/// A manifest entry's attributes as a node keeps them: the Delegator's `user.*` attributes
+/// (hex on the wire), nothing else.
+pub fn manifest_xattrs(e: &awcp_protocol::dataplane::ManifestEntry) -> BTreeMap<String, Vec<u8>> {
+    e.xattrs
+        .iter()
+        .filter(|(k, v)| k.starts_with("user.") && v.len() <= 2 * MAX_MANIFEST_XATTR_VALUE)
+        .filter_map(|(k, v)| Some((k.clone(), hex::decode(v).ok()?)))
+        .collect()
 }
 
 /// Error building the table from a manifest.
@@ -316,7 +326,7 @@ impl InodeTable {
                 open_writers: 0,
                 unlinked: false,
                 links: Vec::new(),
-                xattrs: BTreeMap::new(),
+                xattrs: manifest_xattrs(e),
             };
             if by_path.insert(&e.path, ino).is_some() {
                 return Err(ManifestError::Duplicate {
@@ -541,6 +551,7 @@ mod tests {
             target: (kind == EntryKind::Symlink).then(|| "t".into()),
             ino: None,
             ctime_ns: None,
+            xattrs: Default::default(),
         }
     }
 
@@ -602,6 +613,39 @@ mod tests {
         m.entries[1].ino = Some(ROOT_INO);
         let t = InodeTable::from_manifest(&m, 0, 0).unwrap();
         assert_eq!(t.child(ROOT_INO, "src"), Some(2));
+    }
+
+    #[test]
+    fn non_utf8_names_and_manifest_xattrs() {
+        let mut m = manifest(vec![
+            entry(
+                &awcp_protocol::rawname::from_bytes(b"d\xff"),
+                EntryKind::Dir,
+            ),
+            entry(
+                &awcp_protocol::rawname::from_bytes(b"d\xff/caf\xe9"),
+                EntryKind::File,
+            ),
+        ]);
+        m.entries[1].xattrs = [
+            ("user.a".to_string(), "6869".to_string()),
+            ("trusted.x".to_string(), "00".to_string()),
+            ("user.bad".to_string(), "zz".to_string()),
+        ]
+        .into_iter()
+        .collect();
+        let t = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        let d = t.child(ROOT_INO, "d\0ff").unwrap();
+        let f = t.child(d, "caf\0e9").unwrap();
+        assert_eq!(t.path_of(f).as_deref(), Some("d\0ff/caf\0e9"));
+        let x: Vec<_> = t.get(f).unwrap().xattrs.iter().collect();
+        assert_eq!(x, [(&"user.a".to_string(), &b"hi".to_vec())], "user.* only");
+        // A malformed escape is refused like any bad path.
+        let m = manifest(vec![entry("d\0zz", EntryKind::File)]);
+        assert!(matches!(
+            InodeTable::from_manifest(&m, 0, 0),
+            Err(ManifestError::BadPath { .. })
+        ));
     }
 
     #[test]

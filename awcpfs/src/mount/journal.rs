@@ -103,6 +103,9 @@ pub enum Record {
         /// Block hashes (files).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         blocks: Vec<String>,
+        /// `user.*` extended attributes, name → hex value.
+        #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+        xattrs: std::collections::BTreeMap<String, String>,
     },
     /// An extended attribute set (`value` hex) or removed (`None`).
     Xattr {
@@ -150,6 +153,11 @@ impl Record {
             target: node.target.clone(),
             hash,
             blocks,
+            xattrs: node
+                .xattrs
+                .iter()
+                .map(|(k, v)| (k.clone(), hex::encode(v)))
+                .collect(),
         }
     }
 }
@@ -303,16 +311,21 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
                 target,
                 hash,
                 blocks,
+                xattrs,
             } => {
                 if table.child(*parent, name).is_some_and(|prev| prev != *ino) {
                     unlink_replayed(table, *parent, name);
                 }
                 table.reserve_ino(*ino);
                 let t = time_from_ns(*mtime_ns);
-                let (children, subdirs, xattrs) = table
+                let (children, subdirs) = table
                     .get(*ino)
-                    .map(|n| (n.children.clone(), n.subdirs, n.xattrs.clone()))
+                    .map(|n| (n.children.clone(), n.subdirs))
                     .unwrap_or_default();
+                let xattrs = xattrs
+                    .iter()
+                    .filter_map(|(k, v)| Some((k.clone(), hex::decode(v).ok()?)))
+                    .collect();
                 table.insert(Node {
                     ino: *ino,
                     parent: *parent,
@@ -436,6 +449,7 @@ mod tests {
             target: None,
             ino: None,
             ctime_ns: None,
+            xattrs: Default::default(),
         };
         let m = Manifest {
             version: 1,
@@ -478,5 +492,17 @@ mod tests {
         assert_eq!(table.child(root, "b"), Some(new_ino));
         // New inode numbers stay above the replayed ones.
         assert!(table.alloc_ino() > new_ino);
+    }
+
+    #[test]
+    fn non_utf8_names_survive_the_journal() {
+        // Held escaped in memory (see `awcp_protocol::rawname`), as JSON in the journal.
+        let name = awcp_protocol::rawname::from_bytes(b"caf\xe9").into_owned();
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("j");
+        let j = Journal::open(&p).unwrap();
+        let rec = Record::Unlink { parent: 1, name };
+        j.append(std::slice::from_ref(&rec)).unwrap();
+        assert_eq!(Journal::read_all(&p).unwrap(), [rec]);
     }
 }

@@ -5,8 +5,8 @@
 //! namespace is stored: `trusted.*` and `security.*` need privileges the Executor should
 //! not exercise on behalf of an agent, and `system.*` (POSIX ACLs) would change permission
 //! checks the kernel makes with `default_permissions`. The syncer writes them back with the
-//! file (`xattrs` of a write) or alone (`xattrs` of a chmod); the Delegator's own attributes
-//! are not in the manifest, so the mount does not show them (see `docs/SEMANTICS.md`).
+//! file (`xattrs` of a write) or alone (`xattrs` of a chmod). The Delegator's own `user.*`
+//! attributes come with the manifest and seed the inode table (see `docs/SEMANTICS.md`).
 
 use std::ffi::OsStr;
 use std::os::fd::AsFd;

@@ -339,13 +339,13 @@ impl Syncer {
                 let s = match e.kind {
                     EntryKind::Dir => Synced::Dir {
                         mode: e.mode & 0o7777,
-                        xattrs: BTreeMap::new(),
+                        xattrs: e.xattrs.clone(),
                     },
                     EntryKind::File => Synced::File {
                         hash: e.hash.clone().unwrap_or_default(),
                         mode: e.mode & 0o7777,
                         mtime_ns: Some(e.mtime_ns),
-                        xattrs: BTreeMap::new(),
+                        xattrs: e.xattrs.clone(),
                     },
                     EntryKind::Symlink => Synced::Symlink {
                         target: e.target.clone().unwrap_or_default(),

@@ -22,7 +22,9 @@ use std::time::SystemTime;
 
 use awcp_protocol::dataplane::{EntryKind, ManifestEntry};
 
-use super::inode::{Data, Ino, InodeTable, Kind, Node, ROOT_INO, time_from_ns, time_to_ns};
+use super::inode::{
+    Data, Ino, InodeTable, Kind, Node, ROOT_INO, manifest_xattrs, time_from_ns, time_to_ns,
+};
 use super::journal::Record;
 use super::sync::{Synced, SyncedRecord, Syncer};
 
@@ -84,16 +86,23 @@ fn state_of(n: &Node) -> Option<Synced> {
 
 /// What the syncer should record for an entry the Delegator now has.
 fn state_of_entry(e: &ManifestEntry) -> Synced {
+    // As the node will hold them (only what `manifest_xattrs` keeps), in hex.
+    let xattrs = || {
+        manifest_xattrs(e)
+            .iter()
+            .map(|(k, v)| (k.clone(), hex::encode(v)))
+            .collect()
+    };
     match e.kind {
         EntryKind::Dir => Synced::Dir {
             mode: e.mode & 0o7777,
-            xattrs: Default::default(),
+            xattrs: xattrs(),
         },
         EntryKind::File => Synced::File {
             hash: e.hash.clone().unwrap_or_default(),
             mode: e.mode & 0o7777,
             mtime_ns: Some(e.mtime_ns),
-            xattrs: Default::default(),
+            xattrs: xattrs(),
         },
         EntryKind::Symlink => Synced::Symlink {
             target: e.target.clone().unwrap_or_default(),
@@ -389,7 +398,7 @@ fn create(
         open_writers: 0,
         unlinked: false,
         links: Vec::new(),
-        xattrs: Default::default(),
+        xattrs: manifest_xattrs(e),
     };
     records.push(Record::upstream(&node));
     table.insert(node);
@@ -414,6 +423,9 @@ fn update(
     let t = time_from_ns(e.mtime_ns);
     n.perm = (e.mode & 0o7777) as u16;
     n.ctime = e.ctime_ns.map_or_else(SystemTime::now, time_from_ns);
+    if n.kind != Kind::Symlink {
+        n.xattrs = manifest_xattrs(e);
+    }
     match n.kind {
         Kind::File => {
             let had_local = matches!(n.data, Data::Local { .. });
