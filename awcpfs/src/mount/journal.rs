@@ -472,7 +472,7 @@ mod tests {
         let mut created = changed.clone();
         created.ino = new_ino;
         created.name = "b".into();
-        let records = vec![Record::upstream(&changed), Record::upstream(&created)];
+        let records = [Record::upstream(&changed), Record::upstream(&created)];
         // Through the text form, as recovery reads it.
         let lines: Vec<Record> = records
             .iter()
