@@ -616,7 +616,12 @@ fn plan_of(st: &StageState) -> ChangeSet {
     // 5. Modes of files and directories that stay what they were, and attributes.
     for (path, p) in &changed {
         let Some(mode) = p.now.mode() else { continue };
-        let mode_changed = same_kind(&p.base, &p.now) && p.base.mode() != Some(mode);
+        // A rewritten file gets its mode with the write (step 4).
+        let rewritten = matches!(
+            (&p.base, &p.now),
+            (Node::File { hash: a, .. }, Node::File { hash: b, .. }) if a != b
+        );
+        let mode_changed = same_kind(&p.base, &p.now) && !rewritten && p.base.mode() != Some(mode);
         if !mode_changed && p.xattrs.is_empty() {
             continue;
         }
@@ -717,7 +722,7 @@ mod tests {
             ("b", Node::Absent, Node::Dir { mode: 0o755 }),
             ("b/c", Node::Absent, Node::Dir { mode: 0o700 }),
             ("b/c/g", Node::Absent, file("2", 0o600)),
-            ("h", file("3", 0o644), file("4", 0o644)),
+            ("h", file("3", 0o644), file("4", 0o600)),
             ("m", file("5", 0o644), file("5", 0o755)),
             ("same", file("6", 0o644), file("6", 0o644)),
             ("l", file("7", 0o644), Node::Symlink { target: "h".into() }),
