@@ -20,7 +20,7 @@
 //!
 //! **Applying** turns the map into one net change set against the bases (removals, then
 //! directories, then writes and symlinks, then modes), and commits it to the tree with the
-//! live commit ([`commit::run_live`]): each change carries its base, so a path the Delegator
+//! live commit (`commit::run_live`): each change carries its base, so a path the Delegator
 //! changed since is a conflict, reported and left as the Delegator has it (a written file's
 //! other version kept beside it), while the other paths are applied. Afterwards every path's
 //! base becomes its state now and the generation moves on, so a later round's changes form a
