@@ -535,3 +535,60 @@ async fn a_change_set_survives_a_daemon_restart() {
     executor.stop().await;
     daemon.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn changes_collected_after_a_no_flush_revoke_join_the_change_set() {
+    if !fuse_available() {
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    let agent = format!(
+        "echo kept > kept.txt && touch {o}/ready && exec sleep 600",
+        o = out.path().display()
+    );
+    // Write-back waits ten minutes: the change stays on the Executor until collected.
+    let h = Harness::start_with(&agent, |c| c.sync_debounce = Duration::from_secs(600)).await;
+    let dir = h.path("ws");
+    workspace(&dir);
+    let before = tree(&dir);
+    let id = h
+        .client
+        .delegate(&request(
+            h.executor.awcp_url(),
+            &dir,
+            SnapshotMode::Staged,
+            false,
+        ))
+        .await
+        .unwrap()
+        .delegation_id
+        .as_str()
+        .to_string();
+    assert!(
+        eventually(Duration::from_secs(30), || out
+            .path()
+            .join("ready")
+            .exists())
+        .await
+    );
+    h.client.revoke(&id, true).await.unwrap();
+    assert_eq!(
+        h.wait_end(&id, Duration::from_secs(30)).await,
+        DelegationState::Cancelled
+    );
+    assert!(eventually(Duration::from_secs(10), || !is_mounted(&h.mountpoint(&id))).await);
+    let r = h.client.collect(&id, false).await.unwrap();
+    assert!(r.applied >= 1, "{r:?}");
+    assert_eq!(
+        tree(&dir),
+        before,
+        "collected into the change set, not the workspace"
+    );
+    let sid = pending_snapshot(&h.client, &id).await;
+    h.client.apply(&id, &sid).await.unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.join("kept.txt")).unwrap(),
+        "kept\n"
+    );
+    h.stop().await;
+}

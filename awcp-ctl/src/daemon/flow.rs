@@ -843,6 +843,16 @@ impl Daemon {
                     "Discard the kept changes with --discard",
                 ));
             }
+            // Snapshot mode staged/discard: the kept changes join the change set instead.
+            if super::staged::stages_commits(&live) {
+                let result = self.stage_bundle(&live, changes, blocks).await?;
+                response.applied = result.applied;
+                response.conflicts = result.conflicts;
+                let _ = with_token(self.http.delete(&url), token.as_deref())
+                    .send()
+                    .await;
+                return Ok(response);
+            }
             // A short-lived export of the workspace applies it with the usual checks.
             let exports = self.exports.clone();
             let staging = self

@@ -41,6 +41,12 @@ fn snapshot_id(id: &str, generation: u32) -> String {
     format!("snap_{}", &h.to_hex()[..12])
 }
 
+/// Whether a delegation's commits go to a change set (`awcpfs`, snapshot mode `staged` or
+/// `discard`).
+pub(crate) fn stages_commits(live: &Live) -> bool {
+    staged_mode(live).is_some()
+}
+
 /// Whether a delegation keeps its changes in a change set, and in which mode.
 fn staged_mode(live: &Live) -> Option<SnapshotMode> {
     let d = live.d.lock();
@@ -110,6 +116,22 @@ impl Daemon {
         let export = Arc::new(export);
         *live.export.lock() = Some(export.clone());
         Ok((export, stage))
+    }
+
+    /// A recovery bundle (`awcp-ctl collect`) of a delegation whose changes are staged
+    /// ([`stages_commits`]): recorded into its change set like any commit, never written
+    /// to the workspace.
+    pub(crate) async fn stage_bundle(
+        &self,
+        live: &Live,
+        changes: awcp_protocol::dataplane::ChangeSet,
+        blocks: Vec<([u8; 32], Vec<u8>)>,
+    ) -> Result<awcp_protocol::dataplane::CommitResult, Refusal> {
+        let (export, _) = self.stage_of(live)?;
+        tokio::task::spawn_blocking(move || export.apply_bundle(&changes, &blocks))
+            .await
+            .map_err(|e| Refusal::internal(format!("staging the bundle panicked: {e}")))?
+            .map_err(|e| Refusal::internal(format!("staging the bundle: {e}")))
     }
 
     /// Bring the delegation's snapshot list up to date with its change set (staged mode):
