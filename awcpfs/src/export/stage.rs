@@ -421,7 +421,7 @@ impl ChangeStage {
     fn merge(&self, st: &mut StageState, manifest: &Manifest, change: &Change) {
         let path = change.path();
         let entry = st.paths.entry(path.to_owned()).or_insert_with(|| {
-            let base = self.base_of(manifest, path);
+            let base = declared_base(self.base_of(manifest, path), change);
             StagedPath {
                 now: base.clone(),
                 base,
@@ -508,6 +508,45 @@ impl ChangeStage {
             let _ = std::fs::remove_file(&tmp);
         }
         written.map_err(|e| self.io("saving the change set", e))
+    }
+}
+
+/// A path's base, from the manifest, corrected by what the first change to it says the
+/// Executor saw. They differ when the manifest was rebuilt (a restored export, after a
+/// daemon restart) and the Delegator changed the path meanwhile: the Executor's view is
+/// what its change is based on, so applying must find that there, or report a conflict.
+fn declared_base(manifest: Node, change: &Change) -> Node {
+    let file = |hash: &str, mode: u32| Node::File {
+        hash: hash.to_owned(),
+        size: 0,
+        mode,
+        mtime_ns: 0,
+        blocks: Vec::new(),
+        xattrs: None,
+    };
+    match (manifest, change) {
+        // The Executor saw no file here.
+        (_, Change::Write { base: None, .. }) => Node::Absent,
+        (
+            Node::File { hash, mode, .. },
+            Change::Write { base: Some(b), .. } | Change::Unlink { base: Some(b), .. },
+        ) if hash != *b => file(b, mode),
+        (Node::Symlink { target }, Change::Unlink { base: Some(b), .. }) if target != *b => {
+            Node::Symlink { target: b.clone() }
+        }
+        (
+            Node::Absent | Node::Dir { .. } | Node::Symlink { .. },
+            Change::Write { base: Some(b), .. },
+        ) => file(b, 0o644),
+        (Node::Absent | Node::Dir { .. }, Change::Unlink { base: Some(b), .. }) => {
+            // A removal's base is a content hash for a file, a target for a symlink.
+            if parse_hash(b).is_some() {
+                file(b, 0o644)
+            } else {
+                Node::Symlink { target: b.clone() }
+            }
+        }
+        (m, _) => m,
     }
 }
 
@@ -753,6 +792,57 @@ mod tests {
             })
             .collect();
         assert_eq!(bases, [("b/c/g", None), ("h", Some("3".to_string()))]);
+    }
+
+    #[test]
+    fn the_base_is_what_the_executor_says_it_saw() {
+        // The manifest was rebuilt after the Delegator changed `f` (a restored export): the
+        // Executor's write is based on the old content, so that is the base to apply on.
+        let m = file("new", 0o600);
+        let w = |base: Option<&str>| Change::Write {
+            path: "f".into(),
+            mode: 0o644,
+            base: base.map(str::to_owned),
+            hash: "x".into(),
+            size: 1,
+            blocks: vec![],
+            mtime_ns: 0,
+            link_to: None,
+            xattrs: None,
+        };
+        assert_eq!(declared_base(m.clone(), &w(Some("new"))), m);
+        assert_eq!(
+            declared_base(m.clone(), &w(Some("old"))),
+            Node::File {
+                hash: "old".into(),
+                size: 0,
+                mode: 0o600,
+                mtime_ns: 0,
+                blocks: vec![],
+                xattrs: None
+            }
+        );
+        assert_eq!(declared_base(m.clone(), &w(None)), Node::Absent);
+        let unlink = |b: &str| Change::Unlink {
+            path: "f".into(),
+            base: Some(b.into()),
+        };
+        assert_eq!(
+            declared_base(Node::Absent, &unlink("target")),
+            Node::Symlink {
+                target: "target".into()
+            }
+        );
+        let hash = "ab".repeat(32);
+        assert!(matches!(
+            declared_base(Node::Absent, &unlink(&hash)),
+            Node::File { .. }
+        ));
+        let mkdir = Change::Mkdir {
+            path: "f".into(),
+            mode: 0o755,
+        };
+        assert_eq!(declared_base(m.clone(), &mkdir), m);
     }
 
     #[test]
