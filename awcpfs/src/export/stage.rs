@@ -2,9 +2,10 @@
 //! Delegator to inspect, apply or discard, instead of written to the tree as they arrive.
 //!
 //! An export in staged mode ([`Export::stage_commits`]) sends every commit here instead of
-//! to the tree. The change set is a map from path to its **base** (what the export's
-//! manifest said when the Executor first changed the path) and its state **now** (what the
-//! Executor's commits have made of it). Recording a commit changes nothing in the tree:
+//! to the tree. The change set is a map from path to its **base** (what the Executor's first
+//! change to the path was based on: the export's manifest entry, unless the change names
+//! other content, as after a daemon restart rebuilt the manifest) and its state **now**
+//! (what the Executor's commits have made of it). Recording a commit changes nothing in the tree:
 //!
 //! * its changes pass the same checks as a live commit (paths, reserved names, hashes,
 //!   extended attributes; hidden paths become conflicts), and every written file's blocks
