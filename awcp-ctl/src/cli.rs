@@ -130,6 +130,10 @@ enum Command {
         /// Follow the round until the delegation is idle again or ends.
         #[arg(long)]
         wait: bool,
+        /// Renew the lease for this round: its length from now, e.g. `30m` (bounded by the
+        /// daemon's maximum). Without it the round has what is left of the lease.
+        #[arg(long, value_parser = parse_duration)]
+        ttl: Option<Duration>,
     },
     /// Fetch the result of a delegation whose event stream was lost (a daemon restart, a
     /// broken connection) from its Executor, apply it, and acknowledge it.
@@ -142,13 +146,15 @@ enum Command {
         /// Delegation id.
         id: String,
     },
-    /// List the snapshots an `archive` Executor sent back for a delegation.
+    /// List a delegation's snapshots: those an `archive` Executor sent back, or the change
+    /// set an `awcpfs` export kept (snapshot mode `staged`).
     Snapshots {
         /// Delegation id.
         id: String,
     },
-    /// Show what a kept snapshot changes (A added, M modified, D deleted), relative to what
-    /// was sent.
+    /// Show what a kept snapshot changes (A added, M modified, D deleted, R renamed),
+    /// relative to what was delegated; for an `awcpfs` change set, text files as unified
+    /// diffs and other changes (binary, mode, symlink, directory) as one line each.
     Diff {
         /// Delegation id.
         id: String,
@@ -786,12 +792,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             task,
             prompt,
             wait,
+            ttl,
         } => {
             let spec = TaskSpec {
                 description: task.clone(),
                 prompt: prompt.unwrap_or(task),
             };
-            let r = client.continue_round(&id, &spec).await?;
+            let r = client
+                .continue_round(&id, &spec, ttl.map(|t| t.as_secs()))
+                .await?;
             let round = r.round.unwrap_or(0);
             if cli.json {
                 println!("{}", serde_json::to_string(&r)?);
@@ -880,7 +889,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     println!("{}", serde_json::to_string(s)?);
                 }
             } else if list.snapshots.is_empty() {
-                println!("{id} has no snapshots (awcpfs delegations write back live)");
+                println!(
+                    "{id} has no snapshots (in snapshot mode `auto`, changes are written back \
+                     live or applied on arrival)"
+                );
             } else {
                 for s in &list.snapshots {
                     let n = s
@@ -911,8 +923,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         awcp_ctl::archive::Change::Added => 'A',
                         awcp_ctl::archive::Change::Modified => 'M',
                         awcp_ctl::archive::Change::Deleted => 'D',
+                        awcp_ctl::archive::Change::Renamed => 'R',
                     };
-                    println!("{c} {}", f.path);
+                    match f.detail.as_deref().filter(|d| !d.is_empty()) {
+                        Some(d) => println!("{c} {}  ({d})", f.path),
+                        None => println!("{c} {}", f.path),
+                    }
+                    if let Some(p) = &f.patch {
+                        print!("{p}");
+                    }
                 }
             }
             if !cli.json && d.files.is_empty() {

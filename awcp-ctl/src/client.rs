@@ -160,15 +160,21 @@ impl DaemonClient {
         .await
     }
 
-    /// `POST /delegation/:id/continue`.
+    /// `POST /delegation/:id/continue`; with `ttl_seconds` (ours), the lease is renewed
+    /// for the round.
     pub async fn continue_round(
         &self,
         id: &str,
         task: &awcp_protocol::messages::TaskSpec,
+        ttl_seconds: Option<u64>,
     ) -> Result<awcp_protocol::api::ContinueResponse, ClientError> {
+        let mut body = serde_json::json!({ "task": task });
+        if let Some(t) = ttl_seconds {
+            body["ttlSeconds"] = t.into();
+        }
         self.send(
             self.post_(&format!("/delegation/{id}/continue"))
-                .json(&serde_json::json!({ "task": task })),
+                .json(&body),
         )
         .await
     }
@@ -241,7 +247,7 @@ impl DaemonClient {
                     error: format!("delegation {id} has no pending snapshot"),
                     code: None,
                     hint: Some(
-                        "Only archive delegations with --snapshot-mode staged keep snapshots; \
+                        "Only delegations with --snapshot-mode staged keep snapshots; \
                          `awcp-ctl snapshots <id>` lists them"
                             .into(),
                     ),

@@ -20,6 +20,7 @@ mod archive_flow;
 mod flow;
 pub mod recover;
 mod rounds;
+mod staged;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -376,6 +377,8 @@ impl Daemon {
     /// grace), then drop the export.
     fn retire(&self, live: &Live) {
         live.lease.revoke(true);
+        // Snapshot mode `discard`: the change set the export kept is dropped with it.
+        let discarded = self.drop_discarded(live);
         let export = live.export.lock().clone();
         if let Some(export) = export {
             let id = export.id().to_string();
@@ -384,6 +387,9 @@ impl Daemon {
             self.spawn(async move {
                 tokio::time::sleep(grace).await;
                 exports.remove(&id);
+                if let Some(stage) = discarded {
+                    stage.remove();
+                }
             });
         }
     }

@@ -121,6 +121,9 @@ pub struct ContinueArgs {
     pub prompt: String,
     /// Return at once instead of waiting for the round to end.
     pub background: Option<bool>,
+    /// Ours: renew the lease for this round, in seconds from now (bounded by the daemon's
+    /// maximum).
+    pub ttl_seconds: Option<u64>,
 }
 
 /// `delegate_revoke`.
@@ -375,7 +378,11 @@ impl AwcpMcp {
             description: a.description,
             prompt: a.prompt,
         };
-        match self.client.continue_round(&a.delegation_id, &task).await {
+        match self
+            .client
+            .continue_round(&a.delegation_id, &task, a.ttl_seconds)
+            .await
+        {
             Ok(r) if a.background == Some(true) => ok(r),
             Ok(_) => {
                 // Wait for the round to start before waiting for idle again.

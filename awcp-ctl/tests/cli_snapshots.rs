@@ -119,3 +119,73 @@ async fn staged_snapshots_are_listed_diffed_applied_and_discarded_from_the_cli()
     executor.stop().await;
     daemon.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_awcpfs_change_set_is_diffed_as_patches_from_the_cli() {
+    if !fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
+    dcfg.listen = "127.0.0.1:0".parse().unwrap();
+    dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
+    let agent = "set -e; printf 'one\\nTWO\\n' > a.txt; chmod 755 run.sh; printf 'x\\000' > b.bin";
+    let mut ecfg =
+        awcp_ctl::executor::ExecutorConfig::new(agent.into(), tmp.path().join("executor"));
+    ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
+    let ws = tmp.path().join("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("a.txt"), "one\ntwo\n").unwrap();
+    std::fs::write(ws.join("run.sh"), "#!/bin/sh\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(ws.join("run.sh"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let url = daemon.url();
+    let out = cli(
+        &url,
+        &[
+            "--json",
+            "delegate",
+            ws.to_str().unwrap(),
+            "--to",
+            &executor.awcp_url(),
+            "--snapshot-mode",
+            "staged",
+            "--task",
+            "change things",
+            "--wait",
+        ],
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    let first: serde_json::Value =
+        serde_json::from_str(stdout(&out).lines().next().unwrap()).unwrap();
+    let id = first["delegationId"].as_str().unwrap().to_string();
+    assert_eq!(
+        std::fs::read_to_string(ws.join("a.txt")).unwrap(),
+        "one\ntwo\n"
+    );
+    let out = cli(&url, &["diff", &id]).await;
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        stdout(&out),
+        "M workspace/a.txt\n\
+         --- a/a.txt\n\
+         +++ b/a.txt\n\
+         @@ -1,2 +1,2 @@\n \
+         one\n\
+         -two\n\
+         +TWO\n\
+         A workspace/b.bin  (binary or large file (2 bytes))\n\
+         M workspace/run.sh  (mode 644 → 755)\n"
+    );
+    let out = cli(&url, &["apply", &id]).await;
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        std::fs::read_to_string(ws.join("a.txt")).unwrap(),
+        "one\nTWO\n"
+    );
+    executor.stop().await;
+    daemon.stop().await;
+}

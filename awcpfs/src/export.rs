@@ -37,6 +37,7 @@ pub mod hashcache;
 mod http;
 pub mod manifest;
 mod rootfs;
+pub mod stage;
 mod store;
 mod watch;
 
@@ -268,6 +269,8 @@ pub struct Export {
     filter: Option<PathFilter>,
     /// Changes to the tree since registration, for mounts (see `watch`).
     feed: watch::ChangeFeed,
+    /// Where commits go instead of the tree, once set (staged snapshot mode).
+    stage: std::sync::OnceLock<Arc<stage::ChangeStage>>,
 }
 
 impl Export {
@@ -345,6 +348,76 @@ impl Export {
         }
         commit::run(self, changes).map_err(|e| BundleError::Commit {
             message: e.to_string(),
+        })
+    }
+
+    /// From now on, keep every commit in `stage` instead of writing it to the tree (staged
+    /// snapshot mode). Set it before the Executor can commit; false if a stage was already
+    /// set (the first one stays).
+    pub fn stage_commits(&self, stage: Arc<stage::ChangeStage>) -> bool {
+        self.stage.set(stage).is_ok()
+    }
+
+    /// The change set commits go to, if this export stages them.
+    pub fn stage(&self) -> Option<&Arc<stage::ChangeStage>> {
+        self.stage.get()
+    }
+
+    /// An export of `root` that serves nothing and is in no registry: it exists to commit a
+    /// change set whose blocks are in `staging_dir` (applying a staged change set after
+    /// the delegation's own export is gone). No manifest is built.
+    pub fn detached(
+        root: &Path,
+        staging_dir: &Path,
+        filter: Option<PathFilter>,
+    ) -> Result<Export, ExportError> {
+        let dir = RootDir::open(root).map_err(|source| ExportError::OpenRoot {
+            root: root.to_owned(),
+            source,
+        })?;
+        let staging = Staging::open(staging_dir).map_err(|source| ExportError::Staging {
+            staging_dir: staging_dir.to_owned(),
+            source,
+        })?;
+        let lease = Arc::new(Lease::grant(
+            Arc::new(awcp_lease::SystemClock::new()),
+            awcp_lease::LeaseTerms {
+                ttl: std::time::Duration::from_secs(60),
+                max_ttl: std::time::Duration::from_secs(60),
+                flush_grace: std::time::Duration::ZERO,
+            },
+        ));
+        let block_size = awcp_protocol::dataplane::DEFAULT_BLOCK_SIZE;
+        let manifest = Manifest {
+            version: awcp_protocol::dataplane::DATA_PLANE_VERSION,
+            export_id: "detached".into(),
+            block_size,
+            read_only: false,
+            root_mode: 0o755,
+            root_mtime_ns: 0,
+            entries: Vec::new(),
+        };
+        Ok(Export {
+            id: "detached".into(),
+            token_hash: blake3::hash(&rand::random::<[u8; 32]>()),
+            read_only: false,
+            block_size,
+            lease,
+            // Not watched: nothing mounts a detached export.
+            feed: watch::ChangeFeed::new(&manifest),
+            manifest,
+            manifest_zst: axum::body::Bytes::new(),
+            manifest_json: std::sync::OnceLock::new(),
+            manifest_digest: String::new(),
+            blocks: BlockSource {
+                root: dir,
+                index: RwLock::new(Default::default()),
+                staging,
+            },
+            stats: Stats::default(),
+            commits: tokio::sync::Mutex::new(commit::CommitLog::default()),
+            filter,
+            stage: std::sync::OnceLock::new(),
         })
     }
 
@@ -525,6 +598,7 @@ impl ExportRegistry {
             stats: Stats::default(),
             commits: tokio::sync::Mutex::new(commit::CommitLog::default()),
             filter,
+            stage: std::sync::OnceLock::new(),
             id: export_id.clone(),
         });
         // Re-check under the write lock: the walk above ran without it.

@@ -1908,3 +1908,99 @@ async fn malformed_non_utf8_paths_get_a_readable_400() {
     }
     assert!(raw_path(&f, b"caf\xe9.txt").exists());
 }
+
+// ---------------------------------------------------------------------------------------
+// Staged commits
+
+#[tokio::test]
+async fn a_staged_export_keeps_commits_off_the_tree_and_serves_their_blocks() {
+    use awcpfs::export::stage::ChangeStage;
+    let f = fixture(small_tree).await;
+    let before = snapshot_tree(f.root.path());
+    let stage_dir = f.staging.path().join("stage");
+    let blocks_dir = f.staging.path().join("blocks");
+    let stage = Arc::new(ChangeStage::open(&stage_dir, &blocks_dir).unwrap());
+    assert!(f.export.stage_commits(stage.clone()));
+
+    // A new file (uploaded), a.txt rewritten with content whose blocks only the tree has
+    // (big.bin's), a removal.
+    f.upload(b"brand new content!").await;
+    let r = f
+        .commit(&cs(
+            "c1",
+            vec![
+                write("new.txt", None, b"brand new content!", 0o644),
+                write("a.txt", Some(b"hello"), BIG, 0o600),
+                Change::Unlink {
+                    path: "src/deep/x".into(),
+                    base: Some(hex(b"x")),
+                },
+            ],
+        ))
+        .await;
+    assert_eq!(r.applied, 3);
+    assert!(r.conflicts.is_empty(), "{r:?}");
+    assert_eq!(
+        snapshot_tree(f.root.path()),
+        before,
+        "the tree is untouched"
+    );
+
+    // The same checks as a live commit: missing blocks, then path escapes.
+    let (status, err) = refusal(
+        f.commit_raw(&cs("c2", vec![write("n2", None, b"not uploaded!", 0o644)]))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::CONFLICT, "MISSING_BLOCKS")
+    );
+    let (status, _) = refusal(
+        f.commit_raw(&cs(
+            "c3",
+            vec![Change::Mkdir {
+                path: "../out".into(),
+                mode: 0o755,
+            }],
+        ))
+        .await,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    // Staged content is served, even once the tree no longer holds it.
+    std::fs::write(f.path("big.bin"), b"changed by the delegator").unwrap();
+    for content in [&b"brand new content!"[..], BIG] {
+        let got = f.blocks(&block_hashes(content)).await;
+        assert!(got.iter().all(|(_, d)| d.is_some()), "{got:?}");
+    }
+
+    // Durable: a stage reopened from disk holds the same change set. Applied through a
+    // detached export, it changes the tree file by file; the Delegator's edit meanwhile
+    // is a conflict and stays.
+    std::fs::write(f.path("src/deep/x"), b"the delegator's x").unwrap();
+    let reopened = ChangeStage::open(&stage_dir, &blocks_dir).unwrap();
+    assert_eq!(reopened.changes(), stage.changes());
+    assert_eq!(reopened.changes().len(), 3);
+    let detached = Export::detached(f.root.path(), &blocks_dir, None).unwrap();
+    let (plan, result) = reopened.apply(&detached).unwrap();
+    assert_eq!(plan.changes.len(), 3, "{plan:?}");
+    assert_eq!(result.conflicts.len(), 1, "{result:?}");
+    assert_eq!(result.conflicts[0].path, "src/deep/x");
+    assert_eq!(
+        std::fs::read(f.path("src/deep/x")).unwrap(),
+        b"the delegator's x"
+    );
+    assert_eq!(
+        std::fs::read(f.path("new.txt")).unwrap(),
+        b"brand new content!"
+    );
+    assert_eq!(std::fs::read(f.path("a.txt")).unwrap(), BIG);
+    assert_eq!(mode_of(&f.path("a.txt")), 0o600);
+    assert!(
+        reopened.plan().changes.is_empty(),
+        "a new generation starts empty"
+    );
+    assert_eq!(reopened.generation(), 1);
+}

@@ -95,6 +95,7 @@ async fn two_rounds(transport: TransportType) {
                 description: "second".into(),
                 prompt: "p".into(),
             },
+            None,
         )
         .await
         .unwrap();
@@ -117,6 +118,7 @@ async fn two_rounds(transport: TransportType) {
                 description: "third".into(),
                 prompt: "p".into(),
             },
+            None,
         )
         .await
         .unwrap_err();
@@ -251,4 +253,78 @@ async fn an_idle_session_is_closed_after_the_idle_timeout() {
         "round 1: first\n"
     );
     h.stop().await;
+}
+
+/// CONTINUE carries a renewed lease: a round that runs past the lease START granted
+/// completes when `continue --ttl` renewed it. Before, CONTINUE's `lease` was never sent
+/// and ignored on receipt, so the archive Executor fenced round 2 at START's deadline.
+async fn continue_renews_the_lease(transport: TransportType) {
+    // Round 2 outlives the first lease (4 s).
+    let agent = "if [ -d workspace ]; then cd workspace; fi; \
+                 if [ \"$AWCP_ROUND\" = 2 ]; then sleep 6; fi; \
+                 echo \"round $AWCP_ROUND\" >> log.txt";
+    let h = Harness::start(agent).await;
+    let dir = h.path("ws");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut req = request(h.executor.awcp_url(), &dir, transport, true);
+    req.ttl_seconds = Some(4);
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    wait_state(&h, &id, DelegationState::Idle).await;
+    let before = h
+        .client
+        .get(&id)
+        .await
+        .unwrap()
+        .record
+        .active_lease
+        .unwrap();
+    let task = TaskSpec {
+        description: "second".into(),
+        prompt: "p".into(),
+    };
+    h.client
+        .continue_round(&id, &task, Some(120))
+        .await
+        .unwrap();
+    let after = h
+        .client
+        .get(&id)
+        .await
+        .unwrap()
+        .record
+        .active_lease
+        .unwrap();
+    let t = |s: &str| chrono::DateTime::parse_from_rfc3339(s).unwrap();
+    assert!(
+        t(&after.expires_at) - t(&before.expires_at) > chrono::TimeDelta::seconds(60),
+        "{before:?} → {after:?}"
+    );
+    wait_state(&h, &id, DelegationState::Idle).await;
+    h.client.close(&id).await.unwrap();
+    assert_eq!(
+        h.wait_end(&id, Duration::from_secs(30)).await,
+        DelegationState::Completed
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("log.txt")).unwrap(),
+        "round 1\nround 2\n"
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn continue_with_a_ttl_renews_the_archive_lease_for_the_round() {
+    if !fuse_available() {
+        return;
+    }
+    continue_renews_the_lease(TransportType::Archive).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn continue_with_a_ttl_renews_the_awcpfs_lease_for_the_round() {
+    if !fuse_available() {
+        return;
+    }
+    continue_renews_the_lease(TransportType::Awcpfs).await;
 }

@@ -275,6 +275,8 @@ pub enum Change {
     Modified,
     /// Sent; not in the snapshot.
     Deleted,
+    /// Moved from `from` with its content unchanged (`awcpfs` change sets).
+    Renamed,
 }
 
 /// One changed file.
@@ -285,6 +287,16 @@ pub struct FileChange {
     pub path: String,
     /// How.
     pub change: Change,
+    /// For a rename: the old `<resource>/<path>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// One line on what changed where no text diff says it: a binary file, a mode, a
+    /// symlink, a directory (`awcpfs` change sets).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// The change as a unified diff, for a text file (`awcpfs` change sets).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub patch: Option<String>,
 }
 
 /// What a snapshot changes relative to what was sent, sorted by path (resources the
@@ -314,12 +326,18 @@ pub fn diff(
                 out.push(FileChange {
                     path: format!("{name}/{rel}"),
                     change,
+                    from: None,
+                    detail: None,
+                    patch: None,
                 });
             }
             for rel in sent.keys().filter(|r| !files.contains_key(*r)) {
                 out.push(FileChange {
                     path: format!("{name}/{rel}"),
                     change: Change::Deleted,
+                    from: None,
+                    detail: None,
+                    patch: None,
                 });
             }
         }

@@ -339,6 +339,7 @@ async fn snapshots(
             ApiError::new(format!("Unknown delegation: {id}")),
         )
     })?;
+    d.refresh_staged(&live);
     let snapshots = live.d.lock().record.snapshots.clone().unwrap_or_default();
     Ok(Json(SnapshotList { snapshots }))
 }
@@ -384,8 +385,15 @@ async fn continue_round(
     Path(id): Path<String>,
     body: Option<Json<serde_json::Value>>,
 ) -> Result<Json<ContinueResponse>, ApiFailure> {
+    let body = body.map(|Json(v)| v);
+    // Ours: a new lease for the round, as `ttlSeconds` or `lease.ttlSeconds`.
+    let ttl = body.as_ref().and_then(|v| {
+        v.get("ttlSeconds")
+            .or_else(|| v.get("lease").and_then(|l| l.get("ttlSeconds")))
+            .and_then(serde_json::Value::as_u64)
+    });
     let task = body
-        .and_then(|Json(v)| v.get("task").cloned())
+        .and_then(|v| v.get("task").cloned())
         .and_then(|t| serde_json::from_value::<TaskSpec>(t).ok())
         .ok_or_else(|| {
             ApiFailure(
@@ -393,7 +401,9 @@ async fn continue_round(
                 ApiError::new("Missing required field: task"),
             )
         })?;
-    let round = d.continue_round(&id, task).await?;
+    let round = d
+        .continue_round(&id, task, ttl.map(Duration::from_secs))
+        .await?;
     Ok(Json(ContinueResponse {
         ok: true,
         round: Some(round),

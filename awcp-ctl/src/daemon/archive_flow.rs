@@ -350,6 +350,18 @@ impl Daemon {
     /// `POST /delegation/:id/snapshots/:sid/apply`.
     pub(crate) async fn apply_snapshot(&self, id: &str, sid: &str) -> Result<ApplyReport, Refusal> {
         let live = self.get_live(id).ok_or_else(|| not_found(id))?;
+        if live.d.lock().transport == TransportType::Awcpfs {
+            let report = self.apply_staged(&live, sid).await?;
+            Self::update_snapshot(&live, sid, |s| {
+                s.status = SnapshotStatus::Applied;
+                s.applied_at = Some(crate::now_iso());
+                s.local_path = None;
+                attach_report(s, &report);
+            });
+            live.d.lock().record.applied_snapshot_id = Some(sid.to_string());
+            self.note(&live, describe(sid, &report));
+            return Ok(report);
+        }
         let snap = Self::snapshot_of(&live, sid)
             .ok_or_else(|| plain(400, format!("Snapshot not found: {sid}")))?;
         if snap.status == SnapshotStatus::Applied {
@@ -383,6 +395,9 @@ impl Daemon {
         let live = self
             .get_live(id)
             .ok_or_else(|| plain(404, format!("Unknown delegation: {id}")))?;
+        if live.d.lock().transport == TransportType::Awcpfs {
+            return self.diff_staged(&live, sid).await;
+        }
         let snap = Self::snapshot_of(&live, sid)
             .ok_or_else(|| plain(404, format!("Snapshot not found: {sid}")))?;
         let path = snap.local_path.ok_or_else(|| {
@@ -410,6 +425,9 @@ impl Daemon {
     /// `POST /delegation/:id/snapshots/:sid/discard`.
     pub(crate) fn discard_snapshot(&self, id: &str, sid: &str) -> Result<(), Refusal> {
         let live = self.get_live(id).ok_or_else(|| not_found(id))?;
+        if live.d.lock().transport == TransportType::Awcpfs {
+            self.discard_staged(&live, sid)?;
+        }
         let snap = Self::snapshot_of(&live, sid)
             .ok_or_else(|| plain(400, format!("Snapshot not found: {sid}")))?;
         if let Some(p) = &snap.local_path {

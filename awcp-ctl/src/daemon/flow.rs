@@ -137,18 +137,6 @@ impl Daemon {
         if req.transport == Some(TransportType::Archive) {
             return self.delegate_archive(req).await;
         }
-        if matches!(
-            req.snapshot_mode,
-            Some(SnapshotMode::Staged | SnapshotMode::Discard)
-        ) {
-            return Err(Refusal::bad(
-                ErrorCode::WorkspaceInvalid,
-                "snapshotMode staged/discard needs the archive transport: awcpfs writes the \
-                 Executor's changes back live"
-                    .into(),
-                "Use transport \"archive\", or snapshotMode \"auto\" (the default)",
-            ));
-        }
         let [resource] = req.environment.resources.as_slice() else {
             return Err(Refusal::bad(
                 ErrorCode::WorkspaceInvalid,
@@ -216,7 +204,10 @@ impl Daemon {
             [] => super::admission::check_limits(export.manifest(), &self.cfg.awcpfs_limits),
             files => Err(super::admission::sensitive(files)),
         };
-        if let Err(refusal) = admitted {
+        if let Err(refusal) = admitted.and_then(|_| {
+            // Snapshot modes staged/discard: commits go to a change set, not the workspace.
+            self.stage_export(&export, id.as_str(), req.snapshot_mode)
+        }) {
             self.exports.remove(id.as_str());
             return Err(refusal);
         }
@@ -852,6 +843,16 @@ impl Daemon {
                     "Discard the kept changes with --discard",
                 ));
             }
+            // Snapshot mode staged/discard: the kept changes join the change set instead.
+            if super::staged::stages_commits(&live) {
+                let result = self.stage_bundle(&live, changes, blocks).await?;
+                response.applied = result.applied;
+                response.conflicts = result.conflicts;
+                let _ = with_token(self.http.delete(&url), token.as_deref())
+                    .send()
+                    .await;
+                return Ok(response);
+            }
             // A short-lived export of the workspace applies it with the usual checks.
             let exports = self.exports.clone();
             let staging = self
@@ -1060,7 +1061,14 @@ impl Daemon {
                 })
                 .await
                 {
-                    Ok(Ok(e)) => export = Some(e),
+                    Ok(Ok(e)) => {
+                        // Staged commits go on into the change set kept on disk.
+                        let mode = d.record.snapshot_policy.map(|p| p.mode);
+                        if let Err(r) = self.stage_export(&e, &id, mode) {
+                            tracing::warn!(error = %r.message, %id, "cannot restore the change set");
+                        }
+                        export = Some(e);
+                    }
                     Ok(Err(e)) => tracing::warn!(error = %e, %id, "cannot restore export"),
                     Err(e) => tracing::warn!(error = %e, %id, "cannot restore export"),
                 }

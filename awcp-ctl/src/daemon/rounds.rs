@@ -7,10 +7,13 @@
 //! single-round one would.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use awcp_protocol::api::{ResultSummary, Round};
 use awcp_protocol::events::RoundDoneEvent;
-use awcp_protocol::messages::{CloseMessage, ContinueMessage, ProtocolVersion, TaskSpec};
+use awcp_protocol::messages::{
+    ActiveLease, CloseMessage, ContinueMessage, ProtocolVersion, TaskSpec,
+};
 use awcp_protocol::{AwcpMessage, DelegationEvent, DelegationState};
 
 use super::flow::{Refusal, with_token};
@@ -55,6 +58,9 @@ impl Daemon {
             r.result = Some(result.clone());
         }
         d.record.result = Some(result);
+        drop(d);
+        // Staged mode: the round's changes show up as a pending snapshot.
+        self.refresh_staged(live);
     }
 
     /// `round_done`: the delegation goes idle; without `multiRound`, CLOSE at once.
@@ -134,19 +140,37 @@ impl Daemon {
         Ok(live)
     }
 
-    /// `POST /delegation/:id/continue`: the next round, on the same workspace.
-    pub(crate) async fn continue_round(&self, id: &str, task: TaskSpec) -> Result<u32, Refusal> {
+    /// `POST /delegation/:id/continue`: the next round, on the same workspace. With `ttl`,
+    /// the lease is renewed first (bounded by the maximum TTL and lifetime); either way
+    /// CONTINUE carries the lease as it stands, so the Executor's deadline matches ours
+    /// (renewals made during the last round included).
+    pub(crate) async fn continue_round(
+        &self,
+        id: &str,
+        task: TaskSpec,
+        ttl: Option<Duration>,
+    ) -> Result<u32, Refusal> {
         let live = self.idle(id, "continue")?;
-        let (did, round) = {
+        if let Some(ttl) = ttl {
+            self.renew(id, ttl)?;
+        }
+        let (did, round, access) = {
             let d = live.d.lock();
-            (d.record.id.clone(), d.record.current_round.unwrap_or(1) + 1)
+            (
+                d.record.id.clone(),
+                d.record.current_round.unwrap_or(1) + 1,
+                d.record.lease_config.access_mode,
+            )
         };
         let msg = AwcpMessage::Continue(ContinueMessage {
             version: ProtocolVersion,
             delegation_id: did,
             task: task.clone(),
             round,
-            lease: None,
+            lease: Some(ActiveLease {
+                expires_at: live.lease.expires_at_rfc3339(),
+                access_mode: access,
+            }),
         });
         self.send(&live, &msg).await?;
         {

@@ -25,7 +25,7 @@ use crate::archive;
 type Failure = (ErrorCode, String, Option<String>);
 
 /// How long until `expires_at` (ISO 8601), from now; `None` if it does not parse.
-fn lease_left(expires_at: &str) -> Option<Duration> {
+pub(super) fn lease_left(expires_at: &str) -> Option<Duration> {
     let t = chrono::DateTime::parse_from_rfc3339(expires_at).ok()?;
     Some(
         (t.with_timezone(&chrono::Utc) - chrono::Utc::now())
@@ -175,7 +175,7 @@ enum End {
 async fn run_rounds(
     ex: &Arc<Executor>,
     a: &Arc<Assignment>,
-    deadline: tokio::time::Instant,
+    mut deadline: tokio::time::Instant,
     rounds: &mut Option<tokio::sync::mpsc::UnboundedReceiver<RoundCmd>>,
 ) -> End {
     let expired = || {
@@ -261,7 +261,13 @@ async fn run_rounds(
         finish_round(a, summary, Some(snapshot));
         tokio::select! {
             cmd = next_round(rounds) => match cmd {
-                RoundCmd::Continue { task, round } => start_round(a, task, round),
+                RoundCmd::Continue { task, round, lease } => {
+                    // The round runs until the lease CONTINUE carries ends.
+                    if let Some(left) = super::task::continued_lease(ex, lease.as_ref()) {
+                        deadline = tokio::time::Instant::now() + left;
+                    }
+                    start_round(a, task, round)
+                }
                 RoundCmd::Close => return End::Closed,
             },
             _ = a.cancel.notified() => return cancelled(),

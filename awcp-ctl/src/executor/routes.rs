@@ -174,6 +174,7 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
             super::task::RoundCmd::Continue {
                 task: c.task,
                 round: c.round,
+                lease: c.lease,
             },
         ),
         AwcpMessage::Close(_) => round_cmd(&ex, &id, "RECEIVE_CLOSE", super::task::RoundCmd::Close),

@@ -10,7 +10,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 use awcp_protocol::api::{ErrorInfo, TaskResultResponse, TaskResultStatus};
 use awcp_protocol::events::{DoneEvent, ErrorEvent, RoundDoneEvent, RunStatus, StatusEvent};
-use awcp_protocol::messages::{AccessMode, StartMessage, TaskSpec};
+use awcp_protocol::messages::{AccessMode, ActiveLease, StartMessage, TaskSpec};
 use awcp_protocol::{AssignmentEvent, ErrorCode, TaskEvent, TransportHandle};
 use awcpfs::mount::{EndReason, Mount, MountConfig};
 
@@ -340,6 +340,8 @@ pub(crate) enum RoundCmd {
         task: TaskSpec,
         /// Its number.
         round: u32,
+        /// The lease renewed for the round, replacing START's (or the last CONTINUE's).
+        lease: Option<ActiveLease>,
     },
     /// CLOSE: end the session.
     Close,
@@ -372,6 +374,17 @@ pub(super) fn finish_round(a: &Assignment, summary: String, snapshot: Option<Don
         snapshot_ids: snapshot.as_ref().map(|s| vec![s.id.clone()]),
         recommended_snapshot_id: snapshot.map(|s| s.id),
     }));
+}
+
+/// How long the lease a CONTINUE carries has left, at most this Executor's maximum TTL;
+/// `None` without a lease or with an unreadable one (the deadline stays as it was).
+pub(super) fn continued_lease(ex: &Executor, lease: Option<&ActiveLease>) -> Option<Duration> {
+    let lease = lease?;
+    let left = super::archive_task::lease_left(&lease.expires_at);
+    if left.is_none() {
+        tracing::warn!(expires_at = %lease.expires_at, "CONTINUE's lease.expiresAt is not an ISO 8601 time; keeping the deadline");
+    }
+    left.map(|l| l.min(ex.cfg.max_ttl))
 }
 
 /// CONTINUE: the next round starts (the route checked the assignment was idle).
@@ -578,7 +591,10 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                     }
                 };
                 match next {
-                    Some(RoundCmd::Continue { task, round }) => {
+                    Some(RoundCmd::Continue { task, round, lease }) => {
+                        if let Some(left) = continued_lease(&ex, lease.as_ref()) {
+                            mount.set_remaining(left);
+                        }
                         start_round(&a, task, round);
                         continue;
                     }

@@ -63,7 +63,7 @@ const MAX_TARGET: usize = 4095;
 pub(crate) const HIDDEN_REASON: &str =
     "hidden by the export (excluded or sensitive): not written to the Delegator";
 /// Mode bits an Executor may set: permissions and sticky, never set-uid/set-gid.
-const MODE_MASK: u32 = 0o1777;
+pub(crate) const MODE_MASK: u32 = 0o1777;
 
 /// Results of recent commits, for answering retries without applying twice.
 #[derive(Debug, Default)]
@@ -89,8 +89,21 @@ impl CommitLog {
     }
 }
 
-/// Apply `cs` to the export's tree (blocking IO). The caller serialises commits.
+/// Commit `cs` to the export's sink (blocking IO): the tree itself, or, for an export that
+/// stages its commits, the change set kept beside it (see `stage`). The caller serialises
+/// commits.
 pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiError> {
+    match export.stage.get() {
+        Some(stage) => {
+            check_set(cs)?;
+            stage.record(export, cs)
+        }
+        None => run_live(export, cs),
+    }
+}
+
+/// The limits of any change set: a usable commit id and at most [`MAX_CHANGES`] changes.
+fn check_set(cs: &ChangeSet) -> Result<(), ApiError> {
     if cs.commit_id.is_empty() || cs.commit_id.len() > MAX_COMMIT_ID {
         return Err(ApiError::bad_body(
             "POST /commit",
@@ -104,6 +117,12 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
             max: MAX_CHANGES,
         });
     }
+    Ok(())
+}
+
+/// Apply `cs` to the export's tree (blocking IO). The caller serialises commits.
+pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiError> {
+    check_set(cs)?;
     let root = &export.blocks.root;
     // The watcher waits while a commit writes, and finds its files noted as ours after.
     let _quiet = export.feed.quiet.lock();
@@ -205,7 +224,7 @@ pub(crate) fn run(export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiEr
 }
 
 /// The changes of `cs` the export shows, and a conflict for each one it hides.
-fn split_hidden(export: &Export, cs: &ChangeSet) -> (ChangeSet, Vec<Conflict>) {
+pub(crate) fn split_hidden(export: &Export, cs: &ChangeSet) -> (ChangeSet, Vec<Conflict>) {
     let Some(f) = &export.filter else {
         return (cs.clone(), Vec::new());
     };
@@ -249,9 +268,9 @@ impl Written {
 
 /// A write's content, parsed.
 #[derive(Debug)]
-struct WritePlan {
-    hash: BlockHash,
-    blocks: Vec<BlockHash>,
+pub(crate) struct WritePlan {
+    pub(crate) hash: BlockHash,
+    pub(crate) blocks: Vec<BlockHash>,
 }
 
 /// The kinds the change set will have left along its way, over the real tree.
@@ -352,6 +371,77 @@ fn apply_xattrs<'a>(
     }
 }
 
+/// The checks of one change that need no tree: its path and `linkTo` (well-formed, no
+/// reserved `.awcp-tmp-*` component), extended attributes, a symlink's target, and a
+/// write's hashes (returned parsed). Shared by the live and the staged commit.
+pub(crate) fn check_change(change: &Change) -> Result<Option<WritePlan>, ApiError> {
+    let path = change.path();
+    validate_rel_path(path).map_err(|e| ApiError::InvalidPath {
+        reason: e.to_string(),
+    })?;
+    if path.split('/').any(|c| c.starts_with(TMP_PREFIX)) {
+        return Err(ApiError::InvalidPath {
+            reason: format!("{path:?} uses the reserved name prefix `{TMP_PREFIX}`"),
+        });
+    }
+    match change {
+        Change::Write {
+            xattrs: Some(x), ..
+        } => check_xattrs(path, x.iter().map(|(k, v)| (k, Some(v))))?,
+        Change::Chmod {
+            xattrs: Some(x), ..
+        } => check_xattrs(path, x.iter().map(|(k, v)| (k, v.as_ref())))?,
+        _ => {}
+    }
+    match change {
+        // Checked on the bytes it stands for (a target that is not UTF-8 is held escaped:
+        // see `awcp_protocol::rawname`).
+        Change::Symlink { target, .. }
+            if awcp_protocol::rawname::decode(target)
+                .as_deref()
+                .map_or(true, |t| {
+                    t.is_empty() || t.contains(&0) || t.len() > MAX_TARGET
+                }) =>
+        {
+            Err(ApiError::bad_body(
+                "POST /commit",
+                format!("symlink {path:?}: target must be 1 to {MAX_TARGET} bytes without NUL"),
+            ))
+        }
+        Change::Write {
+            base,
+            hash,
+            blocks,
+            link_to,
+            ..
+        } => {
+            if let Some(src) = link_to {
+                validate_rel_path(src).map_err(|e| ApiError::InvalidPath {
+                    reason: format!("linkTo of {path:?}: {e}"),
+                })?;
+                if src.split('/').any(|c| c.starts_with(TMP_PREFIX)) {
+                    return Err(ApiError::InvalidPath {
+                        reason: format!(
+                            "linkTo {src:?} uses the reserved name prefix `{TMP_PREFIX}`"
+                        ),
+                    });
+                }
+            }
+            if let Some(b) = base {
+                parse_hash(b).ok_or_else(|| ApiError::bad_hash(b))?;
+            }
+            Ok(Some(WritePlan {
+                hash: parse_hash(hash).ok_or_else(|| ApiError::bad_hash(hash))?,
+                blocks: blocks
+                    .iter()
+                    .map(|b| parse_hash(b).ok_or_else(|| ApiError::bad_hash(b)))
+                    .collect::<Result<_, _>>()?,
+            }))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Phase 1: paths, hashes, and parent chains; returns the parsed writes by change index.
 fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePlan>, ApiError> {
     let mut overlay = Overlay {
@@ -362,36 +452,7 @@ fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePl
     let mut writes = HashMap::new();
     for (i, change) in changes.iter().enumerate() {
         let path = change.path();
-        validate_rel_path(path).map_err(|e| ApiError::InvalidPath {
-            reason: e.to_string(),
-        })?;
-        match change {
-            Change::Write {
-                xattrs: Some(x), ..
-            } => check_xattrs(path, x.iter().map(|(k, v)| (k, Some(v))))?,
-            Change::Chmod {
-                xattrs: Some(x), ..
-            } => check_xattrs(path, x.iter().map(|(k, v)| (k, v.as_ref())))?,
-            _ => {}
-        }
-        if let Change::Write {
-            link_to: Some(src), ..
-        } = change
-        {
-            validate_rel_path(src).map_err(|e| ApiError::InvalidPath {
-                reason: format!("linkTo of {path:?}: {e}"),
-            })?;
-            if src.split('/').any(|c| c.starts_with(TMP_PREFIX)) {
-                return Err(ApiError::InvalidPath {
-                    reason: format!("linkTo {src:?} uses the reserved name prefix `{TMP_PREFIX}`"),
-                });
-            }
-        }
-        if path.split('/').any(|c| c.starts_with(TMP_PREFIX)) {
-            return Err(ApiError::InvalidPath {
-                reason: format!("{path:?} uses the reserved name prefix `{TMP_PREFIX}`"),
-            });
-        }
+        let plan = check_change(change)?;
         // Parent chain: each existing prefix must be a real directory.
         for (end, _) in path.match_indices('/') {
             let prefix = &path[..end];
@@ -416,46 +477,22 @@ fn validate(root: &RootDir, changes: &[Change]) -> Result<HashMap<usize, WritePl
             }
         }
         let current = overlay.kind(path)?;
-        let after = match change {
-            Change::Mkdir { .. } => (current == NodeKind::Absent).then_some(NodeKind::Dir),
-            Change::Rmdir { .. } => (current == NodeKind::Dir).then_some(NodeKind::Absent),
-            Change::Unlink { .. } => {
-                matches!(current, NodeKind::File | NodeKind::Symlink).then_some(NodeKind::Absent)
-            }
-            Change::Symlink { target, .. } => {
-                // Checked on the bytes it stands for (a target that is not UTF-8 is held
-                // escaped: see `awcp_protocol::rawname`).
-                let raw = awcp_protocol::rawname::decode(target);
-                if raw.as_deref().map_or(true, |t| {
-                    t.is_empty() || t.contains(&0) || t.len() > MAX_TARGET
-                }) {
-                    return Err(ApiError::bad_body(
-                        "POST /commit",
-                        format!(
-                            "symlink {path:?}: target must be 1 to {MAX_TARGET} bytes without NUL"
-                        ),
-                    ));
+        let after =
+            match change {
+                Change::Mkdir { .. } => (current == NodeKind::Absent).then_some(NodeKind::Dir),
+                Change::Rmdir { .. } => (current == NodeKind::Dir).then_some(NodeKind::Absent),
+                Change::Unlink { .. } => matches!(current, NodeKind::File | NodeKind::Symlink)
+                    .then_some(NodeKind::Absent),
+                Change::Symlink { .. } => matches!(current, NodeKind::Absent | NodeKind::Symlink)
+                    .then_some(NodeKind::Symlink),
+                Change::Chmod { .. } => None,
+                Change::Write { .. } => {
+                    if let Some(plan) = plan {
+                        writes.insert(i, plan);
+                    }
+                    matches!(current, NodeKind::Absent | NodeKind::File).then_some(NodeKind::File)
                 }
-                matches!(current, NodeKind::Absent | NodeKind::Symlink).then_some(NodeKind::Symlink)
-            }
-            Change::Chmod { .. } => None,
-            Change::Write {
-                base, hash, blocks, ..
-            } => {
-                if let Some(b) = base {
-                    parse_hash(b).ok_or_else(|| ApiError::bad_hash(b))?;
-                }
-                let plan = WritePlan {
-                    hash: parse_hash(hash).ok_or_else(|| ApiError::bad_hash(hash))?,
-                    blocks: blocks
-                        .iter()
-                        .map(|b| parse_hash(b).ok_or_else(|| ApiError::bad_hash(b)))
-                        .collect::<Result<_, _>>()?,
-                };
-                writes.insert(i, plan);
-                matches!(current, NodeKind::Absent | NodeKind::File).then_some(NodeKind::File)
-            }
-        };
+            };
         if let Some(k) = after {
             if matches!(change, Change::Mkdir { .. }) {
                 overlay.created.insert(path.to_owned());

@@ -423,6 +423,12 @@ fn watch(weak: &Weak<Export>, root: &Path, cache: Option<&HashCache>) -> notify:
         if export.lease().check_access().is_err() {
             return Ok(());
         }
+        if export.stage().is_some() {
+            // Staged snapshot mode: the Executor works on the tree as delegated, and its
+            // changes are merged file by file later; showing the Delegator's changes on the
+            // mount meanwhile would hide its own staged work from it.
+            return Ok(());
+        }
         let Some(first) = first else { continue };
         let mut pending = Pending::default();
         pending.add(root, first);
