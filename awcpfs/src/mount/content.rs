@@ -261,6 +261,7 @@ impl AwcpFs {
         std::fs::File::create(self.upper_path(ino))?;
         mark_dirty(node);
         node.size = 0;
+        table.mark_node(ino);
         Ok(())
     }
 
@@ -281,6 +282,7 @@ impl AwcpFs {
             }
         }
         let mut table = self.table.lock();
+        table.mark_node(ino);
         let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
         let now = SystemTime::now();
         if let Some(size) = set.size {
@@ -480,6 +482,7 @@ impl AwcpFs {
         };
         h.wrote.store(true, Ordering::Relaxed);
         let mut table = self.table.lock();
+        table.mark_node(h.ino);
         if let Some(node) = table.get_mut(h.ino) {
             node.size = node.size.max(end);
             node.mtime = SystemTime::now();

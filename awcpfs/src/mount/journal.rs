@@ -167,6 +167,10 @@ impl Journal {
 
 /// Apply journal records to a table built from the same manifest (crash recovery).
 pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
+    if !records.is_empty() {
+        // The first write-back round compares the whole tree with what the export has.
+        table.mark_all();
+    }
     for r in records {
         match r {
             Record::Node {

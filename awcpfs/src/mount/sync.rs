@@ -1,9 +1,14 @@
 //! Writing changes back: diff the mount's tree against what the export is known to have,
 //! and commit the difference.
 //!
-//! The syncer is state-based, not operation-based: each round walks the inode table,
-//! compares every path with the last state it committed (`synced`, which starts as the
-//! manifest), and sends one change set. A burst of operations on one file becomes one
+//! The syncer is state-based, not operation-based: each round compares paths of the inode
+//! table with the last state it committed (`synced`, which starts as the manifest), and
+//! sends one change set. Only paths that may have changed are compared: the table records
+//! which dentries changed (a path and everything below it: a renamed directory is compared
+//! at its old and its new path) and which nodes changed (compared at each of their names),
+//! so a round costs what changed since the last one, not the size of the tree (see
+//! [`Dirty`](super::inode::Dirty)). A journal replay marks everything, so the first round
+//! after a crash compares the whole tree. A burst of operations on one file becomes one
 //! write; a rename becomes a write at the new path plus an unlink at the old one, and costs
 //! no upload because the export already has every block of the old content. Rounds are
 //! idempotent: a retried round after a failure re-sends changes whose base hashes the
@@ -14,6 +19,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
+use std::ops::Bound;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -23,7 +29,7 @@ use parking_lot::{Condvar, Mutex};
 use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, EntryKind, Manifest};
 
 use super::fs::AwcpFs;
-use super::inode::{Data, Ino, Kind, time_to_ns};
+use super::inode::{Data, Dirty, Ino, Kind, Node, time_to_ns};
 use super::remote::{RemoteError, parse_hash};
 
 /// Upload at most this many bytes per request.
@@ -253,6 +259,9 @@ pub struct RoundReport {
     pub conflicts: Vec<Conflict>,
     /// Files skipped because they are still open for writing.
     pub pending_open: usize,
+    /// Paths compared with what the export has (what changed since the last round, or
+    /// the whole tree after a journal replay).
+    pub compared: usize,
 }
 
 enum Cur {
@@ -284,6 +293,76 @@ struct CurFile {
     generation: u64,
 }
 
+/// What one round compares.
+struct Snapshot {
+    /// Current state of the paths compared.
+    entries: Vec<(String, Cur)>,
+    /// Where paths the export has may have disappeared.
+    scope: Scope,
+    /// The changes these entries cover (given back to the table if the round fails).
+    taken: Dirty,
+}
+
+/// Where a round looks for paths that are gone.
+enum Scope {
+    /// Everywhere.
+    All,
+    /// At and below these paths (sorted; none below another).
+    Subtrees(Vec<String>),
+}
+
+/// Whether `path` is strictly below one of `roots`.
+fn below_any(roots: &HashSet<String>, path: &str) -> bool {
+    path.match_indices('/')
+        .any(|(i, _)| roots.contains(&path[..i]))
+}
+
+/// Whether `path` is one of `roots` or below one.
+fn covered(roots: &HashSet<String>, path: &str) -> bool {
+    roots.contains(path) || below_any(roots, path)
+}
+
+/// A node's state as a round compares it.
+fn cur_of(n: &Node, include_open: bool) -> Cur {
+    match n.kind {
+        Kind::Dir => Cur::Dir {
+            mode: u32::from(n.perm),
+            xattrs: hex_xattrs(n),
+        },
+        Kind::Symlink => Cur::Symlink {
+            target: n.target.clone().unwrap_or_default(),
+        },
+        Kind::File => {
+            let (known, blocks, generation) = match &n.data {
+                Data::Remote { hash, blocks } => (Some(hash.clone()), Some(blocks.clone()), 0),
+                Data::Local {
+                    dirty: false,
+                    hash: Some(h),
+                    generation,
+                } => (Some(h.clone()), None, *generation),
+                Data::Local { generation, .. } => {
+                    if n.open_writers > 0 && !include_open {
+                        return Cur::Skip;
+                    }
+                    (None, None, *generation)
+                }
+                Data::None => (None, None, 0),
+            };
+            Cur::File(CurFile {
+                xattrs: hex_xattrs(n),
+                ino: n.ino,
+                nlink: n.nlink(),
+                mode: u32::from(n.perm),
+                mtime_ns: time_to_ns(n.mtime),
+                size: n.size,
+                known,
+                blocks,
+                generation,
+            })
+        }
+    }
+}
+
 struct Hashed {
     hash: String,
     size: u64,
@@ -293,7 +372,7 @@ struct Hashed {
 /// The write-back engine of one mount.
 pub struct Syncer {
     fs: Arc<AwcpFs>,
-    synced: Mutex<HashMap<String, Synced>>,
+    synced: Mutex<BTreeMap<String, Synced>>,
     log: Option<SyncedLog>,
     seq: AtomicU64,
     instance: String,
@@ -317,6 +396,10 @@ impl Syncer {
         log: Option<SyncedLog>,
     ) -> Syncer {
         let mut s = Self::new(fs, manifest);
+        if !log_records.is_empty() {
+            // What the export has differs from the manifest: compare everything once.
+            s.fs.table.lock().mark_all();
+        }
         {
             let mut synced = s.synced.lock();
             for r in log_records {
@@ -363,53 +446,63 @@ impl Syncer {
         }
     }
 
-    fn snapshot(&self, include_open: bool) -> Vec<(String, Cur)> {
-        let table = self.fs.table.lock();
-        let mut out = Vec::with_capacity(table.len());
-        table.walk(|path, n| {
-            let cur = match n.kind {
-                Kind::Dir => Cur::Dir {
-                    mode: u32::from(n.perm),
-                    xattrs: hex_xattrs(n),
-                },
-                Kind::Symlink => Cur::Symlink {
-                    target: n.target.clone().unwrap_or_default(),
-                },
-                Kind::File => {
-                    let (known, blocks, generation) = match &n.data {
-                        Data::Remote { hash, blocks } => {
-                            (Some(hash.clone()), Some(blocks.clone()), 0)
-                        }
-                        Data::Local {
-                            dirty: false,
-                            hash: Some(h),
-                            generation,
-                        } => (Some(h.clone()), None, *generation),
-                        Data::Local { generation, .. } => {
-                            if n.open_writers > 0 && !include_open {
-                                out.push((path.to_string(), Cur::Skip));
-                                return;
-                            }
-                            (None, None, *generation)
-                        }
-                        Data::None => (None, None, 0),
-                    };
-                    Cur::File(CurFile {
-                        xattrs: hex_xattrs(n),
-                        ino: n.ino,
-                        nlink: n.nlink(),
-                        mode: u32::from(n.perm),
-                        mtime_ns: time_to_ns(n.mtime),
-                        size: n.size,
-                        known,
-                        blocks,
-                        generation,
-                    })
-                }
+    /// What a round compares, taken under the table's lock with the set of changes it
+    /// covers (given back if the round fails).
+    fn snapshot(&self, include_open: bool) -> Snapshot {
+        let mut table = self.fs.table.lock();
+        let taken = table.take_dirty();
+        let mut entries = Vec::new();
+        if taken.all {
+            entries.reserve(table.len());
+            table.walk(|path, n| entries.push((path.to_string(), cur_of(n, include_open))));
+            return Snapshot {
+                entries,
+                scope: Scope::All,
+                taken,
             };
-            out.push((path.to_string(), cur));
-        });
-        out
+        }
+        let roots: Vec<String> = {
+            let mut r: Vec<String> = taken
+                .subtrees
+                .iter()
+                .filter(|p| !below_any(&taken.subtrees, p))
+                .cloned()
+                .collect();
+            r.sort_unstable();
+            r
+        };
+        // Every name of a hard-linked file is compared when one is: a new name is sent as
+        // a link to one the export already has.
+        let mut linked: Vec<Ino> = Vec::new();
+        for root in &roots {
+            if let Some(ino) = table.resolve(root) {
+                table.walk_from(ino, root, |path, n| {
+                    if n.kind == Kind::File && !n.links.is_empty() {
+                        linked.push(n.ino);
+                    }
+                    entries.push((path.to_string(), cur_of(n, include_open)));
+                });
+            }
+        }
+        let mut nodes: Vec<Ino> = taken.inos.iter().copied().chain(linked).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        let mut exact: HashSet<String> = HashSet::new();
+        for ino in nodes {
+            let Some(n) = table.get(ino) else { continue };
+            for path in table.paths_of(ino) {
+                if covered(&taken.subtrees, &path) || exact.contains(&path) {
+                    continue;
+                }
+                exact.insert(path.clone());
+                entries.push((path, cur_of(n, include_open)));
+            }
+        }
+        Snapshot {
+            entries,
+            scope: Scope::Subtrees(roots),
+            taken,
+        }
     }
 
     fn hash_upper(
@@ -457,8 +550,43 @@ impl Syncer {
     /// still open for writing.
     pub fn round(&self, final_flush: bool) -> Result<RoundReport, SyncError> {
         let mut synced = self.synced.lock();
-        let snapshot = self.snapshot(final_flush);
-        let mut report = RoundReport::default();
+        let snap = self.snapshot(final_flush);
+        let mut again: Vec<String> = Vec::new();
+        match self.round_over(&mut synced, &snap, &mut again) {
+            Ok(report) => {
+                // Skipped (open for writing) or vanished under the round: compare them again.
+                if !again.is_empty() {
+                    let mut table = self.fs.table.lock();
+                    for p in &again {
+                        table.mark_path(p);
+                    }
+                }
+                Ok(report)
+            }
+            Err(e) => {
+                self.fs.table.lock().restore_dirty(snap.taken);
+                Err(e)
+            }
+        }
+    }
+
+    /// Make the next round compare the whole tree, not only what changed (a safety net,
+    /// and how tests check that change tracking missed nothing).
+    pub fn compare_everything_next(&self) {
+        self.fs.table.lock().mark_all();
+    }
+
+    fn round_over(
+        &self,
+        synced: &mut BTreeMap<String, Synced>,
+        snap: &Snapshot,
+        again: &mut Vec<String>,
+    ) -> Result<RoundReport, SyncError> {
+        let snapshot = &snap.entries;
+        let mut report = RoundReport {
+            compared: snapshot.len(),
+            ..Default::default()
+        };
         let mut pending_blocks: HashMap<String, Vec<u8>> = HashMap::new();
         let mut seen: HashSet<&str> = HashSet::with_capacity(snapshot.len());
         let mut deletes: Vec<Change> = Vec::new();
@@ -494,11 +622,14 @@ impl Syncer {
             }),
         };
 
-        for (path, cur) in &snapshot {
+        for (path, cur) in snapshot {
             seen.insert(path.as_str());
             let old = synced.get(path.as_str());
             match cur {
-                Cur::Skip => report.pending_open += 1,
+                Cur::Skip => {
+                    report.pending_open += 1;
+                    again.push(path.clone());
+                }
                 Cur::Dir { mode, xattrs } => match old {
                     Some(Synced::Dir { mode: m, xattrs: x }) if m == mode && x == xattrs => {}
                     Some(Synced::Dir { xattrs: x, .. }) => {
@@ -566,7 +697,10 @@ impl Syncer {
                         Some(h) => (h.clone(), None),
                         None => match self.hash_upper(f.ino, &mut pending_blocks)? {
                             Some(hd) => (hd.hash.clone(), Some(hd)),
-                            None => continue,
+                            None => {
+                                again.push(path.clone());
+                                continue;
+                            }
                         },
                     };
                     if hashed.is_some() {
@@ -640,7 +774,10 @@ impl Syncer {
                         },
                         (None, None) => match self.hash_upper(f.ino, &mut pending_blocks)? {
                             Some(hd) => hd,
-                            None => continue,
+                            None => {
+                                again.push(path.clone());
+                                continue;
+                            }
                         },
                     };
                     let hash = hd.hash.clone();
@@ -678,11 +815,27 @@ impl Syncer {
                 *link_to = Some(anchor.clone());
             }
         }
-        // Paths that are gone. Paths skipped as open keep their synced state.
-        for (path, old) in synced.iter() {
+        // Paths that are gone: anywhere (a full round) or at and below the changed paths.
+        // Paths skipped as open keep their synced state.
+        let mut gone = |path: &String, old: &Synced| {
             if !seen.contains(path.as_str()) {
                 remove_old(path, old, &mut deletes, &mut rmdirs);
                 next.push((path.clone(), None));
+            }
+        };
+        match &snap.scope {
+            Scope::All => synced.iter().for_each(|(p, o)| gone(p, o)),
+            Scope::Subtrees(roots) => {
+                for root in roots {
+                    if let Some((p, o)) = synced.get_key_value(root.as_str()) {
+                        gone(p, o);
+                    }
+                    let prefix = format!("{root}/");
+                    synced
+                        .range::<str, _>((Bound::Included(prefix.as_str()), Bound::Unbounded))
+                        .take_while(|(p, _)| p.starts_with(&prefix))
+                        .for_each(|(p, o)| gone(p, o));
+                }
             }
         }
         // Removed-then-recreated paths already queued their removal above.
