@@ -56,27 +56,62 @@ impl From<EntryKind> for Kind {
     }
 }
 
+/// A blake3 hash, kept as its 32 bytes (the table holds one or more per file: as hex
+/// strings they were a third of a large mount's memory).
+pub type Hash = [u8; 32];
+
+/// A hash from the manifest's hex; a malformed one becomes all zeros, which no content
+/// has, so fetching it fails and writing over it conflicts, as with any wrong hash.
+pub fn hash_from_hex(hex: &str) -> Hash {
+    super::remote::parse_hash(hex).unwrap_or([0; 32])
+}
+
 /// Where a file's bytes are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Data {
     /// Not fetched yet: the export has it under these hashes.
     Remote {
         /// blake3 of the whole content.
-        hash: String,
-        /// blake3 of each block.
-        blocks: Vec<String>,
+        hash: Hash,
+        /// blake3 of each block; `None` when the content is one block, whose hash is then
+        /// the content's (no second copy, no allocation, for the typical small file).
+        blocks: Option<Box<[Hash]>>,
     },
     /// In the upper file `upper/<ino>` of the state directory.
     Local {
         /// Changed since it was last known to match `hash`.
         dirty: bool,
         /// Content hash when clean (what the export has, as far as we know).
-        hash: Option<String>,
+        hash: Option<Hash>,
         /// Bumped on every change; lets the syncer tell whether a file changed under it.
         generation: u64,
     },
     /// Not a regular file.
     None,
+}
+
+impl Data {
+    /// Remote content from the manifest's hex hashes.
+    pub fn remote(hash: Option<&str>, blocks: &[String]) -> Data {
+        let hash = hash.map_or([0; 32], hash_from_hex);
+        let blocks = match blocks {
+            [one] if hash_from_hex(one) == hash => None,
+            _ => Some(blocks.iter().map(|b| hash_from_hex(b)).collect()),
+        };
+        Data::Remote { hash, blocks }
+    }
+
+    /// The block hashes of remote content, in hex as the data plane names them (empty for
+    /// anything else).
+    pub fn remote_blocks(&self) -> Vec<String> {
+        match self {
+            Data::Remote { hash, blocks: None } => vec![hex::encode(hash)],
+            Data::Remote {
+                blocks: Some(b), ..
+            } => b.iter().map(hex::encode).collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// One inode.
@@ -337,10 +372,7 @@ impl InodeTable {
                 _ => table.alloc_ino(),
             };
             let data = match kind {
-                Kind::File => Data::Remote {
-                    hash: e.hash.clone().unwrap_or_default(),
-                    blocks: e.blocks.clone(),
-                },
+                Kind::File => Data::remote(e.hash.as_deref(), &e.blocks),
                 _ => Data::None,
             };
             let node = Node {
@@ -777,6 +809,59 @@ mod tests {
         m.entries[1].ino = Some(ROOT_INO);
         let t = InodeTable::from_manifest(&m, 0, 0).unwrap();
         assert_eq!(t.child(ROOT_INO, "src"), Some(2));
+    }
+
+    #[test]
+    fn hashes_are_raw_and_a_one_block_file_keeps_one() {
+        let h = hex::encode(blake3::hash(b"x").as_bytes());
+        let other = hex::encode([1u8; 32]);
+        let one = Data::remote(Some(&h), std::slice::from_ref(&h));
+        assert!(matches!(one, Data::Remote { blocks: None, .. }));
+        assert_eq!(one.remote_blocks(), vec![h.clone()]);
+        let two = Data::remote(Some(&h), &[h.clone(), other.clone()]);
+        assert_eq!(two.remote_blocks(), vec![h.clone(), other.clone()]);
+        // One block that is not the content's hash (a malformed manifest) is kept as is.
+        let odd = Data::remote(Some(&h), std::slice::from_ref(&other));
+        assert_eq!(odd.remote_blocks(), vec![other]);
+        assert!(Data::remote(Some(&h), &[]).remote_blocks().is_empty());
+        assert_eq!(hash_from_hex("not hex"), [0; 32]);
+    }
+
+    #[test]
+    fn changes_are_tracked_by_path_and_node_and_bump_directory_generations() {
+        let m = manifest(vec![
+            entry("src", EntryKind::Dir),
+            entry("src/a.py", EntryKind::File),
+            entry("other", EntryKind::Dir),
+        ]);
+        let mut t = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        assert!(!t.has_dirty(), "a fresh table has nothing to write back");
+        let src = t.child(ROOT_INO, "src").unwrap();
+        let other = t.child(ROOT_INO, "other").unwrap();
+        let a = t.child(src, "a.py").unwrap();
+        assert_eq!((t.dir_generation(src), t.dir_generation(other)), (0, 0));
+        // Rename src/a.py to other/b.py: both paths, both directories.
+        t.remove_child(src, "a.py");
+        t.insert_child(other, "b.py".into(), a);
+        t.move_dentry(a, (src, "a.py"), (other, "b.py"));
+        t.mark_node(a);
+        assert_eq!((t.dir_generation(src), t.dir_generation(other)), (1, 1));
+        let d = t.take_dirty();
+        let mut paths: Vec<_> = d.subtrees.iter().cloned().collect();
+        paths.sort();
+        assert_eq!(paths, vec!["other/b.py", "src/a.py"]);
+        assert_eq!(d.inos, HashSet::from([a]));
+        assert!(!t.has_dirty());
+        assert_eq!(t.paths_of(a), vec!["other/b.py"]);
+        // A directory moving to another parent has a new `..`.
+        t.remove_child(ROOT_INO, "src");
+        t.insert_child(other, "src".into(), src);
+        t.move_dentry(src, (ROOT_INO, "src"), (other, "src"));
+        assert_eq!(t.dir_generation(src), 2);
+        assert_eq!(t.resolve("other/src"), Some(src));
+        // Given back after a failed round, merged with what came since.
+        t.restore_dirty(d);
+        assert!(t.take_dirty().subtrees.contains("other/src"));
     }
 
     #[test]

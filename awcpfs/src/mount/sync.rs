@@ -29,7 +29,7 @@ use parking_lot::{Condvar, Mutex};
 use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, EntryKind, Manifest};
 
 use super::fs::AwcpFs;
-use super::inode::{Data, Dirty, Ino, Kind, Node, time_to_ns};
+use super::inode::{Data, Dirty, Hash, Ino, Kind, Node, time_to_ns};
 use super::remote::{RemoteError, parse_hash};
 
 /// Upload at most this many bytes per request.
@@ -143,8 +143,9 @@ pub enum Synced {
     },
     /// A file.
     File {
-        /// Content hash.
-        hash: String,
+        /// Content hash (hex in `synced.log`).
+        #[serde(with = "hex_hash")]
+        hash: Hash,
         /// Permission bits.
         mode: u32,
         /// Modification time, when known (absent in `synced.log` lines of older versions).
@@ -159,6 +160,21 @@ pub enum Synced {
         /// Target.
         target: String,
     },
+}
+
+/// A raw hash as hex in `synced.log` (a malformed one reads as all zeros: recovery then
+/// re-sends that path, which the export answers as a no-op or a conflict, never a loss).
+mod hex_hash {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(h: &super::Hash, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&hex::encode(h))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<super::Hash, D::Error> {
+        let s = String::deserialize(d)?;
+        Ok(super::super::inode::hash_from_hex(&s))
+    }
 }
 
 /// One line of `synced.log`: what a successful commit left at a path (`None`: nothing).
@@ -287,7 +303,7 @@ struct CurFile {
     mtime_ns: i64,
     size: u64,
     /// Known hash (clean), or the generation to hash now (dirty).
-    known: Option<String>,
+    known: Option<Hash>,
     /// Block list, when known without reading (remote content).
     blocks: Option<Vec<String>>,
     generation: u64,
@@ -334,12 +350,12 @@ fn cur_of(n: &Node, include_open: bool) -> Cur {
         },
         Kind::File => {
             let (known, blocks, generation) = match &n.data {
-                Data::Remote { hash, blocks } => (Some(hash.clone()), Some(blocks.clone()), 0),
+                d @ Data::Remote { hash, .. } => (Some(*hash), Some(d.remote_blocks()), 0),
                 Data::Local {
                     dirty: false,
                     hash: Some(h),
                     generation,
-                } => (Some(h.clone()), None, *generation),
+                } => (Some(*h), None, *generation),
                 Data::Local { generation, .. } => {
                     if n.open_writers > 0 && !include_open {
                         return Cur::Skip;
@@ -364,7 +380,7 @@ fn cur_of(n: &Node, include_open: bool) -> Cur {
 }
 
 struct Hashed {
-    hash: String,
+    hash: Hash,
     size: u64,
     blocks: Vec<String>,
 }
@@ -425,7 +441,10 @@ impl Syncer {
                         xattrs: BTreeMap::new(),
                     },
                     EntryKind::File => Synced::File {
-                        hash: e.hash.clone().unwrap_or_default(),
+                        hash: e
+                            .hash
+                            .as_deref()
+                            .map_or([0; 32], super::inode::hash_from_hex),
                         mode: e.mode & 0o7777,
                         mtime_ns: Some(e.mtime_ns),
                         xattrs: BTreeMap::new(),
@@ -540,7 +559,7 @@ impl Syncer {
             }
         }
         Ok(Some(Hashed {
-            hash: whole.finalize().to_hex().to_string(),
+            hash: *whole.finalize().as_bytes(),
             size,
             blocks,
         }))
@@ -595,17 +614,17 @@ impl Syncer {
         let mut writes: Vec<Change> = Vec::new();
         let mut chmods: Vec<Change> = Vec::new();
         // (ino, generation, hash) of dirty files to mark clean after the commit.
-        let mut cleaned: Vec<(Ino, u64, String)> = Vec::new();
+        let mut cleaned: Vec<(Ino, u64, Hash)> = Vec::new();
         let mut next: Vec<(String, Option<Synced>)> = Vec::new();
         // First path and hash of each hard-linked inode, in walk (= write) order: later
         // names with the same content are sent as links to it.
-        let mut first_name: HashMap<Ino, (String, String)> = HashMap::new();
+        let mut first_name: HashMap<Ino, (String, Hash)> = HashMap::new();
         // A name of a hard-linked inode that the export already has with its current
         // content (unchanged this round), and the writes of such inodes that found no
         // earlier name to link to: they link to the unchanged name instead (a renamed
         // first name, say), so the Delegator keeps one inode.
-        let mut unchanged_name: HashMap<Ino, (String, String)> = HashMap::new();
-        let mut unlinked_writes: Vec<(usize, Ino, String)> = Vec::new();
+        let mut unchanged_name: HashMap<Ino, (String, Hash)> = HashMap::new();
+        let mut unlinked_writes: Vec<(usize, Ino, Hash)> = Vec::new();
 
         let remove_old = |path: &str,
                           old: &Synced,
@@ -614,7 +633,7 @@ impl Syncer {
             Synced::Dir { .. } => rmdirs.push(path.to_string()),
             Synced::File { hash, .. } => deletes.push(Change::Unlink {
                 path: path.to_string(),
-                base: Some(hash.clone()),
+                base: Some(hex::encode(hash)),
             }),
             Synced::Symlink { target } => deletes.push(Change::Unlink {
                 path: path.to_string(),
@@ -694,9 +713,9 @@ impl Syncer {
                 },
                 Cur::File(f) => {
                     let (hash, hashed) = match &f.known {
-                        Some(h) => (h.clone(), None),
+                        Some(h) => (*h, None),
                         None => match self.hash_upper(f.ino, &mut pending_blocks)? {
-                            Some(hd) => (hd.hash.clone(), Some(hd)),
+                            Some(hd) => (hd.hash, Some(hd)),
                             None => {
                                 again.push(path.clone());
                                 continue;
@@ -704,14 +723,14 @@ impl Syncer {
                         },
                     };
                     if hashed.is_some() {
-                        cleaned.push((f.ino, f.generation, hash.clone()));
+                        cleaned.push((f.ino, f.generation, hash));
                     }
                     let link_to = if f.nlink > 1 {
                         match first_name.get(&f.ino) {
                             Some((p, h)) if *h == hash => Some(p.clone()),
                             Some(_) => None,
                             None => {
-                                first_name.insert(f.ino, (path.clone(), hash.clone()));
+                                first_name.insert(f.ino, (path.clone(), hash));
                                 None
                             }
                         }
@@ -728,7 +747,7 @@ impl Syncer {
                             if f.nlink > 1 {
                                 unchanged_name
                                     .entry(f.ino)
-                                    .or_insert_with(|| (path.clone(), hash.clone()));
+                                    .or_insert_with(|| (path.clone(), hash));
                             }
                             // Same content: send a new mode, mtime (`touch`) or extended
                             // attributes alone.
@@ -739,7 +758,7 @@ impl Syncer {
                                     path: path.clone(),
                                     mode: f.mode,
                                     mtime_ns: new_time.then_some(f.mtime_ns),
-                                    base: new_time.then(|| hash.clone()),
+                                    base: new_time.then(|| hex::encode(hash)),
                                     xattrs: delta,
                                 });
                                 next.push((
@@ -754,7 +773,7 @@ impl Syncer {
                             }
                             continue;
                         }
-                        Some(Synced::File { hash: h, .. }) => Some(h.clone()),
+                        Some(Synced::File { hash: h, .. }) => Some(hex::encode(h)),
                         Some(other) => {
                             remove_old(path, other, &mut deletes, &mut rmdirs);
                             None
@@ -768,7 +787,7 @@ impl Syncer {
                     let hd = match (hashed, &f.blocks) {
                         (Some(hd), _) => hd,
                         (None, Some(blocks)) => Hashed {
-                            hash: hash.clone(),
+                            hash,
                             size: f.size,
                             blocks: blocks.clone(),
                         },
@@ -780,15 +799,15 @@ impl Syncer {
                             }
                         },
                     };
-                    let hash = hd.hash.clone();
+                    let hash = hd.hash;
                     if f.nlink > 1 && link_to.is_none() {
-                        unlinked_writes.push((writes.len(), f.ino, hash.clone()));
+                        unlinked_writes.push((writes.len(), f.ino, hash));
                     }
                     writes.push(Change::Write {
                         path: path.clone(),
                         mode: f.mode,
                         base,
-                        hash: hash.clone(),
+                        hash: hex::encode(hash),
                         size: hd.size,
                         blocks: hd.blocks,
                         mtime_ns: f.mtime_ns,
@@ -1053,4 +1072,41 @@ pub fn source_chain(e: &dyn std::error::Error) -> String {
         cur = s.source();
     }
     parts.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synced_log_lines_keep_hex_hashes() {
+        let h = *blake3::hash(b"content").as_bytes();
+        let rec = SyncedRecord {
+            path: "a".into(),
+            state: Some(Synced::File {
+                hash: h,
+                mode: 0o644,
+                mtime_ns: Some(5),
+                xattrs: BTreeMap::new(),
+            }),
+        };
+        let line = serde_json::to_string(&rec).unwrap();
+        assert!(line.contains(&hex::encode(h)), "{line}");
+        assert_eq!(serde_json::from_str::<SyncedRecord>(&line).unwrap(), rec);
+        // A line written before hashes were raw (an empty hash for a file without one).
+        let old = r#"{"path":"b","state":{"kind":"file","hash":"","mode":420}}"#;
+        let r: SyncedRecord = serde_json::from_str(old).unwrap();
+        assert!(matches!(r.state, Some(Synced::File { hash, .. }) if hash == [0; 32]));
+    }
+
+    #[test]
+    fn coverage_of_changed_subtrees() {
+        let roots: HashSet<String> = ["a/b".to_string()].into();
+        assert!(covered(&roots, "a/b"));
+        assert!(covered(&roots, "a/b/c/d"));
+        assert!(!covered(&roots, "a/bc"));
+        assert!(!covered(&roots, "a"));
+        assert!(below_any(&roots, "a/b/c"));
+        assert!(!below_any(&roots, "a/b"));
+    }
 }
