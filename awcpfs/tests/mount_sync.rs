@@ -705,6 +705,52 @@ fn a_failed_round_keeps_its_changes_for_the_next() {
     assert_eq!(std::fs::read(f.root.join("src/kept")).unwrap(), b"k\n");
 }
 
+// Listings kept for no-opendir readdir are reused while the directory's generation holds;
+// any change to its names, or a move of the directory (its `..`), shows at the next readdir.
+#[test]
+fn readdir_reuses_an_unchanged_listing_and_sees_every_change() {
+    let f = fixture(false, tree);
+    let src = f.ino("src");
+    let names = |l: &[awcpfs::mount::fs::DirEntry]| -> Vec<String> {
+        l.iter().map(|e| e.name.clone()).collect()
+    };
+    let (first, g1, _) = f.fs.listing_at(src, 0).unwrap();
+    assert_eq!(names(&first), vec![".", "..", "a.txt", "deep"]);
+    let (again, g2, _) = f.fs.listing_at(src, 0).unwrap();
+    assert!(
+        Arc::ptr_eq(&first, &again),
+        "an unchanged directory is not listed again"
+    );
+    assert_eq!(g1, g2);
+    // A new name.
+    f.write_new("src", "new.txt", b"n");
+    let (l, g3, _) = f.fs.listing_at(src, 0).unwrap();
+    assert_eq!(names(&l), vec![".", "..", "a.txt", "deep", "new.txt"]);
+    assert_ne!(g3, g1);
+    // A name moved out of it, and one renamed inside it.
+    f.fs.rename(src, o("new.txt"), ROOT_INO, o("out.txt"), false, false)
+        .unwrap();
+    f.fs.rename(src, o("a.txt"), src, o("b.txt"), false, false)
+        .unwrap();
+    let (l, _, _) = f.fs.listing_at(src, 0).unwrap();
+    assert_eq!(names(&l), vec![".", "..", "b.txt", "deep"]);
+    // An offset of a replaced listing continues at its index in the current one.
+    let (old, _, i) = f.fs.listing_at(src, (g1 << 32) | 3).unwrap();
+    assert_eq!((old[i].name.as_str(), i), ("deep", 3));
+    // A directory moved to another parent lists its new `..`.
+    let deep = f.ino("src/deep");
+    let (l, _, _) = f.fs.listing_at(deep, 0).unwrap();
+    assert_eq!(l[1].ino, src);
+    f.fs.rename(src, o("deep"), ROOT_INO, o("deep"), false, false)
+        .unwrap();
+    let (l, _, _) = f.fs.listing_at(deep, 0).unwrap();
+    assert_eq!(l[1].ino, ROOT_INO);
+    // A removed directory is not listed from its kept snapshot.
+    f.fs.unlink(deep, o("b.txt")).unwrap();
+    f.fs.rmdir(ROOT_INO, o("deep")).unwrap();
+    assert!(matches!(f.fs.listing_at(deep, 0), Err(FsError::NotFound)));
+}
+
 mod tracked_rounds {
     //! Random operation sequences: after every round, comparing the whole tree finds
     //! nothing the tracked round missed, and at the end the export holds the mount's tree.
