@@ -7,7 +7,7 @@
 //! which dentries changed (a path and everything below it: a renamed directory is compared
 //! at its old and its new path) and which nodes changed (compared at each of their names),
 //! so a round costs what changed since the last one, not the size of the tree (see
-//! [`Dirty`](super::inode::Dirty)). A journal replay marks everything, so the first round
+//! [`Dirty`]). A journal replay marks everything, so the first round
 //! after a crash compares the whole tree. A burst of operations on one file becomes one
 //! write; a rename becomes a write at the new path plus an unlink at the old one, and costs
 //! no upload because the export already has every block of the old content. Rounds are
