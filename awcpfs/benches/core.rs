@@ -1,14 +1,19 @@
 //! Micro-benchmarks of the pieces every delegation leans on: the manifest codec (100,000
-//! entries, as a large repository has), block hashing, and the block cache.
+//! entries, as a large repository has), block hashing, the block cache, and the mount's
+//! hot paths on a 20,000-file tree (a write-back round after a few changes, `lookup`, a
+//! `readdir` of an unchanged directory).
 //!
 //! `cargo bench -p awcpfs` (criterion; reports land in `target/criterion`).
 
 use std::hint::black_box;
 use std::sync::Arc;
 
-use awcp_protocol::dataplane::{EntryKind, Manifest, ManifestEntry};
+use awcp_protocol::dataplane::{
+    ChangeSet, CommitResult, EntryKind, ExportEvent, Manifest, ManifestEntry,
+};
 use awcpfs::cache::{BlockCache, CacheConfig};
 use awcpfs::export::manifest::hash_blocks;
+use awcpfs::mount::remote::RemoteError;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 
 /// A manifest shaped like the benchmark repository: 8-way fan-out, ~24 files a directory.
@@ -127,5 +132,141 @@ fn cache(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, manifest_codec, hashing, cache);
+/// A remote that accepts every commit and has every block (no network in the measure).
+struct AcceptAll;
+
+impl awcpfs::mount::remote::Remote for AcceptAll {
+    fn manifest(&self) -> Result<(Manifest, String), RemoteError> {
+        Err(offline())
+    }
+    fn fetch_blocks(&self, hashes: &[String]) -> Result<Vec<Vec<u8>>, RemoteError> {
+        // Content is not verified here (the real remote does that): any bytes will do.
+        Ok(hashes.iter().map(|_| vec![b'x'; 3000]).collect())
+    }
+    fn missing(&self, _: &[String]) -> Result<Vec<String>, RemoteError> {
+        Ok(Vec::new())
+    }
+    fn upload(&self, _: &[([u8; 32], &[u8])]) -> Result<(), RemoteError> {
+        Ok(())
+    }
+    fn commit(&self, changes: &ChangeSet) -> Result<CommitResult, RemoteError> {
+        Ok(CommitResult {
+            commit_id: changes.commit_id.clone(),
+            applied: changes.changes.len() as u64,
+            conflicts: Vec::new(),
+        })
+    }
+    fn renew(&self) -> Result<ExportEvent, RemoteError> {
+        Err(offline())
+    }
+    fn events(
+        &self,
+    ) -> Result<Box<dyn Iterator<Item = awcpfs::mount::remote::StreamItem> + Send>, RemoteError>
+    {
+        Err(offline())
+    }
+}
+
+fn offline() -> RemoteError {
+    RemoteError::Protocol {
+        what: "the benchmark has no export".into(),
+    }
+}
+
+fn mount_paths(c: &mut Criterion) {
+    use awcpfs::mount::content::SetAttr;
+    use awcpfs::mount::fs::{AwcpFs, FsOptions};
+    use awcpfs::mount::inode::{InodeTable, ROOT_INO};
+    use awcpfs::mount::journal::Journal;
+    use awcpfs::mount::stats::Stats;
+    use awcpfs::mount::sync::{SyncSignal, Syncer};
+    use std::ffi::OsStr;
+
+    // The codec benchmarks' manifest lists leaf directories only: add their parents.
+    let mut m = manifest(20_000);
+    let mut seen = std::collections::HashSet::new();
+    let mut entries = Vec::with_capacity(m.entries.len() + 200);
+    for e in std::mem::take(&mut m.entries) {
+        for (i, _) in e.path.match_indices('/') {
+            let parent = &e.path[..i];
+            if seen.insert(parent.to_string()) {
+                entries.push(ManifestEntry {
+                    path: parent.to_string(),
+                    hash: None,
+                    blocks: vec![],
+                    size: 0,
+                    kind: EntryKind::Dir,
+                    mode: 0o755,
+                    ino: None,
+                    ..e.clone()
+                });
+            }
+        }
+        if e.kind == EntryKind::Dir {
+            seen.insert(e.path.clone());
+        }
+        entries.push(e);
+    }
+    m.entries = entries;
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(tmp.path().join("upper")).unwrap();
+    let table = InodeTable::from_manifest(&m, 0, 0).unwrap();
+    let fs = Arc::new(AwcpFs::new(
+        table,
+        Arc::new(AcceptAll),
+        Journal::open(&tmp.path().join("journal.log")).unwrap(),
+        FsOptions {
+            read_only: false,
+            uid: 0,
+            gid: 0,
+            upper_dir: tmp.path().join("upper"),
+            block_size: m.block_size,
+        },
+        Arc::new(SyncSignal::default()),
+        Arc::new(Stats::default()),
+    ));
+    let syncer = Syncer::new(fs.clone(), &m);
+    let lookup = |path: &str| {
+        path.split('/').fold(ROOT_INO, |ino, part| {
+            fs.lookup(ino, OsStr::new(part)).unwrap().ino.0
+        })
+    };
+    let files: Vec<u64> = (0..5)
+        .map(|i| lookup(&format!("src/mod{i}/sub3/file_7.rs")))
+        .collect();
+    let dir = lookup("src/mod2/sub5");
+    let mut g = c.benchmark_group("mount_20k");
+    let mut flip = false;
+    g.bench_function("sync_round_after_5_chmods", |b| {
+        b.iter(|| {
+            flip = !flip;
+            for ino in &files {
+                let set = SetAttr {
+                    mode: Some(if flip { 0o600 } else { 0o644 }),
+                    ..Default::default()
+                };
+                fs.setattr(*ino, set).unwrap();
+            }
+            black_box(syncer.round(false).unwrap());
+        })
+    });
+    g.bench_function("sync_round_nothing_changed", |b| {
+        b.iter(|| black_box(syncer.round(false).unwrap()))
+    });
+    g.bench_function("lookup", |b| {
+        b.iter(|| black_box(fs.lookup(dir, OsStr::new("file_13.rs")).unwrap()))
+    });
+    // A file fetched by background hydration (its content local, never changed).
+    let fetched = lookup("src/mod2/sub5/file_14.rs");
+    assert_eq!(fs.prefetch(&[fetched]).unwrap(), 1);
+    g.bench_function("lookup_fetched_file", |b| {
+        b.iter(|| black_box(fs.lookup(dir, OsStr::new("file_14.rs")).unwrap()))
+    });
+    g.bench_function("readdir_unchanged_dir", |b| {
+        b.iter(|| black_box(fs.listing_at(dir, 0).unwrap()))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, manifest_codec, hashing, cache, mount_paths);
 criterion_main!(benches);

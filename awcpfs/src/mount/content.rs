@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 
 use super::error::FsError;
 use super::fs::{AwcpFs, Handle, name_str};
-use super::inode::{Data, Ino, Kind};
+use super::inode::{Data, Hash, Ino, Kind};
 use super::journal::Record;
 
 /// Blocks per fetch request (16 MiB at the default block size); one batch is fetched ahead
@@ -86,7 +86,7 @@ impl AwcpFs {
             match &node.data {
                 Data::Local { .. } => return Ok(()),
                 Data::None => return Err(FsError::IsDir),
-                Data::Remote { hash, blocks } => (hash.clone(), blocks.clone()),
+                d @ Data::Remote { hash, .. } => (*hash, d.remote_blocks()),
             }
         };
         let tmp = self.opts.upper_dir.join(format!(".fetch-{ino}"));
@@ -155,14 +155,14 @@ impl AwcpFs {
     /// of files made local.
     pub fn prefetch(&self, files: &[Ino]) -> Result<usize, FsError> {
         self.check()?;
-        let mut wanted: Vec<(Ino, String, Vec<String>)> = Vec::with_capacity(files.len());
+        let mut wanted: Vec<(Ino, Hash, Vec<String>)> = Vec::with_capacity(files.len());
         {
             let table = self.table.lock();
             for ino in files {
                 if let Some(n) = table.get(*ino)
-                    && let Data::Remote { hash, blocks } = &n.data
+                    && let Data::Remote { hash, .. } = &n.data
                 {
-                    wanted.push((*ino, hash.clone(), blocks.clone()));
+                    wanted.push((*ino, *hash, n.data.remote_blocks()));
                 }
             }
         }
@@ -261,6 +261,7 @@ impl AwcpFs {
         std::fs::File::create(self.upper_path(ino))?;
         mark_dirty(node);
         node.size = 0;
+        table.mark_node(ino);
         Ok(())
     }
 
@@ -281,6 +282,7 @@ impl AwcpFs {
             }
         }
         let mut table = self.table.lock();
+        table.mark_node(ino);
         let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
         let now = SystemTime::now();
         if let Some(size) = set.size {
@@ -482,6 +484,7 @@ impl AwcpFs {
         };
         h.wrote.store(true, Ordering::Relaxed);
         let mut table = self.table.lock();
+        table.mark_node(h.ino);
         if let Some(node) = table.get_mut(h.ino) {
             node.size = node.size.max(end);
             node.mtime = SystemTime::now();

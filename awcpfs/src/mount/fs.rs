@@ -56,6 +56,9 @@ const DIR_SNAPS: usize = 512;
 #[derive(Debug)]
 struct DirSnap {
     generation: u32,
+    /// The directory's generation in the inode table when it was read: while it is the
+    /// same, the listing is too.
+    table_generation: u64,
     entries: Arc<Vec<DirEntry>>,
 }
 
@@ -229,9 +232,19 @@ impl AwcpFs {
             Kind::Dir => 4096,
             _ => node.size,
         };
-        // Local content: the upper file's own allocation, so sparse files look sparse (`du`,
-        // `cp --sparse=auto` and `tar -S` rely on it). Remote content: what it will take.
+        // Content changed here: the upper file's own allocation, so sparse files look sparse
+        // (`du`, `cp --sparse=auto` and `tar -S` rely on it). Remote content, and content
+        // fetched and never changed (written out whole): what it takes, without a `stat`
+        // per lookup.
         let blocks = match (node.kind, &node.data) {
+            (
+                Kind::File,
+                Data::Local {
+                    dirty: false,
+                    generation: 0,
+                    ..
+                },
+            ) => size.div_ceil(512),
             (Kind::File, Data::Local { .. }) => std::fs::metadata(self.upper_path(node.ino))
                 .map(|m| std::os::unix::fs::MetadataExt::blocks(&m))
                 .unwrap_or_else(|_| size.div_ceil(512)),
@@ -634,9 +647,10 @@ impl AwcpFs {
     /// The listing of directory `ino` for a `readdir` at `offset` when the kernel opened the
     /// directory without asking (no-opendir): the entries and the index to start at.
     ///
-    /// Offsets handed out are `generation << 32 | index + 1`. A readdir at 0 reads the
-    /// directory afresh; if it differs from the listing kept for it, that listing gets the
-    /// next generation. A readdir at a later offset continues in the listing of its own
+    /// Offsets handed out are `generation << 32 | index + 1`. A readdir at 0 reuses the
+    /// listing kept for the directory when the directory's generation in the inode table
+    /// is still the one it was read at (no name added, removed or moved since); otherwise it
+    /// reads the directory afresh, and the new listing gets the next generation. A readdir at a later offset continues in the listing of its own
     /// generation when it is still kept, so a listing read in several calls sees one
     /// consistent snapshot even while the directory changes; only if that snapshot was
     /// replaced (the directory changed and was listed again from the start meanwhile) or
@@ -655,18 +669,27 @@ impl AwcpFs {
                 return Ok((s.entries.clone(), u64::from(s.generation), index));
             }
         }
-        let fresh = self.build_listing(ino)?;
+        self.check()?;
+        // Lock order: the table, then the listings.
+        let table = self.table.lock();
+        match table.get(ino) {
+            None => return Err(FsError::NotFound),
+            Some(n) if n.kind != Kind::Dir => return Err(FsError::NotDir),
+            Some(_) => {}
+        }
+        let table_generation = table.dir_generation(ino);
         let mut snaps = self.dir_snaps.lock();
         let (generation, entries) = match snaps.get(&ino) {
-            Some(s) if *s.entries == fresh => (s.generation, s.entries.clone()),
+            Some(s) if s.table_generation == table_generation => (s.generation, s.entries.clone()),
             old => {
                 // Generation 0 is never used, so no offset handed out is 0.
                 let g = old.map_or(1, |s| s.generation.wrapping_add(1).max(1));
-                let e = Arc::new(fresh);
+                let e = Arc::new(Self::listing_of(&table, ino)?);
                 snaps.put(
                     ino,
                     DirSnap {
                         generation: g,
+                        table_generation,
                         entries: e.clone(),
                     },
                 );
@@ -679,7 +702,10 @@ impl AwcpFs {
     /// Read directory `ino`: `.`, `..`, then its children.
     fn build_listing(&self, ino: Ino) -> Result<Vec<DirEntry>, FsError> {
         self.check()?;
-        let table = self.table.lock();
+        Self::listing_of(&self.table.lock(), ino)
+    }
+
+    fn listing_of(table: &InodeTable, ino: Ino) -> Result<Vec<DirEntry>, FsError> {
         let node = table.get(ino).ok_or(FsError::NotFound)?;
         if node.kind != Kind::Dir {
             return Err(FsError::NotDir);

@@ -14,8 +14,17 @@
 //!   dentry until its last handle is released;
 //! * a file's content is either remote (hash and block list from the manifest) or local (an
 //!   upper file in the state directory, named after the inode number).
+//!
+//! Change tracking, for the syncer and for directory listings, is kept here because every
+//! change to the namespace goes through the table's lock:
+//! * [`Dirty`]: the paths whose dentries changed (each with everything below it) and the
+//!   nodes whose content or attributes changed since the syncer last took the set, so a
+//!   write-back round compares only those with what the export has, not the whole tree;
+//! * a per-directory generation, bumped whenever the directory's entries (or its own `..`)
+//!   change, so a listing kept from an earlier `readdir` is reused after comparing two
+//!   numbers.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use awcp_protocol::dataplane::{EntryKind, MAX_MANIFEST_XATTR_VALUE, Manifest};
@@ -47,27 +56,62 @@ impl From<EntryKind> for Kind {
     }
 }
 
+/// A blake3 hash, kept as its 32 bytes (the table holds one or more per file: as hex
+/// strings they were a third of a large mount's memory).
+pub type Hash = [u8; 32];
+
+/// A hash from the manifest's hex; a malformed one becomes all zeros, which no content
+/// has, so fetching it fails and writing over it conflicts, as with any wrong hash.
+pub fn hash_from_hex(hex: &str) -> Hash {
+    super::remote::parse_hash(hex).unwrap_or([0; 32])
+}
+
 /// Where a file's bytes are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Data {
     /// Not fetched yet: the export has it under these hashes.
     Remote {
         /// blake3 of the whole content.
-        hash: String,
-        /// blake3 of each block.
-        blocks: Vec<String>,
+        hash: Hash,
+        /// blake3 of each block; `None` when the content is one block, whose hash is then
+        /// the content's (no second copy, no allocation, for the typical small file).
+        blocks: Option<Box<[Hash]>>,
     },
     /// In the upper file `upper/<ino>` of the state directory.
     Local {
         /// Changed since it was last known to match `hash`.
         dirty: bool,
         /// Content hash when clean (what the export has, as far as we know).
-        hash: Option<String>,
+        hash: Option<Hash>,
         /// Bumped on every change; lets the syncer tell whether a file changed under it.
         generation: u64,
     },
     /// Not a regular file.
     None,
+}
+
+impl Data {
+    /// Remote content from the manifest's hex hashes.
+    pub fn remote(hash: Option<&str>, blocks: &[String]) -> Data {
+        let hash = hash.map_or([0; 32], hash_from_hex);
+        let blocks = match blocks {
+            [one] if hash_from_hex(one) == hash => None,
+            _ => Some(blocks.iter().map(|b| hash_from_hex(b)).collect()),
+        };
+        Data::Remote { hash, blocks }
+    }
+
+    /// The block hashes of remote content, in hex as the data plane names them (empty for
+    /// anything else).
+    pub fn remote_blocks(&self) -> Vec<String> {
+        match self {
+            Data::Remote { hash, blocks: None } => vec![hex::encode(hash)],
+            Data::Remote {
+                blocks: Some(b), ..
+            } => b.iter().map(hex::encode).collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 /// One inode.
@@ -190,11 +234,50 @@ pub enum ManifestError {
     },
 }
 
+/// What changed since the syncer last took the set (see [`InodeTable::take_dirty`]).
+///
+/// Invariant: a path not covered by it (not one of `subtrees` or below one, not a name of
+/// one of `inos`) has the same entry in the tree as at the end of the last round that took
+/// the set, so a round that compares only what the set covers finds every change.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Dirty {
+    /// Paths whose dentry changed (created, removed, renamed from or to, linked): the entry
+    /// and everything below it must be compared.
+    pub subtrees: HashSet<String>,
+    /// Nodes whose content or attributes changed: compared at each of their names.
+    pub inos: HashSet<Ino>,
+    /// Compare the whole tree (after a journal replay, or when a change could not be tied
+    /// to a path).
+    pub all: bool,
+}
+
+impl Dirty {
+    /// Nothing changed.
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.subtrees.is_empty() && self.inos.is_empty()
+    }
+
+    /// Add everything `other` covers.
+    pub fn merge(&mut self, other: Dirty) {
+        self.all |= other.all;
+        if !self.all {
+            self.subtrees.extend(other.subtrees);
+            self.inos.extend(other.inos);
+        }
+    }
+}
+
 /// The namespace.
 #[derive(Debug, Default)]
 pub struct InodeTable {
     nodes: HashMap<Ino, Node>,
     next_ino: Ino,
+    /// Changes since the syncer last looked; recorded once the table is built.
+    dirty: Dirty,
+    track: bool,
+    /// Generation of each directory whose entries changed since the table was built
+    /// (absent: 0).
+    dir_gens: HashMap<Ino, u64>,
 }
 
 impl InodeTable {
@@ -204,6 +287,7 @@ impl InodeTable {
         let mut table = InodeTable {
             nodes: HashMap::with_capacity(m.entries.len() + 1),
             next_ino: ROOT_INO + 1,
+            ..Default::default()
         };
         table.nodes.insert(
             ROOT_INO,
@@ -298,10 +382,7 @@ impl InodeTable {
                 _ => table.alloc_ino(),
             };
             let data = match kind {
-                Kind::File => Data::Remote {
-                    hash: e.hash.clone().unwrap_or_default(),
-                    blocks: e.blocks.clone(),
-                },
+                Kind::File => Data::remote(e.hash.as_deref(), &e.blocks),
                 _ => Data::None,
             };
             let node = Node {
@@ -336,7 +417,118 @@ impl InodeTable {
             table.nodes.insert(ino, node);
             table.insert_child(parent, name.to_string(), ino);
         }
+        // The tree is what the manifest says: nothing to write back. Changes count from here.
+        table.track = true;
         Ok(table)
+    }
+
+    /// Take the set of changes since the last call (the syncer, at the start of a round).
+    pub fn take_dirty(&mut self) -> Dirty {
+        std::mem::take(&mut self.dirty)
+    }
+
+    /// Put back changes a round took but did not write (it failed, or skipped them).
+    pub fn restore_dirty(&mut self, d: Dirty) {
+        self.dirty.merge(d);
+    }
+
+    /// Whether anything changed since the syncer last took the set.
+    pub fn has_dirty(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
+    /// Record that `ino`'s content or attributes changed.
+    pub fn mark_node(&mut self, ino: Ino) {
+        if self.track && ino != ROOT_INO {
+            self.dirty.inos.insert(ino);
+        }
+    }
+
+    /// Record that the entry at `path`, and everything below it, may have changed.
+    pub fn mark_path(&mut self, path: &str) {
+        if !self.track {
+            return;
+        }
+        if path.is_empty() {
+            self.dirty.all = true;
+        } else if !self.dirty.all {
+            self.dirty.subtrees.insert(path.to_string());
+        }
+    }
+
+    /// Record that everything may have changed (journal replay).
+    pub fn mark_all(&mut self) {
+        self.dirty.all = true;
+    }
+
+    /// Record a change of the dentry `parent`/`name`: the syncer compares its path, and a
+    /// listing kept for `parent` is stale.
+    fn mark_dentry(&mut self, parent: Ino, name: &str) {
+        if !self.track {
+            return;
+        }
+        self.bump_dir(parent);
+        if self.dirty.all {
+            return;
+        }
+        match self.path_of(parent) {
+            Some(p) if p.is_empty() => {
+                self.dirty.subtrees.insert(name.to_string());
+            }
+            Some(p) => {
+                self.dirty.subtrees.insert(format!("{p}/{name}"));
+            }
+            // Not reachable (cannot happen for a directory still in the table): be safe.
+            None => self.dirty.all = true,
+        }
+    }
+
+    fn bump_dir(&mut self, dir: Ino) {
+        if !self.track {
+            return;
+        }
+        let g = self.dir_gens.entry(dir).or_insert(0);
+        *g = g.wrapping_add(1);
+    }
+
+    /// The generation of directory `ino`'s entries: it changes whenever a name is added to
+    /// or removed from it, or the directory itself moves (its `..`).
+    pub fn dir_generation(&self, ino: Ino) -> u64 {
+        self.dir_gens.get(&ino).copied().unwrap_or(0)
+    }
+
+    /// The node at relative `path` (`""`: the root).
+    pub fn resolve(&self, path: &str) -> Option<Ino> {
+        let mut ino = ROOT_INO;
+        if path.is_empty() {
+            return Some(ino);
+        }
+        for part in path.split('/') {
+            ino = self.child(ino, part)?;
+        }
+        Some(ino)
+    }
+
+    /// The paths of every name of `ino` (one, or more for a file with hard links); none
+    /// when it is unlinked or not in the table.
+    pub fn paths_of(&self, ino: Ino) -> Vec<String> {
+        let Some(node) = self.nodes.get(&ino) else {
+            return Vec::new();
+        };
+        if node.unlinked || ino == ROOT_INO {
+            return Vec::new();
+        }
+        std::iter::once((node.parent, node.name.as_str()))
+            .chain(node.links.iter().map(|(p, n)| (*p, n.as_str())))
+            .filter_map(|(p, n)| {
+                let pp = self.path_of(p)?;
+                Some(if pp.is_empty() {
+                    n.to_string()
+                } else {
+                    format!("{pp}/{n}")
+                })
+            })
+            .collect()
     }
 
     /// Take the next free inode number.
@@ -384,13 +576,17 @@ impl InodeTable {
     /// Add a dentry (the child node must already be in the table), replacing any other.
     pub fn insert_child(&mut self, parent: Ino, name: String, ino: Ino) {
         let child_is_dir = self.is_dir(ino);
+        let Some(p) = self.nodes.get(&parent) else {
+            return;
+        };
+        if p.children.get(name.as_str()) == Some(&ino) {
+            return;
+        }
+        self.mark_dentry(parent, &name);
         let Some(p) = self.nodes.get_mut(&parent) else {
             return;
         };
         if let Some(old) = p.children.insert(name, ino) {
-            if old == ino {
-                return;
-            }
             let old_is_dir = self.is_dir(old);
             if let Some(p) = self.nodes.get_mut(&parent)
                 && old_is_dir
@@ -406,6 +602,7 @@ impl InodeTable {
     /// Remove a dentry, returning the inode it named.
     pub fn remove_child(&mut self, parent: Ino, name: &str) -> Option<Ino> {
         let ino = self.nodes.get_mut(&parent)?.children.remove(name)?;
+        self.mark_dentry(parent, name);
         if self.is_dir(ino)
             && let Some(p) = self.nodes.get_mut(&parent)
         {
@@ -457,6 +654,10 @@ impl InodeTable {
         if node.parent == from.0 && node.name == from.1 {
             node.parent = to.0;
             node.name = to.1.to_string();
+            // A directory moved elsewhere has a new `..`: its kept listing is stale.
+            if node.kind == Kind::Dir && from.0 != to.0 {
+                self.bump_dir(ino);
+            }
         } else if let Some(l) = node
             .links
             .iter_mut()
@@ -513,8 +714,14 @@ impl InodeTable {
     }
 
     /// Visit every node reachable from the root, parents before children, with its path.
-    pub fn walk(&self, mut f: impl FnMut(&str, &Node)) {
-        let mut stack: Vec<(String, Ino)> = vec![(String::new(), ROOT_INO)];
+    pub fn walk(&self, f: impl FnMut(&str, &Node)) {
+        self.walk_from(ROOT_INO, "", f);
+    }
+
+    /// Visit `start` (at `path`) and every node below it, parents before children, with
+    /// their paths (the root itself is never visited).
+    pub fn walk_from(&self, start: Ino, path: &str, mut f: impl FnMut(&str, &Node)) {
+        let mut stack: Vec<(String, Ino)> = vec![(path.to_string(), start)];
         while let Some((path, ino)) = stack.pop() {
             let Some(node) = self.nodes.get(&ino) else {
                 continue;
@@ -646,6 +853,59 @@ mod tests {
             InodeTable::from_manifest(&m, 0, 0),
             Err(ManifestError::BadPath { .. })
         ));
+    }
+
+    #[test]
+    fn hashes_are_raw_and_a_one_block_file_keeps_one() {
+        let h = hex::encode(blake3::hash(b"x").as_bytes());
+        let other = hex::encode([1u8; 32]);
+        let one = Data::remote(Some(&h), std::slice::from_ref(&h));
+        assert!(matches!(one, Data::Remote { blocks: None, .. }));
+        assert_eq!(one.remote_blocks(), vec![h.clone()]);
+        let two = Data::remote(Some(&h), &[h.clone(), other.clone()]);
+        assert_eq!(two.remote_blocks(), vec![h.clone(), other.clone()]);
+        // One block that is not the content's hash (a malformed manifest) is kept as is.
+        let odd = Data::remote(Some(&h), std::slice::from_ref(&other));
+        assert_eq!(odd.remote_blocks(), vec![other]);
+        assert!(Data::remote(Some(&h), &[]).remote_blocks().is_empty());
+        assert_eq!(hash_from_hex("not hex"), [0; 32]);
+    }
+
+    #[test]
+    fn changes_are_tracked_by_path_and_node_and_bump_directory_generations() {
+        let m = manifest(vec![
+            entry("src", EntryKind::Dir),
+            entry("src/a.py", EntryKind::File),
+            entry("other", EntryKind::Dir),
+        ]);
+        let mut t = InodeTable::from_manifest(&m, 0, 0).unwrap();
+        assert!(!t.has_dirty(), "a fresh table has nothing to write back");
+        let src = t.child(ROOT_INO, "src").unwrap();
+        let other = t.child(ROOT_INO, "other").unwrap();
+        let a = t.child(src, "a.py").unwrap();
+        assert_eq!((t.dir_generation(src), t.dir_generation(other)), (0, 0));
+        // Rename src/a.py to other/b.py: both paths, both directories.
+        t.remove_child(src, "a.py");
+        t.insert_child(other, "b.py".into(), a);
+        t.move_dentry(a, (src, "a.py"), (other, "b.py"));
+        t.mark_node(a);
+        assert_eq!((t.dir_generation(src), t.dir_generation(other)), (1, 1));
+        let d = t.take_dirty();
+        let mut paths: Vec<_> = d.subtrees.iter().cloned().collect();
+        paths.sort();
+        assert_eq!(paths, vec!["other/b.py", "src/a.py"]);
+        assert_eq!(d.inos, HashSet::from([a]));
+        assert!(!t.has_dirty());
+        assert_eq!(t.paths_of(a), vec!["other/b.py"]);
+        // A directory moving to another parent has a new `..`.
+        t.remove_child(ROOT_INO, "src");
+        t.insert_child(other, "src".into(), src);
+        t.move_dentry(src, (ROOT_INO, "src"), (other, "src"));
+        assert_eq!(t.dir_generation(src), 2);
+        assert_eq!(t.resolve("other/src"), Some(src));
+        // Given back after a failed round, merged with what came since.
+        t.restore_dirty(d);
+        assert!(t.take_dirty().subtrees.contains("other/src"));
     }
 
     #[test]

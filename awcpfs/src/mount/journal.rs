@@ -138,7 +138,7 @@ impl Record {
     /// The record of a node that took the Delegator's state (its data is remote).
     pub fn upstream(node: &Node) -> Record {
         let (hash, blocks) = match &node.data {
-            Data::Remote { hash, blocks } => (Some(hash.clone()), blocks.clone()),
+            Data::Remote { hash, .. } => (Some(hex::encode(hash)), node.data.remote_blocks()),
             _ => (None, Vec::new()),
         };
         Record::Upstream {
@@ -225,6 +225,10 @@ impl Journal {
 
 /// Apply journal records to a table built from the same manifest (crash recovery).
 pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
+    if !records.is_empty() {
+        // The first write-back round compares the whole tree with what the export has.
+        table.mark_all();
+    }
     for r in records {
         match r {
             Record::Node {
@@ -342,10 +346,7 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
                     subdirs,
                     target: target.clone(),
                     data: match (kind, hash) {
-                        (Kind::File, Some(h)) => Data::Remote {
-                            hash: h.clone(),
-                            blocks: blocks.clone(),
-                        },
+                        (Kind::File, Some(h)) => Data::remote(Some(h), blocks),
                         _ => Data::None,
                     },
                     open_handles: 0,
@@ -438,6 +439,8 @@ mod tests {
     #[test]
     fn upstream_records_replay_the_delegators_state() {
         use awcp_protocol::dataplane::{EntryKind, Manifest, ManifestEntry};
+        let h1 = hex::encode([1u8; 32]);
+        let h2 = hex::encode([2u8; 32]);
         let file = |path: &str, hash: &str| ManifestEntry {
             path: path.into(),
             kind: EntryKind::File,
@@ -458,15 +461,12 @@ mod tests {
             read_only: false,
             root_mode: 0o755,
             root_mtime_ns: 0,
-            entries: vec![file("a", "h1")],
+            entries: vec![file("a", &h1)],
         };
         let mut table = InodeTable::from_manifest(&m, 0, 0).unwrap();
         let a = table.child(super::super::inode::ROOT_INO, "a").unwrap();
         let mut changed = table.get(a).unwrap().clone();
-        changed.data = Data::Remote {
-            hash: "h2".into(),
-            blocks: vec!["h2".into()],
-        };
+        changed.data = Data::remote(Some(&h2), std::slice::from_ref(&h2));
         changed.size = 2;
         let new_ino = a + 100;
         let mut created = changed.clone();
@@ -483,11 +483,9 @@ mod tests {
         let a_now = table.get(table.child(root, "a").unwrap()).unwrap();
         assert_eq!(
             a_now.data,
-            Data::Remote {
-                hash: "h2".into(),
-                blocks: vec!["h2".into()]
-            }
+            Data::remote(Some(&h2), std::slice::from_ref(&h2))
         );
+        assert_eq!(a_now.data.remote_blocks(), [h2.clone()]);
         assert_eq!(a_now.size, 2);
         assert_eq!(table.child(root, "b"), Some(new_ino));
         // New inode numbers stay above the replayed ones.

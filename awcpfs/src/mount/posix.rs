@@ -138,6 +138,7 @@ impl AwcpFs {
         }
         node.xattrs.insert(name.to_string(), value.to_vec());
         node.ctime = SystemTime::now();
+        table.mark_node(ino);
         self.journal(&[Record::Xattr {
             ino,
             name: name.to_string(),
@@ -155,6 +156,7 @@ impl AwcpFs {
         let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
         node.xattrs.remove(name).ok_or(FsError::NoAttr)?;
         node.ctime = SystemTime::now();
+        table.mark_node(ino);
         self.journal(&[Record::Xattr {
             ino,
             name: name.to_string(),
@@ -192,6 +194,7 @@ impl AwcpFs {
         let size = h.file.metadata()?.len();
         h.wrote.store(true, std::sync::atomic::Ordering::Relaxed);
         let mut table = self.table.lock();
+        table.mark_node(h.ino);
         let node = table.get_mut(h.ino).ok_or(FsError::NotFound)?;
         node.size = size;
         // Punching a hole or zeroing a range changes content, growing changes the size:

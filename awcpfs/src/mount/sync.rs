@@ -1,9 +1,14 @@
 //! Writing changes back: diff the mount's tree against what the export is known to have,
 //! and commit the difference.
 //!
-//! The syncer is state-based, not operation-based: each round walks the inode table,
-//! compares every path with the last state it committed (`synced`, which starts as the
-//! manifest), and sends one change set. A burst of operations on one file becomes one
+//! The syncer is state-based, not operation-based: each round compares paths of the inode
+//! table with the last state it committed (`synced`, which starts as the manifest), and
+//! sends one change set. Only paths that may have changed are compared: the table records
+//! which dentries changed (a path and everything below it: a renamed directory is compared
+//! at its old and its new path) and which nodes changed (compared at each of their names),
+//! so a round costs what changed since the last one, not the size of the tree (see
+//! [`Dirty`]). A journal replay marks everything, so the first round
+//! after a crash compares the whole tree. A burst of operations on one file becomes one
 //! write; a rename becomes a write at the new path plus an unlink at the old one, and costs
 //! no upload because the export already has every block of the old content. Rounds are
 //! idempotent: a retried round after a failure re-sends changes whose base hashes the
@@ -14,6 +19,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
+use std::ops::Bound;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -23,7 +29,7 @@ use parking_lot::{Condvar, Mutex};
 use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, EntryKind, Manifest};
 
 use super::fs::AwcpFs;
-use super::inode::{Data, Ino, Kind, time_to_ns};
+use super::inode::{Data, Dirty, Hash, Ino, Kind, Node, time_to_ns};
 use super::remote::{RemoteError, parse_hash};
 
 /// Upload at most this many bytes per request.
@@ -137,8 +143,9 @@ pub enum Synced {
     },
     /// A file.
     File {
-        /// Content hash.
-        hash: String,
+        /// Content hash (hex in `synced.log`).
+        #[serde(with = "hex_hash")]
+        hash: Hash,
         /// Permission bits.
         mode: u32,
         /// Modification time, when known (absent in `synced.log` lines of older versions).
@@ -153,6 +160,21 @@ pub enum Synced {
         /// Target.
         target: String,
     },
+}
+
+/// A raw hash as hex in `synced.log` (a malformed one reads as all zeros: recovery then
+/// re-sends that path, which the export answers as a no-op or a conflict, never a loss).
+mod hex_hash {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(h: &super::Hash, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&hex::encode(h))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<super::Hash, D::Error> {
+        let s = String::deserialize(d)?;
+        Ok(super::super::inode::hash_from_hex(&s))
+    }
 }
 
 /// One line of `synced.log`: what a successful commit left at a path (`None`: nothing).
@@ -253,6 +275,9 @@ pub struct RoundReport {
     pub conflicts: Vec<Conflict>,
     /// Files skipped because they are still open for writing.
     pub pending_open: usize,
+    /// Paths compared with what the export has (what changed since the last round, or
+    /// the whole tree after a journal replay).
+    pub compared: usize,
 }
 
 enum Cur {
@@ -278,14 +303,84 @@ struct CurFile {
     mtime_ns: i64,
     size: u64,
     /// Known hash (clean), or the generation to hash now (dirty).
-    known: Option<String>,
+    known: Option<Hash>,
     /// Block list, when known without reading (remote content).
     blocks: Option<Vec<String>>,
     generation: u64,
 }
 
+/// What one round compares.
+struct Snapshot {
+    /// Current state of the paths compared.
+    entries: Vec<(String, Cur)>,
+    /// Where paths the export has may have disappeared.
+    scope: Scope,
+    /// The changes these entries cover (given back to the table if the round fails).
+    taken: Dirty,
+}
+
+/// Where a round looks for paths that are gone.
+enum Scope {
+    /// Everywhere.
+    All,
+    /// At and below these paths (sorted; none below another).
+    Subtrees(Vec<String>),
+}
+
+/// Whether `path` is strictly below one of `roots`.
+fn below_any(roots: &HashSet<String>, path: &str) -> bool {
+    path.match_indices('/')
+        .any(|(i, _)| roots.contains(&path[..i]))
+}
+
+/// Whether `path` is one of `roots` or below one.
+fn covered(roots: &HashSet<String>, path: &str) -> bool {
+    roots.contains(path) || below_any(roots, path)
+}
+
+/// A node's state as a round compares it.
+fn cur_of(n: &Node, include_open: bool) -> Cur {
+    match n.kind {
+        Kind::Dir => Cur::Dir {
+            mode: u32::from(n.perm),
+            xattrs: hex_xattrs(n),
+        },
+        Kind::Symlink => Cur::Symlink {
+            target: n.target.clone().unwrap_or_default(),
+        },
+        Kind::File => {
+            let (known, blocks, generation) = match &n.data {
+                d @ Data::Remote { hash, .. } => (Some(*hash), Some(d.remote_blocks()), 0),
+                Data::Local {
+                    dirty: false,
+                    hash: Some(h),
+                    generation,
+                } => (Some(*h), None, *generation),
+                Data::Local { generation, .. } => {
+                    if n.open_writers > 0 && !include_open {
+                        return Cur::Skip;
+                    }
+                    (None, None, *generation)
+                }
+                Data::None => (None, None, 0),
+            };
+            Cur::File(CurFile {
+                xattrs: hex_xattrs(n),
+                ino: n.ino,
+                nlink: n.nlink(),
+                mode: u32::from(n.perm),
+                mtime_ns: time_to_ns(n.mtime),
+                size: n.size,
+                known,
+                blocks,
+                generation,
+            })
+        }
+    }
+}
+
 struct Hashed {
-    hash: String,
+    hash: Hash,
     size: u64,
     blocks: Vec<String>,
 }
@@ -293,7 +388,7 @@ struct Hashed {
 /// The write-back engine of one mount.
 pub struct Syncer {
     fs: Arc<AwcpFs>,
-    pub(super) synced: Mutex<HashMap<String, Synced>>,
+    pub(super) synced: Mutex<BTreeMap<String, Synced>>,
     log: Option<SyncedLog>,
     seq: AtomicU64,
     instance: String,
@@ -317,6 +412,10 @@ impl Syncer {
         log: Option<SyncedLog>,
     ) -> Syncer {
         let mut s = Self::new(fs, manifest);
+        if !log_records.is_empty() {
+            // What the export has differs from the manifest: compare everything once.
+            s.fs.table.lock().mark_all();
+        }
         {
             let mut synced = s.synced.lock();
             for r in log_records {
@@ -342,7 +441,10 @@ impl Syncer {
                         xattrs: e.xattrs.clone(),
                     },
                     EntryKind::File => Synced::File {
-                        hash: e.hash.clone().unwrap_or_default(),
+                        hash: e
+                            .hash
+                            .as_deref()
+                            .map_or([0; 32], super::inode::hash_from_hex),
                         mode: e.mode & 0o7777,
                         mtime_ns: Some(e.mtime_ns),
                         xattrs: e.xattrs.clone(),
@@ -380,53 +482,63 @@ impl Syncer {
         }
     }
 
-    fn snapshot(&self, include_open: bool) -> Vec<(String, Cur)> {
-        let table = self.fs.table.lock();
-        let mut out = Vec::with_capacity(table.len());
-        table.walk(|path, n| {
-            let cur = match n.kind {
-                Kind::Dir => Cur::Dir {
-                    mode: u32::from(n.perm),
-                    xattrs: hex_xattrs(n),
-                },
-                Kind::Symlink => Cur::Symlink {
-                    target: n.target.clone().unwrap_or_default(),
-                },
-                Kind::File => {
-                    let (known, blocks, generation) = match &n.data {
-                        Data::Remote { hash, blocks } => {
-                            (Some(hash.clone()), Some(blocks.clone()), 0)
-                        }
-                        Data::Local {
-                            dirty: false,
-                            hash: Some(h),
-                            generation,
-                        } => (Some(h.clone()), None, *generation),
-                        Data::Local { generation, .. } => {
-                            if n.open_writers > 0 && !include_open {
-                                out.push((path.to_string(), Cur::Skip));
-                                return;
-                            }
-                            (None, None, *generation)
-                        }
-                        Data::None => (None, None, 0),
-                    };
-                    Cur::File(CurFile {
-                        xattrs: hex_xattrs(n),
-                        ino: n.ino,
-                        nlink: n.nlink(),
-                        mode: u32::from(n.perm),
-                        mtime_ns: time_to_ns(n.mtime),
-                        size: n.size,
-                        known,
-                        blocks,
-                        generation,
-                    })
-                }
+    /// What a round compares, taken under the table's lock with the set of changes it
+    /// covers (given back if the round fails).
+    fn snapshot(&self, include_open: bool) -> Snapshot {
+        let mut table = self.fs.table.lock();
+        let taken = table.take_dirty();
+        let mut entries = Vec::new();
+        if taken.all {
+            entries.reserve(table.len());
+            table.walk(|path, n| entries.push((path.to_string(), cur_of(n, include_open))));
+            return Snapshot {
+                entries,
+                scope: Scope::All,
+                taken,
             };
-            out.push((path.to_string(), cur));
-        });
-        out
+        }
+        let roots: Vec<String> = {
+            let mut r: Vec<String> = taken
+                .subtrees
+                .iter()
+                .filter(|p| !below_any(&taken.subtrees, p))
+                .cloned()
+                .collect();
+            r.sort_unstable();
+            r
+        };
+        // Every name of a hard-linked file is compared when one is: a new name is sent as
+        // a link to one the export already has.
+        let mut linked: Vec<Ino> = Vec::new();
+        for root in &roots {
+            if let Some(ino) = table.resolve(root) {
+                table.walk_from(ino, root, |path, n| {
+                    if n.kind == Kind::File && !n.links.is_empty() {
+                        linked.push(n.ino);
+                    }
+                    entries.push((path.to_string(), cur_of(n, include_open)));
+                });
+            }
+        }
+        let mut nodes: Vec<Ino> = taken.inos.iter().copied().chain(linked).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        let mut exact: HashSet<String> = HashSet::new();
+        for ino in nodes {
+            let Some(n) = table.get(ino) else { continue };
+            for path in table.paths_of(ino) {
+                if covered(&taken.subtrees, &path) || exact.contains(&path) {
+                    continue;
+                }
+                exact.insert(path.clone());
+                entries.push((path, cur_of(n, include_open)));
+            }
+        }
+        Snapshot {
+            entries,
+            scope: Scope::Subtrees(roots),
+            taken,
+        }
     }
 
     fn hash_upper(
@@ -464,7 +576,7 @@ impl Syncer {
             }
         }
         Ok(Some(Hashed {
-            hash: whole.finalize().to_hex().to_string(),
+            hash: *whole.finalize().as_bytes(),
             size,
             blocks,
         }))
@@ -474,8 +586,43 @@ impl Syncer {
     /// still open for writing.
     pub fn round(&self, final_flush: bool) -> Result<RoundReport, SyncError> {
         let mut synced = self.synced.lock();
-        let snapshot = self.snapshot(final_flush);
-        let mut report = RoundReport::default();
+        let snap = self.snapshot(final_flush);
+        let mut again: Vec<String> = Vec::new();
+        match self.round_over(&mut synced, &snap, &mut again) {
+            Ok(report) => {
+                // Skipped (open for writing) or vanished under the round: compare them again.
+                if !again.is_empty() {
+                    let mut table = self.fs.table.lock();
+                    for p in &again {
+                        table.mark_path(p);
+                    }
+                }
+                Ok(report)
+            }
+            Err(e) => {
+                self.fs.table.lock().restore_dirty(snap.taken);
+                Err(e)
+            }
+        }
+    }
+
+    /// Make the next round compare the whole tree, not only what changed (a safety net,
+    /// and how tests check that change tracking missed nothing).
+    pub fn compare_everything_next(&self) {
+        self.fs.table.lock().mark_all();
+    }
+
+    fn round_over(
+        &self,
+        synced: &mut BTreeMap<String, Synced>,
+        snap: &Snapshot,
+        again: &mut Vec<String>,
+    ) -> Result<RoundReport, SyncError> {
+        let snapshot = &snap.entries;
+        let mut report = RoundReport {
+            compared: snapshot.len(),
+            ..Default::default()
+        };
         let mut pending_blocks: HashMap<String, Vec<u8>> = HashMap::new();
         let mut seen: HashSet<&str> = HashSet::with_capacity(snapshot.len());
         let mut deletes: Vec<Change> = Vec::new();
@@ -484,17 +631,17 @@ impl Syncer {
         let mut writes: Vec<Change> = Vec::new();
         let mut chmods: Vec<Change> = Vec::new();
         // (ino, generation, hash) of dirty files to mark clean after the commit.
-        let mut cleaned: Vec<(Ino, u64, String)> = Vec::new();
+        let mut cleaned: Vec<(Ino, u64, Hash)> = Vec::new();
         let mut next: Vec<(String, Option<Synced>)> = Vec::new();
         // First path and hash of each hard-linked inode, in walk (= write) order: later
         // names with the same content are sent as links to it.
-        let mut first_name: HashMap<Ino, (String, String)> = HashMap::new();
+        let mut first_name: HashMap<Ino, (String, Hash)> = HashMap::new();
         // A name of a hard-linked inode that the export already has with its current
         // content (unchanged this round), and the writes of such inodes that found no
         // earlier name to link to: they link to the unchanged name instead (a renamed
         // first name, say), so the Delegator keeps one inode.
-        let mut unchanged_name: HashMap<Ino, (String, String)> = HashMap::new();
-        let mut unlinked_writes: Vec<(usize, Ino, String)> = Vec::new();
+        let mut unchanged_name: HashMap<Ino, (String, Hash)> = HashMap::new();
+        let mut unlinked_writes: Vec<(usize, Ino, Hash)> = Vec::new();
 
         let remove_old = |path: &str,
                           old: &Synced,
@@ -503,7 +650,7 @@ impl Syncer {
             Synced::Dir { .. } => rmdirs.push(path.to_string()),
             Synced::File { hash, .. } => deletes.push(Change::Unlink {
                 path: path.to_string(),
-                base: Some(hash.clone()),
+                base: Some(hex::encode(hash)),
             }),
             Synced::Symlink { target } => deletes.push(Change::Unlink {
                 path: path.to_string(),
@@ -511,11 +658,14 @@ impl Syncer {
             }),
         };
 
-        for (path, cur) in &snapshot {
+        for (path, cur) in snapshot {
             seen.insert(path.as_str());
             let old = synced.get(path.as_str());
             match cur {
-                Cur::Skip => report.pending_open += 1,
+                Cur::Skip => {
+                    report.pending_open += 1;
+                    again.push(path.clone());
+                }
                 Cur::Dir { mode, xattrs } => match old {
                     Some(Synced::Dir { mode: m, xattrs: x }) if m == mode && x == xattrs => {}
                     Some(Synced::Dir { xattrs: x, .. }) => {
@@ -580,21 +730,24 @@ impl Syncer {
                 },
                 Cur::File(f) => {
                     let (hash, hashed) = match &f.known {
-                        Some(h) => (h.clone(), None),
+                        Some(h) => (*h, None),
                         None => match self.hash_upper(f.ino, &mut pending_blocks)? {
-                            Some(hd) => (hd.hash.clone(), Some(hd)),
-                            None => continue,
+                            Some(hd) => (hd.hash, Some(hd)),
+                            None => {
+                                again.push(path.clone());
+                                continue;
+                            }
                         },
                     };
                     if hashed.is_some() {
-                        cleaned.push((f.ino, f.generation, hash.clone()));
+                        cleaned.push((f.ino, f.generation, hash));
                     }
                     let link_to = if f.nlink > 1 {
                         match first_name.get(&f.ino) {
                             Some((p, h)) if *h == hash => Some(p.clone()),
                             Some(_) => None,
                             None => {
-                                first_name.insert(f.ino, (path.clone(), hash.clone()));
+                                first_name.insert(f.ino, (path.clone(), hash));
                                 None
                             }
                         }
@@ -611,7 +764,7 @@ impl Syncer {
                             if f.nlink > 1 {
                                 unchanged_name
                                     .entry(f.ino)
-                                    .or_insert_with(|| (path.clone(), hash.clone()));
+                                    .or_insert_with(|| (path.clone(), hash));
                             }
                             // Same content: send a new mode, mtime (`touch`) or extended
                             // attributes alone.
@@ -622,7 +775,7 @@ impl Syncer {
                                     path: path.clone(),
                                     mode: f.mode,
                                     mtime_ns: new_time.then_some(f.mtime_ns),
-                                    base: new_time.then(|| hash.clone()),
+                                    base: new_time.then(|| hex::encode(hash)),
                                     xattrs: delta,
                                 });
                                 next.push((
@@ -637,7 +790,7 @@ impl Syncer {
                             }
                             continue;
                         }
-                        Some(Synced::File { hash: h, .. }) => Some(h.clone()),
+                        Some(Synced::File { hash: h, .. }) => Some(hex::encode(h)),
                         Some(other) => {
                             remove_old(path, other, &mut deletes, &mut rmdirs);
                             None
@@ -651,24 +804,27 @@ impl Syncer {
                     let hd = match (hashed, &f.blocks) {
                         (Some(hd), _) => hd,
                         (None, Some(blocks)) => Hashed {
-                            hash: hash.clone(),
+                            hash,
                             size: f.size,
                             blocks: blocks.clone(),
                         },
                         (None, None) => match self.hash_upper(f.ino, &mut pending_blocks)? {
                             Some(hd) => hd,
-                            None => continue,
+                            None => {
+                                again.push(path.clone());
+                                continue;
+                            }
                         },
                     };
-                    let hash = hd.hash.clone();
+                    let hash = hd.hash;
                     if f.nlink > 1 && link_to.is_none() {
-                        unlinked_writes.push((writes.len(), f.ino, hash.clone()));
+                        unlinked_writes.push((writes.len(), f.ino, hash));
                     }
                     writes.push(Change::Write {
                         path: path.clone(),
                         mode: f.mode,
                         base,
-                        hash: hash.clone(),
+                        hash: hex::encode(hash),
                         size: hd.size,
                         blocks: hd.blocks,
                         mtime_ns: f.mtime_ns,
@@ -695,11 +851,27 @@ impl Syncer {
                 *link_to = Some(anchor.clone());
             }
         }
-        // Paths that are gone. Paths skipped as open keep their synced state.
-        for (path, old) in synced.iter() {
+        // Paths that are gone: anywhere (a full round) or at and below the changed paths.
+        // Paths skipped as open keep their synced state.
+        let mut gone = |path: &String, old: &Synced| {
             if !seen.contains(path.as_str()) {
                 remove_old(path, old, &mut deletes, &mut rmdirs);
                 next.push((path.clone(), None));
+            }
+        };
+        match &snap.scope {
+            Scope::All => synced.iter().for_each(|(p, o)| gone(p, o)),
+            Scope::Subtrees(roots) => {
+                for root in roots {
+                    if let Some((p, o)) = synced.get_key_value(root.as_str()) {
+                        gone(p, o);
+                    }
+                    let prefix = format!("{root}/");
+                    synced
+                        .range::<str, _>((Bound::Included(prefix.as_str()), Bound::Unbounded))
+                        .take_while(|(p, _)| p.starts_with(&prefix))
+                        .for_each(|(p, o)| gone(p, o));
+                }
             }
         }
         // Removed-then-recreated paths already queued their removal above.
@@ -917,4 +1089,41 @@ pub fn source_chain(e: &dyn std::error::Error) -> String {
         cur = s.source();
     }
     parts.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synced_log_lines_keep_hex_hashes() {
+        let h = *blake3::hash(b"content").as_bytes();
+        let rec = SyncedRecord {
+            path: "a".into(),
+            state: Some(Synced::File {
+                hash: h,
+                mode: 0o644,
+                mtime_ns: Some(5),
+                xattrs: BTreeMap::new(),
+            }),
+        };
+        let line = serde_json::to_string(&rec).unwrap();
+        assert!(line.contains(&hex::encode(h)), "{line}");
+        assert_eq!(serde_json::from_str::<SyncedRecord>(&line).unwrap(), rec);
+        // A line written before hashes were raw (an empty hash for a file without one).
+        let old = r#"{"path":"b","state":{"kind":"file","hash":"","mode":420}}"#;
+        let r: SyncedRecord = serde_json::from_str(old).unwrap();
+        assert!(matches!(r.state, Some(Synced::File { hash, .. }) if hash == [0; 32]));
+    }
+
+    #[test]
+    fn coverage_of_changed_subtrees() {
+        let roots: HashSet<String> = ["a/b".to_string()].into();
+        assert!(covered(&roots, "a/b"));
+        assert!(covered(&roots, "a/b/c/d"));
+        assert!(!covered(&roots, "a/bc"));
+        assert!(!covered(&roots, "a"));
+        assert!(below_any(&roots, "a/b/c"));
+        assert!(!below_any(&roots, "a/b"));
+    }
 }

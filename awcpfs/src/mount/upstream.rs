@@ -17,13 +17,14 @@
 //! ([`Inval`]): cached attributes and pages of changed files, and cached names, including
 //! negative ones, of new and removed entries.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::time::SystemTime;
 
 use awcp_protocol::dataplane::{EntryKind, ManifestEntry};
 
 use super::inode::{
-    Data, Ino, InodeTable, Kind, Node, ROOT_INO, manifest_xattrs, time_from_ns, time_to_ns,
+    Data, Ino, InodeTable, Kind, Node, ROOT_INO, hash_from_hex, manifest_xattrs, time_from_ns,
+    time_to_ns,
 };
 use super::journal::Record;
 use super::sync::{Synced, SyncedRecord, Syncer};
@@ -66,12 +67,12 @@ fn state_of(n: &Node) -> Option<Synced> {
         }),
         Kind::File => {
             let hash = match &n.data {
-                Data::Remote { hash, .. } => hash.clone(),
+                Data::Remote { hash, .. } => *hash,
                 Data::Local {
                     dirty: false,
                     hash: Some(h),
                     ..
-                } => h.clone(),
+                } => *h,
                 _ => return None,
             };
             Some(Synced::File {
@@ -99,7 +100,7 @@ fn state_of_entry(e: &ManifestEntry) -> Synced {
             xattrs: xattrs(),
         },
         EntryKind::File => Synced::File {
-            hash: e.hash.clone().unwrap_or_default(),
+            hash: e.hash.as_deref().map_or([0; 32], hash_from_hex),
             mode: e.mode & 0o7777,
             mtime_ns: Some(e.mtime_ns),
             xattrs: xattrs(),
@@ -132,15 +133,6 @@ fn same_state(a: &Synced, b: &Synced) -> bool {
     }
 }
 
-/// The node at `path`, resolved from the root.
-fn resolve(table: &InodeTable, path: &str) -> Option<Ino> {
-    let mut ino = ROOT_INO;
-    for comp in path.split('/') {
-        ino = table.child(ino, comp)?;
-    }
-    Some(ino)
-}
-
 /// `path`'s node and every node below it, with their paths, parents first.
 fn subtree(table: &InodeTable, path: &str, ino: Ino) -> Vec<(String, Ino)> {
     let mut out = vec![(path.to_owned(), ino)];
@@ -161,7 +153,7 @@ fn subtree(table: &InodeTable, path: &str, ino: Ino) -> Vec<(String, Ino)> {
 /// for writing, and has one name.
 fn all_clean(
     table: &InodeTable,
-    synced: &HashMap<String, Synced>,
+    synced: &BTreeMap<String, Synced>,
     nodes: &[(String, Ino)],
 ) -> bool {
     nodes.iter().all(|(path, ino)| {
@@ -197,7 +189,7 @@ impl Syncer {
             if awcp_protocol::dataplane::validate_rel_path(path).is_err() {
                 continue;
             }
-            match resolve(&table, path) {
+            match table.resolve(path) {
                 None => {
                     // Gone here too (removed or moved away locally): the syncer must not
                     // send a removal the Delegator already made.
@@ -226,7 +218,7 @@ impl Syncer {
             };
             let parent = match parent_path {
                 None => Some(ROOT_INO),
-                Some(p) => resolve(&table, p),
+                Some(p) => table.resolve(p),
             };
             let Some(parent) =
                 parent.filter(|p| table.get(*p).is_some_and(|n| n.kind == Kind::Dir))
@@ -318,7 +310,7 @@ impl Syncer {
 }
 
 /// Drop `path` and everything below it from the syncer's record.
-fn forget(synced: &mut HashMap<String, Synced>, logged: &mut Vec<SyncedRecord>, path: &str) {
+fn forget(synced: &mut BTreeMap<String, Synced>, logged: &mut Vec<SyncedRecord>, path: &str) {
     let prefix = format!("{path}/");
     let gone: Vec<String> = synced
         .keys()
@@ -388,10 +380,7 @@ fn create(
         subdirs: 0,
         target: e.target.clone(),
         data: match kind {
-            Kind::File => Data::Remote {
-                hash: e.hash.clone().unwrap_or_default(),
-                blocks: e.blocks.clone(),
-            },
+            Kind::File => Data::remote(e.hash.as_deref(), &e.blocks),
             _ => Data::None,
         },
         open_handles: 0,
@@ -431,10 +420,7 @@ fn update(
             let had_local = matches!(n.data, Data::Local { .. });
             n.size = e.size;
             n.mtime = t;
-            n.data = Data::Remote {
-                hash: e.hash.clone().unwrap_or_default(),
-                blocks: e.blocks.clone(),
-            };
+            n.data = Data::remote(e.hash.as_deref(), &e.blocks);
             if had_local {
                 // Open readers keep the old content through their descriptors.
                 let _ = std::fs::remove_file(fs.upper_path(ino));
