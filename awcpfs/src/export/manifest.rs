@@ -52,6 +52,8 @@ pub(crate) struct ManifestParams {
     pub(crate) block_size: u32,
     pub(crate) read_only: bool,
     pub(crate) filter: Option<super::PathFilter>,
+    /// Counters for a progress bar, if someone shows one.
+    pub(crate) progress: Option<Arc<super::BuildProgress>>,
 }
 
 /// A file the walk opened, for a hashing thread.
@@ -71,6 +73,7 @@ fn hash_worker(
     results: &Mutex<Vec<JobResult>>,
     block_size: u32,
     cache: Option<&HashCache>,
+    progress: Option<&super::BuildProgress>,
 ) {
     loop {
         let job = jobs.lock().recv();
@@ -87,6 +90,9 @@ fn hash_worker(
             let trusted = same && !is_racy(&after, RACY_WINDOW);
             if same && let Some(cache) = cache {
                 cache.insert(&after, block_size, &hashes);
+            }
+            if let Some(p) = progress {
+                p.hashed_file(hashes.size);
             }
             Ok((before, hashes, trusted))
         })();
@@ -118,16 +124,28 @@ pub(crate) fn build(
         cache,
         jobs: Some(tx),
         filter: params.filter.clone(),
+        progress: params.progress.clone(),
     };
     let walked = std::thread::scope(|s| {
         for _ in 0..threads {
-            s.spawn(|| hash_worker(&rx, &results, params.block_size, cache));
+            s.spawn(|| {
+                hash_worker(
+                    &rx,
+                    &results,
+                    params.block_size,
+                    cache,
+                    params.progress.as_deref(),
+                )
+            });
         }
         let r = Dir::openat(root.fd(), ".", dir_flags(), Mode::empty())
             .map_err(io::Error::from)
             .and_then(|dir| walker.walk_dir(dir, "", 0));
         // Closing the queue ends the workers once it is drained.
         walker.jobs = None;
+        if let Some(p) = &params.progress {
+            p.set_walked();
+        }
         r
     });
     walked?;
@@ -290,6 +308,7 @@ struct Walker<'a> {
     stamps: Vec<Option<Stamp>>,
     cache: Option<&'a HashCache>,
     jobs: Option<SyncSender<Job>>,
+    progress: Option<Arc<super::BuildProgress>>,
 }
 
 impl Walker<'_> {
@@ -374,6 +393,9 @@ impl Walker<'_> {
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
                 });
+                if let Some(p) = &self.progress {
+                    p.saw_file(st.st_size.max(0) as u64, cached.is_some());
+                }
                 if cached.is_some() {
                     self.hashes.push(cached);
                     // Unchanged since a quiescent hashing: its blocks need no re-hash.
