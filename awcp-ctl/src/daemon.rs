@@ -17,8 +17,11 @@
 mod admission;
 pub mod api;
 mod archive_flow;
+mod collect;
 mod flow;
+pub mod progress;
 pub mod recover;
+mod resources;
 mod rounds;
 
 use std::collections::HashMap;
@@ -117,9 +120,12 @@ pub(crate) struct Live {
     pub(crate) d: Mutex<StoredDelegation>,
     pub(crate) lease: Arc<Lease>,
     pub(crate) tx: broadcast::Sender<WatchEvent>,
-    pub(crate) export: Mutex<Option<Arc<Export>>>,
+    /// The `awcpfs` exports, one per resource (empty for `archive`, and once retired).
+    pub(crate) exports: Mutex<Vec<Arc<Export>>>,
     /// Renewals already recorded in the history (the Executor renews through the export).
     pub(crate) seen_renewals: std::sync::atomic::AtomicU64,
+    /// How far its setup got (manifest builds), for progress bars.
+    pub(crate) progress: Arc<progress::Progress>,
 }
 
 /// The daemon's shared state.
@@ -128,6 +134,8 @@ pub struct Daemon {
     pub(crate) store: Store,
     pub(crate) exports: ExportRegistry,
     pub(crate) live: Mutex<HashMap<String, Arc<Live>>>,
+    /// Delegations being set up, by the progress key their client chose.
+    pub(crate) preparing: Mutex<HashMap<String, Arc<progress::Progress>>>,
     pub(crate) http: reqwest::Client,
     pub(crate) export_url: String,
     /// Background tasks (event pumps, expiry watchers), aborted when the daemon stops.
@@ -233,6 +241,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         store,
         exports: ExportRegistry::with_hash_cache(Arc::new(hashes)),
         live: Mutex::new(HashMap::new()),
+        preparing: Mutex::new(HashMap::new()),
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
             .build()?,
@@ -366,14 +375,20 @@ impl Daemon {
     /// grace), then drop the export.
     fn retire(&self, live: &Live) {
         live.lease.revoke(true);
-        let export = live.export.lock().clone();
-        if let Some(export) = export {
-            let id = export.id().to_string();
+        let ids: Vec<String> = live
+            .exports
+            .lock()
+            .iter()
+            .map(|e| e.id().to_string())
+            .collect();
+        if !ids.is_empty() {
             let grace = self.cfg.flush_grace + Duration::from_secs(1);
             let exports = self.exports.clone();
             self.spawn(async move {
                 tokio::time::sleep(grace).await;
-                exports.remove(&id);
+                for id in ids {
+                    exports.remove(&id);
+                }
             });
         }
     }
