@@ -44,7 +44,8 @@ mod tests {
 
     #[test]
     fn sums_counters_keeps_strings_or_s_flags() {
-        let a = json!({"state": "mounted", "unsynced": false, "n": 2, "ops": {"read": 1}, "c": [1]});
+        let a =
+            json!({"state": "mounted", "unsynced": false, "n": 2, "ops": {"read": 1}, "c": [1]});
         let b = json!({"state": "fenced", "unsynced": true, "n": 3, "ops": {"read": 4}, "c": [2]});
         assert_eq!(
             sum(&[a, b]),

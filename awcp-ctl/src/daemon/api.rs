@@ -219,9 +219,7 @@ async fn delegate(
     if let Some(k) = &key {
         d.preparing.lock().remove(k);
     }
-    Ok(Json(DelegateResponse {
-        delegation_id: r?,
-    }))
+    Ok(Json(DelegateResponse { delegation_id: r? }))
 }
 
 /// Ours: `GET /delegate/progress/:key`: how far the `POST /delegate` that sent this

@@ -178,9 +178,8 @@ impl Daemon {
             .find(|s| s.name == r.name)
             .cloned();
         let source = r.source.clone();
-        let filter = spec.map(|s| {
-            super::admission::export_filter(self.resource_filter(&s, &source), false).0
-        });
+        let filter = spec
+            .map(|s| super::admission::export_filter(self.resource_filter(&s, &source), false).0);
         let result = tokio::task::spawn_blocking(move || {
             let lease = Arc::new(Lease::grant(
                 Arc::new(SystemClock::new()),

@@ -289,7 +289,10 @@ impl Daemon {
                     Handle::Awcpfs(r) if r.len() > 1 => format!(
                         "exporting {} resources ({})",
                         r.len(),
-                        r.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join(", ")
+                        r.iter()
+                            .map(|r| r.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     ),
                     Handle::Awcpfs(_) => format!("exporting {}", source.display()),
                     Handle::Archive(h) => format!(
@@ -850,16 +853,22 @@ impl Daemon {
             block_size: self.cfg.block_size,
             staging_dir: self.cfg.state_dir.join("staging").join(&r.export_id),
         };
-        let spec = d.record.environment.resources.iter().find(|s| s.name == r.name);
-        let filter = spec.map(|s| {
-            super::admission::export_filter(self.resource_filter(s, &r.source), false).0
-        });
+        let spec = d
+            .record
+            .environment
+            .resources
+            .iter()
+            .find(|s| s.name == r.name);
+        let filter = spec
+            .map(|s| super::admission::export_filter(self.resource_filter(s, &r.source), false).0);
         let exports = self.exports.clone();
         let (eid, tok, l) = (r.export_id.clone(), d.token.clone(), lease.clone());
-        Ok(tokio::task::spawn_blocking(move || {
-            exports.register_filtered(eid, tok, cfg, l, filter)
-        })
-        .await??)
+        Ok(
+            tokio::task::spawn_blocking(move || {
+                exports.register_filtered(eid, tok, cfg, l, filter)
+            })
+            .await??,
+        )
     }
 
     /// Reload persisted delegations: ended ones for history, live ones with their exports

@@ -1,0 +1,222 @@
+//! Several resources in one `awcpfs` delegation (issue 6): each mounted under its name on
+//! the Executor, each with its own access mode; revoke ends them all; names are checked.
+
+use std::io::Write;
+use std::time::Duration;
+
+use awcp_ctl::client::ClientError;
+use awcp_protocol::DelegationState;
+use awcp_protocol::messages::AccessMode;
+use awcp_tests::{Harness, eventually, fuse_available, is_mounted};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_resources_mount_by_name_ro_refuses_writes_and_revoke_unmounts_both() {
+    if !fuse_available() {
+        return;
+    }
+    // The agent stays until revoked; the test works on the mounts meanwhile.
+    let h = Harness::start("sleep 120").await;
+    let src = h.path("src");
+    let data = h.path("data");
+    std::fs::create_dir_all(src.join("lib")).unwrap();
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(src.join("lib/main.rs"), "fn main() {}\n").unwrap();
+    std::fs::write(data.join("table.csv"), "a,b\n1,2\n").unwrap();
+    let id = h
+        .delegate_resources(
+            &[
+                ("src", &src, AccessMode::Rw),
+                ("data", &data, AccessMode::Ro),
+            ],
+            600,
+        )
+        .await;
+    let work = h.mountpoint(&id);
+    let (msrc, mdata) = (work.join("src"), work.join("data"));
+    assert!(
+        eventually(WAIT, || is_mounted(&msrc) && is_mounted(&mdata)).await,
+        "both resources should be mounted under their names in {}",
+        work.display()
+    );
+    assert!(!is_mounted(&work), "the work dir itself holds the mounts");
+    assert_eq!(
+        std::fs::read_to_string(msrc.join("lib/main.rs")).unwrap(),
+        "fn main() {}\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(mdata.join("table.csv")).unwrap(),
+        "a,b\n1,2\n"
+    );
+
+    // rw: a write reaches the Delegator.
+    {
+        let mut f = std::fs::File::create(msrc.join("lib/new.rs")).unwrap();
+        f.write_all(b"pub fn f() {}\n").unwrap();
+        f.sync_all().unwrap();
+    }
+    assert!(
+        eventually(WAIT, || std::fs::read_to_string(src.join("lib/new.rs"))
+            .ok()
+            .as_deref()
+            == Some("pub fn f() {}\n"))
+        .await,
+        "the write to the rw resource should reach the Delegator"
+    );
+
+    // ro: every kind of write is EROFS, and nothing reaches the Delegator.
+    let err = std::fs::File::create(mdata.join("new.csv")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(nix::libc::EROFS), "create: {err}");
+    let err = std::fs::OpenOptions::new()
+        .append(true)
+        .open(mdata.join("table.csv"))
+        .unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(nix::libc::EROFS), "append: {err}");
+    let err = std::fs::remove_file(mdata.join("table.csv")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(nix::libc::EROFS), "unlink: {err}");
+    assert!(!data.join("new.csv").exists());
+
+    // Status: per resource and summed.
+    let v = h.client.get(&id).await.unwrap();
+    let m = v.executor_mount.expect("the executor reports its mounts");
+    let per = m["resources"].as_array().expect("per-resource mounts");
+    let names: Vec<&str> = per.iter().filter_map(|r| r["name"].as_str()).collect();
+    assert_eq!(names, ["src", "data"], "{m}");
+    let t = v.transfer.expect("transfer counters");
+    assert_eq!(t["resources"].as_array().map(Vec::len), Some(2), "{t}");
+    assert!(t["filesWritten"].as_u64().unwrap() >= 1, "{t}");
+    let p = v.progress.expect("setup progress");
+    assert_eq!(p.manifest.files_total, 2, "{p:?}");
+    assert_eq!(p.resources.len(), 2, "{p:?}");
+
+    // Revoke: both are fenced and unmounted.
+    h.client.revoke(&id, false).await.unwrap();
+    assert_eq!(h.wait_end(&id, WAIT).await, DelegationState::Cancelled);
+    assert!(
+        eventually(WAIT, || !is_mounted(&msrc) && !is_mounted(&mdata)).await,
+        "revoke should unmount every resource"
+    );
+    assert!(
+        eventually(WAIT, || !work.exists()).await,
+        "the work dir and its mount points should be removed"
+    );
+    assert_eq!(
+        std::fs::read_to_string(data.join("table.csv")).unwrap(),
+        "a,b\n1,2\n"
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn several_resources_run_the_agent_over_rounds_and_write_back_on_finish() {
+    if !fuse_available() {
+        return;
+    }
+    // The agent sees `<workDir>/<name>/…` and writes into the rw resource each round.
+    let agent = r#"set -e
+        test -f docs/guide.md
+        echo "round $AWCP_ROUND" >> code/log.txt
+        ! echo x > docs/guide.md 2>/dev/null"#;
+    let h = Harness::start(agent).await;
+    let code = h.path("code");
+    let docs = h.path("docs");
+    std::fs::create_dir_all(&code).unwrap();
+    std::fs::create_dir_all(&docs).unwrap();
+    std::fs::write(docs.join("guide.md"), "# guide\n").unwrap();
+    let mut req = h.request(
+        &[
+            ("code", &code, AccessMode::Rw),
+            ("docs", &docs, AccessMode::Ro),
+        ],
+        600,
+    );
+    req.multi_round = Some(true);
+    let id = h
+        .client
+        .delegate(&req)
+        .await
+        .unwrap()
+        .delegation_id
+        .as_str()
+        .to_string();
+    let idle = || async {
+        let start = std::time::Instant::now();
+        loop {
+            let s = h.client.get(&id).await.unwrap().record.state;
+            if s == DelegationState::Idle || s.is_terminal() {
+                return s;
+            }
+            assert!(start.elapsed() < WAIT, "still {}", s.as_str());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    assert_eq!(idle().await, DelegationState::Idle);
+    let work = h.mountpoint(&id);
+    assert!(
+        is_mounted(&work.join("code")) && is_mounted(&work.join("docs")),
+        "an idle session keeps every resource mounted"
+    );
+    h.client
+        .continue_round(
+            &id,
+            &awcp_protocol::messages::TaskSpec {
+                description: "again".into(),
+                prompt: "again".into(),
+            },
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(idle().await, DelegationState::Idle);
+    assert_eq!(
+        std::fs::read_to_string(code.join("log.txt")).unwrap(),
+        "round 1\nround 2\n"
+    );
+    h.client.close(&id).await.unwrap();
+    assert_eq!(h.wait_end(&id, WAIT).await, DelegationState::Completed);
+    assert!(
+        eventually(WAIT, || !is_mounted(&work.join("code"))
+            && !is_mounted(&work.join("docs")))
+        .await
+    );
+    assert_eq!(
+        std::fs::read_to_string(docs.join("guide.md")).unwrap(),
+        "# guide\n"
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_resource_names_are_refused_before_anything_is_exported() {
+    let h = Harness::start("true").await;
+    let a = h.path("a");
+    let b = h.path("b");
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    for (names, what) in [
+        (["ok", "../escape"], "resource name"),
+        (["ok", "a/b"], "resource name"),
+        (["ok", ""], "resource name"),
+        (["same", "same"], "given twice"),
+    ] {
+        let req = h.request(
+            &[
+                (names[0], &a, AccessMode::Rw),
+                (names[1], &b, AccessMode::Ro),
+            ],
+            60,
+        );
+        match h.client.delegate(&req).await {
+            Err(ClientError::Refused { status, body }) => {
+                assert_eq!(status, 400, "{names:?}: {body:?}");
+                assert!(body.error.contains(what), "{names:?}: {}", body.error);
+                assert!(body.hint.is_some(), "{names:?}: a refusal says what to do");
+            }
+            other => panic!("{names:?} should be refused, got {other:?}"),
+        }
+    }
+    // Nothing was started.
+    assert!(h.client.list().await.unwrap().delegations.is_empty());
+    h.stop().await;
+}
