@@ -220,3 +220,69 @@ async fn bad_resource_names_are_refused_before_anything_is_exported() {
     assert!(h.client.list().await.unwrap().delegations.is_empty());
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn setup_progress_is_served_during_delegate_and_kept_in_the_record() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("true").await;
+    let ws = h.path("ws");
+    std::fs::create_dir_all(ws.join("sub")).unwrap();
+    std::fs::write(ws.join("a.bin"), vec![7u8; 300_000]).unwrap();
+    std::fs::write(ws.join("sub/b.txt"), "hello\n").unwrap();
+    std::fs::write(ws.join("sub/c.txt"), "").unwrap();
+    let bytes = 300_000 + 6;
+
+    // An "executor" that takes the connection and never answers: the delegation stays in
+    // its invitation, so its setup progress can be read without racing it.
+    let hang = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hang_url = format!("http://{}/awcp", hang.local_addr().unwrap());
+    let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keep = held.clone();
+    let acceptor = tokio::spawn(async move {
+        while let Ok((sock, _)) = hang.accept().await {
+            keep.lock().unwrap().push(sock);
+        }
+    });
+    let mut req = h.request(&[("ws", &ws, AccessMode::Rw)], 600);
+    req.executor_url = hang_url;
+    let key = "test-progress-key-1";
+    let client = h.client.clone();
+    let pending = tokio::spawn(async move { client.delegate_with_progress(&req, key).await });
+    let start = std::time::Instant::now();
+    let seen = loop {
+        if let Ok(p) = h.client.setup_progress(key).await
+            && p.phase == "invite"
+        {
+            break p;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "the setup never reached the invitation"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let m = seen.manifest;
+    assert!(m.done && m.walked, "{m:?}");
+    assert_eq!((m.files_total, m.files_hashed), (3, 3), "{m:?}");
+    assert_eq!((m.bytes_total, m.bytes_hashed), (bytes, bytes), "{m:?}");
+    // Cut the hanging executor off: the delegation fails, and its key is forgotten.
+    acceptor.abort();
+    held.lock().unwrap().clear();
+    let r = pending.await.unwrap();
+    assert!(r.is_err(), "{r:?}");
+    assert!(h.client.setup_progress(key).await.is_err());
+
+    // A delegation that runs keeps its figures in `GET /delegation/:id`.
+    let id = h.delegate(&ws, AccessMode::Rw, 600).await;
+    assert_eq!(h.wait_end(&id, WAIT).await, DelegationState::Completed);
+    let v = h.client.get(&id).await.unwrap();
+    let p = v.progress.expect("progress");
+    assert_eq!(p.manifest.files_total, 3, "{p:?}");
+    assert_eq!(p.manifest.bytes_hashed, bytes, "{p:?}");
+    assert!(p.resources.is_empty(), "one resource: no per-resource list");
+    // The Executor's `done` (after its final sync and unmount) came before `completed`.
+    assert_eq!(p.phase, "ended", "{p:?}");
+    h.stop().await;
+}

@@ -626,6 +626,10 @@ impl Daemon {
             s.snapshot_base64 = String::new();
         }
         self.record(live, WatchEvent::Task { event: shown });
+        if matches!(event, TaskEvent::Done(_) | TaskEvent::Error(_)) {
+            // The Executor's last word: its final flush is over and it has unmounted.
+            live.progress.set_phase("ended");
+        }
         let state = live.d.lock().record.state;
         match event {
             TaskEvent::Status(s) => {
@@ -930,7 +934,11 @@ impl Daemon {
                 tx,
                 exports: Mutex::new(exports),
                 seen_renewals: Default::default(),
-                progress: Default::default(),
+                progress: {
+                    let p = super::progress::Progress::new();
+                    p.set_phase(if terminal { "ended" } else { "started" });
+                    p
+                },
             });
             self.live.lock().insert(id.clone(), live.clone());
             if !terminal {

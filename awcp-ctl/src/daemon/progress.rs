@@ -16,7 +16,7 @@ use awcpfs::export::{BuildProgress, BuildProgressSnapshot};
 /// The request header carrying a client's progress key (ours).
 pub const PROGRESS_HEADER: &str = "x-awcp-progress-key";
 
-/// Where a delegation's setup is: `admission`, `manifest`, `invite`, `start`, `started`.
+/// Where a delegation is: `admission`, `manifest`, `invite`, `start`, `started`, `ended`.
 #[derive(Debug, Default)]
 pub(crate) struct Progress {
     phase: Mutex<&'static str>,
@@ -28,7 +28,10 @@ pub(crate) struct Progress {
 #[serde(rename_all = "camelCase")]
 pub struct ProgressView {
     /// `admission`, `manifest` (building manifests), `invite`, `start` (START on its
-    /// way), `started` (the Executor has it; the record's `state` says the rest).
+    /// way), `started` (the Executor has it; the record's `state` says the rest), `ended`
+    /// (the Executor sent its last event: its final sync is over and it has unmounted).
+    /// A delegation restored after a daemon restart shows `started` or `ended`, with no
+    /// manifest figures.
     pub phase: String,
     /// The manifest builds, all resources summed (`awcpfs` only).
     pub manifest: BuildProgressSnapshot,
