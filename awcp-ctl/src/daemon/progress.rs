@@ -23,7 +23,7 @@ pub(crate) struct Progress {
     manifests: Mutex<Vec<(String, Arc<BuildProgress>)>>,
 }
 
-/// [`Progress`] at one instant, as the daemon API shows it (camelCase JSON).
+/// How far a delegation has got at one instant, as the daemon API shows it (camelCase JSON).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ProgressView {
