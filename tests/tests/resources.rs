@@ -77,8 +77,17 @@ async fn two_resources_mount_by_name_ro_refuses_writes_and_revoke_unmounts_both(
     assert_eq!(err.raw_os_error(), Some(nix::libc::EROFS), "unlink: {err}");
     assert!(!data.join("new.csv").exists());
 
-    // Status: per resource and summed.
-    let v = h.client.get(&id).await.unwrap();
+    // Status: per resource and summed (the export counts a commit once it has applied it:
+    // the file can be on disk a moment before).
+    let start = std::time::Instant::now();
+    let v = loop {
+        let v = h.client.get(&id).await.unwrap();
+        let written = v.transfer.as_ref().and_then(|t| t["filesWritten"].as_u64());
+        if written.unwrap_or(0) >= 1 || start.elapsed() > WAIT {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let m = v.executor_mount.expect("the executor reports its mounts");
     let per = m["resources"].as_array().expect("per-resource mounts");
     let names: Vec<&str> = per.iter().filter_map(|r| r["name"].as_str()).collect();
@@ -284,5 +293,39 @@ async fn setup_progress_is_served_during_delegate_and_kept_in_the_record() {
     assert!(p.resources.is_empty(), "one resource: no per-resource list");
     // The Executor's `done` (after its final sync and unmount) came before `completed`.
     assert_eq!(p.phase, "ended", "{p:?}");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_expiry_fences_and_unmounts_every_resource() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("sleep 120").await;
+    let one = h.path("one");
+    let two = h.path("two");
+    std::fs::create_dir_all(&one).unwrap();
+    std::fs::create_dir_all(&two).unwrap();
+    std::fs::write(one.join("x"), "1").unwrap();
+    std::fs::write(two.join("y"), "2").unwrap();
+    let id = h
+        .delegate_resources(
+            &[("one", &one, AccessMode::Rw), ("two", &two, AccessMode::Rw)],
+            3,
+        )
+        .await;
+    let work = h.mountpoint(&id);
+    assert!(
+        eventually(WAIT, || is_mounted(&work.join("one"))
+            && is_mounted(&work.join("two")))
+        .await
+    );
+    assert_eq!(h.wait_end(&id, WAIT).await, DelegationState::Expired);
+    assert!(
+        eventually(WAIT, || !is_mounted(&work.join("one"))
+            && !is_mounted(&work.join("two")))
+        .await,
+        "expiry should unmount every resource"
+    );
     h.stop().await;
 }
