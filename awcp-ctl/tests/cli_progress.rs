@@ -144,3 +144,78 @@ async fn json_and_piped_output_carry_no_progress_noise() {
     executor.stop().await;
     daemon.stop().await;
 }
+
+/// On a terminal, `delegate` shows the setup bar: run it under `script` (a pseudo-terminal)
+/// against an "executor" that never answers INVITE, so the bar is on screen for as long as
+/// the test needs to read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_terminal_gets_the_setup_bar() {
+    use std::io::Read as _;
+    if !std::path::Path::new("/usr/bin/script").exists() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "`script` (util-linux) is needed to give the CLI a terminal"
+        );
+        eprintln!("\n!!!!!!!! SKIPPING: no `script` to make a pseudo-terminal !!!!!!!!\n");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
+    dcfg.listen = "127.0.0.1:0".parse().unwrap();
+    dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
+    let ws = tmp.path().join("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("a.txt"), "abc\n").unwrap();
+    let hang = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let to = format!("http://{}/awcp", hang.local_addr().unwrap());
+    let acceptor = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((sock, _)) = hang.accept().await {
+            held.push(sock);
+        }
+    });
+    let command = format!(
+        "{BIN} --daemon {} delegate {} --to {to} --task t",
+        daemon.url(),
+        ws.display()
+    );
+    let mut child = std::process::Command::new("/usr/bin/script")
+        .args(["-qfec", &command, "/dev/null"])
+        .env_remove("AWCP_LOG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        let start = std::time::Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            match stdout.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+            }
+            if String::from_utf8_lossy(&seen).contains("inviting the executor") {
+                break;
+            }
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+    });
+    let screen = tokio::task::spawn_blocking(move || reader.join().unwrap())
+        .await
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    acceptor.abort();
+    assert!(
+        screen.contains("1 file(s) (4 bytes) exported; inviting the executor"),
+        "no setup bar on the terminal: {screen:?}"
+    );
+    assert!(
+        screen.contains('\r') || screen.contains("\x1b["),
+        "{screen:?}"
+    );
+    daemon.stop().await;
+}
