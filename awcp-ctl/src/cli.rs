@@ -695,7 +695,27 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         snaps.len()
                     );
                 }
-                if let Some(p) = &r.export_path {
+                if r.environment.resources.len() > 1 {
+                    // Several resources: each mounted as <workDir>/<name> on the executor.
+                    for (i, res) in r.environment.resources.iter().enumerate() {
+                        let mode = if r.lease_config.access_mode == AccessMode::Ro {
+                            AccessMode::Ro
+                        } else {
+                            res.mode
+                        };
+                        println!(
+                            "{}{} = {} ({})",
+                            if i == 0 {
+                                "resources   "
+                            } else {
+                                "            "
+                            },
+                            res.name,
+                            res.source,
+                            mode.as_str()
+                        );
+                    }
+                } else if let Some(p) = &r.export_path {
                     println!("workspace   {p} ({})", r.lease_config.access_mode.as_str());
                 }
                 println!("task        {}", r.task.description);
@@ -761,12 +781,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 println!("{:<37} {:<10} {:<25} WORKSPACE", "ID", "STATE", "CREATED");
                 for d in &list.delegations {
-                    let ws = d
-                        .environment
-                        .resources
-                        .first()
-                        .map(|r| r.source.as_str())
-                        .unwrap_or("");
+                    let res = &d.environment.resources;
+                    let ws = match res.as_slice() {
+                        [] => String::new(),
+                        [one] => one.source.clone(),
+                        [first, rest @ ..] => format!("{} (+{} more)", first.source, rest.len()),
+                    };
                     println!(
                         "{:<37} {:<10} {:<25} {ws}",
                         d.id.as_str(),
