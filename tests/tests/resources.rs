@@ -329,3 +329,50 @@ async fn lease_expiry_fences_and_unmounts_every_resource() {
     );
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kept_changes_of_every_resource_are_collected_after_a_no_flush_revoke() {
+    if !fuse_available() {
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    let agent = format!(
+        r#"echo one > a/kept-a.txt
+        echo two > b/kept-b.txt
+        touch {o}/ready
+        exec sleep 600"#,
+        o = out.path().display()
+    );
+    // Write-back waits ten minutes after each change: nothing reaches the Delegator live.
+    let h = Harness::start_with(&agent, |c| c.sync_debounce = Duration::from_secs(600)).await;
+    let (a, b) = (h.path("a"), h.path("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let id = h
+        .delegate_resources(&[("a", &a, AccessMode::Rw), ("b", &b, AccessMode::Rw)], 600)
+        .await;
+    assert!(eventually(WAIT, || out.path().join("ready").exists()).await);
+    h.client.revoke(&id, true).await.unwrap();
+    assert_eq!(h.wait_end(&id, WAIT).await, DelegationState::Cancelled);
+    assert!(!a.join("kept-a.txt").exists() && !b.join("kept-b.txt").exists());
+    let r = h.client.collect(&id, false).await.unwrap();
+    assert!(r.applied >= 2, "{r:?}");
+    assert_eq!(
+        std::fs::read_to_string(a.join("kept-a.txt")).unwrap(),
+        "one\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(b.join("kept-b.txt")).unwrap(),
+        "two\n"
+    );
+    assert!(
+        !a.join("kept-b.txt").exists(),
+        "a resource's changes landed in another"
+    );
+    let again = h.client.collect(&id, false).await.unwrap_err();
+    assert!(
+        again.to_string().contains("no unwritten changes"),
+        "{again}"
+    );
+    h.stop().await;
+}
