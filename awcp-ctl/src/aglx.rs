@@ -130,10 +130,9 @@ impl DaemonNotifier {
             },
             WatchEvent::State { state, detail, .. } if state.is_terminal() => {
                 let since = self.started.lock().remove(&id);
-                let export = live.export.lock().clone();
-                let bytes = export.map_or(0, |e| {
+                let bytes = live.exports.lock().iter().fold(0u64, |n, e| {
                     let s = e.stats();
-                    s.bytes_served.saturating_add(s.bytes_written)
+                    n.saturating_add(s.bytes_served.saturating_add(s.bytes_written))
                 });
                 Lifecycle::Finished {
                     delegation_id: id,

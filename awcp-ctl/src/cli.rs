@@ -4,6 +4,7 @@
 //! 5 it failed.
 
 mod aglx;
+mod bars;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -70,6 +71,10 @@ enum Command {
         /// Refuse even the final flush of files closed before the revoke.
         #[arg(long)]
         no_flush: bool,
+        /// Wait (at most this long, e.g. `30s`; default 1m) until the Executor has finished
+        /// its final sync and unmounted, showing what is written back.
+        #[arg(long, num_args = 0..=1, default_missing_value = "1m", value_parser = parse_duration)]
+        wait: Option<Duration>,
     },
     /// Extend a delegation's lease.
     Renew {
@@ -145,6 +150,10 @@ enum Command {
     Close {
         /// Delegation id.
         id: String,
+        /// Wait (at most this long, e.g. `30s`; default 1m) until the Executor has finished
+        /// its final sync and unmounted, showing what is written back.
+        #[arg(long, num_args = 0..=1, default_missing_value = "1m", value_parser = parse_duration)]
+        wait: Option<Duration>,
     },
     /// List a delegation's snapshots: those an `archive` Executor sent back, or the change
     /// set an `awcpfs` export kept (snapshot mode `staged`).
@@ -331,6 +340,12 @@ struct DelegateArgs {
     /// Resource name on the Executor.
     #[arg(long, default_value = "workspace")]
     name: String,
+    /// Also delegate another directory in the same delegation, as `NAME=DIR`, optionally
+    /// `NAME=DIR:ro` (repeatable). With several resources the Executor mounts each at
+    /// `<workDir>/<NAME>` and runs the agent in `<workDir>`; a `ro` one refuses writes.
+    /// --include/--exclude/--gitignore apply to every resource.
+    #[arg(long = "resource", value_name = "NAME=DIR[:ro|rw]", value_parser = parse_resource)]
+    resources: Vec<(String, PathBuf, Option<Mode>)>,
     /// Follow the delegation until it ends; the exit code says how it ended.
     #[arg(long)]
     wait: bool,
@@ -410,6 +425,24 @@ fn transport_of(t: Transport) -> TransportType {
         Transport::Awcpfs => TransportType::Awcpfs,
         Transport::Archive => TransportType::Archive,
     }
+}
+
+/// `NAME=DIR`, `NAME=DIR:ro` or `NAME=DIR:rw` (`--resource`).
+fn parse_resource(s: &str) -> Result<(String, PathBuf, Option<Mode>), String> {
+    let (name, rest) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: write NAME=DIR, e.g. data=../datasets:ro"))?;
+    let (dir, mode) = match rest.rsplit_once(':') {
+        Some((d, "ro")) => (d, Some(Mode::Ro)),
+        Some((d, "rw")) => (d, Some(Mode::Rw)),
+        _ => (rest, None),
+    };
+    if name.is_empty() || dir.is_empty() {
+        return Err(format!(
+            "`{s}`: both NAME and DIR are needed (NAME=DIR[:ro|rw])"
+        ));
+    }
+    Ok((name.to_string(), PathBuf::from(dir), mode))
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -577,18 +610,27 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("resolving {}", a.dir.display()))?;
             let mode = mode_of(a.mode);
             let to = a.auto.resolve(&a.to, a.ttl).await?;
+            let mut resources = vec![(a.name, dir.clone(), mode)];
+            for (name, rdir, rmode) in a.resources {
+                let rdir = std::path::absolute(&rdir)
+                    .with_context(|| format!("resolving {}", rdir.display()))?;
+                resources.push((name, rdir, rmode.map_or(mode, mode_of)));
+            }
             let req = DelegateRequest {
                 executor_url: to.clone(),
                 environment: EnvironmentSpec {
-                    resources: vec![ResourceSpec {
-                        name: a.name,
-                        resource_type: ResourceType::Fs,
-                        source: dir.display().to_string(),
-                        mode,
-                        include: (!a.include.is_empty()).then_some(a.include),
-                        exclude: (!a.exclude.is_empty()).then_some(a.exclude),
-                        gitignore: a.gitignore.then_some(true),
-                    }],
+                    resources: resources
+                        .into_iter()
+                        .map(|(name, dir, mode)| ResourceSpec {
+                            name,
+                            resource_type: ResourceType::Fs,
+                            source: dir.display().to_string(),
+                            mode,
+                            include: (!a.include.is_empty()).then(|| a.include.clone()),
+                            exclude: (!a.exclude.is_empty()).then(|| a.exclude.clone()),
+                            gitignore: a.gitignore.then_some(true),
+                        })
+                        .collect(),
                 },
                 task: TaskSpec {
                     description: a.task.clone(),
@@ -609,15 +651,17 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 transport: Some(transport_of(a.transport)),
                 multi_round: a.multi_round.then_some(true),
             };
-            // The daemon answers after admission, the manifest (or the zip), INVITE and
-            // START: on a large tree that takes a while, so show that it is working.
-            let spinner = (!cli.json && std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .then(|| tokio::spawn(spin(format!("delegating {}", dir.display()))));
-            let resp = client.delegate(&req).await;
-            if let Some(s) = spinner {
-                s.abort();
-                eprint!("\r\x1b[2K");
-            }
+            // The daemon answers after admission, the manifests (or the zip), INVITE and
+            // START: on a large tree that takes a while, so show how far it has got.
+            let resp = if bars::wanted(cli.json) {
+                let key = format!("{:032x}", rand::random::<u128>());
+                let bar = bars::setup(&client, key.clone(), dir.display().to_string());
+                let resp = client.delegate_with_progress(&req, &key).await;
+                bar.finish();
+                resp
+            } else {
+                client.delegate(&req).await
+            };
             let resp = resp?;
             let id = resp.delegation_id.as_str().to_string();
             if cli.json {
@@ -663,7 +707,27 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         snaps.len()
                     );
                 }
-                if let Some(p) = &r.export_path {
+                if r.environment.resources.len() > 1 {
+                    // Several resources: each mounted as <workDir>/<name> on the executor.
+                    for (i, res) in r.environment.resources.iter().enumerate() {
+                        let mode = if r.lease_config.access_mode == AccessMode::Ro {
+                            AccessMode::Ro
+                        } else {
+                            res.mode
+                        };
+                        println!(
+                            "{}{} = {} ({})",
+                            if i == 0 {
+                                "resources   "
+                            } else {
+                                "            "
+                            },
+                            res.name,
+                            res.source,
+                            mode.as_str()
+                        );
+                    }
+                } else if let Some(p) = &r.export_path {
                     println!("workspace   {p} ({})", r.lease_config.access_mode.as_str());
                 }
                 println!("task        {}", r.task.description);
@@ -729,12 +793,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 println!("{:<37} {:<10} {:<25} WORKSPACE", "ID", "STATE", "CREATED");
                 for d in &list.delegations {
-                    let ws = d
-                        .environment
-                        .resources
-                        .first()
-                        .map(|r| r.source.as_str())
-                        .unwrap_or("");
+                    let res = &d.environment.resources;
+                    let ws = match res.as_slice() {
+                        [] => String::new(),
+                        [one] => one.source.clone(),
+                        [first, rest @ ..] => format!("{} (+{} more)", first.source, rest.len()),
+                    };
                     println!(
                         "{:<37} {:<10} {:<25} {ws}",
                         d.id.as_str(),
@@ -745,10 +809,28 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Revoke { id, no_flush } => {
+        Command::Revoke { id, no_flush, wait } => {
             client.revoke(&id, no_flush).await?;
+            let synced = match wait {
+                Some(limit) => Some(wait_final_sync(&client, &id, cli.json, limit).await?),
+                None => None,
+            };
             if cli.json {
-                println!("{}", serde_json::json!({"ok": true, "delegationId": id}));
+                let mut out = serde_json::json!({"ok": true, "delegationId": id});
+                if let Some(s) = synced {
+                    out["finalSync"] = s;
+                }
+                println!("{out}");
+            } else if let Some(s) = synced {
+                println!(
+                    "revoked {id}: access has ended; {} file(s) written back in all{}",
+                    s["filesWritten"],
+                    if s["ended"] == true {
+                        ""
+                    } else {
+                        " (the executor has not confirmed its unmount yet)"
+                    }
+                );
             } else {
                 println!("revoked {id}: the export refuses its token; the executor is unmounting");
             }
@@ -873,10 +955,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(exit_for(r.state))
         }
-        Command::Close { id } => {
+        Command::Close { id, wait } => {
             client.close(&id).await?;
+            let synced = match wait {
+                Some(limit) => Some(wait_final_sync(&client, &id, cli.json, limit).await?),
+                None => None,
+            };
             if cli.json {
-                println!("{}", serde_json::json!({"ok": true, "delegationId": id}));
+                let mut out = serde_json::json!({"ok": true, "delegationId": id});
+                if let Some(s) = synced {
+                    out["finalSync"] = s;
+                }
+                println!("{out}");
             } else {
                 println!("closed {id}: the delegation is completed");
             }
@@ -979,20 +1069,40 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// A spinner with the elapsed time on stderr, until aborted.
-async fn spin(what: String) {
-    use std::io::Write as _;
-    const FRAMES: [char; 10] = ['⠋', '⠙', '⠹', '⠸', '⠼', '⠴', '⠦', '⠧', '⠇', '⠏'];
+/// Wait until the Executor has sent its last event for `id` (its final sync is over and
+/// it has unmounted), at most `limit`; a bar on stderr meanwhile. Returns what was written
+/// back: `{"ended": bool, "filesWritten": n, "bytesWritten": n}`.
+async fn wait_final_sync(
+    client: &DaemonClient,
+    id: &str,
+    json: bool,
+    limit: Duration,
+) -> anyhow::Result<serde_json::Value> {
+    let bar = bars::wanted(json).then(|| bars::final_sync(client, id.to_string()));
     let start = std::time::Instant::now();
-    for i in 0usize.. {
-        eprint!(
-            "\r{} {what}: admission, manifest, invitation… {}s",
-            FRAMES[i % FRAMES.len()],
-            start.elapsed().as_secs()
-        );
-        let _ = std::io::stderr().flush();
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let v = loop {
+        let v = client.get(id).await?;
+        let ended = v.progress.as_ref().is_some_and(|p| p.phase == "ended");
+        if ended || start.elapsed() >= limit {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    };
+    if let Some(b) = bar {
+        b.finish();
     }
+    let n = |k: &str| {
+        v.transfer
+            .as_ref()
+            .and_then(|t| t.get(k))
+            .and_then(|x| x.as_u64())
+            .unwrap_or(0)
+    };
+    Ok(serde_json::json!({
+        "ended": v.progress.as_ref().is_some_and(|p| p.phase == "ended"),
+        "filesWritten": n("filesWritten"),
+        "bytesWritten": n("bytesWritten"),
+    }))
 }
 
 /// Follow a delegation until it ends, or until it is idle for the `idle_at`-th time (the
@@ -1004,43 +1114,25 @@ async fn follow(
     idle_at: usize,
 ) -> anyhow::Result<ExitCode> {
     let mut idles = 0;
-    // On a terminal, a progress line on stderr: what the export served (content hydrated on
-    // the Executor) and what came back (write-back), refreshed every second.
-    let progress = (!json && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
-        let (client, id) = (client.clone(), id.to_string());
-        tokio::spawn(async move {
-            use std::io::Write as _;
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                let Ok(v) = client.get(&id).await else {
-                    continue;
-                };
-                let Some(t) = &v.transfer else { continue };
-                let n = |k: &str| t.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
-                eprint!(
-                    "\r\x1b[2K  {}: {:.1} MB served to the executor, {} file(s) written back",
-                    v.record.state.as_str(),
-                    n("bytesServed") as f64 / 1e6,
-                    n("filesWritten")
-                );
-                let _ = std::io::stderr().flush();
-            }
-        })
-    });
-    let showing = progress.is_some();
+    // On a terminal, a bar on stderr: how much of the workspace the Executor has pulled
+    // (hydration) and how many files came back (write-back).
+    let bar = bars::wanted(json).then(|| bars::transfer(client, id.to_string()));
     let last = client
         .watch_until(
             id,
             |ev: &WatchEvent| {
-                if showing {
-                    eprint!("\r\x1b[2K");
-                }
-                if json {
-                    if let Ok(s) = serde_json::to_string(ev) {
-                        println!("{s}");
+                let print = || {
+                    if json {
+                        if let Ok(s) = serde_json::to_string(ev) {
+                            println!("{s}");
+                        }
+                    } else {
+                        println!("{}", ev.describe());
                     }
-                } else {
-                    println!("{}", ev.describe());
+                };
+                match &bar {
+                    Some(b) => b.suspend(print),
+                    None => print(),
                 }
             },
             |ev| {
@@ -1057,9 +1149,8 @@ async fn follow(
             },
         )
         .await;
-    if let Some(p) = progress {
-        p.abort();
-        eprint!("\r\x1b[2K");
+    if let Some(b) = bar {
+        b.finish();
     }
     let last = last?;
     match last {
@@ -1110,6 +1201,20 @@ mod tests {
         assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
         assert!(parse_duration("x").is_err());
         assert!(parse_duration("5y").is_err());
+    }
+
+    #[test]
+    fn resources() {
+        let (n, d, m) = parse_resource("data=../sets:ro").unwrap();
+        assert_eq!(
+            (n.as_str(), d, matches!(m, Some(Mode::Ro))),
+            ("data", PathBuf::from("../sets"), true)
+        );
+        let (_, d, m) = parse_resource("src=/a:b").unwrap();
+        assert_eq!((d, m.is_none()), (PathBuf::from("/a:b"), true));
+        assert!(parse_resource("nodir").is_err());
+        assert!(parse_resource("=x").is_err());
+        assert!(parse_resource("x=").is_err());
     }
 
     #[test]

@@ -119,6 +119,30 @@ impl DaemonClient {
         self.send(self.post_("/delegate").json(req)).await
     }
 
+    /// `POST /delegate`, naming the setup `key` so that [`setup_progress`](Self::setup_progress)
+    /// can follow it meanwhile.
+    pub async fn delegate_with_progress(
+        &self,
+        req: &DelegateRequest,
+        key: &str,
+    ) -> Result<DelegateResponse, ClientError> {
+        let rb = self
+            .post_("/delegate")
+            .header(crate::daemon::progress::PROGRESS_HEADER, key)
+            .json(req);
+        self.send(rb).await
+    }
+
+    /// Ours: `GET /delegate/progress/:key`: how far the delegation being set up under
+    /// `key` has got.
+    pub async fn setup_progress(
+        &self,
+        key: &str,
+    ) -> Result<crate::daemon::progress::ProgressView, ClientError> {
+        self.send(self.get_(&format!("/delegate/progress/{key}")))
+            .await
+    }
+
     /// `GET /delegations`.
     pub async fn list(&self) -> Result<DelegationList, ClientError> {
         self.send(self.get_("/delegations")).await

@@ -17,8 +17,11 @@
 mod admission;
 pub mod api;
 mod archive_flow;
+mod collect;
 mod flow;
+pub mod progress;
 pub mod recover;
+mod resources;
 mod rounds;
 mod staged;
 
@@ -122,9 +125,12 @@ pub(crate) struct Live {
     pub(crate) d: Mutex<StoredDelegation>,
     pub(crate) lease: Arc<Lease>,
     pub(crate) tx: broadcast::Sender<WatchEvent>,
-    pub(crate) export: Mutex<Option<Arc<Export>>>,
+    /// The `awcpfs` exports, one per resource (empty for `archive`, and once retired).
+    pub(crate) exports: Mutex<Vec<Arc<Export>>>,
     /// Renewals already recorded in the history (the Executor renews through the export).
     pub(crate) seen_renewals: std::sync::atomic::AtomicU64,
+    /// How far its setup got (manifest builds), for progress bars.
+    pub(crate) progress: Arc<progress::Progress>,
 }
 
 /// The daemon's shared state.
@@ -133,6 +139,8 @@ pub struct Daemon {
     pub(crate) store: Store,
     pub(crate) exports: ExportRegistry,
     pub(crate) live: Mutex<HashMap<String, Arc<Live>>>,
+    /// Delegations being set up, by the progress key their client chose.
+    pub(crate) preparing: Mutex<HashMap<String, Arc<progress::Progress>>>,
     pub(crate) http: reqwest::Client,
     pub(crate) export_url: String,
     /// Background tasks (event pumps, expiry watchers), aborted when the daemon stops.
@@ -244,6 +252,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         store,
         exports,
         live: Mutex::new(HashMap::new()),
+        preparing: Mutex::new(HashMap::new()),
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
             .build()?,
@@ -379,14 +388,20 @@ impl Daemon {
         live.lease.revoke(true);
         // Snapshot mode `discard`: the change set the export kept is dropped with it.
         let discarded = self.drop_discarded(live);
-        let export = live.export.lock().clone();
-        if let Some(export) = export {
-            let id = export.id().to_string();
+        let ids: Vec<String> = live
+            .exports
+            .lock()
+            .iter()
+            .map(|e| e.id().to_string())
+            .collect();
+        if !ids.is_empty() {
             let grace = self.cfg.flush_grace + Duration::from_secs(1);
             let exports = self.exports.clone();
             self.spawn(async move {
                 tokio::time::sleep(grace).await;
-                exports.remove(&id);
+                for id in ids {
+                    exports.remove(&id);
+                }
                 if let Some(stage) = discarded {
                     stage.remove();
                 }

@@ -11,6 +11,7 @@
 //! fences itself, the agent's process group is killed, and the task ends in `error`.
 
 mod archive_task;
+mod mounts;
 mod routes;
 mod task;
 
@@ -108,7 +109,8 @@ pub(crate) struct Assignment {
     pub(crate) tx: broadcast::Sender<(u64, TaskEvent)>,
     pub(crate) result: Mutex<Option<TaskResultResponse>>,
     pub(crate) cancel: tokio::sync::Notify,
-    pub(crate) mount: Mutex<Option<awcpfs::mount::Mount>>,
+    /// The task's mounts (one per resource), while they run.
+    pub(crate) mount: Mutex<Option<mounts::MountSet>>,
     /// INVITE asked for a multi-round session (`multiRound`, ours).
     pub(crate) multi_round: bool,
     /// The round running or last finished (1 for START's).
@@ -281,8 +283,19 @@ pub async fn recover_leftovers(cfg: &ExecutorConfig) {
     let Ok(dirs) = std::fs::read_dir(&cfg.state_dir) else {
         return;
     };
-    for dir in dirs.flatten() {
-        let state = dir.path();
+    // A task's state directory, or with several resources one per resource below it.
+    let states = dirs.flatten().flat_map(|d| {
+        let top = d.path();
+        let nested = std::fs::read_dir(top.join(mounts::RESOURCES_DIR))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|r| r.path());
+        std::iter::once(top.clone())
+            .chain(nested)
+            .collect::<Vec<_>>()
+    });
+    for state in states {
         let journal = state.join(awcpfs::mount::recover::JOURNAL_FILE);
         if !std::fs::metadata(&journal).is_ok_and(|m| m.len() > 0) {
             continue;

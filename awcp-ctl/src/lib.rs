@@ -11,6 +11,7 @@ pub mod client;
 pub mod daemon;
 pub mod doctor;
 pub mod executor;
+mod jsonsum;
 pub mod mcp;
 pub mod sse;
 pub mod store;

@@ -41,6 +41,47 @@ pub struct StoredDelegation {
     /// The delegation asked for a multi-round session.
     #[serde(default)]
     pub multi_round: bool,
+    /// Every resource of an `awcpfs` delegation with its own export (empty for delegations
+    /// stored before there could be several: then `export_id`, `source` and `read_only`
+    /// describe the one resource). The first is the one `export_id` names.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resources: Vec<StoredResource>,
+}
+
+/// One resource of a delegation and the export serving it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredResource {
+    /// Its name (the directory it is mounted as on the Executor when there are several).
+    pub name: String,
+    /// The export serving it.
+    pub export_id: String,
+    /// The delegated directory.
+    pub source: PathBuf,
+    /// `ro` resource.
+    pub read_only: bool,
+}
+
+impl StoredDelegation {
+    /// The delegation's resources with their exports (one, for rows stored before
+    /// `resources` existed).
+    pub fn exported_resources(&self) -> Vec<StoredResource> {
+        if !self.resources.is_empty() {
+            return self.resources.clone();
+        }
+        vec![StoredResource {
+            name: self
+                .record
+                .environment
+                .resources
+                .first()
+                .map(|r| r.name.clone())
+                .unwrap_or_else(|| "workspace".into()),
+            export_id: self.export_id.clone(),
+            source: self.source.clone(),
+            read_only: self.read_only,
+        }]
+    }
 }
 
 fn default_transport() -> TransportType {

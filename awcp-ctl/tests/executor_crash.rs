@@ -69,6 +69,16 @@ fn executor(dir: &Path, port: u16, agent: &str) -> Proc {
 
 #[test]
 fn a_killed_executor_recovers_its_mounts_writes_on_restart() {
+    crash_and_recover(false);
+}
+
+/// With two resources (two mounts, two journals), both are recovered.
+#[test]
+fn a_killed_executor_recovers_every_resources_writes_on_restart() {
+    crash_and_recover(true);
+}
+
+fn crash_and_recover(several: bool) {
     if !fuse_available() {
         return;
     }
@@ -76,6 +86,14 @@ fn a_killed_executor_recovers_its_mounts_writes_on_restart() {
     let repo = tmp.path().join("repo");
     std::fs::create_dir_all(&repo).unwrap();
     std::fs::write(repo.join("seed.txt"), "seed\n").unwrap();
+    let second_dir = tmp.path().join("second");
+    std::fs::create_dir_all(&second_dir).unwrap();
+    // With two resources the agent runs above them: `workspace/` and `data/`.
+    let (into_repo, into_second) = if several {
+        ("workspace/", "data/")
+    } else {
+        ("", "")
+    };
     let out = tmp.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
     let (api, data, exec) = (free_port(), free_port(), free_port());
@@ -97,11 +115,18 @@ fn a_killed_executor_recovers_its_mounts_writes_on_restart() {
         r#"echo $$ > {o}/agent.pid
         i=0
         while true; do
-          printf 'file %s\n' $i > f$i.txt || exit 1
+          printf 'file %s\n' $i > {r}f$i.txt || exit 1
+          {second}
           echo $i >> {o}/acked
           i=$((i+1))
         done"#,
-        o = out.display()
+        o = out.display(),
+        r = into_repo,
+        second = if several {
+            format!("printf 'data %s\\n' $i > {into_second}g$i.txt || exit 1")
+        } else {
+            String::new()
+        },
     );
     let exec_dir = tmp.path().join("executor");
     let mut first = executor(&exec_dir, exec, &agent);
@@ -119,6 +144,14 @@ fn a_killed_executor_recovers_its_mounts_writes_on_restart() {
             "--task",
             "write",
         ])
+        .args(if several {
+            vec![
+                "--resource".to_string(),
+                format!("data={}", second_dir.display()),
+            ]
+        } else {
+            Vec::new()
+        })
         .status()
         .unwrap();
     assert!(st.success());
@@ -149,6 +182,9 @@ fn a_killed_executor_recovers_its_mounts_writes_on_restart() {
         acked.iter().all(|i| {
             std::fs::read_to_string(repo.join(format!("f{i}.txt")))
                 .is_ok_and(|c| c == format!("file {i}\n"))
+                && (!several
+                    || std::fs::read_to_string(second_dir.join(format!("g{i}.txt")))
+                        .is_ok_and(|c| c == format!("data {i}\n")))
         })
     });
     let work = exec_dir.join("work");

@@ -36,10 +36,13 @@ mod error;
 pub mod hashcache;
 mod http;
 pub mod manifest;
+mod progress;
 mod rootfs;
 pub mod stage;
 mod store;
 mod watch;
+
+pub use progress::{BuildProgress, BuildProgressSnapshot};
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -518,6 +521,20 @@ impl ExportRegistry {
         lease: Arc<Lease>,
         filter: Option<PathFilter>,
     ) -> Result<Arc<Export>, ExportError> {
+        self.register_with_progress(export_id, token, cfg, lease, filter, None)
+    }
+
+    /// [`register_filtered`](Self::register_filtered), counting the manifest build's
+    /// progress in `progress` (files and bytes found and hashed) as it goes.
+    pub fn register_with_progress(
+        &self,
+        export_id: String,
+        token: String,
+        cfg: ExportConfig,
+        lease: Arc<Lease>,
+        filter: Option<PathFilter>,
+        progress: Option<Arc<BuildProgress>>,
+    ) -> Result<Arc<Export>, ExportError> {
         if !valid_id(&export_id) {
             return Err(ExportError::InvalidId { export_id });
         }
@@ -543,6 +560,7 @@ impl ExportRegistry {
             block_size: cfg.block_size,
             read_only: cfg.read_only,
             filter: filter.clone(),
+            progress: progress.clone(),
         };
         let built =
             manifest::build(&root, &params, self.hash_cache.as_deref()).map_err(|source| {
@@ -569,6 +587,9 @@ impl ExportRegistry {
             .to_binary()
             .map_err(|e| serialize(Box::new(e)))?;
         let manifest_digest = blake3::hash(&binary).to_hex().to_string();
+        if let Some(p) = &progress {
+            p.set_done();
+        }
         let zst = zstd::bulk::compress(&binary, MANIFEST_ZSTD_LEVEL)
             .map_err(|e| serialize(Box::new(e)))?;
         tracing::info!(
@@ -698,5 +719,52 @@ mod tests {
         for bad in ["", ".", "..", "a/b", "a b", "ä", &"x".repeat(129)] {
             assert!(!valid_id(bad), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn build_progress_counts_every_file_and_byte() {
+        let root = tempfile::tempdir().unwrap();
+        let staging = tempfile::tempdir().unwrap();
+        std::fs::create_dir(root.path().join("d")).unwrap();
+        std::fs::write(root.path().join("a"), vec![1u8; 5000]).unwrap();
+        std::fs::write(root.path().join("d/b"), b"hello").unwrap();
+        std::fs::write(root.path().join("d/c"), b"").unwrap();
+        let lease = Arc::new(Lease::grant(
+            Arc::new(awcp_lease::ManualClock::new()),
+            awcp_lease::LeaseTerms {
+                ttl: std::time::Duration::from_secs(60),
+                max_ttl: std::time::Duration::from_secs(60),
+                flush_grace: std::time::Duration::ZERO,
+            },
+        ));
+        let progress = Arc::new(BuildProgress::default());
+        assert_eq!(progress.snapshot(), BuildProgressSnapshot::default());
+        ExportRegistry::new()
+            .register_with_progress(
+                "exp_p".into(),
+                "tok".into(),
+                ExportConfig {
+                    root: root.path().to_owned(),
+                    read_only: false,
+                    block_size: 4096,
+                    staging_dir: staging.path().join("blocks"),
+                },
+                lease,
+                None,
+                Some(progress.clone()),
+            )
+            .unwrap();
+        let p = progress.snapshot();
+        assert_eq!(
+            p,
+            BuildProgressSnapshot {
+                files_total: 3,
+                bytes_total: 5005,
+                files_hashed: 3,
+                bytes_hashed: 5005,
+                walked: true,
+                done: true,
+            }
+        );
     }
 }

@@ -119,6 +119,14 @@ fn read_handle(path: &std::path::Path) -> anyhow::Result<AwcpfsHandle> {
     let bytes =
         std::fs::read(path).with_context(|| format!("reading the handle {}", path.display()))?;
     match awcp_protocol::parse_transport_handle(&bytes) {
+        Ok(TransportHandle::Awcpfs(h)) if h.resources.as_ref().is_some_and(|r| r.len() > 1) => {
+            anyhow::bail!(
+                "{} holds {} resources; `awcpfs mount` mounts one export: keep one entry of \
+                 `resources` (its exportId and manifestDigest at the top level) per handle file",
+                path.display(),
+                h.resources.as_ref().map_or(0, Vec::len)
+            )
+        }
         Ok(TransportHandle::Awcpfs(h)) => Ok(h),
         Ok(other) => anyhow::bail!(
             "{} holds a {} handle; awcpfs mounts only awcpfs handles",
@@ -186,6 +194,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 tls_fingerprint: None,
                 // A handle file may be used much later: only the wall-clock expiry is honest.
                 remaining_ms: None,
+                resources: None,
             });
             let json = serde_json::to_string_pretty(&handle)?;
             if let Some(p) = handle_out {

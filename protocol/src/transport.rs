@@ -264,6 +264,40 @@ pub struct AwcpfsHandle {
     /// is for people and for peers that lack this field).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remaining_ms: Option<u64>,
+    /// Several resources (ours): one export per resource, all behind `endpoint` and
+    /// `token`, each mounted at `<workDir>/<name>`. Absent for a delegation of one
+    /// resource, which `exportId` and `manifestDigest` describe and which is mounted at
+    /// the work directory itself. When present, `exportId` and `manifestDigest` repeat the
+    /// first entry's, so a peer that knows only one resource still gets a usable handle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<Vec<AwcpfsResource>>,
+}
+
+/// One resource of a several-resource `awcpfs` handle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AwcpfsResource {
+    /// The resource's name, as in INVITE's `environment.resources` (one path component).
+    pub name: String,
+    /// Its export on the handle's endpoint.
+    pub export_id: String,
+    /// Digest of its manifest as of START.
+    pub manifest_digest: String,
+    /// `ro` (the export refuses commits and the mount answers `EROFS`) or `rw`.
+    pub access_mode: crate::messages::AccessMode,
+}
+
+impl AwcpfsHandle {
+    /// The handle of one of this handle's resources alone (what a mount of that resource
+    /// needs); `self` unchanged but without `resources`.
+    pub fn for_resource(&self, r: &AwcpfsResource) -> AwcpfsHandle {
+        AwcpfsHandle {
+            export_id: r.export_id.clone(),
+            manifest_digest: r.manifest_digest.clone(),
+            resources: None,
+            ..self.clone()
+        }
+    }
 }
 
 impl fmt::Debug for AwcpfsHandle {
@@ -277,6 +311,7 @@ impl fmt::Debug for AwcpfsHandle {
             .field("expires_at", &self.expires_at)
             .field("tls_fingerprint", &self.tls_fingerprint)
             .field("remaining_ms", &self.remaining_ms)
+            .field("resources", &self.resources)
             .finish()
     }
 }
@@ -295,6 +330,7 @@ mod tests {
             expires_at: "2026-03-09T14:38:47.123Z".into(),
             tls_fingerprint: None,
             remaining_ms: None,
+            resources: None,
         }
     }
 
@@ -307,6 +343,35 @@ mod tests {
         assert_eq!(obj["blockSize"], 1 << 20);
         assert!(!obj.contains_key("tlsFingerprint"));
         assert_eq!(obj.len(), 7);
+    }
+
+    #[test]
+    fn awcpfs_resources_round_trip_and_split() {
+        let mut h = awcpfs();
+        h.resources = Some(vec![
+            AwcpfsResource {
+                name: "src".into(),
+                export_id: "exp_1".into(),
+                manifest_digest: "ab".repeat(32),
+                access_mode: crate::messages::AccessMode::Rw,
+            },
+            AwcpfsResource {
+                name: "data".into(),
+                export_id: "exp_1.1".into(),
+                manifest_digest: "cd".repeat(32),
+                access_mode: crate::messages::AccessMode::Ro,
+            },
+        ]);
+        let json = serde_json::to_value(TransportHandle::Awcpfs(h.clone())).unwrap();
+        assert_eq!(json["resources"][1]["exportId"], "exp_1.1");
+        assert_eq!(json["resources"][1]["accessMode"], "ro");
+        let back: TransportHandle = serde_json::from_value(json).unwrap();
+        assert_eq!(back, TransportHandle::Awcpfs(h.clone()));
+        let one = h.for_resource(&h.resources.as_ref().unwrap()[1]);
+        assert_eq!(one.export_id, "exp_1.1");
+        assert_eq!(one.manifest_digest, "cd".repeat(32));
+        assert_eq!(one.token, h.token);
+        assert!(one.resources.is_none());
     }
 
     #[test]

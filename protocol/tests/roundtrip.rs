@@ -148,6 +148,7 @@ fn transport_handle() -> impl Strategy<Value = TransportHandle> {
                     expires_at,
                     tls_fingerprint: tls,
                     remaining_ms: None,
+                    resources: None,
                 })
             },
         );

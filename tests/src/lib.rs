@@ -194,6 +194,56 @@ impl Harness {
             .to_string()
     }
 
+    /// A delegation request for several resources `(name, dir, mode)` (awcpfs, auto).
+    pub fn request(
+        &self,
+        resources: &[(&str, &Path, AccessMode)],
+        ttl_seconds: u64,
+    ) -> DelegateRequest {
+        DelegateRequest {
+            executor_url: self.executor.awcp_url(),
+            environment: EnvironmentSpec {
+                resources: resources
+                    .iter()
+                    .map(|(name, dir, mode)| ResourceSpec {
+                        name: (*name).into(),
+                        resource_type: ResourceType::Fs,
+                        source: dir.display().to_string(),
+                        mode: *mode,
+                        include: None,
+                        exclude: None,
+                        gitignore: None,
+                    })
+                    .collect(),
+            },
+            task: TaskSpec {
+                description: "test task".into(),
+                prompt: "do the test".into(),
+            },
+            ttl_seconds: Some(ttl_seconds),
+            access_mode: None,
+            snapshot_mode: None,
+            auth: None,
+            transport: None,
+            multi_round: None,
+        }
+    }
+
+    /// Delegate several resources `(name, dir, mode)` in one delegation.
+    pub async fn delegate_resources(
+        &self,
+        resources: &[(&str, &Path, AccessMode)],
+        ttl_seconds: u64,
+    ) -> String {
+        self.client
+            .delegate(&self.request(resources, ttl_seconds))
+            .await
+            .expect("delegate")
+            .delegation_id
+            .as_str()
+            .to_string()
+    }
+
     /// Wait until the delegation is in a terminal state; return it.
     pub async fn wait_end(&self, id: &str, timeout: Duration) -> DelegationState {
         let start = Instant::now();

@@ -22,6 +22,16 @@ fn free_addr() -> SocketAddr {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_daemon_restart_loses_nothing() {
+    restart(false).await;
+}
+
+/// With two resources, both exports come back and both write-backs go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_daemon_restart_restores_every_resources_export() {
+    restart(true).await;
+}
+
+async fn restart(several: bool) {
     if !fuse_available() {
         return;
     }
@@ -33,12 +43,32 @@ async fn a_daemon_restart_loses_nothing() {
     let mut dcfg = DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = free_addr();
     dcfg.export_listen = free_addr();
+    let notes = tmp.path().join("notes");
+    std::fs::create_dir_all(&notes).unwrap();
+    // With two resources the agent runs above them: `workspace/` and `notes/`.
+    let (w, n) = if several {
+        ("workspace/", "notes/")
+    } else {
+        ("", "")
+    };
     let agent = format!(
-        r#"echo before > before.txt
+        r#"echo before > {w}before.txt
+        {notes_before}
         touch {o}/ready
         while [ ! -e {o}/go ]; do sleep 0.05; done
-        echo after > after.txt"#,
-        o = out.display()
+        echo after > {w}after.txt
+        {notes_after}"#,
+        o = out.display(),
+        notes_before = if several {
+            format!("echo n1 > {n}n1.txt")
+        } else {
+            String::new()
+        },
+        notes_after = if several {
+            format!("echo n2 > {n}n2.txt")
+        } else {
+            String::new()
+        },
     );
     let mut ecfg = ExecutorConfig::new(agent, tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
@@ -48,15 +78,19 @@ async fn a_daemon_restart_loses_nothing() {
     let req = DelegateRequest {
         executor_url: executor.awcp_url(),
         environment: EnvironmentSpec {
-            resources: vec![ResourceSpec {
-                name: "workspace".into(),
-                resource_type: ResourceType::Fs,
-                source: repo.display().to_string(),
-                mode: AccessMode::Rw,
-                include: None,
-                exclude: None,
-                gitignore: None,
-            }],
+            resources: [("workspace", &repo), ("notes", &notes)]
+                .iter()
+                .take(if several { 2 } else { 1 })
+                .map(|(name, dir)| ResourceSpec {
+                    name: (*name).into(),
+                    resource_type: ResourceType::Fs,
+                    source: dir.display().to_string(),
+                    mode: AccessMode::Rw,
+                    include: None,
+                    exclude: None,
+                    gitignore: None,
+                })
+                .collect(),
         },
         task: TaskSpec {
             description: "restart".into(),
@@ -110,6 +144,14 @@ async fn a_daemon_restart_loses_nothing() {
         std::fs::read_to_string(repo.join("before.txt")).unwrap(),
         "before\n"
     );
+    if several {
+        for f in ["n1", "n2"] {
+            assert_eq!(
+                std::fs::read_to_string(notes.join(format!("{f}.txt"))).unwrap(),
+                format!("{f}\n")
+            );
+        }
+    }
     executor.stop().await;
     daemon.stop().await;
 }

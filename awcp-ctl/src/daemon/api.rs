@@ -40,9 +40,13 @@ pub struct DelegationView {
     /// Data-plane counters of the export.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transfer: Option<serde_json::Value>,
-    /// The Executor's view of its mount while the task runs (its `/awcp/status`).
+    /// The Executor's view of its mount while the task runs (its `/awcp/status`); with
+    /// several resources, their counters summed and each in `resources`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub executor_mount: Option<serde_json::Value>,
+    /// How far the setup got: the manifest builds (files and bytes hashed of the total).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<super::progress::ProgressView>,
 }
 
 /// Lease state in [`DelegationView`].
@@ -144,6 +148,7 @@ async fn require_token(
 pub(crate) fn router(d: Arc<Daemon>) -> Router {
     Router::new()
         .route("/delegate", post(delegate))
+        .route("/delegate/progress/{key}", get(setup_progress))
         .route("/delegations", get(list))
         .route("/delegation/{id}", get(show).delete(cancel))
         .route("/delegation/{id}/snapshots", get(snapshots))
@@ -175,6 +180,7 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
 
 async fn delegate(
     State(d): State<Arc<Daemon>>,
+    headers: axum::http::HeaderMap,
     body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Json<DelegateResponse>, ApiFailure> {
     let Json(value) = body.map_err(|rej| {
@@ -199,8 +205,38 @@ async fn delegate(
         err.hint = Some("Send a JSON body with the fields documented in docs/PROTOCOL.md".into());
         ApiFailure(StatusCode::BAD_REQUEST, err)
     })?;
-    let id = d.delegate(req).await?;
-    Ok(Json(DelegateResponse { delegation_id: id }))
+    // A client that shows progress names this setup with a key of its choosing.
+    let progress = super::progress::Progress::new();
+    let key = headers
+        .get(super::progress::PROGRESS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|k| !k.is_empty() && k.len() <= 128)
+        .map(str::to_string);
+    if let Some(k) = &key {
+        d.preparing.lock().insert(k.clone(), progress.clone());
+    }
+    let r = d.delegate(req, progress).await;
+    if let Some(k) = &key {
+        d.preparing.lock().remove(k);
+    }
+    Ok(Json(DelegateResponse { delegation_id: r? }))
+}
+
+/// Ours: `GET /delegate/progress/:key`: how far the `POST /delegate` that sent this
+/// progress key has got (404 before it starts and once it has answered).
+async fn setup_progress(
+    State(d): State<Arc<Daemon>>,
+    Path(key): Path<String>,
+) -> Result<Json<super::progress::ProgressView>, ApiFailure> {
+    let p = d.preparing.lock().get(&key).cloned();
+    match p {
+        Some(p) => Ok(Json(p.view())),
+        None => {
+            let mut e = ApiError::new(format!("no delegation is being set up with key {key}"));
+            e.hint = Some("The delegation has been answered (or never started)".into());
+            Err(ApiFailure(StatusCode::NOT_FOUND, e))
+        }
+    }
 }
 
 async fn list(State(d): State<Arc<Daemon>>) -> Json<DelegationList> {
@@ -231,11 +267,7 @@ async fn show(
 ) -> Result<Json<DelegationView>, ApiFailure> {
     let live = d.get_live(&id).ok_or_else(|| not_found(&d, &id))?;
     let snap = live.lease.snapshot();
-    let transfer = live
-        .export
-        .lock()
-        .as_ref()
-        .and_then(|e| serde_json::to_value(e.stats()).ok());
+    let transfer = transfer_of(&live);
     let (record, transport) = {
         let d = live.d.lock();
         (d.record.clone(), d.transport.as_str().to_string())
@@ -258,7 +290,46 @@ async fn show(
             renewals: snap.renewals,
         },
         transfer,
+        progress: Some(live.progress.view()),
     }))
+}
+
+/// The exports' counters: one export's as they are; several summed, each also under
+/// `resources` with its name.
+fn transfer_of(live: &super::Live) -> Option<serde_json::Value> {
+    let exports = live.exports.lock().clone();
+    let names: Vec<String> = live
+        .d
+        .lock()
+        .exported_resources()
+        .into_iter()
+        .map(|r| r.name)
+        .collect();
+    let each: Vec<serde_json::Value> = exports
+        .iter()
+        .filter_map(|e| serde_json::to_value(e.stats()).ok())
+        .collect();
+    match each.as_slice() {
+        [] => None,
+        [one] => Some(one.clone()),
+        _ => {
+            let mut sum = crate::jsonsum::sum(&each);
+            let named = each
+                .into_iter()
+                .zip(names)
+                .map(|(mut v, name)| {
+                    if let Some(o) = v.as_object_mut() {
+                        o.insert("name".into(), name.into());
+                    }
+                    v
+                })
+                .collect();
+            if let Some(o) = sum.as_object_mut() {
+                o.insert("resources".into(), serde_json::Value::Array(named));
+            }
+            Some(sum)
+        }
+    }
 }
 
 /// The reference's `DELETE /delegation/:id`: our revoke (with the final flush), answering an

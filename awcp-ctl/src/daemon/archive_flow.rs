@@ -27,15 +27,6 @@ use crate::watch::WatchEvent;
 
 const BASE_FILE: &str = "base.json";
 
-/// A name usable as one path component (resource names, snapshot ids).
-fn plain_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 128
-        && name != "."
-        && name != ".."
-        && !name.contains(['/', '\\', '\0'])
-}
-
 fn not_found(id: &str) -> Refusal {
     Refusal {
         status: 400,
@@ -63,23 +54,11 @@ impl Daemon {
     pub(crate) async fn delegate_archive(
         self: &Arc<Self>,
         req: DelegateRequest,
+        progress: Arc<super::progress::Progress>,
     ) -> Result<DelegationId, Refusal> {
-        if req.environment.resources.is_empty() {
-            return Err(Refusal::bad(
-                ErrorCode::WorkspaceInvalid,
-                "no resources to delegate".into(),
-                "Give at least one resource",
-            ));
-        }
+        super::resources::check_names(req.environment.resources.iter().map(|r| r.name.as_str()))?;
         let mut sources = Vec::new();
         for r in &req.environment.resources {
-            if !plain_name(&r.name) || sources.iter().any(|s: &SourceResource| s.name == r.name) {
-                return Err(Refusal::bad(
-                    ErrorCode::WorkspaceInvalid,
-                    format!("resource name `{}` is not a unique plain name", r.name),
-                    "Name each resource with one path component, e.g. `workspace`",
-                ));
-            }
             let root = std::path::absolute(&r.source).unwrap_or_else(|_| PathBuf::from(&r.source));
             super::flow::check_dir(&root)?;
             sources.push(SourceResource {
@@ -150,7 +129,8 @@ impl Daemon {
                 token: String::new(),
                 source,
                 read_only: access == AccessMode::Ro,
-                export: None,
+                exports: Vec::new(),
+                progress,
             },
             handle,
         )
@@ -237,7 +217,7 @@ impl Daemon {
         if transport != TransportType::Archive {
             return;
         }
-        let sid = if plain_name(&ev.snapshot_id) {
+        let sid = if super::resources::plain_name(&ev.snapshot_id) {
             ev.snapshot_id.clone()
         } else {
             format!("snap_{}", hex::encode(rand::random::<[u8; 6]>()))

@@ -63,8 +63,8 @@ impl Refusal {
 
 /// What START will carry.
 pub(crate) enum Handle {
-    /// A live export.
-    Awcpfs(Arc<awcpfs::export::Export>),
+    /// Live exports, one per resource.
+    Awcpfs(Vec<awcp_protocol::transport::AwcpfsResource>),
     /// The zipped workspace.
     Archive(ArchiveHandle),
 }
@@ -87,7 +87,9 @@ pub(crate) struct NewDelegation {
     pub(crate) token: String,
     pub(crate) source: PathBuf,
     pub(crate) read_only: bool,
-    pub(crate) export: Option<Arc<awcpfs::export::Export>>,
+    /// The `awcpfs` exports, one per resource (none for `archive`).
+    pub(crate) exports: Vec<super::resources::Exported>,
+    pub(crate) progress: Arc<super::progress::Progress>,
 }
 
 /// The reference's refusals for a resource path that is missing or not a directory.
@@ -129,29 +131,38 @@ pub(crate) fn awcp_base(executor_url: &str) -> String {
 }
 
 impl Daemon {
-    /// `POST /delegate`.
+    /// `POST /delegate`; `progress` counts the manifest builds for a progress bar.
     pub(crate) async fn delegate(
         self: &Arc<Self>,
         req: DelegateRequest,
+        progress: Arc<super::progress::Progress>,
     ) -> Result<DelegationId, Refusal> {
         if req.transport == Some(TransportType::Archive) {
-            return self.delegate_archive(req).await;
+            return self.delegate_archive(req, progress).await;
         }
-        let [resource] = req.environment.resources.as_slice() else {
+        if matches!(
+            req.snapshot_mode,
+            Some(SnapshotMode::Staged | SnapshotMode::Discard)
+        ) && req.environment.resources.len() != 1
+        {
             return Err(Refusal::bad(
                 ErrorCode::WorkspaceInvalid,
                 format!(
-                    "awcpfs delegations carry exactly one resource; {} were given",
+                    "snapshotMode staged/discard with awcpfs keeps one change set for one \
+                     resource; {} were given",
                     req.environment.resources.len()
                 ),
-                "Delegate one directory per delegation, or several with the archive transport",
+                "Delegate one resource per staged delegation, use snapshotMode \"auto\", or \
+                 the archive transport",
             ));
-        };
-        let source = PathBuf::from(&resource.source);
-        let source = std::path::absolute(&source).unwrap_or(source);
-        check_dir(&source)?;
-        let access = req.access_mode.unwrap_or(resource.mode);
-        let read_only = access == AccessMode::Ro || resource.mode == AccessMode::Ro;
+        }
+        // `ro` if asked, or if every resource is; each resource keeps its own mode.
+        let read_only = req.access_mode == Some(AccessMode::Ro)
+            || req
+                .environment
+                .resources
+                .iter()
+                .all(|r| r.mode == AccessMode::Ro);
         let access = if read_only {
             AccessMode::Ro
         } else {
@@ -170,48 +181,27 @@ impl Daemon {
             },
         ));
         lease.limit_renewals(self.cfg.max_lease);
-        let staging_dir = self.cfg.state_dir.join("staging").join(id.as_str());
-        let export_cfg = ExportConfig {
-            root: source.clone(),
-            read_only,
-            block_size: self.cfg.block_size,
-            staging_dir,
-        };
-        let (filter, hits) =
-            super::admission::export_filter(self.resource_filter(resource, &source), true);
-        let exports = self.exports.clone();
-        let (eid, etoken, elease) = (id.as_str().to_string(), token.clone(), lease.clone());
-        let export = tokio::task::spawn_blocking(move || {
-            exports.register_filtered(eid, etoken, export_cfg, elease, Some(filter))
-        })
-        .await
-        .map_err(|e| Refusal::internal(format!("building the manifest panicked: {e}")))?
-        .map_err(|e| {
-            let hint = match &e {
-                awcpfs::export::ExportError::StagingInsideRoot { .. } => {
-                    "The daemon's --state-dir is inside the workspace; restart \
-                             `awcp-ctl serve` with a --state-dir outside it"
-                }
-                _ => "Check that the workspace is a readable directory",
-            };
-            Refusal::bad(
-                ErrorCode::WorkspaceInvalid,
-                format!("cannot export {}: {e}", source.display()),
-                hint,
+        let exported = self
+            .export_resources(
+                id.as_str(),
+                &token,
+                &lease,
+                &req.environment.resources,
+                access,
+                &progress,
             )
-        })?;
-        let admitted = match hits.take().as_slice() {
-            [] => super::admission::check_limits(export.manifest(), &self.cfg.awcpfs_limits),
-            files => Err(super::admission::sensitive(files)),
-        };
-        if let Err(refusal) = admitted.and_then(|_| {
-            // Snapshot modes staged/discard: commits go to a change set, not the workspace.
-            self.stage_export(&export, id.as_str(), req.snapshot_mode)
-        }) {
-            self.exports.remove(id.as_str());
+            .await?;
+        if let Some(first) = exported.first()
+            && let Err(refusal) =
+                // Snapshot modes staged/discard: commits go to a change set, not the workspace.
+                self.stage_export(&first.export, id.as_str(), req.snapshot_mode)
+        {
+            for e in &exported {
+                self.exports.remove(e.export.id());
+            }
             return Err(refusal);
         }
-        let handle = Handle::Awcpfs(export.clone());
+        let handle = Handle::Awcpfs(exported.iter().map(|e| e.handle_entry()).collect());
         self.launch(
             req,
             NewDelegation {
@@ -220,9 +210,10 @@ impl Daemon {
                 ttl,
                 lease,
                 token,
-                source,
+                source: exported[0].stored.source.clone(),
                 read_only,
-                export: Some(export),
+                exports: exported,
+                progress,
             },
             handle,
         )
@@ -245,7 +236,8 @@ impl Daemon {
             token,
             source,
             read_only,
-            export,
+            exports,
+            progress,
         } = n;
         let now = crate::now_iso();
         let record = DelegationRecord {
@@ -291,11 +283,13 @@ impl Daemon {
                 transport: handle.transport(),
                 executor_token: req.auth.as_ref().map(|a| a.credential.clone()),
                 multi_round: req.multi_round == Some(true),
+                resources: exports.iter().map(|e| e.stored.clone()).collect(),
             }),
             lease: lease.clone(),
             tx,
-            export: Mutex::new(export),
+            exports: Mutex::new(exports.into_iter().map(|e| e.export).collect()),
             seen_renewals: Default::default(),
+            progress,
         });
         self.live
             .lock()
@@ -306,6 +300,14 @@ impl Daemon {
                 state: DelegationState::Created,
                 at: crate::now_iso(),
                 detail: Some(match &handle {
+                    Handle::Awcpfs(r) if r.len() > 1 => format!(
+                        "exporting {} resources ({})",
+                        r.len(),
+                        r.iter()
+                            .map(|r| r.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
                     Handle::Awcpfs(_) => format!("exporting {}", source.display()),
                     Handle::Archive(h) => format!(
                         "sending {} as an archive ({} bytes zipped)",
@@ -330,7 +332,9 @@ impl Daemon {
                 // Unlike the reference, a delegation that never started is kept (in `error`), so
                 // `awcp-ctl status` can say what happened.
                 live.lease.revoke(false);
-                self.exports.remove(id.as_str());
+                for e in live.exports.lock().drain(..) {
+                    self.exports.remove(e.id());
+                }
                 live.d.lock().record.error = Some(ErrorInfo {
                     code: refusal.code.clone().unwrap_or(ErrorCode::SetupFailed),
                     message: refusal.message.clone(),
@@ -386,6 +390,7 @@ impl Daemon {
             auth: req.auth.clone(),
             multi_round: req.multi_round.filter(|m| *m),
         });
+        live.progress.set_phase("invite");
         self.transition(live, DelegationEvent::SendInvite, None);
         let token = live.d.lock().executor_token.clone();
         let reply = self
@@ -451,18 +456,19 @@ impl Daemon {
                 access_mode: access,
             },
             transport_handle: match handle {
-                Handle::Awcpfs(export) => TransportHandle::Awcpfs(AwcpfsHandle {
+                Handle::Awcpfs(resources) => TransportHandle::Awcpfs(AwcpfsHandle {
                     endpoint: self.export_url.clone(),
                     token: live.d.lock().token.clone(),
-                    export_id: export.id().to_string(),
-                    manifest_digest: export.manifest_digest(),
-                    block_size: export.block_size(),
+                    export_id: resources[0].export_id.clone(),
+                    manifest_digest: resources[0].manifest_digest.clone(),
+                    block_size: self.cfg.block_size,
                     expires_at: expires_at.clone(),
                     tls_fingerprint: None,
                     remaining_ms: Some(
                         u64::try_from(live.lease.snapshot().remaining.as_millis())
                             .unwrap_or(u64::MAX),
                     ),
+                    resources: (resources.len() > 1).then_some(resources),
                 }),
                 Handle::Archive(h) => TransportHandle::Archive(h),
             },
@@ -474,8 +480,10 @@ impl Daemon {
         let d = self.clone();
         let l = live.clone();
         let executor_url = req.executor_url.clone();
+        live.progress.set_phase("start");
         self.post_raw(&req.executor_url, token.as_deref(), &start)
             .await?;
+        live.progress.set_phase("started");
         self.first_round(live);
         self.transition(
             live,
@@ -632,6 +640,10 @@ impl Daemon {
             s.snapshot_base64 = String::new();
         }
         self.record(live, WatchEvent::Task { event: shown });
+        if matches!(event, TaskEvent::Done(_) | TaskEvent::Error(_)) {
+            // The Executor's last word: its final flush is over and it has unmounted.
+            live.progress.set_phase("ended");
+        }
         let state = live.d.lock().record.state;
         match event {
             TaskEvent::Status(s) => {
@@ -764,163 +776,6 @@ impl Daemon {
             .and_then(|d| d.mount)
     }
 
-    /// Collect (or discard) the changes an Executor kept because it could not write them
-    /// back before the lease ended: apply them to the workspace with the usual conflict
-    /// checks, then tell the Executor to drop them.
-    pub(crate) async fn collect(
-        &self,
-        id: &str,
-        discard: bool,
-    ) -> Result<super::api::CollectResponse, Refusal> {
-        let live = self.get_live(id).ok_or_else(|| Refusal {
-            status: 404,
-            message: format!("Unknown delegation: {id}"),
-            code: None,
-            hint: None,
-        })?;
-        let (state, peer, source, read_only, token) = {
-            let d = live.d.lock();
-            (
-                d.record.state,
-                d.record.peer_url.clone(),
-                d.source.clone(),
-                d.read_only,
-                d.executor_token.clone(),
-            )
-        };
-        if !state.is_terminal() {
-            return Err(Refusal {
-                status: 409,
-                message: format!(
-                    "delegation {id} is still {}; its changes are being written back live",
-                    state.as_str()
-                ),
-                code: None,
-                hint: Some("Revoke it first, or wait for it to end".into()),
-            });
-        }
-        let url = format!("{}/tasks/{id}/bundle", awcp_base(&peer));
-        let mut response = super::api::CollectResponse::default();
-        if !discard {
-            // Right after a revoke the Executor may still be unmounting: give it a moment.
-            let mut tries = 0;
-            let resp = loop {
-                let rb = with_token(self.http.get(&url), token.as_deref());
-                let resp = rb.send().await.map_err(|e| {
-                    Refusal::internal(format!("asking the executor for its kept changes: {e}"))
-                })?;
-                if resp.status().as_u16() != 409 || tries >= 50 {
-                    break resp;
-                }
-                tries += 1;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            };
-            if resp.status().as_u16() == 404 {
-                return Err(Refusal {
-                    status: 404,
-                    message: format!("the executor keeps no unwritten changes for {id}"),
-                    code: None,
-                    hint: Some("Everything was written back, or it was already collected".into()),
-                });
-            }
-            if !resp.status().is_success() {
-                let status = resp.status();
-                let body = resp.text().await.unwrap_or_default();
-                return Err(Refusal::internal(format!(
-                    "the executor answered {status}: {body}"
-                )));
-            }
-            let bytes = resp
-                .bytes()
-                .await
-                .map_err(|e| Refusal::internal(format!("reading the recovery bundle: {e}")))?;
-            let (changes, blocks) = awcp_protocol::dataplane::decode_bundle(&bytes)
-                .map_err(|e| Refusal::internal(format!("the recovery bundle is malformed: {e}")))?;
-            if read_only {
-                return Err(Refusal::bad(
-                    ErrorCode::WorkspaceInvalid,
-                    format!("delegation {id} was read-only; it has nothing to collect"),
-                    "Discard the kept changes with --discard",
-                ));
-            }
-            // Snapshot mode staged/discard: the kept changes join the change set instead.
-            if super::staged::stages_commits(&live) {
-                let result = self.stage_bundle(&live, changes, blocks).await?;
-                response.applied = result.applied;
-                response.conflicts = result.conflicts;
-                let _ = with_token(self.http.delete(&url), token.as_deref())
-                    .send()
-                    .await;
-                return Ok(response);
-            }
-            // A short-lived export of the workspace applies it with the usual checks.
-            let exports = self.exports.clone();
-            let staging = self
-                .cfg
-                .state_dir
-                .join("staging")
-                .join(format!("collect-{id}"));
-            let block_size = self.cfg.block_size;
-            let cid = format!("collect-{id}");
-            let resource = live.d.lock().record.environment.resources.first().cloned();
-            let filter = resource.map(|r| {
-                super::admission::export_filter(self.resource_filter(&r, &source), false).0
-            });
-            let result = tokio::task::spawn_blocking(move || {
-                let lease = Arc::new(Lease::grant(
-                    Arc::new(SystemClock::new()),
-                    LeaseTerms {
-                        ttl: Duration::from_secs(60),
-                        max_ttl: Duration::from_secs(60),
-                        flush_grace: Duration::ZERO,
-                    },
-                ));
-                let cfg = ExportConfig {
-                    root: source,
-                    read_only: false,
-                    block_size,
-                    staging_dir: staging,
-                };
-                let export = exports
-                    .register_filtered(cid.clone(), crate::random_token(), cfg, lease, filter)
-                    .map_err(|e| e.to_string())?;
-                let r = export
-                    .apply_bundle(&changes, &blocks)
-                    .map_err(|e| e.to_string());
-                exports.remove(&cid);
-                r
-            })
-            .await
-            .map_err(|e| Refusal::internal(format!("applying the bundle: {e}")))?
-            .map_err(|e| Refusal::internal(format!("applying the bundle: {e}")))?;
-            response.applied = result.applied;
-            response.conflicts = result.conflicts;
-        } else {
-            response.discarded = true;
-        }
-        // Applied (or discarded): the Executor may drop its copy.
-        let _ = with_token(self.http.delete(&url), token.as_deref())
-            .send()
-            .await;
-        self.record(
-            &live,
-            WatchEvent::State {
-                state,
-                at: crate::now_iso(),
-                detail: Some(if discard {
-                    "kept changes discarded".into()
-                } else {
-                    format!(
-                        "collected {} change(s), {} conflict(s)",
-                        response.applied,
-                        response.conflicts.len()
-                    )
-                }),
-            },
-        );
-        Ok(response)
-    }
-
     /// Renew the lease by `ttl`.
     pub(crate) fn renew(&self, id: &str, ttl: Duration) -> Result<String, Refusal> {
         let live = self.get_live(id).ok_or_else(|| Refusal {
@@ -1002,7 +857,39 @@ impl Daemon {
         }
     }
 
-    /// Reload persisted delegations: ended ones for history, live ones with their export
+    /// Register one resource's export again after a restart, with the same filter as when
+    /// it was delegated (what was hidden stays hidden).
+    async fn restore_export(
+        &self,
+        d: &StoredDelegation,
+        r: &crate::store::StoredResource,
+        lease: &Arc<Lease>,
+    ) -> anyhow::Result<Arc<awcpfs::export::Export>> {
+        let cfg = ExportConfig {
+            root: r.source.clone(),
+            read_only: r.read_only,
+            block_size: self.cfg.block_size,
+            staging_dir: self.cfg.state_dir.join("staging").join(&r.export_id),
+        };
+        let spec = d
+            .record
+            .environment
+            .resources
+            .iter()
+            .find(|s| s.name == r.name);
+        let filter = spec
+            .map(|s| super::admission::export_filter(self.resource_filter(s, &r.source), false).0);
+        let exports = self.exports.clone();
+        let (eid, tok, l) = (r.export_id.clone(), d.token.clone(), lease.clone());
+        Ok(
+            tokio::task::spawn_blocking(move || {
+                exports.register_filtered(eid, tok, cfg, l, filter)
+            })
+            .await??,
+        )
+    }
+
+    /// Reload persisted delegations: ended ones for history, live ones with their exports
     /// and lease restored (an expired lease ends them).
     pub(crate) async fn restore(self: &Arc<Self>) {
         let all = match self.store.all() {
@@ -1042,35 +929,22 @@ impl Daemon {
             if terminal {
                 lease.revoke(false);
             }
-            let mut export = None;
+            let mut exports = Vec::new();
             if !terminal && !remaining.is_zero() && d.transport == TransportType::Awcpfs {
-                let cfg = ExportConfig {
-                    root: d.source.clone(),
-                    read_only: d.read_only,
-                    block_size: self.cfg.block_size,
-                    staging_dir: self.cfg.state_dir.join("staging").join(&id),
-                };
-                // The same filter as when it was delegated: what was hidden stays hidden.
-                let filter = d.record.environment.resources.first().map(|r| {
-                    super::admission::export_filter(self.resource_filter(r, &d.source), false).0
-                });
-                let exports = self.exports.clone();
-                let (eid, tok, l) = (d.export_id.clone(), d.token.clone(), lease.clone());
-                match tokio::task::spawn_blocking(move || {
-                    exports.register_filtered(eid, tok, cfg, l, filter)
-                })
-                .await
-                {
-                    Ok(Ok(e)) => {
-                        // Staged commits go on into the change set kept on disk.
-                        let mode = d.record.snapshot_policy.map(|p| p.mode);
-                        if let Err(r) = self.stage_export(&e, &id, mode) {
-                            tracing::warn!(error = %r.message, %id, "cannot restore the change set");
+                for r in d.exported_resources() {
+                    match self.restore_export(&d, &r, &lease).await {
+                        Ok(e) => exports.push(e),
+                        Err(e) => {
+                            tracing::warn!(error = %e, %id, resource = %r.name, "cannot restore export")
                         }
-                        export = Some(e);
                     }
-                    Ok(Err(e)) => tracing::warn!(error = %e, %id, "cannot restore export"),
-                    Err(e) => tracing::warn!(error = %e, %id, "cannot restore export"),
+                }
+                // Staged commits go on into the change set kept on disk.
+                if let Some(e) = exports.first() {
+                    let mode = d.record.snapshot_policy.map(|p| p.mode);
+                    if let Err(r) = self.stage_export(e, &id, mode) {
+                        tracing::warn!(error = %r.message, %id, "cannot restore the change set");
+                    }
                 }
             }
             let peer = d.record.peer_url.clone();
@@ -1079,8 +953,13 @@ impl Daemon {
                 d: Mutex::new(d),
                 lease,
                 tx,
-                export: Mutex::new(export),
+                exports: Mutex::new(exports),
                 seen_renewals: Default::default(),
+                progress: {
+                    let p = super::progress::Progress::new();
+                    p.set_phase(if terminal { "ended" } else { "started" });
+                    p
+                },
             });
             self.live.lock().insert(id.clone(), live.clone());
             if !terminal {

@@ -85,7 +85,7 @@ impl Daemon {
     /// The change set of a staged delegation: its export's, or (after a restart, the
     /// export gone) opened from disk with a detached export to apply it through.
     fn stage_of(&self, live: &Live) -> Result<(Arc<Export>, Arc<ChangeStage>), Refusal> {
-        if let Some(e) = live.export.lock().clone()
+        if let Some(e) = live.exports.lock().first().cloned()
             && let Some(s) = e.stage()
         {
             return Ok((e.clone(), s.clone()));
@@ -114,7 +114,12 @@ impl Daemon {
         let stage = Arc::new(stage);
         export.stage_commits(stage.clone());
         let export = Arc::new(export);
-        *live.export.lock() = Some(export.clone());
+        {
+            // Staged delegations carry one resource: its export is the first.
+            let mut exports = live.exports.lock();
+            exports.clear();
+            exports.push(export.clone());
+        }
         Ok((export, stage))
     }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -457,22 +457,47 @@ async fn result(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Resp
     Json(r).into_response()
 }
 
-/// The state directory of delegation `id` (the id is validated first: it becomes a path).
-fn state_dir_of(ex: &Executor, id: &str) -> Result<std::path::PathBuf, Box<Response>> {
-    awcp_protocol::DelegationId::parse(id)
+/// `?resource=<name>` of the bundle routes: which resource of a several-resource task.
+#[derive(Debug, Default, serde::Deserialize)]
+struct ResourceQuery {
+    resource: Option<String>,
+}
+
+/// The state directory of delegation `id`, or of its `resource` (both validated first:
+/// they become a path).
+fn state_dir_of(
+    ex: &Executor,
+    id: &str,
+    resource: Option<&str>,
+) -> Result<std::path::PathBuf, Box<Response>> {
+    let dir = awcp_protocol::DelegationId::parse(id)
         .map(|_| ex.cfg.state_dir.join(id))
         .map_err(|e| {
             Box::new(fail(
                 StatusCode::BAD_REQUEST,
                 format!("invalid delegation id: {e}"),
             ))
-        })
+        })?;
+    match resource {
+        None => Ok(dir),
+        Some(r) if !r.is_empty() && r != "." && r != ".." && !r.contains(['/', '\\', '\0']) => {
+            Ok(dir.join(super::mounts::RESOURCES_DIR).join(r))
+        }
+        Some(r) => Err(Box::new(fail(
+            StatusCode::BAD_REQUEST,
+            format!("invalid resource name {r:?}"),
+        ))),
+    }
 }
 
 /// Ours: `GET /tasks/:id/bundle`: the changes a mount could not write back in time, as a
 /// recovery bundle (`awcp-ctl collect`). 404 when nothing is kept.
-async fn bundle(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
-    let dir = match state_dir_of(&ex, &id) {
+async fn bundle(
+    State(ex): State<Arc<Executor>>,
+    Path(id): Path<String>,
+    Query(q): Query<ResourceQuery>,
+) -> Response {
+    let dir = match state_dir_of(&ex, &id, q.resource.as_deref()) {
         Ok(d) => d,
         Err(r) => return *r,
     };
@@ -506,8 +531,12 @@ async fn bundle(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Resp
 }
 
 /// Ours: `DELETE /tasks/:id/bundle`: drop the kept changes (after a collect, or to discard).
-async fn discard_bundle(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
-    let dir = match state_dir_of(&ex, &id) {
+async fn discard_bundle(
+    State(ex): State<Arc<Executor>>,
+    Path(id): Path<String>,
+    Query(q): Query<ResourceQuery>,
+) -> Response {
+    let dir = match state_dir_of(&ex, &id, q.resource.as_deref()) {
         Ok(d) => d,
         Err(r) => return *r,
     };
@@ -585,11 +614,7 @@ async fn status(State(ex): State<Arc<Executor>>) -> Json<ExecutorStatus> {
                     id: a.invite.delegation_id.clone(),
                     work_path: a.work_path.display().to_string(),
                     started_at: a.started_at.lock().clone().unwrap_or_default(),
-                    mount: a
-                        .mount
-                        .lock()
-                        .as_ref()
-                        .and_then(|m| serde_json::to_value(m.status()).ok()),
+                    mount: a.mount.lock().as_ref().and_then(|m| m.status_json()),
                 });
             }
             AssignmentState::Completed | AssignmentState::Error => st.completed_delegations += 1,

@@ -12,8 +12,9 @@ use awcp_protocol::api::{ErrorInfo, TaskResultResponse, TaskResultStatus};
 use awcp_protocol::events::{DoneEvent, ErrorEvent, RoundDoneEvent, RunStatus, StatusEvent};
 use awcp_protocol::messages::{AccessMode, ActiveLease, StartMessage, TaskSpec};
 use awcp_protocol::{AssignmentEvent, ErrorCode, TaskEvent, TransportHandle};
-use awcpfs::mount::{EndReason, Mount, MountConfig};
+use awcpfs::mount::{EndReason, MountConfig};
 
+use super::mounts::{MountPlan, MountSet};
 use super::{Assignment, Executor};
 
 /// Lines of agent output kept for the summary and error messages.
@@ -281,7 +282,7 @@ pub(super) fn spawn_agent(
 /// How an awcpfs task ends once its agent exited (the mount already finished).
 fn end_after_exit(
     a: &Assignment,
-    mount: &Mount,
+    mount: &MountSet,
     state_dir: &std::path::Path,
     status: std::io::Result<std::process::ExitStatus>,
     agent: &Agent,
@@ -308,7 +309,7 @@ fn end_after_exit(
                         .last_line()
                         .map(|l| format!(": {l}"))
                         .unwrap_or_default(),
-                    mount.stats().files_written_back
+                    mount.files_written_back()
                 );
                 finish_done(a, summary, None);
             }
@@ -450,45 +451,57 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
         }
     };
     let state_dir = ex.cfg.state_dir.join(&id);
-    if let Err(e) =
-        std::fs::create_dir_all(&a.work_path).and_then(|_| std::fs::create_dir_all(&state_dir))
-    {
-        finish_error(
-            &a,
-            ErrorCode::WorkdirDenied,
-            format!("cannot create {}: {e}", a.work_path.display()),
-            None,
-        );
-        return;
-    }
-    // Kept (owner-only) so that, should this process die, the next start can write back
-    // what the mount journaled (see `executor::recover_leftovers`).
-    if let Err(e) = save_handle(&state_dir, &h) {
-        tracing::warn!(error = %e, "cannot save the transport handle; a crash would need manual recovery");
-    }
-    let mut mcfg = MountConfig::new(
-        &h.endpoint,
-        &h.export_id,
-        &h.token,
+    let plans = match super::mounts::plan(
+        &h,
         &a.work_path,
         &state_dir,
-    );
-    mcfg.manifest_digest = Some(h.manifest_digest.clone());
-    mcfg.expires_at = Some(h.expires_at.clone());
-    // Skew-free: the lease left when START was sent, minus the time since it arrived.
-    mcfg.remaining = h
-        .remaining_ms
-        .map(|ms| Duration::from_millis(ms).saturating_sub(received.elapsed()));
-    mcfg.read_only = start.lease.access_mode == AccessMode::Ro;
-    mcfg.keep_cache = ex.cfg.keep_cache;
-    mcfg.kernel.passthrough = ex.cfg.passthrough;
-    mcfg.renew_margin = ex.cfg.renew_margin;
-    mcfg.sync_debounce = ex.cfg.sync_debounce;
-    mcfg.block_cache = ex.block_cache.clone();
-    let mount = match tokio::task::spawn_blocking(move || Mount::start(mcfg)).await {
+        start.lease.access_mode == AccessMode::Ro,
+    ) {
+        Ok(p) => p,
+        Err(e) => {
+            finish_error(
+                &a,
+                ErrorCode::WorkspaceInvalid,
+                format!("the transport handle is unusable: {e}"),
+                Some("Give each resource a plain, unique name".into()),
+            );
+            return;
+        }
+    };
+    for p in &plans {
+        if let Err(e) = std::fs::create_dir_all(&a.work_path)
+            .and_then(|_| std::fs::create_dir_all(&p.state_dir))
+        {
+            finish_error(
+                &a,
+                ErrorCode::WorkdirDenied,
+                format!("cannot create {}: {e}", a.work_path.display()),
+                None,
+            );
+            return;
+        }
+        // Kept (owner-only) so that, should this process die, the next start can write
+        // back what the mount journaled (see `executor::recover_leftovers`).
+        if let Err(e) = save_handle(&p.state_dir, &p.handle) {
+            tracing::warn!(error = %e, "cannot save the transport handle; a crash would need manual recovery");
+        }
+    }
+    let ex2 = ex.clone();
+    let started = tokio::task::spawn_blocking(move || {
+        MountSet::start(&plans, |p| mount_config(&ex2, p, received))
+    })
+    .await;
+    let mount = match started {
         Ok(Ok(m)) => m,
-        Ok(Err(e)) => {
-            let msg = format!("{}: {}", e, awcpfs::mount::sync::source_chain(&e));
+        Ok(Err((resource, e))) => {
+            let msg = format!(
+                "{}{}: {}",
+                resource
+                    .map(|r| format!("resource {r}: "))
+                    .unwrap_or_default(),
+                e,
+                awcpfs::mount::sync::source_chain(&e)
+            );
             finish_error(
                 &a,
                 ErrorCode::SetupFailed,
@@ -570,7 +583,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                         .last_line()
                         .map(|l| format!(": {l}"))
                         .unwrap_or_default(),
-                    mount.stats().files_written_back
+                    mount.files_written_back()
                 );
                 finish_round(&a, summary, None);
                 let next = tokio::select! {
@@ -632,9 +645,31 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
         break;
     }
     *a.mount.lock() = None;
-    let _ = std::fs::remove_dir(&a.work_path);
-    if !mount.unsynced() {
-        // Everything is written back: the handle (a credential) is no longer needed.
-        let _ = std::fs::remove_file(state_dir.join(HANDLE_FILE));
-    }
+    // What was written back needs its handle (a credential) no longer.
+    mount.clean_up(&a.work_path, HANDLE_FILE);
+}
+
+/// The mount config of one resource.
+fn mount_config(ex: &Executor, p: &MountPlan, received: std::time::Instant) -> MountConfig {
+    let h = &p.handle;
+    let mut mcfg = MountConfig::new(
+        &h.endpoint,
+        &h.export_id,
+        &h.token,
+        &p.mountpoint,
+        &p.state_dir,
+    );
+    mcfg.manifest_digest = Some(h.manifest_digest.clone());
+    mcfg.expires_at = Some(h.expires_at.clone());
+    // Skew-free: the lease left when START was sent, minus the time since it arrived.
+    mcfg.remaining = h
+        .remaining_ms
+        .map(|ms| Duration::from_millis(ms).saturating_sub(received.elapsed()));
+    mcfg.read_only = p.read_only;
+    mcfg.keep_cache = ex.cfg.keep_cache;
+    mcfg.kernel.passthrough = ex.cfg.passthrough;
+    mcfg.renew_margin = ex.cfg.renew_margin;
+    mcfg.sync_debounce = ex.cfg.sync_debounce;
+    mcfg.block_cache = ex.block_cache.clone();
+    mcfg
 }

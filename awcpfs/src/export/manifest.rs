@@ -62,6 +62,8 @@ pub(crate) struct ManifestParams {
     pub(crate) block_size: u32,
     pub(crate) read_only: bool,
     pub(crate) filter: Option<super::PathFilter>,
+    /// Counters for a progress bar, if someone shows one.
+    pub(crate) progress: Option<Arc<super::BuildProgress>>,
 }
 
 /// A file the walk opened, for a hashing thread.
@@ -81,6 +83,7 @@ fn hash_worker(
     results: &Mutex<Vec<JobResult>>,
     block_size: u32,
     cache: Option<&HashCache>,
+    progress: Option<&super::BuildProgress>,
 ) {
     loop {
         let job = jobs.lock().recv();
@@ -99,6 +102,9 @@ fn hash_worker(
             let trusted = same && !is_racy(&after, RACY_WINDOW);
             if same && let Some(cache) = cache {
                 cache.insert(&after, block_size, &hashes);
+            }
+            if let Some(p) = progress {
+                p.hashed_file(hashes.size);
             }
             Ok((before, hashes, trusted))
         })();
@@ -210,14 +216,26 @@ fn walk_with(
         jobs: Some(tx),
         filter: params.filter.clone(),
         recurse: true,
+        progress: params.progress.clone(),
     };
     let walked = std::thread::scope(|s| {
         for _ in 0..threads {
-            s.spawn(|| hash_worker(&rx, &results, params.block_size, cache));
+            s.spawn(|| {
+                hash_worker(
+                    &rx,
+                    &results,
+                    params.block_size,
+                    cache,
+                    params.progress.as_deref(),
+                )
+            });
         }
         let r = walk(&mut walker);
         // Closing the queue ends the workers once it is drained.
         walker.jobs = None;
+        if let Some(p) = &params.progress {
+            p.set_walked();
+        }
         r
     });
     walked?;
@@ -380,6 +398,7 @@ struct Walker<'a> {
     jobs: Option<SyncSender<Job>>,
     /// Enter directories (a shallow [`describe`] lists a known directory's own entry only).
     recurse: bool,
+    progress: Option<Arc<super::BuildProgress>>,
 }
 
 impl Walker<'_> {
@@ -471,6 +490,9 @@ impl Walker<'_> {
                     // With the content, from the hashing thread or the hash cache.
                     xattrs: BTreeMap::new(),
                 });
+                if let Some(p) = &self.progress {
+                    p.saw_file(st.st_size.max(0) as u64, cached.is_some());
+                }
                 if cached.is_some() {
                     self.hashes.push(cached);
                     // Unchanged since a quiescent hashing: its blocks need no re-hash.

@@ -455,6 +455,7 @@ fn params_of(export: &Export) -> ManifestParams {
         block_size: export.block_size(),
         read_only: export.read_only(),
         filter: export.filter.clone(),
+        progress: None,
     }
 }
 

@@ -485,7 +485,7 @@ mod tests {
             a_now.data,
             Data::remote(Some(&h2), std::slice::from_ref(&h2))
         );
-        assert_eq!(a_now.data.remote_blocks(), [h2.clone()]);
+        assert_eq!(a_now.data.remote_blocks(), std::slice::from_ref(&h2));
         assert_eq!(a_now.size, 2);
         assert_eq!(table.child(root, "b"), Some(new_ino));
         // New inode numbers stay above the replayed ones.
