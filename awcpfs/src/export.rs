@@ -207,6 +207,10 @@ pub struct ExportStats {
     pub conflicts: u64,
     /// The last [`RECENT_CONFLICTS`] conflicts, oldest first.
     pub recent_conflicts: Vec<Conflict>,
+    /// Paths the watcher read to see whether the Delegator changed them.
+    pub paths_described: u64,
+    /// Delegator-side changes recorded for mounts.
+    pub upstream_changes: u64,
 }
 
 /// Live counters behind [`ExportStats`].
@@ -220,6 +224,8 @@ struct Stats {
     bytes_written: AtomicU64,
     conflicts: AtomicU64,
     recent_conflicts: Mutex<std::collections::VecDeque<Conflict>>,
+    paths_described: AtomicU64,
+    upstream_changes: AtomicU64,
 }
 
 impl Stats {
@@ -247,6 +253,8 @@ impl Stats {
             bytes_written: get(&self.bytes_written),
             conflicts: get(&self.conflicts),
             recent_conflicts: self.recent_conflicts.lock().iter().cloned().collect(),
+            paths_described: get(&self.paths_described),
+            upstream_changes: get(&self.upstream_changes),
         }
     }
 }

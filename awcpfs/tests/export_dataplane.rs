@@ -1727,6 +1727,21 @@ async fn hidden_and_temporary_paths_are_never_reported() {
         Some(ExportEvent::Lease { .. })
     ));
     tokio::time::sleep(Duration::from_millis(300)).await;
+    // Serving content opens files (inotify reports the opens): not a change.
+    let (m, _) = f.manifest().await;
+    let served: Vec<String> = m
+        .entries
+        .iter()
+        .filter(|e| e.path == "a.txt" || e.path == "src/lib.rs")
+        .flat_map(|e| e.blocks.clone())
+        .collect();
+    assert!(f.blocks(&served).await.iter().all(|(_, d)| d.is_some()));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        f.export.stats().paths_described,
+        0,
+        "files opened to serve them were read again by the watcher"
+    );
     std::fs::write(f.path(".awcp-tmp-0123456789abcdef"), b"staging").unwrap();
     std::fs::write(f.path("seen.txt"), b"x").unwrap();
     let (present, _) =
@@ -1734,6 +1749,15 @@ async fn hidden_and_temporary_paths_are_never_reported() {
     assert!(
         present.keys().all(|p| !p.starts_with(".awcp-tmp-")),
         "{present:?}"
+    );
+    assert!(
+        !present.contains_key("a.txt") && !present.contains_key("src/lib.rs"),
+        "files read to serve them were reported as changed: {present:?}"
+    );
+    let stats = f.export.stats();
+    assert!(
+        stats.paths_described >= 1 && stats.upstream_changes >= 1,
+        "{stats:?}"
     );
 }
 

@@ -384,6 +384,15 @@ impl Pending {
         if event.need_rescan() {
             self.rescan = true;
         }
+        // inotify also reports opens and reads, and the export opens every file it serves:
+        // describing those would hash every served file again. Only a close after writing
+        // says something changed (writes themselves come as modifications).
+        use notify::event::{AccessKind, AccessMode, EventKind};
+        match event.kind {
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => {}
+            EventKind::Access(_) => return,
+            _ => {}
+        }
         for p in event.paths {
             let Ok(rel) = p.strip_prefix(root) else {
                 continue;
@@ -443,6 +452,7 @@ fn watch(weak: &Weak<Export>, root: &Path, cache: Option<&HashCache>) -> notify:
             let _quiet = export.feed.quiet.lock();
             process(&export, cache, pending)
         };
+        super::Stats::add(&export.stats.upstream_changes, n as u64);
         if n > 0 {
             tracing::debug!(export = %export.id(), changes = n, "Delegator-side changes");
         }
@@ -522,6 +532,7 @@ fn process(export: &Export, cache: Option<&HashCache>, mut pending: Pending) -> 
     if ask.is_empty() {
         return 0;
     }
+    super::Stats::add(&export.stats.paths_described, ask.len() as u64);
     let built = match manifest::describe(root, &params, cache, &ask) {
         Ok(b) => b,
         Err(e) => {
