@@ -1588,6 +1588,29 @@ async fn xattrs_are_user_only_and_applied_with_writes_and_chmods() {
 // ---------------------------------------------------------------------------------------
 // Delegator-side changes
 
+/// `GET /events`, past its first (lease) event.
+async fn open_events(
+    f: &Fixture,
+) -> (
+    impl futures::Stream<Item = reqwest::Result<axum::body::Bytes>> + Unpin,
+    String,
+) {
+    let resp = f
+        .client
+        .get(f.url("events"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    let mut buf = String::new();
+    assert!(matches!(
+        next_event(&mut stream, &mut buf).await,
+        Some(ExportEvent::Lease { .. })
+    ));
+    (stream, buf)
+}
+
 /// Read `changed` events until `done` says enough was seen (or 20 s pass); returns what
 /// every event listed: present entries by path, and removed paths.
 async fn collect_changes<B: AsRef<[u8]>>(
@@ -1633,19 +1656,7 @@ async fn delegator_changes_are_streamed_and_the_exports_own_commits_are_not() {
         std::fs::write(root.join("gone.txt"), b"soon removed").unwrap();
     })
     .await;
-    let resp = f
-        .client
-        .get(f.url("events"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    let mut stream = resp.bytes_stream();
-    let mut buf = String::new();
-    assert!(matches!(
-        next_event(&mut stream, &mut buf).await,
-        Some(ExportEvent::Lease { .. })
-    ));
+    let (mut stream, mut buf) = open_events(&f).await;
     // Give the watcher a moment to be in place (it starts with the export, off-thread).
     tokio::time::sleep(Duration::from_millis(300)).await;
 
@@ -1682,19 +1693,7 @@ async fn delegator_changes_are_streamed_and_the_exports_own_commits_are_not() {
     assert_eq!(content, b"hello from the delegator");
 
     // A mount that connects later is told every change so far, in its first events.
-    let resp = f
-        .client
-        .get(f.url("events"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    let mut late = resp.bytes_stream();
-    let mut buf2 = String::new();
-    assert!(matches!(
-        next_event(&mut late, &mut buf2).await,
-        Some(ExportEvent::Lease { .. })
-    ));
+    let (mut late, mut buf2) = open_events(&f).await;
     let (present, removed) = collect_changes(&mut late, &mut buf2, |p, r| {
         p.contains_key("fresh/new.txt") && r.iter().any(|x| x == "gone.txt")
     })
@@ -1713,19 +1712,7 @@ async fn delegator_changes_are_streamed_and_the_exports_own_commits_are_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hidden_and_temporary_paths_are_never_reported() {
     let f = fixture(small_tree).await;
-    let resp = f
-        .client
-        .get(f.url("events"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
-    let mut stream = resp.bytes_stream();
-    let mut buf = String::new();
-    assert!(matches!(
-        next_event(&mut stream, &mut buf).await,
-        Some(ExportEvent::Lease { .. })
-    ));
+    let (mut stream, mut buf) = open_events(&f).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Serving content opens files (inotify reports the opens): not a change.
     let (m, _) = f.manifest().await;

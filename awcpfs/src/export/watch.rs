@@ -98,6 +98,16 @@ struct FeedState {
     changed: HashMap<String, (u64, Option<ManifestEntry>)>,
 }
 
+impl FeedState {
+    /// Forget everything below the directory `path` (it was removed or replaced): one scan
+    /// of both maps, so only for directories.
+    fn forget_below(&mut self, path: &str) {
+        let prefix = format!("{path}/");
+        self.known.retain(|p, _| !p.starts_with(&prefix));
+        self.changed.retain(|p, _| !p.starts_with(&prefix));
+    }
+}
+
 /// The record of one export's changes since registration, and the signal that there are
 /// new ones.
 #[derive(Debug)]
@@ -192,12 +202,11 @@ impl ChangeFeed {
         let seq = st.seq + 1;
         let mut n = 0;
         for path in absent {
-            if st.known.remove(path).is_none() {
-                continue;
+            match st.known.remove(path) {
+                None => continue,
+                Some(s) if s.kind == EntryKind::Dir => st.forget_below(path),
+                Some(_) => {}
             }
-            let prefix = format!("{path}/");
-            st.known.retain(|p, _| !p.starts_with(&prefix));
-            st.changed.retain(|p, _| !p.starts_with(&prefix));
             st.changed.insert(path.clone(), (seq, None));
             n += 1;
         }
@@ -210,9 +219,7 @@ impl ChangeFeed {
                 && e.kind != EntryKind::Dir
             {
                 // A directory replaced by a file: its old subtree is gone.
-                let prefix = format!("{}/", e.path);
-                st.known.retain(|p, _| !p.starts_with(&prefix));
-                st.changed.retain(|p, _| !p.starts_with(&prefix));
+                st.forget_below(&e.path);
             }
             st.known.insert(e.path.clone(), sig);
             st.changed.insert(e.path.clone(), (seq, Some(e)));
@@ -251,52 +258,42 @@ impl ChangeFeed {
                 continue;
             }
             let stamp = stamp_of(path);
+            // What the commit left at `path`, as the manifest would list it.
+            let left = |kind, mode: u32| ManifestEntry {
+                path: path.to_owned(),
+                kind,
+                mode: mode & 0o7777,
+                size: 0,
+                mtime_ns: stamp.map_or(0, |s| s.mtime_ns),
+                hash: None,
+                blocks: Vec::new(),
+                target: None,
+                ino: stamp.map(|s| s.ino),
+                ctime_ns: stamp.map(|s| s.ctime_ns),
+                xattrs: Default::default(),
+            };
             let entry = match c {
-                Change::Mkdir { mode, .. } => Some(ManifestEntry {
-                    path: path.to_owned(),
-                    kind: EntryKind::Dir,
-                    mode: *mode & 0o7777,
-                    size: 0,
-                    mtime_ns: stamp.map_or(0, |s| s.mtime_ns),
-                    hash: None,
-                    blocks: Vec::new(),
-                    target: None,
-                    ino: stamp.map(|s| s.ino),
-                    ctime_ns: stamp.map(|s| s.ctime_ns),
-                    xattrs: Default::default(),
-                }),
+                Change::Mkdir { mode, .. } => Some(left(EntryKind::Dir, *mode)),
                 Change::Write {
                     mode,
                     hash,
                     size,
                     blocks,
                     mtime_ns,
+                    xattrs,
                     ..
                 } => Some(ManifestEntry {
-                    path: path.to_owned(),
-                    kind: EntryKind::File,
-                    mode: *mode & 0o7777,
                     size: *size,
                     mtime_ns: *mtime_ns,
                     hash: Some(hash.clone()),
                     blocks: blocks.clone(),
-                    target: None,
-                    ino: stamp.map(|s| s.ino),
-                    ctime_ns: stamp.map(|s| s.ctime_ns),
-                    xattrs: Default::default(),
+                    xattrs: xattrs.clone().unwrap_or_default(),
+                    ..left(EntryKind::File, *mode)
                 }),
                 Change::Symlink { target, .. } => Some(ManifestEntry {
-                    path: path.to_owned(),
-                    kind: EntryKind::Symlink,
-                    mode: 0o777,
                     size: target.len() as u64,
-                    mtime_ns: stamp.map_or(0, |s| s.mtime_ns),
-                    hash: None,
-                    blocks: Vec::new(),
                     target: Some(target.clone()),
-                    ino: stamp.map(|s| s.ino),
-                    ctime_ns: stamp.map(|s| s.ctime_ns),
-                    xattrs: Default::default(),
+                    ..left(EntryKind::Symlink, 0o777)
                 }),
                 Change::Chmod { mode, mtime_ns, .. } => {
                     match st.changed.get(path).and_then(|(_, e)| e.clone()) {
@@ -333,9 +330,8 @@ impl ChangeFeed {
                     }
                 }
                 None => {
-                    if st.known.remove(path).is_some() {
-                        let prefix = format!("{path}/");
-                        st.known.retain(|p, _| !p.starts_with(&prefix));
+                    if st.known.remove(path).map(|s| s.kind) == Some(EntryKind::Dir) {
+                        st.forget_below(path);
                     }
                     st.changed.insert(path.to_owned(), (seq, None));
                     st.own.remove(path);

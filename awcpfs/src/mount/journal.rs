@@ -153,11 +153,7 @@ impl Record {
             target: node.target.clone(),
             hash,
             blocks,
-            xattrs: node
-                .xattrs
-                .iter()
-                .map(|(k, v)| (k.clone(), hex::encode(v)))
-                .collect(),
+            xattrs: super::sync::hex_xattrs(node),
         }
     }
 }

@@ -42,11 +42,13 @@ const COMMIT_CHANGES: usize = 50_000;
 const COMMIT_BYTES: usize = 32 << 20;
 
 /// A node's `user.*` attributes with hex values, as the wire carries them.
-fn hex_xattrs(n: &super::inode::Node) -> BTreeMap<String, String> {
-    n.xattrs
-        .iter()
-        .map(|(k, v)| (k.clone(), hex::encode(v)))
-        .collect()
+pub(super) fn hex_xattrs(n: &super::inode::Node) -> BTreeMap<String, String> {
+    hex_map(&n.xattrs)
+}
+
+/// Attribute values in hex (the wire's and the logs' form).
+pub(super) fn hex_map(x: &BTreeMap<String, Vec<u8>>) -> BTreeMap<String, String> {
+    x.iter().map(|(k, v)| (k.clone(), hex::encode(v))).collect()
 }
 
 /// What changed between two attribute sets: new values, and `None` for removed names;

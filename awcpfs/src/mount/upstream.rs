@@ -27,7 +27,7 @@ use super::inode::{
     time_to_ns,
 };
 use super::journal::Record;
-use super::sync::{Synced, SyncedRecord, Syncer};
+use super::sync::{Synced, SyncedRecord, Syncer, hex_map, hex_xattrs};
 
 /// Something the kernel must forget.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,12 +51,7 @@ pub struct UpstreamReport {
 
 /// The syncer's view of a path's node, as it would record it after a commit.
 fn state_of(n: &Node) -> Option<Synced> {
-    let xattrs = || {
-        n.xattrs
-            .iter()
-            .map(|(k, v)| (k.clone(), hex::encode(v)))
-            .collect()
-    };
+    let xattrs = || hex_xattrs(n);
     match n.kind {
         Kind::Dir => Some(Synced::Dir {
             mode: u32::from(n.perm),
@@ -88,12 +83,7 @@ fn state_of(n: &Node) -> Option<Synced> {
 /// What the syncer should record for an entry the Delegator now has.
 fn state_of_entry(e: &ManifestEntry) -> Synced {
     // As the node will hold them (only what `manifest_xattrs` keeps), in hex.
-    let xattrs = || {
-        manifest_xattrs(e)
-            .iter()
-            .map(|(k, v)| (k.clone(), hex::encode(v)))
-            .collect()
-    };
+    let xattrs = || hex_map(&manifest_xattrs(e));
     match e.kind {
         EntryKind::Dir => Synced::Dir {
             mode: e.mode & 0o7777,
@@ -261,7 +251,10 @@ impl Syncer {
                         }
                         continue;
                     }
-                    let nodes = if node.kind == Kind::Dir {
+                    // Same kind: only the node itself changes. Another kind: the node and
+                    // everything below it are replaced, so all of it must be clean.
+                    let same_kind = node.kind == Kind::from(e.kind);
+                    let nodes = if same_kind {
                         vec![(e.path.clone(), ino)]
                     } else {
                         subtree(&table, &e.path, ino)
@@ -270,16 +263,11 @@ impl Syncer {
                         report.kept_local += 1;
                         continue;
                     }
-                    if node.kind == Kind::from(e.kind) {
+                    if same_kind {
                         update(fs, &mut table, ino, e, &mut records);
                         invals.push(Inval::Inode(ino));
                     } else {
-                        let all = subtree(&table, &e.path, ino);
-                        if !all_clean(&table, &synced, &all) {
-                            report.kept_local += 1;
-                            continue;
-                        }
-                        remove_subtree(fs, &mut table, &all, &mut records, &mut invals);
+                        remove_subtree(fs, &mut table, &nodes, &mut records, &mut invals);
                         forget(&mut synced, &mut logged, &e.path);
                         create(
                             &mut table,
@@ -311,11 +299,19 @@ impl Syncer {
 
 /// Drop `path` and everything below it from the syncer's record.
 fn forget(synced: &mut BTreeMap<String, Synced>, logged: &mut Vec<SyncedRecord>, path: &str) {
+    // The path, then its subtree: the keys from `path/` that start with it (sorted map).
     let prefix = format!("{path}/");
     let gone: Vec<String> = synced
-        .keys()
-        .filter(|p| *p == path || p.starts_with(&prefix))
-        .cloned()
+        .get_key_value(path)
+        .map(|(k, _)| k.clone())
+        .into_iter()
+        .chain(
+            synced
+                .range(prefix.clone()..)
+                .map(|(k, _)| k)
+                .take_while(|k| k.starts_with(&prefix))
+                .cloned(),
+        )
         .collect();
     for p in gone {
         synced.remove(&p);
