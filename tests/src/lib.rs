@@ -200,33 +200,7 @@ impl Harness {
         resources: &[(&str, &Path, AccessMode)],
         ttl_seconds: u64,
     ) -> DelegateRequest {
-        DelegateRequest {
-            executor_url: self.executor.awcp_url(),
-            environment: EnvironmentSpec {
-                resources: resources
-                    .iter()
-                    .map(|(name, dir, mode)| ResourceSpec {
-                        name: (*name).into(),
-                        resource_type: ResourceType::Fs,
-                        source: dir.display().to_string(),
-                        mode: *mode,
-                        include: None,
-                        exclude: None,
-                        gitignore: None,
-                    })
-                    .collect(),
-            },
-            task: TaskSpec {
-                description: "test task".into(),
-                prompt: "do the test".into(),
-            },
-            ttl_seconds: Some(ttl_seconds),
-            access_mode: None,
-            snapshot_mode: None,
-            auth: None,
-            transport: None,
-            multi_round: None,
-        }
+        request(self.executor.awcp_url(), resources, ttl_seconds)
     }
 
     /// Delegate several resources `(name, dir, mode)` in one delegation.
@@ -314,4 +288,40 @@ pub fn tools_available(tools: &[&str]) -> bool {
     }
     eprintln!("\n!!!!!!!! SKIPPING a toolchain test: missing {missing:?} !!!!!!!!\n");
     false
+}
+
+/// A delegation of `resources` `(name, dir, mode)` to the Executor at `executor_url`, with
+/// the daemon's defaults for everything else (tests set the fields they need).
+pub fn request(
+    executor_url: String,
+    resources: &[(&str, &Path, AccessMode)],
+    ttl_seconds: u64,
+) -> DelegateRequest {
+    DelegateRequest {
+        executor_url,
+        environment: EnvironmentSpec {
+            resources: resources
+                .iter()
+                .map(|(name, dir, mode)| ResourceSpec {
+                    name: (*name).into(),
+                    resource_type: ResourceType::Fs,
+                    source: dir.display().to_string(),
+                    mode: *mode,
+                    include: None,
+                    exclude: None,
+                    gitignore: None,
+                })
+                .collect(),
+        },
+        task: TaskSpec {
+            description: "test task".into(),
+            prompt: "do the test".into(),
+        },
+        ttl_seconds: Some(ttl_seconds),
+        access_mode: None,
+        snapshot_mode: None,
+        auth: None,
+        transport: None,
+        multi_round: None,
+    }
 }

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
-use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
+use awcp_protocol::api::DelegateRequest;
+use awcp_protocol::messages::{AccessMode, TaskSpec};
 use awcp_protocol::{DelegationState, TransportType};
 use awcp_tests::reference::RefExecutor;
 use awcp_tests::{Harness, fuse_available, is_mounted};
@@ -21,28 +21,14 @@ fn request(
     multi: bool,
 ) -> DelegateRequest {
     DelegateRequest {
-        executor_url: url,
-        environment: EnvironmentSpec {
-            resources: vec![ResourceSpec {
-                name: "workspace".into(),
-                resource_type: ResourceType::Fs,
-                source: dir.display().to_string(),
-                mode: AccessMode::Rw,
-                include: None,
-                exclude: None,
-                gitignore: None,
-            }],
-        },
         task: TaskSpec {
             description: "first".into(),
             prompt: "first round".into(),
         },
-        ttl_seconds: Some(300),
         access_mode: Some(AccessMode::Rw),
-        snapshot_mode: None,
-        auth: None,
         transport: Some(transport),
         multi_round: multi.then_some(true),
+        ..awcp_tests::request(url, &[("workspace", dir, AccessMode::Rw)], 300)
     }
 }
 

@@ -13,10 +13,8 @@ use awcp_ctl::client::DaemonClient;
 use awcp_ctl::daemon::DaemonConfig;
 use awcp_ctl::executor::ExecutorConfig;
 use awcp_protocol::DelegationState;
-use awcp_protocol::api::{
-    DelegateRequest, EnvironmentSpec, ResourceSpec, SnapshotMode, SnapshotStatus,
-};
-use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
+use awcp_protocol::api::{DelegateRequest, SnapshotMode, SnapshotStatus};
+use awcp_protocol::messages::{AccessMode, TaskSpec};
 use awcp_tests::{Harness, eventually, fuse_available, is_mounted};
 
 /// What the Executor's agent does on the mount: change, add, delete, rename, chmod, a new
@@ -33,28 +31,14 @@ const AGENT: &str = "printf 'one\\nTWO\\nthree\\n' > a.txt && \
 
 fn request(url: String, dir: &Path, mode: SnapshotMode, multi: bool) -> DelegateRequest {
     DelegateRequest {
-        executor_url: url,
-        environment: EnvironmentSpec {
-            resources: vec![ResourceSpec {
-                name: "workspace".into(),
-                resource_type: ResourceType::Fs,
-                source: dir.display().to_string(),
-                mode: AccessMode::Rw,
-                include: None,
-                exclude: None,
-                gitignore: None,
-            }],
-        },
         task: TaskSpec {
             description: "staged".into(),
             prompt: "change things".into(),
         },
-        ttl_seconds: Some(300),
         access_mode: Some(AccessMode::Rw),
         snapshot_mode: Some(mode),
-        auth: None,
-        transport: None,
         multi_round: multi.then_some(true),
+        ..awcp_tests::request(url, &[("workspace", dir, AccessMode::Rw)], 300)
     }
 }
 
