@@ -284,6 +284,13 @@ struct ExecutorArgs {
     /// cannot stop reads on files opened before it.
     #[arg(long)]
     passthrough: bool,
+    /// Have each mount ask at every open and close of an existing file (two round trips
+    /// per file): a file is then written back when its last writer closes it, and a
+    /// Delegator-side change never replaces a file open for writing. By default the kernel
+    /// opens files itself and a file is written back once no write touched it for 50 ms.
+    /// Implied by --passthrough.
+    #[arg(long)]
+    track_opens: bool,
     /// Renew each lease with the Delegator when less than this is left (e.g. `30s`), up to
     /// the Delegator's --max-lease. Without it, a lease ends when its TTL runs out unless
     /// the Delegator renews it.
@@ -569,6 +576,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.max_concurrent = a.max_concurrent;
             cfg.keep_cache = a.keep_cache;
             cfg.passthrough = a.passthrough;
+            cfg.track_opens = a.track_opens;
             cfg.renew_margin = a.renew_margin;
             cfg.transports = a.transports.into_iter().map(transport_of).collect();
             cfg.access_modes = a.modes.into_iter().map(mode_of).collect();

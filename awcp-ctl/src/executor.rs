@@ -48,6 +48,9 @@ pub struct ExecutorConfig {
     /// Serve read-only opens with FUSE passthrough (faster; a revocation cannot stop reads
     /// on files opened before it).
     pub passthrough: bool,
+    /// Ask the mount at every open and close of an existing file (see
+    /// [`awcpfs::mount::KernelOptions::no_open`]).
+    pub track_opens: bool,
     /// Renew each lease with the Delegator's export when less than this is left (`None`:
     /// leases end when the Delegator's TTL runs out unless it renews them).
     pub renew_margin: Option<Duration>,
@@ -82,6 +85,7 @@ impl ExecutorConfig {
             max_concurrent: 8,
             keep_cache: false,
             passthrough: false,
+            track_opens: false,
             renew_margin: None,
             sync_debounce: Duration::from_millis(50),
             block_cache: Some(awcpfs::cache::CacheConfig::new(Some(base.join("cache")))),

@@ -84,6 +84,13 @@ enum Command {
         /// directly): faster, but a revocation cannot stop reads on files opened before it.
         #[arg(long)]
         passthrough: bool,
+        /// Ask awcpfs at every open and close of an existing file (two round trips per
+        /// file; the default lets the kernel open files itself). A file then is written back
+        /// when its last writer closes it, and a Delegator-side change never replaces a
+        /// file open for writing; by default a file is written back once no write touched
+        /// it for 50 ms. Implied by --passthrough.
+        #[arg(long)]
+        track_opens: bool,
     },
 }
 
@@ -260,6 +267,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cache_dir,
             cache_size,
             passthrough,
+            track_opens,
         } => {
             let h = read_handle(&handle)?;
             let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
@@ -275,6 +283,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 cfg.block_cache = Some(std::sync::Arc::new(awcpfs::cache::BlockCache::open(&c)?));
             }
             cfg.kernel.passthrough = passthrough;
+            cfg.kernel.no_open = !track_opens;
             let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
             eprintln!(
                 "awcpfs: mounted at {}; Ctrl-C unmounts (after writing changes back)",

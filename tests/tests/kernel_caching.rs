@@ -1,11 +1,13 @@
 //! The kernel opens directories itself (no-opendir): listing a tree twice costs no
-//! `opendir`/`releasedir` round trips, and the listing is still right.
+//! `opendir`/`releasedir` round trips, and the listing is still right. It opens existing
+//! files itself too (no-open): reading a file again costs no round trip, and what is
+//! written through such a descriptor is still written back, unlinked files stay readable.
 
 use std::time::Duration;
 
 use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
-use awcp_tests::{Harness, fuse_available, sample_repo, sh};
+use awcp_tests::{Harness, eventually, fuse_available, sample_repo, sh};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn directories_open_without_round_trips_and_list_correctly() {
@@ -45,5 +47,98 @@ async fn directories_open_without_round_trips_and_list_correctly() {
     assert!(n("opendir") <= 1, "{ops}");
     assert_eq!(n("releasedir"), 0, "{ops}");
     assert!(n("readdir") + n("readdirplus") > 0, "{ops}");
+    h.stop().await;
+}
+
+fn ops_of(h: &Harness, id: &str) -> serde_json::Value {
+    let status: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(h.path(&format!("executor/state/{id}/status.json"))).unwrap(),
+    )
+    .unwrap();
+    status["stats"]["ops"].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn files_open_without_round_trips_and_their_writes_are_written_back() {
+    if !fuse_available() {
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    // Existing files are read many times, one is written through a descriptor held open
+    // across the Delegator's check, one is unlinked while open and read afterwards, one
+    // is truncated by `>`, and a new file is created (created files keep their handles).
+    let agent = format!(
+        r##"set -e
+        for i in $(seq 50); do cat README.md calc/ops.py > /dev/null; done
+        exec 3>>calc/ops.py
+        echo "# held open" >&3
+        exec 4<tool.sh
+        rm tool.sh
+        touch {o}/ready
+        while [ ! -e {o}/go ]; do sleep 0.05; done
+        cat <&4 > {o}/unlinked
+        exec 4<&-
+        echo "# after" >&3
+        exec 3>&-
+        echo new > fresh.txt
+        printf "%s" "truncated" > README.md"##,
+        o = out.path().display()
+    );
+    let h = Harness::start(&agent).await;
+    let repo = h.path("repo");
+    sample_repo(&repo);
+    let id = h.delegate(&repo, AccessMode::Rw, 600).await;
+    assert!(
+        eventually(Duration::from_secs(30), || out
+            .path()
+            .join("ready")
+            .exists())
+        .await,
+        "the agent did not start"
+    );
+    // Written back while the descriptor is still open: the kernel does not say when it is
+    // closed, so the mount writes a file back once no write touched it for a while.
+    assert!(
+        eventually(Duration::from_secs(20), || std::fs::read_to_string(
+            repo.join("calc/ops.py")
+        )
+        .unwrap_or_default()
+        .ends_with("# held open\n"))
+        .await,
+        "a write through a descriptor held open was not written back"
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || !repo.join("tool.sh").exists()).await,
+        "the removal of a file held open was not written back"
+    );
+    std::fs::write(out.path().join("go"), "").unwrap();
+    assert_eq!(
+        h.wait_end(&id, Duration::from_secs(60)).await,
+        DelegationState::Completed
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.path().join("unlinked")).unwrap(),
+        "#!/bin/sh\necho old\n",
+        "a file unlinked while open could not be read through its descriptor"
+    );
+    assert_eq!(
+        std::fs::read_to_string(repo.join("calc/ops.py")).unwrap(),
+        "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n# held open\n# after\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(repo.join("fresh.txt")).unwrap(),
+        "new\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(repo.join("README.md")).unwrap(),
+        "truncated"
+    );
+    let ops = ops_of(&h, &id);
+    let n = |op: &str| ops.get(op).and_then(|v| v.as_u64()).unwrap_or(0);
+    // One open answered ENOSYS switches the kernel to opening files itself; one flush
+    // answered ENOSYS stops flushes.
+    assert!(n("open") <= 1, "{ops}");
+    assert!(n("flush") <= 1, "{ops}");
+    assert!(n("read") > 0, "{ops}");
     h.stop().await;
 }

@@ -36,7 +36,9 @@ async fn delegator_edits_creates_and_removals_reach_the_running_mount() {
         echo "appended by the executor" >> README.md"##,
         o = out.path().display()
     );
-    let h = Harness::start(&agent).await;
+    // The mount must know which files are open for writing: by default (no-open) the
+    // kernel opens existing files without telling it.
+    let h = Harness::start_with(&agent, |c| c.track_opens = true).await;
     let repo = h.path("repo");
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;

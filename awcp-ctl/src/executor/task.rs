@@ -668,6 +668,7 @@ fn mount_config(ex: &Executor, p: &MountPlan, received: std::time::Instant) -> M
     mcfg.read_only = p.read_only;
     mcfg.keep_cache = ex.cfg.keep_cache;
     mcfg.kernel.passthrough = ex.cfg.passthrough;
+    mcfg.kernel.no_open = !ex.cfg.track_opens;
     mcfg.renew_margin = ex.cfg.renew_margin;
     mcfg.sync_debounce = ex.cfg.sync_debounce;
     mcfg.block_cache = ex.block_cache.clone();

@@ -387,7 +387,8 @@ impl AwcpFs {
         }
     }
 
-    /// `create`: a new, empty, local file, opened.
+    /// `create`: a new, empty, local file, opened (handle 0 once the kernel opens files
+    /// itself).
     pub fn create(
         &self,
         parent: Ino,
@@ -413,6 +414,14 @@ impl AwcpFs {
             self.add_child_node(&mut table, node)?;
             ino
         };
+        if self.no_open() {
+            // The kernel sends no `release` at all once it opens files itself, not even
+            // for created files: no handle to keep, the new file is written like any other
+            // file opened without asking.
+            self.note_handleless_write(ino, false);
+            let attr = self.getattr(ino)?;
+            return Ok((attr, 0));
+        }
         let mut om = OpenMode::from_flags(flags);
         om.write = true;
         let fh = self.open_upper(ino, om)?;
@@ -451,27 +460,130 @@ impl AwcpFs {
             .ok_or(FsError::BadHandle)
     }
 
+    /// The handle a request names. Handle 0 is a file the kernel opened without asking
+    /// (no-open): a handle for this one request on the upper file, the content fetched
+    /// first. Handles of `open` and `create` start at 1.
+    pub fn handle_for(&self, ino: Ino, fh: u64, write: bool) -> Result<Arc<Handle>, FsError> {
+        if fh != 0 || !self.no_open() {
+            return self.handle(fh);
+        }
+        if write {
+            self.check_write()?;
+            self.note_handleless_write(ino, false);
+        }
+        let kind = self.table.lock().get(ino).ok_or(FsError::NotFound)?.kind;
+        if kind != Kind::File {
+            return Err(FsError::IsDir);
+        }
+        self.ensure_local(ino)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(write)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(self.upper_path(ino))?;
+        Ok(Arc::new(Handle {
+            ino,
+            file,
+            writable: write,
+            append: false,
+            wrote: AtomicBool::new(false),
+        }))
+    }
+
+    /// A write without a handle (no-open) starts or ended on `ino`: the syncer leaves the
+    /// file alone until no write has touched it for [`WRITE_QUIET`](super::fs::WRITE_QUIET)
+    /// (the kernel does not say when it is closed), and a Delegator-side change does not
+    /// replace it meanwhile. Noted under the table's lock, which a Delegator-side change
+    /// holds from its check to replacing the file. Every write is journaled once done
+    /// (`done`): the kernel does not say when the writer closes the file, so each write
+    /// is acknowledged as if it were the last.
+    pub(super) fn note_handleless_write(&self, ino: Ino, done: bool) {
+        let table = self.table.lock();
+        self.recent_writes
+            .lock()
+            .insert(ino, std::time::Instant::now());
+        let rec = if done {
+            table.get(ino).filter(|n| !n.unlinked).map(Record::node)
+        } else {
+            None
+        };
+        drop(table);
+        if let Some(rec) = rec
+            && let Err(e) = self.journal(&[rec])
+        {
+            tracing::warn!(error = %e, "cannot journal a write");
+        }
+        self.sync.request();
+    }
+
+    /// `read` of `ino` through `fh` (0: opened without asking).
+    pub fn read_at(&self, ino: Ino, fh: u64, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
+        self.check()?;
+        let h = self.handle_for(ino, fh, false)?;
+        read_handle(&h, offset, size)
+    }
+
+    /// `write` to `ino` through `fh` (0: opened without asking).
+    pub fn write_at(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+        self.check()?;
+        let h = self.handle_for(ino, fh, true)?;
+        let n = self.write_handle(&h, offset, data)?;
+        if fh == 0 {
+            self.note_handleless_write(ino, true);
+        }
+        Ok(n)
+    }
+
+    /// `flush` of `ino` through `fh`: nothing to do for a file opened without asking (its
+    /// writes are noted as they come).
+    pub fn flush_at(&self, ino: Ino, fh: u64) -> Result<(), FsError> {
+        if fh == 0 && self.no_open() {
+            let _ = ino;
+            return self.check();
+        }
+        self.flush(fh)
+    }
+
+    /// `fsync` of `ino` through `fh` (0: opened without asking).
+    pub fn fsync_at(&self, ino: Ino, fh: u64, datasync: bool) -> Result<(), FsError> {
+        if fh != 0 || !self.no_open() {
+            return self.fsync(fh, datasync);
+        }
+        self.check()?;
+        let h = self.handle_for(ino, fh, false)?;
+        if datasync {
+            h.file.sync_data()?;
+        } else {
+            h.file.sync_all()?;
+        }
+        let rec = self
+            .table
+            .lock()
+            .get(ino)
+            .filter(|n| !n.unlinked)
+            .map(Record::node);
+        if let Some(rec) = rec {
+            self.journal(&[rec])?;
+        }
+        self.journal.sync()?;
+        Ok(())
+    }
+
     /// `read`.
     pub fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
         self.check()?;
         let h = self.handle(fh)?;
-        let mut buf = vec![0u8; size as usize];
-        let mut done = 0;
-        while done < buf.len() {
-            let n = h.file.read_at(&mut buf[done..], offset + done as u64)?;
-            if n == 0 {
-                break;
-            }
-            done += n;
-        }
-        buf.truncate(done);
-        Ok(buf)
+        read_handle(&h, offset, size)
     }
 
     /// `write`.
     pub fn write(&self, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
         self.check()?;
         let h = self.handle(fh)?;
+        self.write_handle(&h, offset, data)
+    }
+
+    fn write_handle(&self, h: &Handle, offset: u64, data: &[u8]) -> Result<u32, FsError> {
         if !h.writable {
             return Err(FsError::BadHandle);
         }
@@ -580,4 +692,19 @@ pub(super) fn mark_dirty(node: &mut super::inode::Node) {
         hash: None,
         generation,
     };
+}
+
+/// Read up to `size` bytes at `offset` from a handle's upper file (short only at its end).
+fn read_handle(h: &Handle, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
+    let mut buf = vec![0u8; size as usize];
+    let mut done = 0;
+    while done < buf.len() {
+        let n = h.file.read_at(&mut buf[done..], offset + done as u64)?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    buf.truncate(done);
+    Ok(buf)
 }

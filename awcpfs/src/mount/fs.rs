@@ -18,7 +18,7 @@ use std::fs::File;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use awcp_protocol::rawname;
 use fuser::{FileAttr, FileType, INodeNo};
@@ -106,7 +106,18 @@ pub struct AwcpFs {
     pub(super) hydrating: Mutex<HashMap<Ino, Arc<Mutex<()>>>>,
     pub(super) sync: Arc<SyncSignal>,
     pub(super) stats: Arc<Stats>,
+    /// Set once the kernel opens files without asking (no-open, see
+    /// [`KernelOptions::no_open`](super::fuse::KernelOptions)): reads and writes then come
+    /// with handle 0, and an unlinked file is kept until the kernel forgets its inode.
+    no_open: AtomicBool,
+    /// Files written without a handle (no-open) and when, until the syncer takes them: a
+    /// file is written back once no write has touched it for [`WRITE_QUIET`].
+    pub(super) recent_writes: Mutex<HashMap<Ino, Instant>>,
 }
+
+/// How long a file written without an open handle must stay untouched before it is
+/// written back (the kernel does not tell when such a file is closed).
+pub const WRITE_QUIET: std::time::Duration = std::time::Duration::from_millis(50);
 
 impl std::fmt::Debug for AwcpFs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -168,7 +179,70 @@ impl AwcpFs {
             hydrating: Mutex::new(HashMap::new()),
             sync,
             stats,
+            no_open: AtomicBool::new(false),
+            recent_writes: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The kernel opens files without asking from now on (it was answered `ENOSYS`).
+    pub fn set_no_open(&self) {
+        self.no_open.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the kernel opens files without asking.
+    pub fn no_open(&self) -> bool {
+        self.no_open.load(Ordering::Relaxed)
+    }
+
+    /// `forget`: the kernel dropped `ino`. An unlinked file kept for descriptors the kernel
+    /// did not tell about (no-open) goes now.
+    pub fn forget(&self, ino: Ino) {
+        let mut table = self.table.lock();
+        let Some(node) = table.get(ino) else { return };
+        if node.unlinked && node.open_handles == 0 {
+            let kind = node.kind;
+            table.remove(ino);
+            drop(table);
+            self.recent_writes.lock().remove(&ino);
+            if kind == Kind::File {
+                let _ = std::fs::remove_file(self.upper_path(ino));
+            }
+        }
+    }
+
+    /// Files written without a handle (no-open) that no write touched for
+    /// [`WRITE_QUIET`] (all of them with `all`) are handed to the syncer (forgotten here;
+    /// each write was journaled as it came). Returns the ones still being written.
+    pub(super) fn quiet_writes(&self, all: bool) -> std::collections::HashSet<Ino> {
+        let now = Instant::now();
+        let mut busy = std::collections::HashSet::new();
+        self.recent_writes.lock().retain(|ino, t| {
+            let writing = !all && now.duration_since(*t) < WRITE_QUIET;
+            if writing {
+                busy.insert(*ino);
+            }
+            writing
+        });
+        busy
+    }
+
+    /// Whether `ino` was written without a handle and is not handed to the syncer yet.
+    pub(super) fn recently_written(&self, ino: Ino) -> bool {
+        self.recent_writes.lock().contains_key(&ino)
+    }
+
+    /// Files whose pages the kernel may cache: those with open handles, or, once the
+    /// kernel opens files without asking, every file with local content.
+    pub fn cached_inodes(&self) -> Vec<Ino> {
+        if !self.no_open() {
+            return self.open_inodes();
+        }
+        let table = self.table.lock();
+        table
+            .iter()
+            .filter(|n| n.kind == Kind::File && matches!(n.data, Data::Local { .. }))
+            .map(|n| n.ino)
+            .collect()
     }
 
     /// Inodes with open files (the unlinked-but-open included).
@@ -428,7 +502,9 @@ impl AwcpFs {
         };
         node.unlinked = true;
         node.ctime = SystemTime::now();
-        if node.open_handles == 0 {
+        // Without open/release (no-open) a descriptor may still read or write it: it goes
+        // at `forget`.
+        if node.open_handles == 0 && !(node.kind == Kind::File && self.no_open()) {
             let kind = node.kind;
             table.remove(ino);
             if kind == Kind::File {

@@ -38,6 +38,15 @@ pub struct KernelOptions {
     /// Let the kernel open directories without a round trip (it then keeps their listings,
     /// and `opendir`/`releasedir` never reach the filesystem) where it supports that.
     pub no_opendir: bool,
+    /// Let the kernel open existing files without a round trip (no-open): `open`,
+    /// `flush` and `release` of such files never reach the filesystem, reads and writes
+    /// come with handle 0, pages stay cached across opens. A file written that way is
+    /// written back once no write touched it for
+    /// [`WRITE_QUIET`](super::fs::WRITE_QUIET), not at its last `close` (which the
+    /// filesystem is not told about; the kernel then sends no `release` even for files
+    /// made with `create`, so those get handle 0 too). Ignored with `passthrough`, which
+    /// needs an `open` to hand the file over.
+    pub no_open: bool,
 }
 
 impl Default for KernelOptions {
@@ -46,6 +55,7 @@ impl Default for KernelOptions {
             ttl: Duration::from_secs(3600),
             passthrough: false,
             no_opendir: true,
+            no_open: true,
         }
     }
 }
@@ -61,6 +71,9 @@ pub struct FuseAdapter {
     want_no_opendir: bool,
     /// Set in `init` when the kernel opens directories without asking once told `ENOSYS`.
     no_opendir: AtomicBool,
+    /// Files are opened without asking once the kernel is told `ENOSYS` (see
+    /// [`KernelOptions::no_open`]).
+    no_open: bool,
     /// Backing ids of passthrough handles, dropped (closed) at release.
     /// Backing ids of passthrough inodes (one per inode: the kernel refuses a second open
     /// of an inode with a different backing file, with EIO) and how many handles use each.
@@ -79,6 +92,7 @@ impl FuseAdapter {
             passthrough: AtomicBool::new(false),
             want_no_opendir: opts.no_opendir,
             no_opendir: AtomicBool::new(false),
+            no_open: opts.no_open && !opts.passthrough,
             backing: Mutex::new(HashMap::new()),
             pt_handles: Mutex::new(HashMap::new()),
         }
@@ -204,10 +218,18 @@ macro_rules! reply_err {
 
 impl Filesystem for FuseAdapter {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        // O_TRUNC passed to open: without it the kernel opens (fetching the whole file)
+        // and then truncates, and `echo x > f` fails if the Delegator changed `f`. Not with
+        // no-open, where the kernel would take an unanswered open as done truncating: it
+        // then truncates with `setattr`, and opening fetches nothing anyway.
+        if !self.no_open
+            && config
+                .add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC)
+                .is_err()
+        {
+            tracing::debug!("kernel lacks atomic O_TRUNC: O_TRUNC opens fetch first");
+        }
         for (flag, why) in [
-            // O_TRUNC passed to open: without it the kernel opens (fetching the whole file)
-            // and then truncates, and `echo x > f` fails if the Delegator changed `f`.
-            (InitFlags::FUSE_ATOMIC_O_TRUNC, "O_TRUNC opens fetch first"),
             // Listing a directory returns attributes too: no lookup per entry.
             (
                 InitFlags::FUSE_DO_READDIRPLUS,
@@ -238,6 +260,11 @@ impl Filesystem for FuseAdapter {
                 .contains(InitFlags::FUSE_NO_OPENDIR_SUPPORT)
         {
             self.no_opendir.store(true, Ordering::Relaxed);
+        }
+        if self.no_open {
+            // From the start, not at the first `open`: a file created before it would
+            // otherwise get a handle whose `release` the kernel never sends.
+            self.fs.set_no_open();
         }
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
@@ -429,8 +456,20 @@ impl Filesystem for FuseAdapter {
         }
     }
 
+    fn forget(&self, _req: &Request, ino: INodeNo, _nlookup: u64) {
+        self.fs.forget(ino.0);
+    }
+
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         self.fs.stats().count_op("open");
+        if self.no_open {
+            // "Open files yourself from now on": this open succeeds with handle 0, and no
+            // further open, flush or release of an existing file is sent.
+            if let Err(e) = self.fs.check() {
+                return reply_err!(reply, "open", e);
+            }
+            return reply.error(Errno::ENOSYS);
+        }
         let mode = OpenMode::from_flags(flags.0);
         match self.fs.open(ino.0, mode) {
             Ok(fh) => {
@@ -460,7 +499,7 @@ impl Filesystem for FuseAdapter {
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -469,7 +508,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyData,
     ) {
         self.fs.stats().count_op("read");
-        match self.fs.read(fh.0, offset, size) {
+        match self.fs.read_at(ino.0, fh.0, offset, size) {
             Ok(data) => reply.data(&data),
             Err(e) => reply_err!(reply, "read", e),
         }
@@ -478,7 +517,7 @@ impl Filesystem for FuseAdapter {
     fn write(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
@@ -488,7 +527,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyWrite,
     ) {
         self.fs.stats().count_op("write");
-        match self.fs.write(fh.0, offset, data) {
+        match self.fs.write_at(ino.0, fh.0, offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply_err!(reply, "write", e),
         }
@@ -497,13 +536,16 @@ impl Filesystem for FuseAdapter {
     fn flush(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("flush");
-        match self.fs.flush(fh.0) {
+        match self.fs.flush_at(ino.0, fh.0) {
+            // With no-open, writes are noted as they come: no `close` needs a round
+            // trip, and `ENOSYS` tells the kernel to stop sending `flush`.
+            Ok(()) if self.no_open => reply.error(Errno::ENOSYS),
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "flush", e),
         }
@@ -532,13 +574,13 @@ impl Filesystem for FuseAdapter {
     fn fsync(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         datasync: bool,
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("fsync");
-        match self.fs.fsync(fh.0, datasync) {
+        match self.fs.fsync_at(ino.0, fh.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "fsync", e),
         }
@@ -744,7 +786,7 @@ impl Filesystem for FuseAdapter {
     fn fallocate(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         length: u64,
@@ -752,7 +794,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("fallocate");
-        match self.fs.fallocate(fh.0, offset, length, mode) {
+        match self.fs.fallocate(ino.0, fh.0, offset, length, mode) {
             Ok(_) => reply.ok(),
             Err(e) => reply_err!(reply, "fallocate", e),
         }

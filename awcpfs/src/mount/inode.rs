@@ -672,6 +672,11 @@ impl InodeTable {
         self.nodes.len()
     }
 
+    /// Every node, reachable or not (unlinked files kept for their descriptors too).
+    pub fn iter(&self) -> impl Iterator<Item = &Node> {
+        self.nodes.values()
+    }
+
     /// Whether the table is empty (never, once built).
     pub fn is_empty(&self) -> bool {
         self.nodes.is_empty()

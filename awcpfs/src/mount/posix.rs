@@ -164,17 +164,19 @@ impl AwcpFs {
         }])
     }
 
-    /// `fallocate` on an open handle: the same mode on the upper file (allocate, keep size,
-    /// punch a hole, zero a range…), after fetching the content if it is still remote.
+    /// `fallocate` on an open handle (0: a file opened without asking): the same mode on
+    /// the upper file (allocate, keep size, punch a hole, zero a range…), after fetching the
+    /// content if it is still remote.
     pub fn fallocate(
         &self,
+        ino: Ino,
         fh: u64,
         offset: u64,
         length: u64,
         mode: i32,
     ) -> Result<FileAttr, FsError> {
         self.check_write()?;
-        let h = self.handle(fh)?;
+        let h = self.handle_for(ino, fh, true)?;
         if !h.writable {
             return Err(FsError::BadHandle);
         }
@@ -202,7 +204,12 @@ impl AwcpFs {
         node.mtime = SystemTime::now();
         node.ctime = node.mtime;
         mark_dirty(node);
-        Ok(self.attr_of(node))
+        let attr = self.attr_of(node);
+        drop(table);
+        if fh == 0 {
+            self.note_handleless_write(ino, true);
+        }
+        Ok(attr)
     }
 }
 

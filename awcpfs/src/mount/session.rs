@@ -858,7 +858,7 @@ impl Mount {
             Some(s) => s.notifier(),
             None => return,
         };
-        let inos = self.inner.fs.open_inodes();
+        let inos = self.inner.fs.cached_inodes();
         for ino in inos {
             // ENOENT just means the kernel never cached that inode.
             let _ = notifier.inval_inode(fuser::INodeNo(ino), 0, -1);

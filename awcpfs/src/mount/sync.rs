@@ -341,7 +341,7 @@ fn covered(roots: &HashSet<String>, path: &str) -> bool {
 }
 
 /// A node's state as a round compares it.
-fn cur_of(n: &Node, include_open: bool) -> Cur {
+fn cur_of(n: &Node, include_open: bool, busy: &HashSet<Ino>) -> Cur {
     match n.kind {
         Kind::Dir => Cur::Dir {
             mode: u32::from(n.perm),
@@ -359,7 +359,7 @@ fn cur_of(n: &Node, include_open: bool) -> Cur {
                     generation,
                 } => (Some(*h), None, *generation),
                 Data::Local { generation, .. } => {
-                    if n.open_writers > 0 && !include_open {
+                    if (n.open_writers > 0 || busy.contains(&n.ino)) && !include_open {
                         return Cur::Skip;
                     }
                     (None, None, *generation)
@@ -394,6 +394,8 @@ pub struct Syncer {
     log: Option<SyncedLog>,
     seq: AtomicU64,
     instance: String,
+    /// The last round left files written without a handle too recently to write back.
+    busy: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Syncer {
@@ -464,6 +466,7 @@ impl Syncer {
             log: None,
             seq: AtomicU64::new(0),
             instance: hex::encode(rand::random::<[u8; 8]>()),
+            busy: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -487,12 +490,16 @@ impl Syncer {
     /// What a round compares, taken under the table's lock with the set of changes it
     /// covers (given back if the round fails).
     fn snapshot(&self, include_open: bool) -> Snapshot {
+        let busy = self.fs.quiet_writes(include_open);
+        self.busy
+            .store(!busy.is_empty(), std::sync::atomic::Ordering::Relaxed);
+        let busy = &busy;
         let mut table = self.fs.table.lock();
         let taken = table.take_dirty();
         let mut entries = Vec::new();
         if taken.all {
             entries.reserve(table.len());
-            table.walk(|path, n| entries.push((path.to_string(), cur_of(n, include_open))));
+            table.walk(|path, n| entries.push((path.to_string(), cur_of(n, include_open, busy))));
             return Snapshot {
                 entries,
                 scope: Scope::All,
@@ -518,7 +525,7 @@ impl Syncer {
                     if n.kind == Kind::File && !n.links.is_empty() {
                         linked.push(n.ino);
                     }
-                    entries.push((path.to_string(), cur_of(n, include_open)));
+                    entries.push((path.to_string(), cur_of(n, include_open, busy)));
                 });
             }
         }
@@ -533,7 +540,7 @@ impl Syncer {
                     continue;
                 }
                 exact.insert(path.clone());
-                entries.push((path, cur_of(n, include_open)));
+                entries.push((path, cur_of(n, include_open, busy)));
             }
         }
         Snapshot {
@@ -1049,14 +1056,18 @@ impl Syncer {
         let mut backoff = Duration::from_millis(100);
         let mut retry = false;
         loop {
+            // Files written without a handle are taken once quiet: come back for them.
+            let busy = self.busy.load(std::sync::atomic::Ordering::Relaxed);
             let wait = if retry {
                 backoff
+            } else if busy {
+                Duration::ZERO
             } else {
                 Duration::from_secs(1)
             };
             match signal.wait(wait) {
                 None => return,
-                Some(false) if !retry => continue,
+                Some(false) if !retry && !busy => continue,
                 Some(_) => {}
             }
             std::thread::sleep(debounce);

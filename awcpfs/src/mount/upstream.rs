@@ -140,8 +140,10 @@ fn subtree(table: &InodeTable, path: &str, ino: Ino) -> Vec<(String, Ino)> {
 }
 
 /// Whether every node in `nodes` is exactly what `synced` says the export has, not open
-/// for writing, and has one name.
+/// for writing (nor written without a handle and not yet handed to the syncer), and has
+/// one name.
 fn all_clean(
+    fs: &super::fs::AwcpFs,
     table: &InodeTable,
     synced: &BTreeMap<String, Synced>,
     nodes: &[(String, Ino)],
@@ -150,7 +152,7 @@ fn all_clean(
         let Some(n) = table.get(*ino) else {
             return false;
         };
-        if n.open_writers > 0 || !n.links.is_empty() {
+        if n.open_writers > 0 || !n.links.is_empty() || fs.recently_written(*ino) {
             return false;
         }
         match (state_of(n), synced.get(path)) {
@@ -187,7 +189,7 @@ impl Syncer {
                 }
                 Some(ino) => {
                     let nodes = subtree(&table, path, ino);
-                    if !all_clean(&table, &synced, &nodes) {
+                    if !all_clean(fs, &table, &synced, &nodes) {
                         report.kept_local += 1;
                         continue;
                     }
@@ -259,7 +261,7 @@ impl Syncer {
                     } else {
                         subtree(&table, &e.path, ino)
                     };
-                    if !all_clean(&table, &synced, &nodes) {
+                    if !all_clean(fs, &table, &synced, &nodes) {
                         report.kept_local += 1;
                         continue;
                     }
