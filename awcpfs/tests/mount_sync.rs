@@ -30,6 +30,15 @@ struct Fixture {
 }
 
 fn fixture(read_only: bool, build: impl FnOnce(&Path)) -> Fixture {
+    fixture_with(read_only, build, |r| r)
+}
+
+/// A fixture whose remote is `wrap`ped (to hold fetches back, say).
+fn fixture_with(
+    read_only: bool,
+    build: impl FnOnce(&Path),
+    wrap: impl FnOnce(Arc<dyn Remote>) -> Arc<dyn Remote>,
+) -> Fixture {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("root");
     let state = tmp.path().join("state");
@@ -72,6 +81,7 @@ fn fixture(read_only: bool, build: impl FnOnce(&Path)) -> Fixture {
         Duration::from_secs(10),
     ));
     let (manifest, _) = remote.manifest().unwrap();
+    let remote = wrap(remote);
     let table = InodeTable::from_manifest(&manifest, 0, 0).unwrap();
     let fs = Arc::new(AwcpFs::new(
         table,
@@ -1174,4 +1184,136 @@ mod tracked_rounds {
             prop_assert_eq!(export_tree(&f.root), mount_tree(&f));
         }
     }
+}
+
+/// A remote whose block fetches after the first wait until the gate opens (at most 20 s).
+struct Gated {
+    inner: Arc<dyn Remote>,
+    fetches: std::sync::atomic::AtomicUsize,
+    open: parking_lot::Mutex<bool>,
+    cv: parking_lot::Condvar,
+}
+
+impl Gated {
+    fn release(&self) {
+        *self.open.lock() = true;
+        self.cv.notify_all();
+    }
+}
+
+impl Remote for Gated {
+    fn manifest(
+        &self,
+    ) -> Result<(awcp_protocol::dataplane::Manifest, String), awcpfs::mount::remote::RemoteError>
+    {
+        self.inner.manifest()
+    }
+    fn fetch_blocks(
+        &self,
+        hashes: &[String],
+    ) -> Result<Vec<Vec<u8>>, awcpfs::mount::remote::RemoteError> {
+        if self
+            .fetches
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            > 0
+        {
+            let mut open = self.open.lock();
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while !*open && std::time::Instant::now() < deadline {
+                self.cv.wait_until(&mut open, deadline);
+            }
+        }
+        self.inner.fetch_blocks(hashes)
+    }
+    fn missing(
+        &self,
+        hashes: &[String],
+    ) -> Result<Vec<String>, awcpfs::mount::remote::RemoteError> {
+        self.inner.missing(hashes)
+    }
+    fn upload(
+        &self,
+        blocks: &[([u8; 32], &[u8])],
+    ) -> Result<(), awcpfs::mount::remote::RemoteError> {
+        self.inner.upload(blocks)
+    }
+    fn commit(
+        &self,
+        changes: &awcp_protocol::dataplane::ChangeSet,
+    ) -> Result<awcp_protocol::dataplane::CommitResult, awcpfs::mount::remote::RemoteError> {
+        self.inner.commit(changes)
+    }
+    fn renew(
+        &self,
+    ) -> Result<awcp_protocol::dataplane::ExportEvent, awcpfs::mount::remote::RemoteError> {
+        self.inner.renew()
+    }
+    fn events(
+        &self,
+    ) -> Result<
+        Box<dyn Iterator<Item = awcpfs::mount::remote::StreamItem> + Send>,
+        awcpfs::mount::remote::RemoteError,
+    > {
+        self.inner.events()
+    }
+}
+
+#[test]
+fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
+    // 5 MiB in 4 KiB blocks: 80 fetches of 16 blocks; all but the first are held back.
+    let big: Vec<u8> = (0..5u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
+    let g2 = gate.clone();
+    let f = fixture_with(
+        false,
+        |r| std::fs::write(r.join("big.bin"), &big).unwrap(),
+        move |inner| {
+            let g = Arc::new(Gated {
+                inner,
+                fetches: Default::default(),
+                open: parking_lot::Mutex::new(false),
+                cv: parking_lot::Condvar::new(),
+            });
+            *g2.lock() = Some(g.clone());
+            g
+        },
+    );
+    let gated = gate.lock().clone().unwrap();
+    f.fs.set_no_open();
+    let ino = f.fs.lookup(ROOT_INO, o("big.bin")).unwrap().ino.0;
+    // The first 64 KiB arrive with the first fetch: the read returns while the rest of the
+    // file is still held back.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let fs = f.fs.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(fs.read_at(ino, 0, 0, 65536));
+    });
+    let first = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the read waited for the whole file")
+        .unwrap();
+    assert_eq!(first, &big[..65536]);
+    gated.release();
+    // Out of order, across block edges, past the end.
+    for (off, len) in [
+        (3u64 << 20, 131_072u32),
+        ((1 << 20) + 7, 65536),
+        ((5 << 20) - 100, 4096),
+        (5 << 20, 4096),
+    ] {
+        let got = f.fs.read_at(ino, 0, off, len).unwrap();
+        let start = (off as usize).min(big.len());
+        let end = (off as usize + len as usize).min(big.len());
+        assert_eq!(got, &big[start..end], "read of {len} at {off}");
+    }
+    // Once the stream is done, the file is local and reads the same.
+    let mut all = Vec::new();
+    while all.len() < big.len() {
+        let chunk = f.fs.read_at(ino, 0, all.len() as u64, 1 << 20).unwrap();
+        assert!(!chunk.is_empty());
+        all.extend_from_slice(&chunk);
+    }
+    assert_eq!(all, big);
 }

@@ -70,9 +70,114 @@ impl OpenMode {
     }
 }
 
+/// Remote files at least this large are streamed to readers without a handle (no-open): a
+/// background thread fetches the file, and a read waits only for the bytes it asks for.
+pub const STREAM_MIN: u64 = 4 << 20;
+
+/// A large file being fetched in the background, readable as its blocks arrive.
+#[derive(Debug, Default)]
+pub(super) struct Stream {
+    /// The fetch's temporary file, opened for reading once the fetch created it (it is
+    /// renamed to the upper file at the end; this descriptor stays valid).
+    file: std::sync::OnceLock<std::fs::File>,
+    state: Mutex<StreamState>,
+    cv: parking_lot::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct StreamState {
+    /// Bytes written to the temporary file so far, from offset 0.
+    written: u64,
+    /// The fetch ended (with `failed` set if it failed).
+    done: bool,
+    failed: bool,
+}
+
+impl Stream {
+    fn advance(&self, written: u64) {
+        self.state.lock().written = written;
+        self.cv.notify_all();
+    }
+
+    fn finish(&self, failed: bool) {
+        let mut st = self.state.lock();
+        st.done = true;
+        st.failed = failed;
+        drop(st);
+        self.cv.notify_all();
+    }
+}
+
 impl AwcpFs {
     /// Make sure `ino`'s content is in its upper file, fetching it if needed.
     pub(super) fn ensure_local(&self, ino: Ino) -> Result<(), FsError> {
+        self.fetch_local(ino, None)
+    }
+
+    /// A read of a large remote file without a handle: served from the background fetch
+    /// as soon as the blocks it covers are written (started here if none runs). `None`
+    /// when the file is not a large remote one (any more): read it as usual.
+    pub fn read_streamed(
+        self: &Arc<Self>,
+        ino: Ino,
+        offset: u64,
+        size: u32,
+    ) -> Result<Option<Vec<u8>>, FsError> {
+        let file_size = {
+            let table = self.table.lock();
+            match table.get(ino) {
+                Some(n) if n.size >= STREAM_MIN && matches!(n.data, Data::Remote { .. }) => n.size,
+                _ => return Ok(None),
+            }
+        };
+        let stream = {
+            let mut streams = self.streams.lock();
+            match streams.get(&ino) {
+                Some(s) => s.clone(),
+                None => {
+                    let s = Arc::new(Stream::default());
+                    let (fs, bg) = (self.clone(), s.clone());
+                    let spawned = std::thread::Builder::new()
+                        .name("awcpfs-stream".into())
+                        .spawn(move || {
+                            let r = fs.fetch_local(ino, Some(&bg));
+                            if let Err(e) = &r {
+                                tracing::debug!(ino, error = %e, "streamed fetch failed");
+                            }
+                            fs.streams.lock().remove(&ino);
+                            bg.finish(r.is_err());
+                        });
+                    if spawned.is_err() {
+                        return Ok(None);
+                    }
+                    streams.insert(ino, s.clone());
+                    s
+                }
+            }
+        };
+        let want = offset.saturating_add(u64::from(size)).min(file_size);
+        let mut st = stream.state.lock();
+        while st.written < want && !st.done {
+            stream.cv.wait(&mut st);
+        }
+        let (reached, failed) = (st.written >= want, st.failed);
+        drop(st);
+        self.check()?;
+        if failed && !reached {
+            return Err(FsError::from(std::io::Error::other(
+                "fetching the file from the Delegator failed",
+            )));
+        }
+        match stream.file.get() {
+            // Fetched by someone else meanwhile (an open, a write): it is local now.
+            Some(file) if reached => read_file(file, offset, size).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Fetch `ino`'s content into its upper file unless it is local, publishing progress
+    /// to `stream`.
+    fn fetch_local(&self, ino: Ino, stream: Option<&Stream>) -> Result<(), FsError> {
         let lock = {
             let mut h = self.hydrating.lock();
             h.entry(ino)
@@ -91,6 +196,9 @@ impl AwcpFs {
         };
         let tmp = self.opts.upper_dir.join(format!(".fetch-{ino}"));
         let mut out = std::fs::File::create(&tmp)?;
+        if let Some(s) = stream {
+            let _ = s.file.set(std::fs::File::open(&tmp)?);
+        }
         let mut fetched = 0u64;
         // Every block is verified against its hash as it arrives (the remote does it), and
         // the blocks are the manifest's for this content: no second pass over the file.
@@ -122,6 +230,9 @@ impl AwcpFs {
                 for d in &batch {
                     out.write_all(d)?;
                     fetched += d.len() as u64;
+                    if let Some(s) = stream {
+                        s.advance(fetched);
+                    }
                 }
             }
             Ok(())
@@ -516,9 +627,22 @@ impl AwcpFs {
         self.sync.request();
     }
 
-    /// `read` of `ino` through `fh` (0: opened without asking).
-    pub fn read_at(&self, ino: Ino, fh: u64, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
+    /// `read` of `ino` through `fh` (0: opened without asking; a large remote file is then
+    /// streamed, see [`AwcpFs::read_streamed`]).
+    pub fn read_at(
+        self: &Arc<Self>,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        size: u32,
+    ) -> Result<Vec<u8>, FsError> {
         self.check()?;
+        if fh == 0
+            && self.no_open()
+            && let Some(data) = self.read_streamed(ino, offset, size)?
+        {
+            return Ok(data);
+        }
         let h = self.handle_for(ino, fh, false)?;
         read_handle(&h, offset, size)
     }
@@ -696,10 +820,15 @@ pub(super) fn mark_dirty(node: &mut super::inode::Node) {
 
 /// Read up to `size` bytes at `offset` from a handle's upper file (short only at its end).
 fn read_handle(h: &Handle, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
+    read_file(&h.file, offset, size)
+}
+
+/// Read up to `size` bytes at `offset` from `file` (short only at its end).
+fn read_file(file: &std::fs::File, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
     let mut buf = vec![0u8; size as usize];
     let mut done = 0;
     while done < buf.len() {
-        let n = h.file.read_at(&mut buf[done..], offset + done as u64)?;
+        let n = file.read_at(&mut buf[done..], offset + done as u64)?;
         if n == 0 {
             break;
         }

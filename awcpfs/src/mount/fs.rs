@@ -113,6 +113,8 @@ pub struct AwcpFs {
     /// Files written without a handle (no-open) and when, until the syncer takes them: a
     /// file is written back once no write has touched it for [`WRITE_QUIET`].
     pub(super) recent_writes: Mutex<HashMap<Ino, Instant>>,
+    /// Large files being fetched in the background for reads without a handle.
+    pub(super) streams: Mutex<HashMap<Ino, Arc<super::content::Stream>>>,
 }
 
 /// How long a file written without an open handle must stay untouched before it is
@@ -181,6 +183,7 @@ impl AwcpFs {
             stats,
             no_open: AtomicBool::new(false),
             recent_writes: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
         }
     }
 
@@ -224,6 +227,17 @@ impl AwcpFs {
             writing
         });
         busy
+    }
+
+    /// How long until the most recently written file without a handle is quiet (zero if
+    /// one is already); `None` if there is none.
+    pub(super) fn next_quiet_in(&self) -> Option<std::time::Duration> {
+        let now = Instant::now();
+        self.recent_writes
+            .lock()
+            .values()
+            .map(|t| WRITE_QUIET.saturating_sub(now.duration_since(*t)))
+            .max()
     }
 
     /// Whether `ino` was written without a handle and is not handed to the syncer yet.

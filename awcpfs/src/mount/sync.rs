@@ -394,8 +394,6 @@ pub struct Syncer {
     log: Option<SyncedLog>,
     seq: AtomicU64,
     instance: String,
-    /// The last round left files written without a handle too recently to write back.
-    busy: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Syncer {
@@ -466,7 +464,6 @@ impl Syncer {
             log: None,
             seq: AtomicU64::new(0),
             instance: hex::encode(rand::random::<[u8; 8]>()),
-            busy: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -490,10 +487,7 @@ impl Syncer {
     /// What a round compares, taken under the table's lock with the set of changes it
     /// covers (given back if the round fails).
     fn snapshot(&self, include_open: bool) -> Snapshot {
-        let busy = self.fs.quiet_writes(include_open);
-        self.busy
-            .store(!busy.is_empty(), std::sync::atomic::Ordering::Relaxed);
-        let busy = &busy;
+        let busy = &self.fs.quiet_writes(include_open);
         let mut table = self.fs.table.lock();
         let taken = table.take_dirty();
         let mut entries = Vec::new();
@@ -1057,20 +1051,23 @@ impl Syncer {
         let mut retry = false;
         loop {
             // Files written without a handle are taken once quiet: come back for them.
-            let busy = self.busy.load(std::sync::atomic::Ordering::Relaxed);
+            let quiet_in = self.fs.next_quiet_in();
             let wait = if retry {
                 backoff
-            } else if busy {
-                Duration::ZERO
             } else {
-                Duration::from_secs(1)
+                quiet_in.unwrap_or(Duration::from_secs(1))
             };
             match signal.wait(wait) {
                 None => return,
-                Some(false) if !retry && !busy => continue,
-                Some(_) => {}
+                Some(false) if !retry && quiet_in.is_none() => continue,
+                Some(true) => std::thread::sleep(debounce),
+                Some(false) => {}
             }
-            std::thread::sleep(debounce);
+            // A file written without a handle a moment ago: wait until it is quiet rather
+            // than run a round that leaves it out (at most WRITE_QUIET).
+            if let Some(d) = self.fs.next_quiet_in() {
+                std::thread::sleep(d);
+            }
             match self.round(false) {
                 Ok(_) => {
                     retry = false;
