@@ -183,6 +183,24 @@ out("chown.result", (os.stat("times").st_uid, os.stat("times").st_gid))
 ctime = os.stat("times").st_ctime_ns
 os.chmod("times", 0o600)
 out("chmod.ctime_moves", os.stat("times").st_ctime_ns >= ctime)
+# A write by a process without CAP_FSETID clears set-user-ID and set-group-ID (awcpfs does it
+# itself when the kernel asks, FUSE_HANDLE_KILLPRIV_V2).
+write("suid", b"s")
+os.chmod("suid", 0o6777)
+wfd = os.open("suid", os.O_WRONLY | os.O_APPEND)
+pid = os.fork()
+if pid == 0:
+    try:
+        os.setgid(4343)
+        os.setuid(4242)
+        os.write(wfd, b"x")
+        os._exit(0)
+    except BaseException:
+        os._exit(1)
+os.close(wfd)
+out("killpriv.writer", os.waitpid(pid, 0)[1])
+out("killpriv.mode", oct(os.stat("suid").st_mode & 0o7777))
+out("killpriv.content", open("suid", "rb").read())
 
 # --- extended attributes --------------------------------------------------------------------
 write("xa", b"x")

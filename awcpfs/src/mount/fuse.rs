@@ -249,6 +249,13 @@ impl Filesystem for FuseAdapter {
                 InitFlags::FUSE_AUTO_INVAL_DATA,
                 "cached pages are not checked against mtime",
             ),
+            // We clear set-user-ID/set-group-ID on writes ourselves, so the kernel marks the
+            // filesystem SB_NOSEC: a write no longer asks for `security.capability` first
+            // (a `getxattr` round trip per `write`).
+            (
+                InitFlags::FUSE_HANDLE_KILLPRIV_V2,
+                "every write asks for security.capability first",
+            ),
         ] {
             if config.add_capabilities(flag).is_err() {
                 tracing::debug!(?flag, "kernel lacks this FUSE feature: {why}");
@@ -521,12 +528,17 @@ impl Filesystem for FuseAdapter {
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         self.fs.stats().count_op("write");
+        if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
+            // We told the kernel we clear set-user-ID and set-group-ID on writes
+            // (FUSE_HANDLE_KILLPRIV_V2).
+            self.fs.drop_suidgid(ino.0);
+        }
         match self.fs.write_at(ino.0, fh.0, offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply_err!(reply, "write", e),

@@ -164,6 +164,28 @@ impl AwcpFs {
         }])
     }
 
+    /// Clear set-user-ID and set-group-ID of a file being written by someone without
+    /// `CAP_FSETID` (the kernel asks, see `FUSE_HANDLE_KILLPRIV_V2`).
+    pub fn drop_suidgid(&self, ino: Ino) {
+        let rec = {
+            let mut table = self.table.lock();
+            let Some(node) = table.get_mut(ino) else {
+                return;
+            };
+            if node.perm & 0o6000 == 0 {
+                return;
+            }
+            node.perm &= !0o6000;
+            node.ctime = SystemTime::now();
+            let rec = Record::node(node);
+            table.mark_node(ino);
+            rec
+        };
+        if let Err(e) = self.journal(&[rec]) {
+            tracing::warn!(error = %e, "cannot journal a mode change");
+        }
+    }
+
     /// `fallocate` on an open handle (0: a file opened without asking): the same mode on
     /// the upper file (allocate, keep size, punch a hole, zero a range…), after fetching the
     /// content if it is still remote.
