@@ -60,8 +60,9 @@ const UPLOAD_LIMIT: usize = 256 << 20;
 const MAX_HASHES: usize = 65_536;
 /// A body that sends nothing for this long is abandoned.
 const BODY_IDLE: Duration = Duration::from_secs(60);
-/// Blocks read concurrently while streaming a `/blocks` answer.
-const READ_AHEAD: usize = 4;
+/// Blocks read concurrently while streaming a `/blocks` answer (a cold tree of small files
+/// is read from disk: more reads in flight keep the disk busy).
+const READ_AHEAD: usize = 8;
 
 /// Which checks the gate applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -466,11 +466,14 @@ impl Mount {
                 .expect("spawning a thread");
         }
         if self.inner.cfg.hydrate_max_size > 0 {
-            let m = self.clone();
-            std::thread::Builder::new()
-                .name("awcpfs-hydrate".into())
-                .spawn(move || m.hydrate_small_files())
-                .expect("spawning a thread");
+            let batches = Arc::new(Mutex::new(self.hydration_batches()));
+            for _ in 0..HYDRATE_WORKERS {
+                let (m, batches) = (self.clone(), batches.clone());
+                std::thread::Builder::new()
+                    .name("awcpfs-hydrate".into())
+                    .spawn(move || m.hydrate_small_files(&batches))
+                    .expect("spawning a thread");
+            }
         }
         let m = self.clone();
         std::thread::Builder::new()
@@ -484,28 +487,43 @@ impl Mount {
             .expect("spawning a thread");
     }
 
-    /// Background hydration: small files in batches of at most 4 MiB / 1024 files per
-    /// request. A batch the export refuses (a file changed on the Delegator) is skipped;
-    /// any other failure stops it (on-demand fetches still work then).
-    fn hydrate_small_files(&self) {
-        const BATCH_BYTES: u64 = 4 << 20;
-        const BATCH_FILES: usize = 1024;
-        let candidates = self
-            .inner
-            .fs
-            .remote_small_files(self.inner.cfg.hydrate_max_size);
-        let total = candidates.len();
-        let started = Instant::now();
+    /// The small files to hydrate, in tree order, in batches of at most 1 MiB / 256 files
+    /// (one request each).
+    fn hydration_batches(&self) -> std::collections::VecDeque<Vec<u64>> {
+        const BATCH_BYTES: u64 = 1 << 20;
+        const BATCH_FILES: usize = 256;
+        let mut batches = std::collections::VecDeque::new();
         let mut batch: Vec<u64> = Vec::new();
         let mut bytes = 0u64;
-        let mut done = 0usize;
-        let mut iter = candidates.into_iter().peekable();
-        while let Some((ino, size)) = iter.next() {
+        for (ino, size) in self
+            .inner
+            .fs
+            .remote_small_files(self.inner.cfg.hydrate_max_size)
+        {
             batch.push(ino);
             bytes += size;
-            if bytes < BATCH_BYTES && batch.len() < BATCH_FILES && iter.peek().is_some() {
-                continue;
+            if bytes >= BATCH_BYTES || batch.len() >= BATCH_FILES {
+                batches.push_back(std::mem::take(&mut batch));
+                bytes = 0;
             }
+        }
+        if !batch.is_empty() {
+            batches.push_back(batch);
+        }
+        batches
+    }
+
+    /// Background hydration, one of [`HYDRATE_WORKERS`]: takes batches in order until none
+    /// is left, so one worker's request is answered while another's files are written. A
+    /// batch the export refuses (a file changed on the Delegator) is skipped; any other
+    /// failure stops this worker (on-demand fetches still work then).
+    fn hydrate_small_files(&self, batches: &Mutex<std::collections::VecDeque<Vec<u64>>>) {
+        let started = Instant::now();
+        let mut done = 0usize;
+        loop {
+            let Some(batch) = batches.lock().pop_front() else {
+                break;
+            };
             if self.inner.ending.load(Ordering::SeqCst) {
                 return;
             }
@@ -522,10 +540,8 @@ impl Mount {
                     return;
                 }
             }
-            batch.clear();
-            bytes = 0;
         }
-        tracing::debug!(files = done, of = total, elapsed = ?started.elapsed(), "small files hydrated");
+        tracing::debug!(files = done, elapsed = ?started.elapsed(), "small files hydrated by this worker");
     }
 
     /// Renew the lease whenever less than `margin` is left. Its own thread, so a slow or
@@ -897,8 +913,12 @@ impl Mount {
     }
 }
 
+/// Background hydration workers: two requests in flight, so the export reads the next batch
+/// while this side writes the last one.
+const HYDRATE_WORKERS: usize = 2;
+
 /// The kernel's read-ahead for this mount, in KiB (its default for FUSE is 128).
-const READ_AHEAD_KB: u32 = 4096;
+const READ_AHEAD_KB: u32 = 1024;
 
 /// Let the kernel read ahead further on this mount: a sequential read then keeps more
 /// requests in flight (a large file streams from the Delegator while it is read). Needs
