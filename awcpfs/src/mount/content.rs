@@ -522,6 +522,18 @@ impl AwcpFs {
             let ino = table.alloc_ino();
             std::fs::File::create(self.upper_path(ino))?;
             let node = self.new_file_node(ino, parent, name, (mode & 0o7777) as u16);
+            if self.no_open() {
+                // Before the syncer can see the node (we hold the table's lock): it must
+                // not take the empty file its writer is about to fill.
+                self.recent_writes.lock().insert(
+                    ino,
+                    super::fs::RecentWrite {
+                        at: Some(std::time::Instant::now()),
+                        writing: 0,
+                        created: true,
+                    },
+                );
+            }
             self.add_child_node(&mut table, node)?;
             ino
         };
@@ -529,7 +541,6 @@ impl AwcpFs {
             // The kernel sends no `release` at all once it opens files itself, not even
             // for created files: no handle to keep, the new file is written like any other
             // file opened without asking.
-            self.note_handleless_write(ino, false);
             let attr = self.getattr(ino)?;
             return Ok((attr, 0));
         }
@@ -580,7 +591,6 @@ impl AwcpFs {
         }
         if write {
             self.check_write()?;
-            self.note_handleless_write(ino, false);
         }
         let kind = self.table.lock().get(ino).ok_or(FsError::NotFound)?.kind;
         if kind != Kind::File {
@@ -601,18 +611,31 @@ impl AwcpFs {
         }))
     }
 
-    /// A write without a handle (no-open) starts or ended on `ino`: the syncer leaves the
-    /// file alone until no write has touched it for [`WRITE_QUIET`](super::fs::WRITE_QUIET)
-    /// (the kernel does not say when it is closed), and a Delegator-side change does not
-    /// replace it meanwhile. Noted under the table's lock, which a Delegator-side change
-    /// holds from its check to replacing the file. Every write is journaled once done
-    /// (`done`): the kernel does not say when the writer closes the file, so each write
-    /// is acknowledged as if it were the last.
-    pub(super) fn note_handleless_write(&self, ino: Ino, done: bool) {
+    /// A write without a handle (no-open) starts on `ino`: until it ends and no write has
+    /// touched the file for [`WRITE_QUIET`](super::fs::WRITE_QUIET) (the kernel does not
+    /// say when it is closed), the syncer leaves the file alone and a Delegator-side change
+    /// does not replace it. Noted under the table's lock, which a Delegator-side change
+    /// holds from its check to replacing the file, before the upper file is opened.
+    pub(super) fn begin_handleless_write(&self, ino: Ino) {
+        let _table = self.table.lock();
+        let mut recent = self.recent_writes.lock();
+        let e = recent.entry(ino).or_default();
+        e.at = Some(std::time::Instant::now());
+        e.writing += 1;
+    }
+
+    /// The write [`begun`](Self::begin_handleless_write) on `ino` ended. A write that
+    /// happened (`done`) is journaled: the kernel does not say when the writer closes the
+    /// file, so each write is acknowledged as if it were the last.
+    pub(super) fn end_handleless_write(&self, ino: Ino, done: bool) {
         let table = self.table.lock();
-        self.recent_writes
-            .lock()
-            .insert(ino, std::time::Instant::now());
+        {
+            let mut recent = self.recent_writes.lock();
+            let e = recent.entry(ino).or_default();
+            e.at = Some(std::time::Instant::now());
+            e.writing = e.writing.saturating_sub(1);
+            e.created &= !done;
+        }
         let rec = if done {
             table.get(ino).filter(|n| !n.unlinked).map(Record::node)
         } else {
@@ -650,12 +673,17 @@ impl AwcpFs {
     /// `write` to `ino` through `fh` (0: opened without asking).
     pub fn write_at(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
         self.check()?;
-        let h = self.handle_for(ino, fh, true)?;
-        let n = self.write_handle(&h, offset, data)?;
-        if fh == 0 {
-            self.note_handleless_write(ino, true);
+        if fh != 0 || !self.no_open() {
+            let h = self.handle(fh)?;
+            return self.write_handle(&h, offset, data);
         }
-        Ok(n)
+        self.check_write()?;
+        self.begin_handleless_write(ino);
+        let r = self
+            .handle_for(ino, fh, true)
+            .and_then(|h| self.write_handle(&h, offset, data));
+        self.end_handleless_write(ino, r.is_ok());
+        r
     }
 
     /// `flush` of `ino` through `fh`: nothing to do for a file opened without asking (its

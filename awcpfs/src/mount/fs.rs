@@ -112,10 +112,36 @@ pub struct AwcpFs {
     no_open: AtomicBool,
     /// Files written without a handle (no-open) and when, until the syncer takes them: a
     /// file is written back once no write has touched it for [`WRITE_QUIET`].
-    pub(super) recent_writes: Mutex<HashMap<Ino, Instant>>,
+    pub(super) recent_writes: Mutex<HashMap<Ino, RecentWrite>>,
     /// Large files being fetched in the background for reads without a handle.
     pub(super) streams: Mutex<HashMap<Ino, Arc<super::content::Stream>>>,
 }
+
+/// Writes without a handle (no-open) to one file: how many are under way, and when the
+/// last one started or ended.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct RecentWrite {
+    pub(super) at: Option<Instant>,
+    pub(super) writing: u32,
+    /// Created and not written yet: most such files are written a moment later, so they
+    /// wait [`CREATED_QUIET`] (an empty intermediate version committed just before a
+    /// crash would meet the real one as a conflict at recovery).
+    pub(super) created: bool,
+}
+
+impl RecentWrite {
+    fn quiet(&self) -> std::time::Duration {
+        if self.created {
+            CREATED_QUIET
+        } else {
+            WRITE_QUIET
+        }
+    }
+}
+
+/// How long a file created without a handle and not written since waits before it is
+/// written back (empty).
+pub const CREATED_QUIET: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How long a file written without an open handle must stay untouched before it is
 /// written back (the kernel does not tell when such a file is closed).
@@ -219,8 +245,9 @@ impl AwcpFs {
     pub(super) fn quiet_writes(&self, all: bool) -> std::collections::HashSet<Ino> {
         let now = Instant::now();
         let mut busy = std::collections::HashSet::new();
-        self.recent_writes.lock().retain(|ino, t| {
-            let writing = !all && now.duration_since(*t) < WRITE_QUIET;
+        self.recent_writes.lock().retain(|ino, w| {
+            let writing =
+                !all && (w.writing > 0 || w.at.is_some_and(|t| now.duration_since(t) < w.quiet()));
             if writing {
                 busy.insert(*ino);
             }
@@ -229,15 +256,20 @@ impl AwcpFs {
         busy
     }
 
-    /// How long until the most recently written file without a handle is quiet (zero if
-    /// one is already); `None` if there is none.
+    /// How long until the next file written without a handle is quiet (zero if one is
+    /// already); `None` if there is none.
     pub(super) fn next_quiet_in(&self) -> Option<std::time::Duration> {
         let now = Instant::now();
         self.recent_writes
             .lock()
             .values()
-            .map(|t| WRITE_QUIET.saturating_sub(now.duration_since(*t)))
-            .max()
+            .map(|w| match w.at {
+                // A write still under way: look again a quiet period later.
+                _ if w.writing > 0 => WRITE_QUIET,
+                Some(t) => w.quiet().saturating_sub(now.duration_since(t)),
+                None => std::time::Duration::ZERO,
+            })
+            .min()
     }
 
     /// Whether `ino` was written without a handle and is not handed to the syncer yet.

@@ -198,6 +198,25 @@ impl AwcpFs {
         mode: i32,
     ) -> Result<FileAttr, FsError> {
         self.check_write()?;
+        let handleless = fh == 0 && self.no_open();
+        if handleless {
+            self.begin_handleless_write(ino);
+        }
+        let r = self.fallocate_through(ino, fh, offset, length, mode);
+        if handleless {
+            self.end_handleless_write(ino, r.is_ok());
+        }
+        r
+    }
+
+    fn fallocate_through(
+        &self,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        length: u64,
+        mode: i32,
+    ) -> Result<FileAttr, FsError> {
         let h = self.handle_for(ino, fh, true)?;
         if !h.writable {
             return Err(FsError::BadHandle);
@@ -226,12 +245,7 @@ impl AwcpFs {
         node.mtime = SystemTime::now();
         node.ctime = node.mtime;
         mark_dirty(node);
-        let attr = self.attr_of(node);
-        drop(table);
-        if fh == 0 {
-            self.note_handleless_write(ino, true);
-        }
-        Ok(attr)
+        Ok(self.attr_of(node))
     }
 }
 

@@ -1064,8 +1064,11 @@ impl Syncer {
                 Some(false) => {}
             }
             // A file written without a handle a moment ago: wait until it is quiet rather
-            // than run a round that leaves it out (at most WRITE_QUIET).
-            if let Some(d) = self.fs.next_quiet_in() {
+            // than run a round that leaves it out (at most WRITE_QUIET; a created, unwritten
+            // file waits longer, in a later round).
+            if let Some(d) = self.fs.next_quiet_in()
+                && d <= super::fs::WRITE_QUIET
+            {
                 std::thread::sleep(d);
             }
             match self.round(false) {
