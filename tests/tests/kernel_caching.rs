@@ -37,11 +37,7 @@ async fn directories_open_without_round_trips_and_list_correctly() {
         "find . -path ./.git -prune -o -print | LC_ALL=C sort",
     );
     assert_eq!(on_mount, native, "the mount listed a different tree");
-    let status: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(h.path(&format!("executor/state/{id}/status.json"))).unwrap(),
-    )
-    .unwrap();
-    let ops = &status["stats"]["ops"];
+    let ops = ops_of(&h, &id);
     let n = |op: &str| ops.get(op).and_then(|v| v.as_u64()).unwrap_or(0);
     // One opendir answered ENOSYS switches the kernel to opening directories itself.
     assert!(n("opendir") <= 1, "{ops}");

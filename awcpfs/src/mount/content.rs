@@ -592,10 +592,7 @@ impl AwcpFs {
         if write {
             self.check_write()?;
         }
-        let kind = self.table.lock().get(ino).ok_or(FsError::NotFound)?.kind;
-        if kind != Kind::File {
-            return Err(FsError::IsDir);
-        }
+        // Refuses what is not a file (`IsDir`).
         self.ensure_local(ino)?;
         let file = OpenOptions::new()
             .read(true)
@@ -616,7 +613,7 @@ impl AwcpFs {
     /// say when it is closed), the syncer leaves the file alone and a Delegator-side change
     /// does not replace it. Noted under the table's lock, which a Delegator-side change
     /// holds from its check to replacing the file, before the upper file is opened.
-    pub(super) fn begin_handleless_write(&self, ino: Ino) {
+    fn begin_handleless_write(&self, ino: Ino) {
         let _table = self.table.lock();
         let mut recent = self.recent_writes.lock();
         let e = recent.entry(ino).or_default();
@@ -627,27 +624,36 @@ impl AwcpFs {
     /// The write [`begun`](Self::begin_handleless_write) on `ino` ended. A write that
     /// happened (`done`) is journaled: the kernel does not say when the writer closes the
     /// file, so each write is acknowledged as if it were the last.
-    pub(super) fn end_handleless_write(&self, ino: Ino, done: bool) {
-        let table = self.table.lock();
+    fn end_handleless_write(&self, ino: Ino, done: bool) {
         {
+            let _table = self.table.lock();
             let mut recent = self.recent_writes.lock();
             let e = recent.entry(ino).or_default();
             e.at = Some(std::time::Instant::now());
             e.writing = e.writing.saturating_sub(1);
             e.created &= !done;
         }
-        let rec = if done {
-            table.get(ino).filter(|n| !n.unlinked).map(Record::node)
-        } else {
-            None
-        };
-        drop(table);
-        if let Some(rec) = rec
-            && let Err(e) = self.journal(&[rec])
-        {
+        if done && let Err(e) = self.journal_node(ino) {
             tracing::warn!(error = %e, "cannot journal a write");
         }
         self.sync.request();
+    }
+
+    /// Run `write`, a change to `ino`'s content through `fh`, bracketed as a write without a
+    /// handle when `fh` is 0 (see [`AwcpFs::begin_handleless_write`]).
+    pub(super) fn writing<T>(
+        &self,
+        ino: Ino,
+        fh: u64,
+        write: impl FnOnce() -> Result<T, FsError>,
+    ) -> Result<T, FsError> {
+        if fh != 0 || !self.no_open() {
+            return write();
+        }
+        self.begin_handleless_write(ino);
+        let r = write();
+        self.end_handleless_write(ino, r.is_ok());
+        r
     }
 
     /// `read` of `ino` through `fh` (0: opened without asking; a large remote file is then
@@ -667,40 +673,30 @@ impl AwcpFs {
             return Ok(data);
         }
         let h = self.handle_for(ino, fh, false)?;
-        read_handle(&h, offset, size)
+        read_file(&h.file, offset, size)
     }
 
     /// `write` to `ino` through `fh` (0: opened without asking).
     pub fn write_at(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
         self.check()?;
-        if fh != 0 || !self.no_open() {
-            let h = self.handle(fh)?;
-            return self.write_handle(&h, offset, data);
-        }
-        self.check_write()?;
-        self.begin_handleless_write(ino);
-        let r = self
-            .handle_for(ino, fh, true)
-            .and_then(|h| self.write_handle(&h, offset, data));
-        self.end_handleless_write(ino, r.is_ok());
-        r
+        self.writing(ino, fh, || {
+            let h = self.handle_for(ino, fh, true)?;
+            self.write_handle(&h, offset, data)
+        })
     }
 
-    /// `flush` of `ino` through `fh`: nothing to do for a file opened without asking (its
-    /// writes are noted as they come).
-    pub fn flush_at(&self, ino: Ino, fh: u64) -> Result<(), FsError> {
+    /// `flush` through `fh`: nothing to do for a file opened without asking (its writes are
+    /// journaled as they come).
+    pub fn flush_at(&self, fh: u64) -> Result<(), FsError> {
         if fh == 0 && self.no_open() {
-            let _ = ino;
             return self.check();
         }
         self.flush(fh)
     }
 
-    /// `fsync` of `ino` through `fh` (0: opened without asking).
+    /// `fsync` of `ino` through `fh` (0: opened without asking): the upper file and the
+    /// journal reach the disk.
     pub fn fsync_at(&self, ino: Ino, fh: u64, datasync: bool) -> Result<(), FsError> {
-        if fh != 0 || !self.no_open() {
-            return self.fsync(fh, datasync);
-        }
         self.check()?;
         let h = self.handle_for(ino, fh, false)?;
         if datasync {
@@ -708,14 +704,11 @@ impl AwcpFs {
         } else {
             h.file.sync_all()?;
         }
-        let rec = self
-            .table
-            .lock()
-            .get(ino)
-            .filter(|n| !n.unlinked)
-            .map(Record::node);
-        if let Some(rec) = rec {
-            self.journal(&[rec])?;
+        if fh == 0 {
+            // Its writes were journaled as they came; this records the node as it is now.
+            self.journal_node(ino)?;
+        } else {
+            self.settle(&h)?;
         }
         self.journal.sync()?;
         Ok(())
@@ -725,7 +718,7 @@ impl AwcpFs {
     pub fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
         self.check()?;
         let h = self.handle(fh)?;
-        read_handle(&h, offset, size)
+        read_file(&h.file, offset, size)
     }
 
     /// `write`.
@@ -763,17 +756,24 @@ impl AwcpFs {
         if !h.wrote.swap(false, Ordering::Relaxed) {
             return Ok(());
         }
+        self.journal_node(h.ino)?;
+        self.sync.request();
+        Ok(())
+    }
+
+    /// Journal `ino`'s node as it stands (nothing for an unlinked file: it is never
+    /// written back).
+    fn journal_node(&self, ino: Ino) -> Result<(), FsError> {
         let rec = self
             .table
             .lock()
-            .get(h.ino)
+            .get(ino)
             .filter(|n| !n.unlinked)
             .map(Record::node);
-        if let Some(rec) = rec {
-            self.journal(&[rec])?;
+        match rec {
+            Some(rec) => self.journal(&[rec]),
+            None => Ok(()),
         }
-        self.sync.request();
-        Ok(())
     }
 
     /// `flush` (every `close` of a descriptor).
@@ -781,20 +781,6 @@ impl AwcpFs {
         self.check()?;
         let h = self.handle(fh)?;
         self.settle(&h)
-    }
-
-    /// `fsync`: the upper file and the journal reach the disk.
-    pub fn fsync(&self, fh: u64, datasync: bool) -> Result<(), FsError> {
-        self.check()?;
-        let h = self.handle(fh)?;
-        if datasync {
-            h.file.sync_data()?;
-        } else {
-            h.file.sync_all()?;
-        }
-        self.settle(&h)?;
-        self.journal.sync()?;
-        Ok(())
     }
 
     /// `release`: the last descriptor of an open file is closed. Never fails because of the
@@ -844,11 +830,6 @@ pub(super) fn mark_dirty(node: &mut super::inode::Node) {
         hash: None,
         generation,
     };
-}
-
-/// Read up to `size` bytes at `offset` from a handle's upper file (short only at its end).
-fn read_handle(h: &Handle, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
-    read_file(&h.file, offset, size)
 }
 
 /// Read up to `size` bytes at `offset` from `file` (short only at its end).

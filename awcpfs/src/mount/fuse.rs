@@ -548,13 +548,13 @@ impl Filesystem for FuseAdapter {
     fn flush(
         &self,
         _req: &Request,
-        ino: INodeNo,
+        _ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("flush");
-        match self.fs.flush_at(ino.0, fh.0) {
+        match self.fs.flush_at(fh.0) {
             // With no-open, writes are noted as they come: no `close` needs a round
             // trip, and `ENOSYS` tells the kernel to stop sending `flush`.
             Ok(()) if self.no_open => reply.error(Errno::ENOSYS),

@@ -198,15 +198,9 @@ impl AwcpFs {
         mode: i32,
     ) -> Result<FileAttr, FsError> {
         self.check_write()?;
-        let handleless = fh == 0 && self.no_open();
-        if handleless {
-            self.begin_handleless_write(ino);
-        }
-        let r = self.fallocate_through(ino, fh, offset, length, mode);
-        if handleless {
-            self.end_handleless_write(ino, r.is_ok());
-        }
-        r
+        self.writing(ino, fh, || {
+            self.fallocate_through(ino, fh, offset, length, mode)
+        })
     }
 
     fn fallocate_through(
