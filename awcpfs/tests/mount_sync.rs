@@ -1192,6 +1192,8 @@ struct Gated {
     fetches: std::sync::atomic::AtomicUsize,
     open: parking_lot::Mutex<bool>,
     cv: parking_lot::Condvar,
+    /// The fetch (counted from 1) that fails, once; 0: none.
+    fail_nth: std::sync::atomic::AtomicUsize,
 }
 
 impl Gated {
@@ -1212,11 +1214,14 @@ impl Remote for Gated {
         &self,
         hashes: &[String],
     ) -> Result<Vec<Vec<u8>>, awcpfs::mount::remote::RemoteError> {
-        if self
-            .fetches
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-            > 0
-        {
+        use std::sync::atomic::Ordering::SeqCst;
+        let n = self.fetches.fetch_add(1, SeqCst) + 1;
+        if self.fail_nth.compare_exchange(n, 0, SeqCst, SeqCst).is_ok() {
+            return Err(awcpfs::mount::remote::RemoteError::Protocol {
+                what: "injected: this fetch fails".into(),
+            });
+        }
+        if n > 1 {
             let mut open = self.open.lock();
             let deadline = std::time::Instant::now() + Duration::from_secs(20);
             while !*open && std::time::Instant::now() < deadline {
@@ -1275,6 +1280,7 @@ fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
                 fetches: Default::default(),
                 open: parking_lot::Mutex::new(false),
                 cv: parking_lot::Condvar::new(),
+                fail_nth: Default::default(),
             });
             *g2.lock() = Some(g.clone());
             g
@@ -1316,4 +1322,55 @@ fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
         all.extend_from_slice(&chunk);
     }
     assert_eq!(all, big);
+}
+
+#[test]
+fn a_fetch_failing_in_a_later_batch_fails_the_open_cleanly_and_a_retry_succeeds() {
+    // 2 MiB in 4 KiB blocks: 32 batches, fetched two at a time; the fifth request fails.
+    let big: Vec<u8> = (0..2u32 << 20)
+        .map(|i| (i.wrapping_mul(2_246_822_519) >> 11) as u8)
+        .collect();
+    let f = fixture_with(
+        false,
+        |r| std::fs::write(r.join("big.bin"), &big).unwrap(),
+        |inner| {
+            Arc::new(Gated {
+                inner,
+                fetches: Default::default(),
+                open: parking_lot::Mutex::new(true),
+                cv: parking_lot::Condvar::new(),
+                fail_nth: 5.into(),
+            })
+        },
+    );
+    let ino = f.ino("big.bin");
+    let read = OpenMode {
+        read: true,
+        ..Default::default()
+    };
+    let open = |fs: Arc<AwcpFs>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(fs.open(ino, read));
+        });
+        rx.recv_timeout(Duration::from_secs(20))
+            .expect("the open hung after a failed fetch")
+    };
+    let err = open(f.fs.clone()).unwrap_err();
+    assert!(err.to_string().contains("fail"), "{err}");
+    let leftovers: Vec<_> = std::fs::read_dir(f.state.join("upper"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
+    // Nothing is stuck: the next open fetches the whole file, in order.
+    let fh = open(f.fs.clone()).unwrap();
+    let mut all = Vec::new();
+    while all.len() < big.len() {
+        let chunk = f.fs.read_at(ino, fh, all.len() as u64, 1 << 20).unwrap();
+        assert!(!chunk.is_empty());
+        all.extend_from_slice(&chunk);
+    }
+    assert!(all == big, "the content differs from the Delegator's");
+    f.fs.release(fh).unwrap();
 }

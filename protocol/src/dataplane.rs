@@ -407,15 +407,23 @@ pub fn validate_rel_path(path: &str) -> Result<(), PathError> {
 
 /// Append one block frame (hash, length, bytes) to `out`.
 pub fn encode_block_frame(out: &mut Vec<u8>, hash: &[u8; 32], data: Option<&[u8]>) {
-    out.extend_from_slice(hash);
-    match data {
-        Some(d) => {
-            let len = u32::try_from(d.len()).expect("blocks are at most 4 GiB");
-            out.extend_from_slice(&len.to_le_bytes());
-            out.extend_from_slice(d);
-        }
-        None => out.extend_from_slice(&MISSING_BLOCK.to_le_bytes()),
+    out.extend_from_slice(&block_frame_head(hash, data.map(<[u8]>::len)));
+    if let Some(d) = data {
+        out.extend_from_slice(d);
     }
+}
+
+/// A block frame's first 36 bytes: the hash, then the block's length (`None`: the
+/// [`MISSING_BLOCK`] marker). The block's bytes follow it on the wire.
+pub fn block_frame_head(hash: &[u8; 32], len: Option<usize>) -> [u8; 36] {
+    let len = match len {
+        Some(n) => u32::try_from(n).expect("blocks are at most 4 GiB"),
+        None => MISSING_BLOCK,
+    };
+    let mut head = [0u8; 36];
+    head[..32].copy_from_slice(hash);
+    head[32..].copy_from_slice(&len.to_le_bytes());
+    head
 }
 
 /// Error decoding block frames.

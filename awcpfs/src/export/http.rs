@@ -35,14 +35,14 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use futures::{Stream, StreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
 use awcp_lease::{LeaseSnapshot, LeaseState, rfc3339_millis};
 use awcp_protocol::dataplane::{
     BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks, UploadResult,
-    decode_block_frames, encode_block_frame,
+    block_frame_head, decode_block_frames,
 };
 use awcp_protocol::manifest_bin;
 
@@ -295,16 +295,22 @@ async fn blocks(
                 if export.lease().check_access().is_err() {
                     return Err(std::io::Error::other("the lease ended during the answer"));
                 }
-                let mut frame = Vec::with_capacity(36 + data.as_ref().map_or(0, Vec::len));
-                encode_block_frame(&mut frame, &hash, data.as_deref());
-                if let Some(d) = &data {
-                    Stats::add(&export.stats.blocks_served, 1);
-                    Stats::add(&export.stats.bytes_served, d.len() as u64);
-                }
-                Ok::<_, std::io::Error>(Bytes::from(frame))
+                // The frame's head, then the block as read: its bytes are not copied again.
+                let head = block_frame_head(&hash, data.as_ref().map(Vec::len));
+                let head = Bytes::copy_from_slice(&head);
+                let parts: Vec<std::io::Result<Bytes>> = match data {
+                    Some(d) => {
+                        Stats::add(&export.stats.blocks_served, 1);
+                        Stats::add(&export.stats.bytes_served, d.len() as u64);
+                        vec![Ok(head), Ok(Bytes::from(d))]
+                    }
+                    None => vec![Ok(head)],
+                };
+                Ok::<_, std::io::Error>(futures::stream::iter(parts))
             }
         })
-        .buffered(READ_AHEAD);
+        .buffered(READ_AHEAD)
+        .try_flatten();
     Ok((
         [(header::CONTENT_TYPE, "application/octet-stream")],
         Body::from_stream(frames),

@@ -16,7 +16,6 @@
 use std::collections::HashMap;
 use std::fs;
 use std::io::{self, Write};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -245,16 +244,27 @@ impl BlockSource {
                 })
             };
             let trusted = unchanged();
-            let mut buf = vec![0u8; loc.len as usize];
-            if file.read_exact_at(&mut buf, loc.offset).is_err() {
+            let Some(buf) = read_range(&file, loc.offset, u64::from(loc.len)) else {
                 continue;
-            }
+            };
             if (trusted && unchanged()) || blake3::hash(&buf).as_bytes() == hash {
                 return Some(buf);
             }
         }
         None
     }
+}
+
+/// Exactly `len` bytes of `file` from `offset`, read into fresh memory without zeroing it
+/// first (this descriptor is ours alone, so seeking it is safe); `None` if the file is
+/// shorter now or the read fails.
+fn read_range(file: &std::fs::File, offset: u64, len: u64) -> Option<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = file;
+    f.seek(SeekFrom::Start(offset)).ok()?;
+    let mut buf = Vec::with_capacity(usize::try_from(len).ok()?);
+    f.take(len).read_to_end(&mut buf).ok()?;
+    (buf.len() as u64 == len).then_some(buf)
 }
 
 #[cfg(test)]

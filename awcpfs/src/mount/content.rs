@@ -20,10 +20,18 @@ use super::error::FsError;
 use super::fs::{AwcpFs, Handle, name_str};
 use super::inode::{Data, Hash, Ino, Kind};
 use super::journal::Record;
+use super::remote::RemoteError;
 
-/// Blocks per fetch request (16 MiB at the default block size); one batch is fetched ahead
-/// while the previous one is written, so memory stays at about two batches per open.
+/// Blocks per fetch request (16 MiB at the default block size). With [`FETCH_LANES`]
+/// requests in flight a fetch holds about two batches of the fetch budget.
 const FETCH_BATCH: usize = 16;
+
+/// Fetch requests in flight for one file: the export reads and sends the next batch while
+/// this one is on the wire and being written.
+const FETCH_LANES: usize = 2;
+
+/// Blocks a fetch lane may have received and not yet handed to the writer.
+const LANE_QUEUE: usize = 4;
 
 /// Attribute changes requested by `setattr`.
 #[derive(Debug, Default, Clone)]
@@ -202,38 +210,12 @@ impl AwcpFs {
         let mut fetched = 0u64;
         // Every block is verified against its hash as it arrives (the remote does it), and
         // the blocks are the manifest's for this content: no second pass over the file.
-        // Large files: the next batch is fetched while this one is written (one ahead).
-        let block_list = &blocks;
-        let block_size = u64::from(self.opts.block_size.max(1));
-        type Batch = Result<(Vec<Vec<u8>>, super::budget::Grant), FsError>;
-        let written: Result<(), FsError> = std::thread::scope(|scope| {
-            let (tx, rx) = std::sync::mpsc::sync_channel::<Batch>(1);
-            scope.spawn(move || {
-                for chunk in block_list.chunks(FETCH_BATCH) {
-                    // The mount-wide budget bounds what every fetch holds in memory at once;
-                    // the grant travels with the batch and is returned once it is written.
-                    let grant = self.fetch_budget.acquire(chunk.len() as u64 * block_size);
-                    let batch = self.check().and_then(|()| {
-                        self.remote
-                            .fetch_blocks(chunk)
-                            .map(|b| (b, grant))
-                            .map_err(FsError::from)
-                    });
-                    let failed = batch.is_err();
-                    if tx.send(batch).is_err() || failed {
-                        return;
-                    }
-                }
-            });
-            for batch in rx {
-                let (batch, _grant) = batch?;
-                for d in &batch {
-                    out.write_all(d)?;
-                    fetched += d.len() as u64;
-                    if let Some(s) = stream {
-                        s.advance(fetched);
-                    }
-                }
+        let chunks: Vec<&[String]> = blocks.chunks(FETCH_BATCH).collect();
+        let written = self.fetch_chunks(&chunks, |block| {
+            out.write_all(&block)?;
+            fetched += block.len() as u64;
+            if let Some(s) = stream {
+                s.advance(fetched);
             }
             Ok(())
         });
@@ -259,6 +241,90 @@ impl AwcpFs {
         // writers of this upper file proceed at once.
         drop(table);
         Ok(())
+    }
+
+    /// Fetch `chunks` of blocks, one request per chunk and [`FETCH_LANES`] requests in
+    /// flight, handing every block to `write` in order as soon as the blocks before it were
+    /// written. Each lane streams its answer into a small queue; the mount-wide fetch budget
+    /// is taken per chunk, in file order, so the chunk being written always holds its grant
+    /// and a fetch never waits on budget its own later chunks hold.
+    fn fetch_chunks(
+        &self,
+        chunks: &[&[String]],
+        mut write: impl FnMut(Vec<u8>) -> Result<(), FsError>,
+    ) -> Result<(), FsError> {
+        /// The turn counter's value once a lane gave up: every lane stops.
+        const ABORTED: usize = usize::MAX;
+        type Item = Result<(Vec<u8>, Option<super::budget::Grant>), FsError>;
+        let block_size = u64::from(self.opts.block_size.max(1));
+        let lanes = FETCH_LANES.min(chunks.len()).max(1);
+        // The next chunk whose grant may be taken.
+        let turn = (Mutex::new(0usize), parking_lot::Condvar::new());
+        let abort = || {
+            *turn.0.lock() = ABORTED;
+            turn.1.notify_all();
+        };
+        std::thread::scope(|scope| {
+            let mut queues = Vec::with_capacity(lanes);
+            for lane in 0..lanes {
+                let (tx, rx) = std::sync::mpsc::sync_channel::<Item>(LANE_QUEUE);
+                queues.push(rx);
+                let (turn, abort) = (&turn, &abort);
+                scope.spawn(move || {
+                    for (c, chunk) in chunks.iter().enumerate().skip(lane).step_by(lanes) {
+                        let mut grant = {
+                            let mut next = turn.0.lock();
+                            while *next != c && *next != ABORTED {
+                                turn.1.wait(&mut next);
+                            }
+                            if *next == ABORTED {
+                                return;
+                            }
+                            let g = self.fetch_budget.acquire(chunk.len() as u64 * block_size);
+                            *next += 1;
+                            turn.1.notify_all();
+                            Some(g)
+                        };
+                        let last = chunk.len().saturating_sub(1);
+                        let fetched = self.check().and_then(|()| {
+                            self.remote
+                                .fetch_blocks_each(chunk, &mut |i, block| {
+                                    // The grant goes with the chunk's last block: returned
+                                    // once the whole chunk is written.
+                                    let g = if i == last { grant.take() } else { None };
+                                    tx.send(Ok((block, g))).map_err(|_| RemoteError::Io {
+                                        source: std::io::Error::other("the fetch was abandoned"),
+                                    })
+                                })
+                                .map_err(FsError::from)
+                        });
+                        if let Err(e) = fetched {
+                            abort();
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    }
+                });
+            }
+            let result = (|| {
+                for (c, chunk) in chunks.iter().enumerate() {
+                    for _ in 0..chunk.len() {
+                        let (block, _grant) = queues[c % lanes].recv().map_err(|_| {
+                            FsError::from(std::io::Error::other("a fetch lane ended early"))
+                        })??;
+                        write(block)?;
+                    }
+                }
+                Ok(())
+            })();
+            // Dropping the queues (and the grants in them) makes any lane still sending give
+            // up; then no lane waits for its turn any more.
+            drop(queues);
+            if result.is_err() {
+                abort();
+            }
+            result
+        })
     }
 
     /// Fetch several small files in one request (background hydration). Files someone else

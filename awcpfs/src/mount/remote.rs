@@ -10,8 +10,8 @@ use std::io::{BufRead, BufReader, Read};
 use std::time::Duration;
 
 use awcp_protocol::dataplane::{
-    BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent, Manifest, MissingBlocks,
-    decode_block_frames, encode_block_frame,
+    BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent, MISSING_BLOCK, Manifest,
+    MissingBlocks, encode_block_frame,
 };
 use awcp_protocol::manifest_bin;
 
@@ -88,6 +88,20 @@ pub trait Remote: Send + Sync {
     fn manifest(&self) -> Result<(Manifest, String), RemoteError>;
     /// Fetch blocks by hash; every returned block is verified against its hash.
     fn fetch_blocks(&self, hashes: &[String]) -> Result<Vec<Vec<u8>>, RemoteError>;
+    /// Fetch blocks by hash, handing each verified block to `each` (with its index in
+    /// `hashes`) in order, as it arrives: a caller can write the first blocks while the
+    /// rest are on the wire. An error from `each` ends the fetch with that error. The
+    /// default fetches them all first.
+    fn fetch_blocks_each(
+        &self,
+        hashes: &[String],
+        each: &mut dyn FnMut(usize, Vec<u8>) -> Result<(), RemoteError>,
+    ) -> Result<(), RemoteError> {
+        for (i, block) in self.fetch_blocks(hashes)?.into_iter().enumerate() {
+            each(i, block)?;
+        }
+        Ok(())
+    }
     /// Which of these hashes the export lacks.
     fn missing(&self, hashes: &[String]) -> Result<Vec<String>, RemoteError>;
     /// Upload blocks (hash, bytes).
@@ -226,6 +240,46 @@ impl HttpRemote {
     }
 }
 
+/// Read one block frame (`decode_block_frames`' format) from `r`: `None` at a clean end of
+/// the stream, an error if it ends inside a frame. A length is trusted only as far as bytes
+/// actually arrive: the buffer grows with the data, so a lying frame cannot make us allocate.
+fn read_block_frame(r: &mut impl Read) -> Result<Option<BlockFrame>, RemoteError> {
+    let io = |source| RemoteError::Io { source };
+    let truncated = || RemoteError::Protocol {
+        what: "truncated block frame".into(),
+    };
+    let mut head = [0u8; 36];
+    let mut got = 0;
+    while got < head.len() {
+        match r.read(&mut head[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(truncated()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+    let mut hash = [0u8; 32];
+    hash.copy_from_slice(&head[..32]);
+    let len = u32::from_le_bytes([head[32], head[33], head[34], head[35]]);
+    if len == MISSING_BLOCK {
+        return Ok(Some((hash, None)));
+    }
+    let mut data = Vec::with_capacity((len as usize).min(FRAME_PREALLOC));
+    r.take(u64::from(len)).read_to_end(&mut data).map_err(io)?;
+    if data.len() != len as usize {
+        return Err(truncated());
+    }
+    Ok(Some((hash, Some(data))))
+}
+
+/// A decoded block frame: the hash it names, and the block (`None`: the export lacks it).
+type BlockFrame = ([u8; 32], Option<Vec<u8>>);
+
+/// Most a frame's announced length reserves before its bytes arrive (a block at the
+/// default size fits).
+const FRAME_PREALLOC: usize = 4 << 20;
+
 fn read_body(resp: ureq::Response, limit: u64) -> Result<Vec<u8>, RemoteError> {
     // Size the buffer once when the length is announced (bounded, in case it lies).
     let announced = resp
@@ -265,6 +319,19 @@ impl Remote for HttpRemote {
     }
 
     fn fetch_blocks(&self, hashes: &[String]) -> Result<Vec<Vec<u8>>, RemoteError> {
+        let mut out = Vec::with_capacity(hashes.len());
+        self.fetch_blocks_each(hashes, &mut |_, block| {
+            out.push(block);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn fetch_blocks_each(
+        &self,
+        hashes: &[String],
+        each: &mut dyn FnMut(usize, Vec<u8>) -> Result<(), RemoteError>,
+    ) -> Result<(), RemoteError> {
         let resp = self
             .agent
             .post(&format!("{}/blocks", self.base))
@@ -273,27 +340,29 @@ impl Remote for HttpRemote {
                 hashes: hashes.to_vec(),
             })
             .map_err(|e| self.map_err(e))?;
-        let bytes = read_body(resp, 16 << 30)?;
-        let frames = decode_block_frames(&bytes).map_err(|e| RemoteError::Protocol {
-            what: e.to_string(),
-        })?;
-        if frames.len() != hashes.len() {
-            return Err(RemoteError::Protocol {
-                what: format!("asked for {} blocks, got {}", hashes.len(), frames.len()),
-            });
-        }
-        let mut out = Vec::with_capacity(hashes.len());
-        for (want, (got_hash, data)) in hashes.iter().zip(frames) {
-            if hex::encode(got_hash) != *want {
+        // Frames are decoded straight off the socket, one block buffer each: no buffer for
+        // the whole answer, and the first block is handed on before the last one arrives.
+        let mut body = resp.into_reader();
+        for (i, want) in hashes.iter().enumerate() {
+            let (got, data) =
+                read_block_frame(&mut body)?.ok_or_else(|| RemoteError::Protocol {
+                    what: format!("asked for {} blocks, got {i}", hashes.len()),
+                })?;
+            if hex::encode(got) != *want {
                 return Err(RemoteError::Protocol {
                     what: "blocks answered out of order".into(),
                 });
             }
             let data = data.ok_or_else(|| RemoteError::BadBlock { hash: want.clone() })?;
-            verify_block(want, data)?;
-            out.push(data.to_vec());
+            verify_block(want, &data)?;
+            each(i, data)?;
         }
-        Ok(out)
+        if read_block_frame(&mut body)?.is_some() {
+            return Err(RemoteError::Protocol {
+                what: format!("asked for {} blocks, got more", hashes.len()),
+            });
+        }
+        Ok(())
     }
 
     fn missing(&self, hashes: &[String]) -> Result<Vec<String>, RemoteError> {
@@ -397,6 +466,50 @@ mod tests {
             }
             other => panic!("expected a lease event, got {other:?}"),
         }
+    }
+
+    /// Every frame `read_block_frame` finds in `bytes`, until the end or an error.
+    fn frames(bytes: &[u8]) -> Result<Vec<BlockFrame>, RemoteError> {
+        let mut r = bytes;
+        let mut out = Vec::new();
+        while let Some(f) = read_block_frame(&mut r)? {
+            out.push(f);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn block_frames_are_read_off_a_stream_and_bad_ones_are_errors() {
+        let mut wire = Vec::new();
+        encode_block_frame(&mut wire, &[1; 32], Some(b"hello"));
+        encode_block_frame(&mut wire, &[2; 32], None);
+        encode_block_frame(&mut wire, &[3; 32], Some(b""));
+        let got = frames(&wire).unwrap();
+        assert_eq!(
+            got,
+            vec![
+                ([1; 32], Some(b"hello".to_vec())),
+                ([2; 32], None),
+                ([3; 32], Some(Vec::new()))
+            ]
+        );
+        // Cut anywhere inside a frame: an error, never a short block.
+        for cut in [1, 35, 36, 40] {
+            let err = frames(&wire[..cut]).unwrap_err();
+            assert!(
+                matches!(err, RemoteError::Protocol { .. }),
+                "cut {cut}: {err}"
+            );
+        }
+        // A frame announcing 4 GiB - 2 that sends 3 bytes: an error, without reserving
+        // gigabytes first.
+        let mut lying = vec![9u8; 32];
+        lying.extend_from_slice(&(u32::MAX - 1).to_le_bytes());
+        lying.extend_from_slice(b"abc");
+        assert!(matches!(
+            frames(&lying).unwrap_err(),
+            RemoteError::Protocol { .. }
+        ));
     }
 
     #[test]
