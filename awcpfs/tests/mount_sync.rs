@@ -435,6 +435,40 @@ fn background_hydration_fetches_small_files_in_one_request() {
     assert_eq!(f.sync().changes, 0, "hydration is not a change");
 }
 
+/// Hydration writes an upper file in place when there is none, and replaces one that is
+/// there already (left by a crash, say) whole, by a rename: never a mix of the two.
+#[test]
+fn hydration_replaces_a_leftover_upper_file_whole() {
+    let f = fixture(false, tree);
+    let a = f.ino("src/a.txt");
+    let b = f.ino("src/deep/b.txt");
+    let upper = f.state.join("upper");
+    std::fs::write(
+        upper.join(a.to_string()),
+        b"stale bytes left by a crash, longer",
+    )
+    .unwrap();
+    // A descriptor on the leftover keeps what it had: the new content is a new file.
+    let held = std::fs::File::open(upper.join(a.to_string())).unwrap();
+    assert_eq!(f.fs.prefetch(&[a, b]).unwrap(), 2);
+    assert_eq!(
+        f.read("src/a.txt"),
+        std::fs::read(f.root.join("src/a.txt")).unwrap()
+    );
+    assert_eq!(f.read("src/deep/b.txt"), b"beta\n");
+    let mut old = String::new();
+    std::io::Read::read_to_string(&mut &held, &mut old).unwrap();
+    assert_eq!(old, "stale bytes left by a crash, longer");
+    let names: Vec<String> = std::fs::read_dir(&upper)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        names.iter().all(|n| !n.starts_with('.')),
+        "temporaries left: {names:?}"
+    );
+}
+
 /// Hard links (made on the mount and found on the Delegator), renames of one of their
 /// names, an exchange and extended attributes: the journal replays to the same names, link
 /// counts and attributes, and the write-back makes hard links on the Delegator.

@@ -343,9 +343,15 @@ impl AwcpFs {
                 }
             }
         }
-        let mut hashes: Vec<String> = wanted.iter().flat_map(|w| w.2.iter().cloned()).collect();
-        hashes.sort_unstable();
-        hashes.dedup();
+        // In tree order, each block once: the export then reads the files in the order they
+        // sit in their directories (and mostly on its disk), not in hash order.
+        let mut seen = std::collections::HashSet::new();
+        let hashes: Vec<String> = wanted
+            .iter()
+            .flat_map(|w| w.2.iter())
+            .filter(|h| seen.insert(h.as_str()))
+            .cloned()
+            .collect();
         if hashes.is_empty() {
             return Ok(0);
         }
@@ -377,8 +383,21 @@ impl AwcpFs {
             if !still_remote {
                 continue;
             }
-            let tmp = self.opts.upper_dir.join(format!(".prefetch-{ino}"));
-            let mut out = std::fs::File::create(&tmp)?;
+            // Straight to the upper file when there is none yet (the usual case: a rename
+            // per file was a sixth of hydration's time). Nothing reads an upper file before
+            // its node is local, and a file cut short by a crash belongs to a node that is
+            // still remote, which a restarted mount fetches again. An upper file left from
+            // earlier content may still be open somewhere: replaced by a rename, as before.
+            let upper = self.upper_path(ino);
+            let (mut out, tmp) = match OpenOptions::new().write(true).create_new(true).open(&upper)
+            {
+                Ok(f) => (f, None),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let tmp = self.opts.upper_dir.join(format!(".prefetch-{ino}"));
+                    (std::fs::File::create(&tmp)?, Some(tmp))
+                }
+                Err(e) => return Err(e.into()),
+            };
             let mut size = 0u64;
             for b in &blocks {
                 let d = by_hash.get(b.as_str()).copied().unwrap_or_default();
@@ -386,7 +405,9 @@ impl AwcpFs {
                 size += d.len() as u64;
             }
             drop(out);
-            std::fs::rename(&tmp, self.upper_path(ino))?;
+            if let Some(tmp) = tmp {
+                std::fs::rename(&tmp, &upper)?;
+            }
             self.stats.add_fetched(size, blocks.len() as u64);
             let mut table = self.table.lock();
             if let Some(node) = table.get_mut(ino)
