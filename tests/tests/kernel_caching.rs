@@ -138,3 +138,45 @@ async fn files_open_without_round_trips_and_their_writes_are_written_back() {
     assert!(n("read") > 0, "{ops}");
     h.stop().await;
 }
+
+/// A file written on the mount and read back stays in the kernel's page cache: its own
+/// writes do not make the kernel drop its pages (no `FUSE_AUTO_INVAL_DATA`), so a linker
+/// reading back what a compiler just wrote reads no page through the mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_file_written_on_the_mount_is_read_back_from_the_page_cache() {
+    if !fuse_available() {
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    let src = out.path().join("src.bin");
+    let data: Vec<u8> = (0..65536u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    std::fs::write(&src, &data).unwrap();
+    // Whole pages written (4 KiB at a time), the attributes asked for again (the writes
+    // moved the mtime), then read back many times and compared.
+    let agent = format!(
+        r#"set -e
+        dd if={src} of=blob bs=4096 status=none
+        stat blob > /dev/null
+        for i in $(seq 20); do cmp blob {src}; done"#,
+        src = src.display()
+    );
+    let h = Harness::start(&agent).await;
+    let repo = h.path("repo");
+    sample_repo(&repo);
+    let id = h.delegate(&repo, AccessMode::Rw, 600).await;
+    assert_eq!(
+        h.wait_end(&id, Duration::from_secs(60)).await,
+        DelegationState::Completed
+    );
+    assert_eq!(std::fs::read(repo.join("blob")).unwrap(), data);
+    let ops = ops_of(&h, &id);
+    let n = |op: &str| ops.get(op).and_then(|v| v.as_u64()).unwrap_or(0);
+    assert_eq!(n("write"), 16, "{ops}");
+    assert!(n("getattr") > 0, "{ops}");
+    assert_eq!(
+        n("read"),
+        0,
+        "pages written on the mount were read again: {ops}"
+    );
+    h.stop().await;
+}

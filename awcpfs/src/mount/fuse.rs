@@ -245,10 +245,6 @@ impl Filesystem for FuseAdapter {
                 InitFlags::FUSE_CACHE_SYMLINKS,
                 "symlinks are read on every traversal",
             ),
-            (
-                InitFlags::FUSE_AUTO_INVAL_DATA,
-                "cached pages are not checked against mtime",
-            ),
             // We clear set-user-ID/set-group-ID on writes ourselves, so the kernel marks the
             // filesystem SB_NOSEC: a write no longer asks for `security.capability` first
             // (a `getxattr` round trip per `write`).
@@ -261,6 +257,12 @@ impl Filesystem for FuseAdapter {
                 tracing::debug!(?flag, "kernel lacks this FUSE feature: {why}");
             }
         }
+        // Not FUSE_AUTO_INVAL_DATA: every change to a file's content is made through this
+        // kernel, except the Delegator's, for which `inval_inode` is sent once the new
+        // content is in place (a read already under way holds its page locked, so the
+        // invalidation waits for it and drops what it read). With it, the kernel would drop
+        // a file's pages after each of our own writes (its mtime moved), and a linker reading
+        // back the objects a compiler just wrote would read them all through the mount.
         if self.want_no_opendir
             && config
                 .capabilities()
