@@ -1714,8 +1714,7 @@ async fn hidden_and_temporary_paths_are_never_reported() {
     let f = fixture(small_tree).await;
     let (mut stream, mut buf) = open_events(&f).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    // Serving content opens files: not a change (the watcher does not ask for opens, and
-    // would throw them away).
+    // Serving content opens files (inotify reports the opens): not a change.
     let (m, _) = f.manifest().await;
     let served: Vec<String> = m
         .entries

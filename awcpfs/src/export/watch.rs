@@ -380,10 +380,9 @@ impl Pending {
         if event.need_rescan() {
             self.rescan = true;
         }
-        // Opens are not asked for (see `watch`), but any access event that still comes is
-        // dropped: the export opens every file it serves, and describing those would hash
-        // every served file again. Only a close after writing says something changed
-        // (writes themselves come as modifications).
+        // inotify also reports opens and reads, and the export opens every file it serves:
+        // describing those would hash every served file again. Only a close after writing
+        // says something changed (writes themselves come as modifications).
         use notify::event::{AccessKind, AccessMode, EventKind};
         match event.kind {
             EventKind::Access(AccessKind::Close(AccessMode::Write)) => {}
@@ -413,12 +412,7 @@ fn watch(weak: &Weak<Export>, root: &Path, cache: Option<&HashCache>) -> notify:
         move |ev| {
             let _ = tx.send(ev);
         },
-        notify::Config::default()
-            .with_follow_symlinks(false)
-            // Not opens (`IN_OPEN`): the export opens every file it serves, and each open
-            // would be an event to receive and throw away (a cold read of 20,000 small files
-            // spent ~8 % of the CPU on them). A close after writing still comes.
-            .with_event_kinds(notify::EventKindMask::CORE | notify::EventKindMask::ACCESS_CLOSE),
+        notify::Config::default().with_follow_symlinks(false),
     )?;
     watcher.watch(root, notify::RecursiveMode::Recursive)?;
     tracing::debug!(root = %root.display(), "watching the exported tree");
