@@ -487,8 +487,12 @@ impl Syncer {
     /// What a round compares, taken under the table's lock with the set of changes it
     /// covers (given back if the round fails).
     fn snapshot(&self, include_open: bool) -> Snapshot {
-        let busy = &self.fs.quiet_writes(include_open);
         let mut table = self.fs.table.lock();
+        // Under the table's lock, like the marks themselves (a file created without a
+        // handle is marked before it joins the table): asked before taking the lock, a
+        // file created in between would join the dirty set unmarked and be taken empty,
+        // just before its writer fills it.
+        let busy = &self.fs.quiet_writes(include_open);
         let taken = table.take_dirty();
         let mut entries = Vec::new();
         if taken.all {
