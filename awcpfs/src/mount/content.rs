@@ -398,13 +398,19 @@ impl AwcpFs {
                 }
                 Err(e) => return Err(e.into()),
             };
-            let mut size = 0u64;
-            for b in &blocks {
+            let written = blocks.iter().try_fold(0u64, |size, b| {
                 let d = by_hash.get(b.as_str()).copied().unwrap_or_default();
-                out.write_all(d)?;
-                size += d.len() as u64;
-            }
+                out.write_all(d).map(|()| size + d.len() as u64)
+            });
             drop(out);
+            let size = match written {
+                Ok(size) => size,
+                Err(e) => {
+                    // Nothing half-written stays behind (a full disk, say).
+                    let _ = std::fs::remove_file(tmp.as_ref().unwrap_or(&upper));
+                    return Err(e.into());
+                }
+            };
             if let Some(tmp) = tmp {
                 std::fs::rename(&tmp, &upper)?;
             }
