@@ -1233,6 +1233,19 @@ struct Gated {
 }
 
 impl Gated {
+    /// `inner` behind a gate, `open` or held shut after the first fetch, failing fetch
+    /// number `fail_nth` (from 1; 0: none).
+    fn new(inner: Arc<dyn Remote>, open: bool, fail_nth: usize) -> Arc<Gated> {
+        Arc::new(Gated {
+            inner,
+            fetches: Default::default(),
+            open: parking_lot::Mutex::new(open),
+            cv: parking_lot::Condvar::new(),
+            fail_nth: fail_nth.into(),
+            commits: Default::default(),
+        })
+    }
+
     fn release(&self) {
         *self.open.lock() = true;
         self.cv.notify_all();
@@ -1312,14 +1325,7 @@ fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
         false,
         |r| std::fs::write(r.join("big.bin"), &big).unwrap(),
         move |inner| {
-            let g = Arc::new(Gated {
-                inner,
-                fetches: Default::default(),
-                open: parking_lot::Mutex::new(false),
-                cv: parking_lot::Condvar::new(),
-                fail_nth: Default::default(),
-                commits: Default::default(),
-            });
+            let g = Gated::new(inner, false, 0);
             *g2.lock() = Some(g.clone());
             g
         },
@@ -1371,16 +1377,7 @@ fn a_fetch_failing_in_a_later_batch_fails_the_open_cleanly_and_a_retry_succeeds(
     let f = fixture_with(
         false,
         |r| std::fs::write(r.join("big.bin"), &big).unwrap(),
-        |inner| {
-            Arc::new(Gated {
-                inner,
-                fetches: Default::default(),
-                open: parking_lot::Mutex::new(true),
-                cv: parking_lot::Condvar::new(),
-                fail_nth: 5.into(),
-                commits: Default::default(),
-            })
-        },
+        |inner| Gated::new(inner, true, 5),
     );
     let ino = f.ino("big.bin");
     let read = OpenMode {
@@ -1428,14 +1425,7 @@ fn rounds_never_take_a_file_created_but_not_yet_written() {
         false,
         |r| std::fs::create_dir_all(r.join("w")).unwrap(),
         move |inner| {
-            let g = Arc::new(Gated {
-                inner,
-                fetches: Default::default(),
-                open: parking_lot::Mutex::new(true),
-                cv: parking_lot::Condvar::new(),
-                fail_nth: Default::default(),
-                commits: Default::default(),
-            });
+            let g = Gated::new(inner, true, 0);
             *g2.lock() = Some(g.clone());
             g
         },

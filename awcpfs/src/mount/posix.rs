@@ -199,47 +199,36 @@ impl AwcpFs {
     ) -> Result<FileAttr, FsError> {
         self.check_write()?;
         self.writing(ino, fh, || {
-            self.fallocate_through(ino, fh, offset, length, mode)
+            let h = self.handle_for(ino, fh, true)?;
+            if !h.writable {
+                return Err(FsError::BadHandle);
+            }
+            self.ensure_local(h.ino)?;
+            let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(length)) else {
+                return Err(FsError::Invalid {
+                    what: "offset or length out of range",
+                });
+            };
+            nix::fcntl::fallocate(
+                h.file.as_fd(),
+                nix::fcntl::FallocateFlags::from_bits_retain(mode),
+                off,
+                len,
+            )
+            .map_err(|e| FsError::from(std::io::Error::from(e)))?;
+            let size = h.file.metadata()?.len();
+            h.wrote.store(true, std::sync::atomic::Ordering::Relaxed);
+            let mut table = self.table.lock();
+            table.mark_node(h.ino);
+            let node = table.get_mut(h.ino).ok_or(FsError::NotFound)?;
+            node.size = size;
+            // Punching a hole or zeroing a range changes content, growing changes the size:
+            // mark it dirty in every case (an unchanged file costs one hash at write-back).
+            node.mtime = SystemTime::now();
+            node.ctime = node.mtime;
+            mark_dirty(node);
+            Ok(self.attr_of(node))
         })
-    }
-
-    fn fallocate_through(
-        &self,
-        ino: Ino,
-        fh: u64,
-        offset: u64,
-        length: u64,
-        mode: i32,
-    ) -> Result<FileAttr, FsError> {
-        let h = self.handle_for(ino, fh, true)?;
-        if !h.writable {
-            return Err(FsError::BadHandle);
-        }
-        self.ensure_local(h.ino)?;
-        let (Ok(off), Ok(len)) = (i64::try_from(offset), i64::try_from(length)) else {
-            return Err(FsError::Invalid {
-                what: "offset or length out of range",
-            });
-        };
-        nix::fcntl::fallocate(
-            h.file.as_fd(),
-            nix::fcntl::FallocateFlags::from_bits_retain(mode),
-            off,
-            len,
-        )
-        .map_err(|e| FsError::from(std::io::Error::from(e)))?;
-        let size = h.file.metadata()?.len();
-        h.wrote.store(true, std::sync::atomic::Ordering::Relaxed);
-        let mut table = self.table.lock();
-        table.mark_node(h.ino);
-        let node = table.get_mut(h.ino).ok_or(FsError::NotFound)?;
-        node.size = size;
-        // Punching a hole or zeroing a range changes content, growing changes the size:
-        // mark it dirty in every case (an unchanged file costs one hash at write-back).
-        node.mtime = SystemTime::now();
-        node.ctime = node.mtime;
-        mark_dirty(node);
-        Ok(self.attr_of(node))
     }
 }
 
