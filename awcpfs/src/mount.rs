@@ -17,6 +17,7 @@ mod fuse;
 pub use fuse::KernelOptions;
 pub mod inode;
 pub mod journal;
+pub mod pack;
 pub mod posix;
 pub mod recover;
 pub mod remote;

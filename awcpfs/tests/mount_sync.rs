@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use awcp_lease::{Lease, LeaseTerms, SystemClock};
 use awcpfs::export::{ExportConfig, ExportRegistry};
-use awcpfs::mount::content::OpenMode;
+use awcpfs::mount::content::{OpenMode, SetAttr};
 use awcpfs::mount::fs::{AwcpFs, FsOptions};
 use awcpfs::mount::inode::{InodeTable, ROOT_INO};
 use awcpfs::mount::journal::{self, Journal};
@@ -435,11 +435,24 @@ fn background_hydration_fetches_small_files_in_one_request() {
     assert_eq!(f.sync().changes, 0, "hydration is not a change");
 }
 
-/// Hydration writes an upper file in place when there is none, and replaces one that is
-/// there already (left by a crash, say) whole, by a rename: never a mix of the two.
+/// Names in the upper directory, sorted.
+fn upper_names(f: &Fixture) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(f.state.join("upper"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Hydration stores copies in the pack, not in upper files: a leftover upper file (left by
+/// a crash, say) is neither read nor changed by it. A write copies the packed content out
+/// to an upper file, replacing the leftover whole (a descriptor on it keeps what it had),
+/// without fetching it again.
 #[test]
-fn hydration_replaces_a_leftover_upper_file_whole() {
+fn hydration_packs_files_and_a_write_copies_one_out_whole() {
     let f = fixture(false, tree);
+    f.fs.set_no_open();
     let a = f.ino("src/a.txt");
     let b = f.ino("src/deep/b.txt");
     let upper = f.state.join("upper");
@@ -448,24 +461,81 @@ fn hydration_replaces_a_leftover_upper_file_whole() {
         b"stale bytes left by a crash, longer",
     )
     .unwrap();
-    // A descriptor on the leftover keeps what it had: the new content is a new file.
     let held = std::fs::File::open(upper.join(a.to_string())).unwrap();
     assert_eq!(f.fs.prefetch(&[a, b]).unwrap(), 2);
+    assert_eq!(upper_names(&f), [".pack".to_string(), a.to_string()]);
+    let fetched = f.fs.stats().snapshot().bytes_fetched;
+    assert_eq!(fetched, 6 + 5);
+    // Reads without a handle come from the pack, whole or in part.
+    assert_eq!(f.fs.read_at(a, 0, 0, 4096).unwrap(), b"alpha\n");
+    assert_eq!(f.fs.read_at(b, 0, 1, 3).unwrap(), b"eta");
+    assert_eq!(f.fs.read_at(b, 0, 5, 10).unwrap(), b"");
+    // A write needs the file: copied out of the pack, then written.
+    assert_eq!(f.fs.write_at(a, 0, 6, b"omega\n").unwrap(), 6);
+    assert_eq!(f.fs.read_at(a, 0, 0, 4096).unwrap(), b"alpha\nomega\n");
     assert_eq!(
-        f.read("src/a.txt"),
-        std::fs::read(f.root.join("src/a.txt")).unwrap()
+        std::fs::read(upper.join(a.to_string())).unwrap(),
+        b"alpha\nomega\n"
     );
-    assert_eq!(f.read("src/deep/b.txt"), b"beta\n");
     let mut old = String::new();
     std::io::Read::read_to_string(&mut &held, &mut old).unwrap();
     assert_eq!(old, "stale bytes left by a crash, longer");
-    let names: Vec<String> = std::fs::read_dir(&upper)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
+    assert_eq!(
+        f.fs.stats().snapshot().bytes_fetched,
+        fetched,
+        "fetched again"
+    );
+    assert_eq!(upper_names(&f), [".pack".to_string(), a.to_string()]);
+    // b was never written: still packed, and written back as nothing.
+    let report = f.syncer.round(true).unwrap();
+    assert_eq!(report.changes, 1, "{report:?}");
+    assert_eq!(
+        std::fs::read(f.root.join("src/a.txt")).unwrap(),
+        b"alpha\nomega\n"
+    );
+    assert_eq!(
+        std::fs::read(f.root.join("src/deep/b.txt")).unwrap(),
+        b"beta\n"
+    );
+}
+
+/// A read without a handle fetches a small remote file into the pack (once); a truncation
+/// and an open with a handle copy it out, and what they change is written back.
+#[test]
+fn a_read_without_a_handle_packs_a_small_file_and_changes_copy_it_out() {
+    let f = fixture(false, tree);
+    f.fs.set_no_open();
+    let big = f.ino("big");
+    let r = f.ino("ref");
+    assert_eq!(f.fs.read_at(big, 0, 9_990, 4096).unwrap(), vec![7u8; 10]);
+    assert_eq!(f.fs.read_at(big, 0, 0, 3).unwrap(), vec![7u8; 3]);
+    assert_eq!(f.fs.read_at(r, 0, 0, 4096).unwrap(), b"old-ref\n");
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 10_000 + 8);
+    assert_eq!(upper_names(&f), [".pack".to_string()]);
     assert!(
-        names.iter().all(|n| !n.starts_with('.')),
-        "temporaries left: {names:?}"
+        f.fs.remote_small_files(1 << 20)
+            .iter()
+            .all(|(i, _)| *i != big && *i != r),
+        "packed files are not hydrated again"
+    );
+    // Truncation keeps the first bytes.
+    f.fs.setattr(
+        r,
+        SetAttr {
+            size: Some(4),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(f.fs.read_at(r, 0, 0, 4096).unwrap(), b"old-");
+    // An open with a handle (as with --track-opens or passthrough) gets the whole content.
+    assert_eq!(f.read("big"), vec![7u8; 10_000]);
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 10_000 + 8);
+    assert_eq!(f.sync().changes, 1);
+    assert_eq!(std::fs::read(f.root.join("ref")).unwrap(), b"old-");
+    assert_eq!(
+        std::fs::read(f.root.join("big")).unwrap(),
+        vec![7u8; 10_000]
     );
 }
 

@@ -1,9 +1,12 @@
 //! File content: fetching on first use, open handles, reads, writes, truncation.
 //!
-//! A file starts remote. The first `open` (or a truncation to a non-zero size) fetches all
-//! its blocks in one request, verifies each against its blake3 hash, and writes them to the
-//! upper file `upper/<ino>`; from then on every read and write goes to that local file.
-//! Opening with `O_TRUNC`, or creating a file, needs no fetch at all.
+//! A file starts remote. Read without a handle (the kernel opens files itself), a small one
+//! is fetched — by background hydration, or by the read — into the mount's pack file and
+//! read from there ([`super::pack`]). Otherwise the first `open` (or write, or truncation to
+//! a non-zero size) fetches all its blocks, verifies each against its blake3 hash, and
+//! writes them to the upper file `upper/<ino>` (a packed copy is copied out instead); from
+//! then on every read and write goes to that local file. Opening with `O_TRUNC`, or
+//! creating a file, needs no fetch at all.
 
 use std::ffi::OsStr;
 use std::fs::OpenOptions;
@@ -20,6 +23,7 @@ use super::error::FsError;
 use super::fs::{AwcpFs, Handle, name_str};
 use super::inode::{Data, Hash, Ino, Kind};
 use super::journal::Record;
+use super::pack::PACK_MAX;
 use super::remote::RemoteError;
 
 /// Blocks per fetch request (16 MiB at the default block size). With [`FETCH_LANES`]
@@ -134,7 +138,12 @@ impl AwcpFs {
         let file_size = {
             let table = self.table.lock();
             match table.get(ino) {
-                Some(n) if n.size >= STREAM_MIN && matches!(n.data, Data::Remote { .. }) => n.size,
+                Some(n)
+                    if n.size >= STREAM_MIN
+                        && matches!(n.data, Data::Remote { packed: None, .. }) =>
+                {
+                    n.size
+                }
                 _ => return Ok(None),
             }
         };
@@ -193,13 +202,15 @@ impl AwcpFs {
                 .clone()
         };
         let _guard = lock.lock();
-        let (hash, blocks) = {
+        let (hash, blocks, packed, size) = {
             let table = self.table.lock();
             let node = table.get(ino).ok_or(FsError::NotFound)?;
             match &node.data {
                 Data::Local { .. } => return Ok(()),
                 Data::None => return Err(FsError::IsDir),
-                d @ Data::Remote { hash, .. } => (*hash, d.remote_blocks()),
+                d @ Data::Remote { hash, packed, .. } => {
+                    (*hash, d.remote_blocks(), *packed, node.size)
+                }
             }
         };
         let tmp = self.opts.upper_dir.join(format!(".fetch-{ino}"));
@@ -208,24 +219,44 @@ impl AwcpFs {
             let _ = s.file.set(std::fs::File::open(&tmp)?);
         }
         let mut fetched = 0u64;
-        // Every block is verified against its hash as it arrives (the remote does it), and
-        // the blocks are the manifest's for this content: no second pass over the file.
-        let chunks: Vec<&[String]> = blocks.chunks(FETCH_BATCH).collect();
-        let written = self.fetch_chunks(&chunks, |block| {
-            out.write_all(&block)?;
-            fetched += block.len() as u64;
+        let mut publish = |bytes: &[u8]| -> Result<(), FsError> {
+            out.write_all(bytes)?;
+            fetched += bytes.len() as u64;
             if let Some(s) = stream {
                 s.advance(fetched);
             }
             Ok(())
-        });
+        };
+        let written = match packed {
+            // A copy is in the pack: no fetch.
+            Some(off) => (|| {
+                let mut at = 0;
+                while at < size {
+                    let part = self.pack.read(off, size, at, 1 << 20)?;
+                    if part.is_empty() {
+                        break;
+                    }
+                    at += part.len() as u64;
+                    publish(&part)?;
+                }
+                Ok(())
+            })(),
+            // Every block is verified against its hash as it arrives (the remote does it),
+            // and the blocks are the manifest's for this content: no second pass over it.
+            None => {
+                let chunks: Vec<&[String]> = blocks.chunks(FETCH_BATCH).collect();
+                self.fetch_chunks(&chunks, |block| publish(&block))
+            }
+        };
         drop(out);
         if let Err(e) = written {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
         std::fs::rename(&tmp, self.upper_path(ino))?;
-        self.stats.add_fetched(fetched, blocks.len() as u64);
+        if packed.is_none() {
+            self.stats.add_fetched(fetched, blocks.len() as u64);
+        }
         let mut table = self.table.lock();
         if let Some(node) = table.get_mut(ino)
             && matches!(&node.data, Data::Remote { hash: now, .. } if *now == hash)
@@ -327,17 +358,53 @@ impl AwcpFs {
         })
     }
 
-    /// Fetch several small files in one request (background hydration). Files someone else
-    /// is fetching right now, or that became local meanwhile, are skipped. Returns the number
-    /// of files made local.
+    /// Fetch several small files in one request into the pack (background hydration).
+    /// Files someone else is fetching right now, or that became local or packed meanwhile,
+    /// are skipped. Returns the number of files packed.
     pub fn prefetch(&self, files: &[Ino]) -> Result<usize, FsError> {
+        self.fetch_packed(files, false)
+    }
+
+    /// A read without a handle of a remote file with a copy in the pack, or small enough to
+    /// get one now (see [`PACK_MAX`]). `None`: read it some other way.
+    fn read_packed(&self, ino: Ino, offset: u64, size: u32) -> Result<Option<Vec<u8>>, FsError> {
+        // Twice at most: a file fetched into the pack just now is read on the second turn.
+        for _ in 0..2 {
+            let (len, packed) = {
+                let table = self.table.lock();
+                match table.get(ino) {
+                    Some(n) if n.kind == Kind::File => match &n.data {
+                        Data::Remote { packed, .. } => (n.size, *packed),
+                        _ => return Ok(None),
+                    },
+                    _ => return Ok(None),
+                }
+            };
+            match packed {
+                // Copies never change: if the node changed since, this is the content it
+                // had when the read began.
+                Some(off) => return Ok(Some(self.pack.read(off, len, offset, size)?)),
+                None if len <= PACK_MAX => {
+                    self.fetch_packed(&[ino], true)?;
+                }
+                None => return Ok(None),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Fetch `files` (those still remote without a copy) in one request and store each in
+    /// the pack. A file someone else is fetching is skipped, or, with `wait`, waited for.
+    fn fetch_packed(&self, files: &[Ino], wait: bool) -> Result<usize, FsError> {
         self.check()?;
         let mut wanted: Vec<(Ino, Hash, Vec<String>)> = Vec::with_capacity(files.len());
         {
             let table = self.table.lock();
             for ino in files {
                 if let Some(n) = table.get(*ino)
-                    && let Data::Remote { hash, .. } = &n.data
+                    && let Data::Remote {
+                        hash, packed: None, ..
+                    } = &n.data
                 {
                     wanted.push((*ino, *hash, n.data.remote_blocks()));
                 }
@@ -372,70 +439,52 @@ impl AwcpFs {
         let mut done = 0;
         for (ino, hash, blocks) in wanted {
             let lock = self.fetch_lock(ino);
-            // An on-demand open is fetching it: leave it to that.
-            let Some(_guard) = lock.try_lock() else {
+            // An on-demand open is fetching it: leave it to that (or wait for it).
+            let guard = if wait {
+                Some(lock.lock())
+            } else {
+                lock.try_lock()
+            };
+            let Some(_guard) = guard else {
                 continue;
             };
             let still_remote = matches!(
                 self.table.lock().get(ino).map(|n| &n.data),
-                Some(Data::Remote { hash: h, .. }) if *h == hash
+                Some(Data::Remote { hash: h, packed: None, .. }) if *h == hash
             );
             if !still_remote {
                 continue;
             }
-            // Straight to the upper file when there is none yet (the usual case: a rename
-            // per file was a sixth of hydration's time). Nothing reads an upper file before
-            // its node is local, and a file cut short by a crash belongs to a node that is
-            // still remote, which a restarted mount fetches again. An upper file left from
-            // earlier content may still be open somewhere: replaced by a rename, as before.
-            let upper = self.upper_path(ino);
-            let (mut out, tmp) = match OpenOptions::new().write(true).create_new(true).open(&upper)
-            {
-                Ok(f) => (f, None),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let tmp = self.opts.upper_dir.join(format!(".prefetch-{ino}"));
-                    (std::fs::File::create(&tmp)?, Some(tmp))
-                }
-                Err(e) => return Err(e.into()),
-            };
-            let written = blocks.iter().try_fold(0u64, |size, b| {
-                let d = by_hash.get(b.as_str()).copied().unwrap_or_default();
-                out.write_all(d).map(|()| size + d.len() as u64)
-            });
-            drop(out);
-            let size = match written {
-                Ok(size) => size,
-                Err(e) => {
-                    // Nothing half-written stays behind (a full disk, say).
-                    let _ = std::fs::remove_file(tmp.as_ref().unwrap_or(&upper));
-                    return Err(e.into());
-                }
-            };
-            if let Some(tmp) = tmp {
-                std::fs::rename(&tmp, &upper)?;
-            }
+            let parts: Vec<&[u8]> = blocks
+                .iter()
+                .map(|b| by_hash.get(b.as_str()).copied().unwrap_or_default())
+                .collect();
+            let off = self.pack.store(parts.iter().copied())?;
+            let size: u64 = parts.iter().map(|p| p.len() as u64).sum();
             self.stats.add_fetched(size, blocks.len() as u64);
             let mut table = self.table.lock();
             if let Some(node) = table.get_mut(ino)
-                && matches!(&node.data, Data::Remote { hash: h, .. } if *h == hash)
+                && let Data::Remote {
+                    hash: h,
+                    packed: p @ None,
+                    ..
+                } = &mut node.data
+                && *h == hash
             {
-                node.data = Data::Local {
-                    dirty: false,
-                    hash: Some(hash),
-                    generation: 0,
-                };
+                *p = Some(off);
                 done += 1;
             }
         }
         Ok(done)
     }
 
-    /// Files still remote whose size is at most `max_size`, in tree order.
+    /// Files still remote, with no copy in the pack, whose size is at most `max_size`, in
+    /// tree order.
     pub fn remote_small_files(&self, max_size: u64) -> Vec<(Ino, u64)> {
         let table = self.table.lock();
         let mut out = Vec::new();
         table.walk(|_, n| {
-            if n.size <= max_size && matches!(n.data, Data::Remote { .. }) {
+            if n.size <= max_size && matches!(n.data, Data::Remote { packed: None, .. }) {
                 out.push((n.ino, n.size));
             }
         });
@@ -759,11 +808,13 @@ impl AwcpFs {
         size: u32,
     ) -> Result<Vec<u8>, FsError> {
         self.check()?;
-        if fh == 0
-            && self.no_open()
-            && let Some(data) = self.read_streamed(ino, offset, size)?
-        {
-            return Ok(data);
+        if fh == 0 && self.no_open() {
+            if let Some(data) = self.read_packed(ino, offset, size)? {
+                return Ok(data);
+            }
+            if let Some(data) = self.read_streamed(ino, offset, size)? {
+                return Ok(data);
+            }
         }
         let h = self.handle_for(ino, fh, false)?;
         read_file(&h.file, offset, size)

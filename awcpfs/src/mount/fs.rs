@@ -115,6 +115,8 @@ pub struct AwcpFs {
     pub(super) recent_writes: Mutex<HashMap<Ino, RecentWrite>>,
     /// Large files being fetched in the background for reads without a handle.
     pub(super) streams: Mutex<HashMap<Ino, Arc<super::content::Stream>>>,
+    /// Copies of remote files fetched for reading (`upper/.pack`).
+    pub(super) pack: super::pack::Pack,
 }
 
 /// Writes without a handle (no-open) to one file: how many are under way, and when the
@@ -202,7 +204,6 @@ impl AwcpFs {
             fetch_budget: super::budget::Budget::new(super::budget::DEFAULT_FETCH_BUDGET),
             remote,
             journal,
-            opts,
             fenced: RwLock::new(None),
             hydrating: Mutex::new(HashMap::new()),
             sync,
@@ -210,6 +211,8 @@ impl AwcpFs {
             no_open: AtomicBool::new(false),
             recent_writes: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
+            pack: super::pack::Pack::new(opts.upper_dir.join(".pack")),
+            opts,
         }
     }
 
@@ -278,7 +281,8 @@ impl AwcpFs {
     }
 
     /// Files whose pages the kernel may cache: those with open handles, or, once the
-    /// kernel opens files without asking, every file with local content.
+    /// kernel opens files without asking, every file with local content (an upper file or a
+    /// copy in the pack).
     pub fn cached_inodes(&self) -> Vec<Ino> {
         if !self.no_open() {
             return self.open_inodes();
@@ -286,7 +290,10 @@ impl AwcpFs {
         let table = self.table.lock();
         table
             .iter()
-            .filter(|n| n.kind == Kind::File && matches!(n.data, Data::Local { .. }))
+            .filter(|n| {
+                n.kind == Kind::File
+                    && (matches!(n.data, Data::Local { .. }) || n.data.packed().is_some())
+            })
             .map(|n| n.ino)
             .collect()
     }

@@ -69,13 +69,21 @@ pub fn hash_from_hex(hex: &str) -> Hash {
 /// Where a file's bytes are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Data {
-    /// Not fetched yet: the export has it under these hashes.
+    /// The export's content under these hashes, not in an upper file.
     Remote {
         /// blake3 of the whole content.
         hash: Hash,
         /// blake3 of each block; `None` when the content is one block, whose hash is then
         /// the content's (no second copy, no allocation, for the typical small file).
         blocks: Option<Box<[Hash]>>,
+        /// Where a copy of the content (`size` bytes) starts in the mount's pack file, once
+        /// fetched for reading (background hydration, a read without a handle): one file
+        /// holds every such copy, so hydrating 20,000 small files writes one file, not
+        /// 20,000. Reads are served from it; anything that needs an upper file (a write, a
+        /// truncation, an open with a handle, passthrough) copies it out first. The node is
+        /// still remote in every other respect (write-back, journal, Delegator-side
+        /// changes), and a restarted mount, whose pack starts empty, fetches it again.
+        packed: Option<u64>,
     },
     /// In the upper file `upper/<ino>` of the state directory.
     Local {
@@ -98,18 +106,32 @@ impl Data {
             [one] if hash_from_hex(one) == hash => None,
             _ => Some(blocks.iter().map(|b| hash_from_hex(b)).collect()),
         };
-        Data::Remote { hash, blocks }
+        Data::Remote {
+            hash,
+            blocks,
+            packed: None,
+        }
     }
 
     /// The block hashes of remote content, in hex as the data plane names them (empty for
     /// anything else).
     pub fn remote_blocks(&self) -> Vec<String> {
         match self {
-            Data::Remote { hash, blocks: None } => vec![hex::encode(hash)],
+            Data::Remote {
+                hash, blocks: None, ..
+            } => vec![hex::encode(hash)],
             Data::Remote {
                 blocks: Some(b), ..
             } => b.iter().map(hex::encode).collect(),
             _ => Vec::new(),
+        }
+    }
+
+    /// Where remote content's copy sits in the pack file, if it has one.
+    pub fn packed(&self) -> Option<u64> {
+        match self {
+            Data::Remote { packed, .. } => *packed,
+            _ => None,
         }
     }
 }
