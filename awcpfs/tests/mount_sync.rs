@@ -1300,6 +1300,10 @@ struct Gated {
     fail_nth: std::sync::atomic::AtomicUsize,
     /// Every change set committed through it.
     commits: parking_lot::Mutex<Vec<awcp_protocol::dataplane::ChangeSet>>,
+    /// When set, the gate lets through the fetches asking for this block, and holds every
+    /// other one (instead of holding all but the first: with two fetches of a file in
+    /// flight, which one comes first is a race).
+    pass: parking_lot::Mutex<Option<String>>,
 }
 
 impl Gated {
@@ -1313,6 +1317,7 @@ impl Gated {
             cv: parking_lot::Condvar::new(),
             fail_nth: fail_nth.into(),
             commits: Default::default(),
+            pass: Default::default(),
         })
     }
 
@@ -1340,7 +1345,11 @@ impl Remote for Gated {
                 what: "injected: this fetch fails".into(),
             });
         }
-        if n > 1 {
+        let held = match &*self.pass.lock() {
+            Some(p) => !hashes.contains(p),
+            None => n > 1,
+        };
+        if held {
             let mut open = self.open.lock();
             let deadline = std::time::Instant::now() + Duration::from_secs(20);
             while !*open && std::time::Instant::now() < deadline {
@@ -1385,7 +1394,7 @@ impl Remote for Gated {
 
 #[test]
 fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
-    // 5 MiB in 4 KiB blocks: 80 fetches of 16 blocks; all but the first are held back.
+    // 5 MiB in 4 KiB blocks: 80 fetches of 16 blocks; all but the first batch's are held.
     let big: Vec<u8> = (0..5u32 << 20)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();
@@ -1401,10 +1410,11 @@ fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
         },
     );
     let gated = gate.lock().clone().unwrap();
+    *gated.pass.lock() = Some(blake3::hash(&big[..4096]).to_hex().to_string());
     f.fs.set_no_open();
     let ino = f.fs.lookup(ROOT_INO, o("big.bin")).unwrap().ino.0;
-    // The first 64 KiB arrive with the first fetch: the read returns while the rest of the
-    // file is still held back.
+    // The first 64 KiB arrive with the fetch of the first batch: the read returns while the
+    // rest of the file is still held back.
     let (tx, rx) = std::sync::mpsc::channel();
     let fs = f.fs.clone();
     std::thread::spawn(move || {
