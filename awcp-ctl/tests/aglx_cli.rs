@@ -2,28 +2,15 @@
 //! `executor --announce`, `awcp-ctl peers`, and `delegate --to auto`, against an in-process
 //! bridge that a monitor watches.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use aglx_bridge::awcp::TaskAssign;
 use aglx_bridge::{Bridge, BridgeConfig, Client, ClientConfig, MessageType, Subscribe};
+use awcpfs::testing::fuse_available;
 
 const BIN: &str = env!("CARGO_BIN_EXE_awcp-ctl");
-
-fn fuse_available() -> bool {
-    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
-    if !ok {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
-        );
-        eprintln!(
-            "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
-        );
-    }
-    ok
-}
 
 /// Kills the process, then lazily unmounts whatever is left under the directory.
 struct Proc(Child, PathBuf);

@@ -1,23 +1,12 @@
 //! The CLI around staged snapshots: `delegate --transport archive --snapshot-mode staged
 //! --wait`, then `snapshots`, `diff`, `apply`, `discard`, with and without `--json`.
 
-use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
-const BIN: &str = env!("CARGO_BIN_EXE_awcp-ctl");
+use awcpfs::testing::fuse_available;
 
-fn fuse_available() -> bool {
-    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
-    if !ok {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
-        );
-        eprintln!("\n!!!!!!!! SKIPPING: /dev/fuse is missing or we are not root !!!!!!!!\n");
-    }
-    ok
-}
+const BIN: &str = env!("CARGO_BIN_EXE_awcp-ctl");
 
 async fn cli(daemon: &str, args: &[&str]) -> Output {
     let mut cmd = tokio::process::Command::new(BIN);

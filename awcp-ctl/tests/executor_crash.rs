@@ -6,21 +6,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_awcp-ctl");
+use awcpfs::testing::fuse_available;
 
-fn fuse_available() -> bool {
-    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
-    if !ok {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
-        );
-        eprintln!(
-            "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
-        );
-    }
-    ok
-}
+const BIN: &str = env!("CARGO_BIN_EXE_awcp-ctl");
 
 struct Proc(Child);
 impl Drop for Proc {

@@ -2,26 +2,14 @@
 //! process's stdin/stdout. Lists the reference's tools plus ours, delegates with
 //! `delegate` (waiting for the result), and reads it back with the other tools.
 
-use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
+use awcpfs::testing::fuse_available;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 const BIN: &str = env!("CARGO_BIN_EXE_awcp-ctl");
-
-fn fuse_available() -> bool {
-    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
-    if !ok {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
-        );
-        eprintln!("\n!!!!!!!! SKIPPING: /dev/fuse is missing or we are not root !!!!!!!!\n");
-    }
-    ok
-}
 
 struct Client {
     stdin: tokio::process::ChildStdin,

@@ -7,6 +7,26 @@ pub mod cache;
 pub mod export;
 pub mod mount;
 
+/// Support for this workspace's tests (not part of the API).
+#[doc(hidden)]
+pub mod testing {
+    /// Whether FUSE tests can run here (`/dev/fuse` exists and we are root). When they
+    /// cannot, says so loudly on stderr, and panics under `CI=true`: CI must run them.
+    pub fn fuse_available() -> bool {
+        let ok = std::path::Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
+        if !ok {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
+            );
+            eprintln!(
+                "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
+            );
+        }
+        ok
+    }
+}
+
 /// Raise this process's soft limit on open files to its hard limit, and say what it is.
 ///
 /// A large commit stages every file before any is applied, holding a directory descriptor

@@ -9,21 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_awcpfs");
+use awcpfs::testing::fuse_available;
 
-fn fuse_available() -> bool {
-    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
-    if !ok {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
-        );
-        eprintln!(
-            "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
-        );
-    }
-    ok
-}
+const BIN: &str = env!("CARGO_BIN_EXE_awcpfs");
 
 struct Killed(Child);
 impl Drop for Killed {

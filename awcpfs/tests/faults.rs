@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use awcp_lease::{Lease, LeaseTerms, SystemClock};
 use awcpfs::export::{ExportConfig, ExportRegistry};
 use awcpfs::mount::{Mount, MountConfig};
+use awcpfs::testing::fuse_available;
 
 const PASS: u8 = 0;
 const BLACKHOLE: u8 = 1;
@@ -19,20 +20,6 @@ const BLACKHOLE: u8 = 1;
 const RESET: u8 = 2;
 /// Every chunk is held back 150 ms.
 const DELAY: u8 = 3;
-
-fn fuse_available() -> bool {
-    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
-    if !ok {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
-        );
-        eprintln!(
-            "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
-        );
-    }
-    ok
-}
 
 /// A TCP proxy whose mode can be switched: pass bytes through, or swallow them (blackhole:
 /// connections are accepted and then nothing ever comes back).

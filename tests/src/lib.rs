@@ -17,19 +17,7 @@ use awcp_protocol::DelegationState;
 use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
 use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
 
-/// Whether FUSE tests can run here. Panics under `CI=true` when they cannot.
-pub fn fuse_available() -> bool {
-    let ok = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
-    if !ok {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("FUSE tests must run in CI: /dev/fuse is missing or we are not root");
-        }
-        eprintln!(
-            "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
-        );
-    }
-    ok
-}
+pub use awcpfs::testing::fuse_available;
 
 /// Run a command, panic with its output if it fails; return stdout.
 pub fn sh(dir: &Path, script: &str) -> String {
