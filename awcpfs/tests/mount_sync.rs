@@ -539,6 +539,25 @@ fn a_read_without_a_handle_packs_a_small_file_and_changes_copy_it_out() {
     );
 }
 
+/// A file whose content is still remote stays readable after hard links to it were written
+/// back and removed again: the export's block index must not have traded the file's own
+/// place for the links' (found by `tracked_rounds`; the file's two identical blocks and
+/// two links filled the index's places for that block).
+#[test]
+fn a_remote_file_stays_readable_after_links_to_it_come_and_go() {
+    let f = fixture(false, tree);
+    let big = f.ino("big");
+    f.fs.link(big, ROOT_INO, o("n2")).unwrap();
+    f.fs.link(big, ROOT_INO, o("n3")).unwrap();
+    f.fs.link(big, ROOT_INO, o("n4")).unwrap();
+    f.sync();
+    for n in ["n2", "n3", "n4"] {
+        f.fs.unlink(ROOT_INO, o(n)).unwrap();
+    }
+    f.sync();
+    assert_eq!(f.read("big"), vec![7u8; 10_000]);
+}
+
 /// Hard links (made on the mount and found on the Delegator), renames of one of their
 /// names, an exchange and extended attributes: the journal replays to the same names, link
 /// counts and attributes, and the write-back makes hard links on the Delegator.

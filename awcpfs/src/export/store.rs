@@ -26,9 +26,11 @@ use super::rootfs::RootDir;
 /// A block's name: its blake3 hash.
 pub(crate) type BlockHash = [u8; 32];
 
-/// How many places the index remembers per hash. Identical blocks in more files than this
-/// are still served as long as one of the remembered places holds the content.
-const MAX_LOCATIONS: usize = 4;
+/// How many places (files) the index remembers per hash: the newest ones, and the oldest
+/// (for content found by the walk at register, the file it came from). Identical blocks in
+/// more files than this are still served as long as one of the remembered files holds the
+/// content.
+const MAX_LOCATIONS: usize = 6;
 
 /// Prefix of every temporary name the export creates (in the tree and in staging).
 pub(crate) const TMP_PREFIX: &str = ".awcp-tmp-";
@@ -91,12 +93,17 @@ pub(crate) struct BlockIndex {
 }
 
 impl BlockIndex {
-    /// Remember that `hash` was seen at `loc`; the newest place is tried first.
+    /// Remember that `hash` was seen at `loc`; the newest place is tried first. One place per
+    /// file (a block repeated within a file must not crowd other files out), and the oldest
+    /// place is kept when the list is full: hard links or copies made and removed again
+    /// must not push out the file the content lives in.
     pub(crate) fn insert(&mut self, hash: BlockHash, loc: BlockLoc) {
         let locs = self.map.entry(hash).or_default();
-        locs.retain(|l| *l != loc);
+        locs.retain(|l| l.path != loc.path);
         locs.insert(0, loc);
-        locs.truncate(MAX_LOCATIONS);
+        if locs.len() > MAX_LOCATIONS {
+            locs.remove(MAX_LOCATIONS - 1);
+        }
     }
 
     /// Record that `path` was hashed as `stamp` describes, not racily.
@@ -287,7 +294,26 @@ mod tests {
         let locs = idx.locations(&[7; 32]);
         assert_eq!(locs.len(), MAX_LOCATIONS);
         assert_eq!(&*locs[0].path, "f9");
+        assert_eq!(&*locs[MAX_LOCATIONS - 2].path, "f5");
+        assert_eq!(
+            &*locs[MAX_LOCATIONS - 1].path,
+            "f0",
+            "the oldest place is kept"
+        );
         assert!(idx.locations(&[8; 32]).is_empty());
+        // One place per file: the same block again in f9 replaces f9's place.
+        idx.insert(
+            [7; 32],
+            BlockLoc {
+                path: Arc::from("f9"),
+                offset: 4096,
+                len: 1,
+            },
+        );
+        let locs = idx.locations(&[7; 32]);
+        assert_eq!(locs.len(), MAX_LOCATIONS);
+        assert_eq!((&*locs[0].path, locs[0].offset), ("f9", 4096));
+        assert_eq!(locs.iter().filter(|l| &*l.path == "f9").count(), 1);
     }
 
     #[test]
