@@ -384,7 +384,7 @@ impl AwcpFs {
                 // Copies never change: if the node changed since, this is the content it
                 // had when the read began.
                 Some(off) => return Ok(Some(self.pack.read(off, len, offset, size)?)),
-                None if len <= PACK_MAX => {
+                None if len <= PACK_MAX && self.pack.has_room(len) => {
                     self.fetch_packed(&[ino], true)?;
                 }
                 None => return Ok(None),
@@ -459,7 +459,11 @@ impl AwcpFs {
                 .iter()
                 .map(|b| by_hash.get(b.as_str()).copied().unwrap_or_default())
                 .collect();
-            let off = self.pack.store(parts.iter().copied())?;
+            // A full pack takes no more: the file stays remote, and is read from an upper
+            // file of its own.
+            let Some(off) = self.pack.store(parts.iter().copied())? else {
+                continue;
+            };
             let size: u64 = parts.iter().map(|p| p.len() as u64).sum();
             self.stats.add_fetched(size, blocks.len() as u64);
             let mut table = self.table.lock();

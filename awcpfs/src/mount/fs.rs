@@ -193,6 +193,12 @@ impl AwcpFs {
         sync: Arc<SyncSignal>,
         stats: Arc<Stats>,
     ) -> AwcpFs {
+        let small_bytes: u64 = table
+            .iter()
+            .filter(|n| n.kind == Kind::File && n.size <= super::pack::PACK_MAX)
+            .map(|n| n.size)
+            .sum();
+        let pack_limit = super::pack::pack_limit(small_bytes);
         AwcpFs {
             table: Mutex::new(table),
             handles: Mutex::new(HashMap::new()),
@@ -211,7 +217,7 @@ impl AwcpFs {
             no_open: AtomicBool::new(false),
             recent_writes: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
-            pack: super::pack::Pack::new(opts.upper_dir.join(".pack")),
+            pack: super::pack::Pack::new(opts.upper_dir.join(".pack"), pack_limit),
             opts,
         }
     }

@@ -9,7 +9,10 @@
 //!
 //! Copies are never changed in place and never freed while the mount runs (a copy whose
 //! file is written, truncated or replaced by the Delegator is simply no longer used); the
-//! pack starts empty with every mount, as nothing in the journal points into it.
+//! pack starts empty with every mount, as nothing in the journal points into it. So that a
+//! long lease over a tree the Delegator keeps changing cannot grow it without bound, it
+//! takes no more copies once it holds its limit ([`pack_limit`]); files are then read from
+//! upper files of their own, as larger files are.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -22,10 +25,18 @@ use parking_lot::Mutex;
 /// larger one gets an upper file of its own, or is streamed).
 pub const PACK_MAX: u64 = 256 << 10;
 
+/// The limit for a tree whose files of at most [`PACK_MAX`] bytes add up to `small_bytes`:
+/// room for every one of them twice (each changed once by the Delegator and read again),
+/// and 64 MiB more.
+pub fn pack_limit(small_bytes: u64) -> u64 {
+    small_bytes.saturating_mul(2).saturating_add(64 << 20)
+}
+
 /// The pack file of one mount.
 #[derive(Debug)]
 pub struct Pack {
     path: PathBuf,
+    limit: u64,
     state: Mutex<State>,
 }
 
@@ -38,24 +49,34 @@ struct State {
 }
 
 impl Pack {
-    /// The pack at `path`; nothing is created until something is stored.
-    pub fn new(path: PathBuf) -> Pack {
+    /// The pack at `path`, holding at most `limit` bytes; nothing is created until
+    /// something is stored.
+    pub fn new(path: PathBuf, limit: u64) -> Pack {
         Pack {
             path,
+            limit,
             state: Mutex::new(State::default()),
         }
     }
 
-    /// Store `parts`, one after the other, as one copy; returns where it starts. The
-    /// space is taken under a short lock and written outside it, so several writers store
-    /// at once.
+    /// Whether a copy of `len` bytes would still be taken.
+    pub fn has_room(&self, len: u64) -> bool {
+        self.state.lock().end.saturating_add(len) <= self.limit
+    }
+
+    /// Store `parts`, one after the other, as one copy; returns where it starts, or `None`
+    /// when the pack is full. The space is taken under a short lock and written outside
+    /// it, so several writers store at once.
     pub fn store<'a>(
         &self,
         parts: impl IntoIterator<Item = &'a [u8]> + Clone,
-    ) -> std::io::Result<u64> {
+    ) -> std::io::Result<Option<u64>> {
         let len: u64 = parts.clone().into_iter().map(|p| p.len() as u64).sum();
         let (file, off) = {
             let mut st = self.state.lock();
+            if st.end.saturating_add(len) > self.limit {
+                return Ok(None);
+            }
             let file = match &st.file {
                 Some(f) => f.clone(),
                 None => {
@@ -81,7 +102,7 @@ impl Pack {
             file.write_all_at(p, at)?;
             at += p.len() as u64;
         }
-        Ok(off)
+        Ok(Some(off))
     }
 
     /// Up to `size` bytes from `offset` of the `len`-byte copy at `off` (short at its end).
@@ -111,13 +132,14 @@ mod tests {
     #[test]
     fn copies_read_back_where_they_were_stored_and_never_past_their_end() {
         let dir = tempfile::tempdir().unwrap();
-        let pack = Pack::new(dir.path().join(".pack"));
+        let pack = Pack::new(dir.path().join(".pack"), 1 << 20);
         assert!(pack.read(0, 1, 0, 1).is_err(), "nothing stored yet");
         let a = pack
             .store([b"hello ".as_slice(), b"world".as_slice()])
+            .unwrap()
             .unwrap();
-        let b = pack.store([b"second".as_slice()]).unwrap();
-        let empty = pack.store([b"".as_slice()]).unwrap();
+        let b = pack.store([b"second".as_slice()]).unwrap().unwrap();
+        let empty = pack.store([b"".as_slice()]).unwrap().unwrap();
         assert_eq!((a, b, empty), (0, 11, 17));
         assert_eq!(pack.bytes(), 17);
         assert_eq!(pack.read(a, 11, 0, 4096).unwrap(), b"hello world");
@@ -132,15 +154,33 @@ mod tests {
     fn a_new_pack_starts_empty_over_an_old_one() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join(".pack"), b"left by an earlier mount").unwrap();
-        let pack = Pack::new(dir.path().join(".pack"));
-        assert_eq!(pack.store([b"new".as_slice()]).unwrap(), 0);
+        let pack = Pack::new(dir.path().join(".pack"), 1 << 20);
+        assert_eq!(pack.store([b"new".as_slice()]).unwrap(), Some(0));
         assert_eq!(std::fs::read(dir.path().join(".pack")).unwrap(), b"new");
+    }
+
+    #[test]
+    fn a_full_pack_takes_no_more_copies_and_keeps_the_ones_it_has() {
+        let dir = tempfile::tempdir().unwrap();
+        let pack = Pack::new(dir.path().join(".pack"), 10);
+        assert!(pack.has_room(10) && !pack.has_room(11));
+        assert_eq!(pack.store([b"1234567".as_slice()]).unwrap(), Some(0));
+        assert!(!pack.has_room(4));
+        assert_eq!(pack.store([b"89ab".as_slice()]).unwrap(), None);
+        assert_eq!(pack.store([b"89a".as_slice()]).unwrap(), Some(7));
+        assert_eq!(pack.store([b"".as_slice()]).unwrap(), Some(10));
+        assert_eq!(pack.store([b"c".as_slice()]).unwrap(), None);
+        assert_eq!(pack.bytes(), 10);
+        assert_eq!(pack.read(0, 7, 0, 100).unwrap(), b"1234567");
+        assert_eq!(pack.read(7, 3, 0, 100).unwrap(), b"89a");
+        assert_eq!(pack_limit(100), 200 + (64 << 20));
+        assert_eq!(pack_limit(u64::MAX), u64::MAX);
     }
 
     #[test]
     fn concurrent_stores_never_overlap() {
         let dir = tempfile::tempdir().unwrap();
-        let pack = Arc::new(Pack::new(dir.path().join(".pack")));
+        let pack = Arc::new(Pack::new(dir.path().join(".pack"), 1 << 20));
         let threads: Vec<_> = (0..4u8)
             .map(|t| {
                 let pack = pack.clone();
@@ -148,7 +188,7 @@ mod tests {
                     (0..200u32)
                         .map(|i| {
                             let body = vec![t; 1 + (i as usize * 7) % 300];
-                            (pack.store([body.as_slice()]).unwrap(), body)
+                            (pack.store([body.as_slice()]).unwrap().unwrap(), body)
                         })
                         .collect::<Vec<_>>()
                 })
