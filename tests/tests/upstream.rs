@@ -176,3 +176,56 @@ async fn git_on_the_mount_sees_a_commit_made_on_the_delegator() {
     sh(&repo, "git fsck --strict");
     h.stop().await;
 }
+
+/// With the default no-open mount, small files are read from the mount's pack file (fetched
+/// there by the background hydration or by the read itself); a Delegator-side change must
+/// replace what the mount shows — shorter content included — and never leave the pack's old
+/// copy visible.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_packed_file_changed_on_the_delegator_shows_the_new_content() {
+    if !fuse_available() {
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    let agent = format!(
+        r##"set -e
+        cat calc/ops.py > {o}/before
+        touch {o}/ready
+        while [ ! -e {o}/go ]; do sleep 0.05; done
+        cat calc/ops.py > {o}/after
+        wc -c < calc/ops.py > {o}/size"##,
+        o = out.path().display()
+    );
+    let h = Harness::start(&agent).await;
+    let repo = h.path("repo");
+    sample_repo(&repo);
+    let original = read(repo.join("calc/ops.py"));
+    let id = h.delegate(&repo, AccessMode::Rw, 600).await;
+    assert!(
+        eventually(Duration::from_secs(30), || out
+            .path()
+            .join("ready")
+            .exists())
+        .await,
+        "the agent did not start"
+    );
+    assert_eq!(read(out.path().join("before")), original);
+    std::fs::write(repo.join("calc/ops.py"), "x = 1\n").unwrap();
+    let mnt = h.mountpoint(&id);
+    assert!(
+        eventually(Duration::from_secs(20), || read(mnt.join("calc/ops.py"))
+            == "x = 1\n")
+        .await,
+        "the mount still shows {:?}",
+        read(mnt.join("calc/ops.py"))
+    );
+    std::fs::write(out.path().join("go"), "").unwrap();
+    assert_eq!(
+        h.wait_end(&id, Duration::from_secs(60)).await,
+        DelegationState::Completed
+    );
+    assert_eq!(read(out.path().join("after")), "x = 1\n");
+    assert_eq!(read(out.path().join("size")).trim(), "6");
+    assert_eq!(read(repo.join("calc/ops.py")), "x = 1\n");
+    h.stop().await;
+}
