@@ -558,6 +558,27 @@ fn a_remote_file_stays_readable_after_links_to_it_come_and_go() {
     assert_eq!(f.read("big"), vec![7u8; 10_000]);
 }
 
+/// Content in more files than the block index keeps places for, with every remembered place
+/// removed: the export still finds it in a file it knows holds it (one-block files).
+#[test]
+fn a_remote_file_stays_readable_when_every_indexed_copy_is_gone() {
+    let f = fixture(false, tree);
+    let r = f.ino("ref");
+    let links: Vec<String> = (1..=7).map(|i| format!("l{i}")).collect();
+    for l in &links {
+        f.fs.link(r, ROOT_INO, o(l)).unwrap();
+    }
+    f.sync();
+    // The index remembers ref (the oldest) and the five newest links; l1 and l2 only the
+    // change feed knows.
+    for n in ["ref", "l3", "l4", "l5", "l6", "l7"] {
+        f.fs.unlink(ROOT_INO, o(n)).unwrap();
+    }
+    f.sync();
+    assert_eq!(f.read("l1"), b"old-ref\n");
+    assert_eq!(std::fs::read(f.root.join("l2")).unwrap(), b"old-ref\n");
+}
+
 /// Hard links (made on the mount and found on the Delegator), renames of one of their
 /// names, an exchange and extended attributes: the journal replays to the same names, link
 /// counts and attributes, and the write-back makes hard links on the Delegator.

@@ -597,7 +597,7 @@ fn stage(
         let mut hasher = blake3::Hasher::new();
         let mut complete = true;
         for h in &plan.blocks {
-            match export.blocks.read_block(h) {
+            match export.read_block(h) {
                 Some(data) => {
                     // A block of zeros becomes a hole: a sparse file on the Executor stays
                     // sparse here (the length is fixed after the last block).

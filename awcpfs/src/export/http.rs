@@ -286,7 +286,7 @@ async fn blocks(
             let export = export.clone();
             async move {
                 let reader = export.clone();
-                let data = tokio::task::spawn_blocking(move || reader.blocks.read_block(&hash))
+                let data = tokio::task::spawn_blocking(move || reader.read_block(&hash))
                     .await
                     .ok()
                     .flatten();

@@ -332,7 +332,7 @@ impl ChangeStage {
                     .map_err(|e| internal("reading a staged block", e))?;
                 let data = match kept {
                     Some(d) => Some(d),
-                    None => match export.blocks.read_block(h) {
+                    None => match export.read_block(h) {
                         Some(d) => {
                             self.blocks
                                 .store(h, &d)

@@ -230,6 +230,43 @@ impl BlockSource {
         self.staging.contains(hash) || self.read_indexed(hash).is_some()
     }
 
+    /// Read `hash` as the whole content of one of `paths` (files of at most one block that
+    /// should hold it), verified; the first that does is indexed again, newest.
+    pub(crate) fn read_whole_file(
+        &self,
+        hash: &BlockHash,
+        paths: &[String],
+        max_len: u64,
+    ) -> Option<Vec<u8>> {
+        for path in paths {
+            let Ok(file) = self.root.open_file(path) else {
+                continue;
+            };
+            let Some(len) = nix::sys::stat::fstat(&file)
+                .ok()
+                .map(|st| st.st_size as u64)
+                .filter(|l| *l <= max_len)
+            else {
+                continue;
+            };
+            let Some(buf) = read_range(&file, 0, len) else {
+                continue;
+            };
+            if blake3::hash(&buf).as_bytes() == hash {
+                self.index.write().insert(
+                    *hash,
+                    BlockLoc {
+                        path: Arc::from(path.as_str()),
+                        offset: 0,
+                        len: len as u32,
+                    },
+                );
+                return Some(buf);
+            }
+        }
+        None
+    }
+
     /// Read `hash` from the first indexed place that still holds it.
     fn read_indexed(&self, hash: &BlockHash) -> Option<Vec<u8>> {
         let (locations, stamps): (Vec<BlockLoc>, Vec<Option<Stamp>>) = {

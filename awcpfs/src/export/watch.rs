@@ -233,6 +233,29 @@ impl ChangeFeed {
         n
     }
 
+    /// Up to `max` files that, as far as the feed knows, hold exactly the content whose
+    /// blake3 is `content` (hex) in at most `max_size` bytes: for a one-block lookup the
+    /// block index missed.
+    pub(crate) fn files_with_content(
+        &self,
+        content: &str,
+        max_size: u64,
+        max: usize,
+    ) -> Vec<String> {
+        self.state
+            .lock()
+            .known
+            .iter()
+            .filter(|(_, s)| {
+                s.kind == EntryKind::File
+                    && s.size <= max_size
+                    && s.content.as_deref() == Some(content)
+            })
+            .map(|(p, _)| p.clone())
+            .take(max)
+            .collect()
+    }
+
     /// A commit applied `changes` (except the conflicting ones) to the tree: remember what
     /// it left so the watcher does not report it back, and so a mount that reconnects is
     /// not handed an older Delegator-side state of those paths.
