@@ -455,10 +455,15 @@ impl AwcpFs {
             if !still_remote {
                 continue;
             }
-            let parts: Vec<&[u8]> = blocks
+            // Every block of the file came back (a remote answers all or fails; never
+            // store a copy with a block missing).
+            let Some(parts) = blocks
                 .iter()
-                .map(|b| by_hash.get(b.as_str()).copied().unwrap_or_default())
-                .collect();
+                .map(|b| by_hash.get(b.as_str()).copied())
+                .collect::<Option<Vec<&[u8]>>>()
+            else {
+                continue;
+            };
             // A full pack takes no more: the file stays remote, and is read from an upper
             // file of its own.
             let Some(off) = self.pack.store(parts.iter().copied())? else {
