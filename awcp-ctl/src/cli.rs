@@ -775,10 +775,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         n("syncErrors")
                     );
                     println!(
-                        "cache       {} block(s) from the block cache ({} bytes), {} fetched from the Delegator",
+                        "cache       {} block(s) from the block cache ({} bytes), {} fetched from the Delegator; {} file(s) in the pack ({} bytes)",
                         n("cacheHits"),
                         n("bytesFromCache"),
-                        n("cacheMisses")
+                        n("cacheMisses"),
+                        n("filesPacked"),
+                        n("bytesPacked")
                     );
                 }
                 if let Some(res) = &r.result {

@@ -464,8 +464,10 @@ fn hydration_packs_files_and_a_write_copies_one_out_whole() {
     let held = std::fs::File::open(upper.join(a.to_string())).unwrap();
     assert_eq!(f.fs.prefetch(&[a, b]).unwrap(), 2);
     assert_eq!(upper_names(&f), [".pack".to_string(), a.to_string()]);
-    let fetched = f.fs.stats().snapshot().bytes_fetched;
+    let snap = f.fs.stats().snapshot();
+    let fetched = snap.bytes_fetched;
     assert_eq!(fetched, 6 + 5);
+    assert_eq!((snap.files_packed, snap.bytes_packed), (2, 6 + 5));
     // Reads without a handle come from the pack, whole or in part.
     assert_eq!(f.fs.read_at(a, 0, 0, 4096).unwrap(), b"alpha\n");
     assert_eq!(f.fs.read_at(b, 0, 1, 3).unwrap(), b"eta");
@@ -510,7 +512,9 @@ fn a_read_without_a_handle_packs_a_small_file_and_changes_copy_it_out() {
     assert_eq!(f.fs.read_at(big, 0, 9_990, 4096).unwrap(), vec![7u8; 10]);
     assert_eq!(f.fs.read_at(big, 0, 0, 3).unwrap(), vec![7u8; 3]);
     assert_eq!(f.fs.read_at(r, 0, 0, 4096).unwrap(), b"old-ref\n");
-    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 10_000 + 8);
+    let snap = f.fs.stats().snapshot();
+    assert_eq!(snap.bytes_fetched, 10_000 + 8);
+    assert_eq!((snap.files_packed, snap.bytes_packed), (2, 10_000 + 8));
     assert_eq!(upper_names(&f), [".pack".to_string()]);
     assert!(
         f.fs.remote_small_files(1 << 20)

@@ -481,6 +481,7 @@ impl AwcpFs {
                 && *h == hash
             {
                 *p = Some(off);
+                self.stats.add_packed(size);
                 done += 1;
             }
         }

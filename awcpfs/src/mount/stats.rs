@@ -60,6 +60,8 @@ pub struct Stats {
     bytes_from_cache: AtomicU64,
     upstream_applied: AtomicU64,
     upstream_kept_local: AtomicU64,
+    files_packed: AtomicU64,
+    bytes_packed: AtomicU64,
     conflicts: Mutex<Vec<Conflict>>,
     last_sync_error: Mutex<Option<String>>,
 }
@@ -99,6 +101,13 @@ pub struct StatsSnapshot {
     /// Delegator-side changes not shown because the mount has its own change there.
     #[serde(default)]
     pub upstream_kept_local: u64,
+    /// Files whose content was stored in the pack file for reading (background hydration,
+    /// reads without a handle), and their bytes.
+    #[serde(default)]
+    pub files_packed: u64,
+    /// Bytes of those files.
+    #[serde(default)]
+    pub bytes_packed: u64,
     /// FUSE requests served, by operation (operations never requested are left out).
     pub ops: BTreeMap<String, u64>,
     /// Changes the export kept beside instead of applying.
@@ -152,6 +161,12 @@ impl Stats {
             .fetch_add(kept_local, Ordering::Relaxed);
     }
 
+    /// Count a file stored in the pack.
+    pub fn add_packed(&self, bytes: u64) {
+        self.files_packed.fetch_add(1, Ordering::Relaxed);
+        self.bytes_packed.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// Count an open served with FUSE passthrough.
     pub fn add_passthrough_open(&self) {
         self.passthrough_opens.fetch_add(1, Ordering::Relaxed);
@@ -178,6 +193,8 @@ impl Stats {
             cache_misses: self.cache_misses.load(Ordering::Relaxed),
             bytes_from_cache: self.bytes_from_cache.load(Ordering::Relaxed),
             upstream_applied: self.upstream_applied.load(Ordering::Relaxed),
+            files_packed: self.files_packed.load(Ordering::Relaxed),
+            bytes_packed: self.bytes_packed.load(Ordering::Relaxed),
             upstream_kept_local: self.upstream_kept_local.load(Ordering::Relaxed),
             ops: OPS
                 .iter()
