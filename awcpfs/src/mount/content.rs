@@ -229,18 +229,7 @@ impl AwcpFs {
         };
         let written = match packed {
             // A copy is in the pack: no fetch.
-            Some(off) => (|| {
-                let mut at = 0;
-                while at < size {
-                    let part = self.pack.read(off, size, at, 1 << 20)?;
-                    if part.is_empty() {
-                        break;
-                    }
-                    at += part.len() as u64;
-                    publish(&part)?;
-                }
-                Ok(())
-            })(),
+            Some(off) => self.pack.copy_out(off, size, &mut publish),
             // Every block is verified against its hash as it arrives (the remote does it),
             // and the blocks are the manifest's for this content: no second pass over it.
             None => {
@@ -365,32 +354,40 @@ impl AwcpFs {
         self.fetch_packed(files, false)
     }
 
-    /// A read without a handle of a remote file with a copy in the pack, or small enough to
-    /// get one now (see [`PACK_MAX`]). `None`: read it some other way.
-    fn read_packed(&self, ino: Ino, offset: u64, size: u32) -> Result<Option<Vec<u8>>, FsError> {
-        // Twice at most: a file fetched into the pack just now is read on the second turn.
-        for _ in 0..2 {
-            let (len, packed) = {
-                let table = self.table.lock();
-                match table.get(ino) {
-                    Some(n) if n.kind == Kind::File => match &n.data {
-                        Data::Remote { packed, .. } => (n.size, *packed),
-                        _ => return Ok(None),
-                    },
+    /// Size and pack offset of `ino` if it is a regular file whose content is remote.
+    fn remote_of(&self, ino: Ino) -> Option<(u64, Option<u64>)> {
+        let table = self.table.lock();
+        let n = table.get(ino).filter(|n| n.kind == Kind::File)?;
+        match &n.data {
+            Data::Remote { packed, .. } => Some((n.size, *packed)),
+            _ => None,
+        }
+    }
+
+    /// A read without a handle of a remote file (`len` bytes, at `packed` in the pack if it
+    /// has a copy) that has a copy in the pack, or is small enough to get one now (see
+    /// [`PACK_MAX`]). `None`: read it some other way.
+    fn read_packed(
+        &self,
+        ino: Ino,
+        (len, packed): (u64, Option<u64>),
+        offset: u64,
+        size: u32,
+    ) -> Result<Option<Vec<u8>>, FsError> {
+        let (len, off) = match packed {
+            Some(off) => (len, off),
+            None if len <= PACK_MAX && self.pack.has_room(len) => {
+                self.fetch_packed(&[ino], true)?;
+                match self.remote_of(ino) {
+                    Some((len, Some(off))) => (len, off),
                     _ => return Ok(None),
                 }
-            };
-            match packed {
-                // Copies never change: if the node changed since, this is the content it
-                // had when the read began.
-                Some(off) => return Ok(Some(self.pack.read(off, len, offset, size)?)),
-                None if len <= PACK_MAX && self.pack.has_room(len) => {
-                    self.fetch_packed(&[ino], true)?;
-                }
-                None => return Ok(None),
             }
-        }
-        Ok(None)
+            None => return Ok(None),
+        };
+        // Copies never change: if the node changed since, this is the content it had when
+        // the read began.
+        Ok(Some(self.pack.read(off, len, offset, size)?))
     }
 
     /// Fetch `files` (those still remote without a copy) in one request and store each in
@@ -818,8 +815,12 @@ impl AwcpFs {
         size: u32,
     ) -> Result<Vec<u8>, FsError> {
         self.check()?;
-        if fh == 0 && self.no_open() {
-            if let Some(data) = self.read_packed(ino, offset, size)? {
+        // One look at the node first: a local file, the usual case, needs neither path.
+        if fh == 0
+            && self.no_open()
+            && let Some(remote) = self.remote_of(ino)
+        {
+            if let Some(data) = self.read_packed(ino, remote, offset, size)? {
                 return Ok(data);
             }
             if let Some(data) = self.read_streamed(ino, offset, size)? {

@@ -119,6 +119,25 @@ impl Pack {
         Ok(buf)
     }
 
+    /// Hand the `len`-byte copy at `off` to `out`, in pieces of at most 1 MiB.
+    pub fn copy_out<E: From<std::io::Error>>(
+        &self,
+        off: u64,
+        len: u64,
+        mut out: impl FnMut(&[u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut at = 0;
+        while at < len {
+            let part = self.read(off, len, at, 1 << 20)?;
+            if part.is_empty() {
+                break;
+            }
+            at += part.len() as u64;
+            out(&part)?;
+        }
+        Ok(())
+    }
+
     /// Bytes stored so far.
     pub fn bytes(&self) -> u64 {
         self.state.lock().end
@@ -148,6 +167,25 @@ mod tests {
         assert_eq!(pack.read(b, 6, 6, 100).unwrap(), b"");
         assert_eq!(pack.read(b, 6, 60, 100).unwrap(), b"");
         assert_eq!(pack.read(empty, 0, 0, 100).unwrap(), b"");
+    }
+
+    #[test]
+    fn a_copy_is_copied_out_whole_in_pieces() {
+        let dir = tempfile::tempdir().unwrap();
+        let pack = Pack::new(dir.path().join(".pack"), 8 << 20);
+        pack.store([b"before".as_slice()]).unwrap();
+        let body: Vec<u8> = (0..(5u32 << 19)).map(|i| (i % 251) as u8).collect();
+        let off = pack.store([body.as_slice()]).unwrap().unwrap();
+        pack.store([b"after".as_slice()]).unwrap();
+        let (mut out, mut pieces) = (Vec::new(), 0);
+        pack.copy_out(off, body.len() as u64, |p: &[u8]| {
+            pieces += 1;
+            out.extend_from_slice(p);
+            Ok::<(), std::io::Error>(())
+        })
+        .unwrap();
+        assert_eq!(out, body);
+        assert_eq!(pieces, 3, "2.5 MiB in pieces of at most 1 MiB");
     }
 
     #[test]
