@@ -301,13 +301,20 @@ impl Export {
     /// has changed since, which no file holds any more.
     fn read_block_elsewhere(&self, hash: &store::BlockHash) -> Option<Vec<u8>> {
         let block_size = u64::from(self.block_size);
-        let paths = self
+        let places: Vec<store::BlockLoc> = self
             .feed
-            .files_with_content(&store::hash_hex(hash), block_size, 8);
-        if paths.is_empty() {
+            .files_with_content(&store::hash_hex(hash), block_size, 8)
+            .into_iter()
+            .map(|(path, size)| store::BlockLoc {
+                path: path.into(),
+                offset: 0,
+                len: size as u32,
+            })
+            .collect();
+        if places.is_empty() {
             return None;
         }
-        let found = self.blocks.read_whole_file(hash, &paths, block_size);
+        let found = self.blocks.read_unindexed(hash, places);
         if found.is_some() {
             tracing::debug!(hash = %store::hash_hex(hash), "block found outside the index");
         }

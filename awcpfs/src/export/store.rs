@@ -230,41 +230,16 @@ impl BlockSource {
         self.staging.contains(hash) || self.read_indexed(hash).is_some()
     }
 
-    /// Read `hash` as the whole content of one of `paths` (files of at most one block that
-    /// should hold it), verified; the first that does is indexed again, newest.
-    pub(crate) fn read_whole_file(
+    /// Read `hash` from the first of `places` (not indexed: found elsewhere) that holds it,
+    /// verified, and index that place again, newest.
+    pub(crate) fn read_unindexed(
         &self,
         hash: &BlockHash,
-        paths: &[String],
-        max_len: u64,
+        places: Vec<BlockLoc>,
     ) -> Option<Vec<u8>> {
-        for path in paths {
-            let Ok(file) = self.root.open_file(path) else {
-                continue;
-            };
-            let Some(len) = nix::sys::stat::fstat(&file)
-                .ok()
-                .map(|st| st.st_size as u64)
-                .filter(|l| *l <= max_len)
-            else {
-                continue;
-            };
-            let Some(buf) = read_range(&file, 0, len) else {
-                continue;
-            };
-            if blake3::hash(&buf).as_bytes() == hash {
-                self.index.write().insert(
-                    *hash,
-                    BlockLoc {
-                        path: Arc::from(path.as_str()),
-                        offset: 0,
-                        len: len as u32,
-                    },
-                );
-                return Some(buf);
-            }
-        }
-        None
+        let (buf, loc) = self.read_first(hash, places.into_iter().map(|l| (l, None)))?;
+        self.index.write().insert(*hash, loc);
+        Some(buf)
     }
 
     /// Read `hash` from the first indexed place that still holds it.
@@ -275,7 +250,17 @@ impl BlockSource {
             let stamps = locs.iter().map(|l| index.stamp(&l.path)).collect();
             (locs, stamps)
         };
-        for (loc, stamp) in locations.into_iter().zip(stamps) {
+        self.read_first(hash, locations.into_iter().zip(stamps))
+            .map(|(buf, _)| buf)
+    }
+
+    /// The content of `hash` from the first of `places` that holds it, and that place.
+    fn read_first(
+        &self,
+        hash: &BlockHash,
+        places: impl IntoIterator<Item = (BlockLoc, Option<Stamp>)>,
+    ) -> Option<(Vec<u8>, BlockLoc)> {
+        for (loc, stamp) in places {
             let Ok(file) = self.root.open_file(&loc.path) else {
                 continue;
             };
@@ -292,7 +277,7 @@ impl BlockSource {
                 continue;
             };
             if (trusted && unchanged()) || blake3::hash(&buf).as_bytes() == hash {
-                return Some(buf);
+                return Some((buf, loc));
             }
         }
         None

@@ -234,14 +234,14 @@ impl ChangeFeed {
     }
 
     /// Up to `max` files that, as far as the feed knows, hold exactly the content whose
-    /// blake3 is `content` (hex) in at most `max_size` bytes: for a one-block lookup the
-    /// block index missed.
+    /// blake3 is `content` (hex) in at most `max_size` bytes, with their sizes: for a
+    /// one-block lookup the block index missed.
     pub(crate) fn files_with_content(
         &self,
         content: &str,
         max_size: u64,
         max: usize,
-    ) -> Vec<String> {
+    ) -> Vec<(String, u64)> {
         self.state
             .lock()
             .known
@@ -251,7 +251,7 @@ impl ChangeFeed {
                     && s.size <= max_size
                     && s.content.as_deref() == Some(content)
             })
-            .map(|(p, _)| p.clone())
+            .map(|(p, s)| (p.clone(), s.size))
             .take(max)
             .collect()
     }
