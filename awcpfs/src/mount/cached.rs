@@ -88,6 +88,10 @@ impl Remote for CachedRemote {
         self.inner.manifest()
     }
 
+    fn manifest_bytes(&self) -> Result<Vec<u8>, RemoteError> {
+        self.inner.manifest_bytes()
+    }
+
     fn fetch_blocks(&self, hashes: &[String]) -> Result<Vec<Vec<u8>>, RemoteError> {
         let mut out: Vec<Option<Vec<u8>>> = vec![None; hashes.len()];
         // Blocks this call fetches: hash → (hex, indexes in `out`, its in-flight entry).

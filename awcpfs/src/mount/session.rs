@@ -316,10 +316,14 @@ impl Mount {
         std::fs::create_dir_all(&upper_dir).map_err(state_err)?;
         // Phase times, logged once mounted: where a slow start goes.
         let t0 = Instant::now();
-        let (manifest, digest) = remote.manifest().map_err(|source| MountError::Manifest {
+        let manifest_err = |source| MountError::Manifest {
             endpoint: cfg.endpoint.clone(),
             source,
-        })?;
+        };
+        // Kept as served: the state directory saves these bytes for recovery.
+        let compressed = remote.manifest_bytes().map_err(manifest_err)?;
+        let (manifest, digest) =
+            super::remote::decode_manifest(&compressed).map_err(manifest_err)?;
         if let Some(want) = &cfg.manifest_digest
             && *want != digest
         {
@@ -331,15 +335,30 @@ impl Mount {
         let uid = nix::unistd::geteuid().as_raw();
         let gid = nix::unistd::getegid().as_raw();
         let t_manifest = t0.elapsed();
-        let table = InodeTable::from_manifest(&manifest, uid, gid)
-            .map_err(|source| MountError::BadManifest { source })?;
+        // Three things that need only the manifest, on two CPUs: the inode table here; the
+        // syncer's starting point and the saved manifest beside it.
+        let (table, base, saved) = std::thread::scope(|s| {
+            let side = s.spawn(|| {
+                // What recovery needs to rebuild this mount's tree: the manifest it started
+                // from (the export's may be rebuilt meanwhile) and the log of what reached
+                // the Delegator.
+                let saved = write_durably(
+                    &cfg.state_dir.join(super::recover::MANIFEST_FILE),
+                    &compressed,
+                );
+                (Syncer::base_of(&manifest), saved)
+            });
+            let table = InodeTable::from_manifest(&manifest, uid, gid);
+            let (base, saved) = side
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (table, base, saved)
+        });
+        let table = table.map_err(|source| MountError::BadManifest { source })?;
+        saved.map_err(state_err)?;
+        drop(compressed);
         let t_table = t0.elapsed();
         let journal = Journal::open(&journal_path).map_err(state_err)?;
-        // What recovery needs to rebuild this mount's tree: the manifest it started from
-        // (the export's may be rebuilt meanwhile) and the log of what reached the Delegator.
-        let saved = super::remote::encode_manifest(&manifest).map_err(state_err)?;
-        write_durably(&cfg.state_dir.join(super::recover::MANIFEST_FILE), &saved)
-            .map_err(state_err)?;
         let synced_path = cfg.state_dir.join(super::recover::SYNCED_FILE);
         let _ = std::fs::remove_file(&synced_path);
         let synced_log = super::sync::SyncedLog::open(&synced_path).map_err(state_err)?;
@@ -368,12 +387,7 @@ impl Mount {
             signal.clone(),
             stats,
         ));
-        let syncer = Arc::new(Syncer::with_log(
-            fs.clone(),
-            &manifest,
-            &[],
-            Some(synced_log),
-        ));
+        let syncer = Arc::new(Syncer::with_base(fs.clone(), base, &[], Some(synced_log)));
 
         let mut options = vec![
             fuser::MountOption::FSName(format!("awcpfs:{}", cfg.export_id)),

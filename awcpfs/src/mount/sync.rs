@@ -131,6 +131,11 @@ impl SyncSignal {
     }
 }
 
+/// What the export has at every path when a mount starts: [`Syncer::base_of`] computes it,
+/// [`Syncer::with_base`] starts from it.
+#[derive(Debug, Default)]
+pub struct SyncedBase(BTreeMap<String, Synced>);
+
 /// What the export has at a path, as far as this mount knows.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
@@ -413,7 +418,24 @@ impl Syncer {
         log_records: &[SyncedRecord],
         log: Option<SyncedLog>,
     ) -> Syncer {
-        let mut s = Self::new(fs, manifest);
+        Self::with_base(fs, Self::base_of(manifest), log_records, log)
+    }
+
+    /// [`Syncer::with_log`] from a starting point already computed by
+    /// [`Syncer::base_of`] (a mount computes it while it builds its inode table).
+    pub fn with_base(
+        fs: Arc<AwcpFs>,
+        base: SyncedBase,
+        log_records: &[SyncedRecord],
+        log: Option<SyncedLog>,
+    ) -> Syncer {
+        let mut s = Syncer {
+            fs,
+            synced: Mutex::new(base.0),
+            log: None,
+            seq: AtomicU64::new(0),
+            instance: hex::encode(rand::random::<[u8; 8]>()),
+        };
         if !log_records.is_empty() {
             // What the export has differs from the manifest: compare everything once.
             s.fs.table.lock().mark_all();
@@ -433,6 +455,11 @@ impl Syncer {
 
     /// A syncer whose starting point is the manifest the mount was built from.
     pub fn new(fs: Arc<AwcpFs>, manifest: &Manifest) -> Syncer {
+        Self::with_base(fs, Self::base_of(manifest), &[], None)
+    }
+
+    /// What the Delegator holds according to `manifest`, as a syncer compares it.
+    pub fn base_of(manifest: &Manifest) -> SyncedBase {
         let synced = manifest
             .entries
             .iter()
@@ -458,13 +485,7 @@ impl Syncer {
                 (e.path.clone(), s)
             })
             .collect();
-        Syncer {
-            fs,
-            synced: Mutex::new(synced),
-            log: None,
-            seq: AtomicU64::new(0),
-            instance: hex::encode(rand::random::<[u8; 8]>()),
-        }
+        SyncedBase(synced)
     }
 
     /// The filesystem this syncer writes back.
