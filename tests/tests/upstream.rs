@@ -147,10 +147,14 @@ async fn git_on_the_mount_sees_a_commit_made_on_the_delegator() {
     );
     let mnt = h.mountpoint(&id);
     let head = sh(&repo, "git rev-parse HEAD");
+    // git renames its new index into place after it moves the branch: wait for both (they
+    // can reach the mount in two batches of changes).
+    let index = std::fs::read(repo.join(".git/index")).unwrap();
     assert!(
         eventually(Duration::from_secs(20), || {
             read(mnt.join("calc/ops.py")).contains("b + a")
                 && read(mnt.join(".git/refs/heads/main")) == head
+                && std::fs::read(mnt.join(".git/index")).is_ok_and(|i| i == index)
         })
         .await,
         "the Delegator's commit did not reach the mount"
