@@ -1710,6 +1710,49 @@ async fn delegator_changes_are_streamed_and_the_exports_own_commits_are_not() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_in_every_directory_are_seen_even_those_that_came_later() {
+    use std::os::unix::ffi::OsStrExt;
+    let f = fixture(|root, outside| {
+        small_tree(root, outside);
+        std::fs::create_dir(root.join(std::ffi::OsStr::from_bytes(b"d\xff"))).unwrap();
+        std::fs::create_dir_all(outside.join("moved/inner")).unwrap();
+        std::fs::write(outside.join("moved/inner/m.txt"), b"m").unwrap();
+    })
+    .await;
+    let (mut stream, mut buf) = open_events(&f).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let hash = |b: &[u8]| Some(blake3::hash(b).to_hex().to_string());
+    let has = |p: &std::collections::BTreeMap<String, awcp_protocol::dataplane::ManifestEntry>,
+               path: &str,
+               b: &[u8]| { p.get(path).is_some_and(|e| e.hash == hash(b)) };
+
+    // Directories the manifest listed, however deep, and one whose name is not UTF-8.
+    std::fs::write(f.path("src/deep/x"), b"deep edit").unwrap();
+    std::fs::write(raw_path(&f, b"d\xff/new"), b"raw").unwrap();
+    let raw_new = awcp_protocol::rawname::from_bytes(b"d\xff/new").into_owned();
+    collect_changes(&mut stream, &mut buf, |p, _| {
+        has(p, "src/deep/x", b"deep edit") && has(p, &raw_new, b"raw")
+    })
+    .await;
+
+    // A directory made after the manifest, and one moved in from outside the tree: what
+    // they hold is reported with them, and what is written in them later is seen too.
+    std::fs::create_dir(f.path("later")).unwrap();
+    std::fs::rename(f.outside.path().join("moved"), f.path("moved")).unwrap();
+    collect_changes(&mut stream, &mut buf, |p, _| {
+        p.contains_key("later") && has(p, "moved/inner/m.txt", b"m")
+    })
+    .await;
+    std::fs::create_dir(f.path("later/sub")).unwrap();
+    std::fs::write(f.path("later/sub/n.txt"), b"n").unwrap();
+    std::fs::write(f.path("moved/inner/m.txt"), b"m edited").unwrap();
+    collect_changes(&mut stream, &mut buf, |p, _| {
+        has(p, "later/sub/n.txt", b"n") && has(p, "moved/inner/m.txt", b"m edited")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hidden_and_temporary_paths_are_never_reported() {
     let f = fixture(small_tree).await;
     let (mut stream, mut buf) = open_events(&f).await;

@@ -1,7 +1,8 @@
 //! The Delegator's own changes during a lease: seen, described, and told to mounts.
 //!
-//! A watcher thread per export (inotify through the `notify` crate, recursive) collects the
-//! paths that changed, waits [`DEBOUNCE`] for a burst to settle, then describes each path as
+//! A watcher thread per export (inotify through the `notify` crate: one watch per directory
+//! the manifest lists, and a recursive one on each directory that appears later) collects
+//! the paths that changed, waits [`DEBOUNCE`] for a burst to settle, then describes each path as
 //! the manifest would (a new directory with its whole subtree; files hashed, the hash cache
 //! used) and compares it with what the export last told its mounts ([`ChangeFeed`]'s
 //! `known` state: the manifest, plus every change since). What differs becomes an
@@ -20,7 +21,7 @@
 //! if the kernel's event queue overflows, the whole tree is walked again and compared.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -373,7 +374,20 @@ pub(crate) fn spawn(export: &Arc<Export>, cache: Option<Arc<HashCache>>) {
     let spawned = std::thread::Builder::new()
         .name("awcpfs-watch".into())
         .spawn(move || {
-            if let Err(e) = watch(&weak, &root, cache.as_deref()) {
+            // The manifest's walk already found every directory: watch each of those,
+            // rather than have `notify` walk the tree again (its recursive mode stats every
+            // entry: 100,000 `statx` on a 100,000-file tree, just as a mount starts).
+            let dirs: Vec<PathBuf> = match weak.upgrade() {
+                Some(export) => export
+                    .manifest()
+                    .entries
+                    .iter()
+                    .filter(|e| e.kind == EntryKind::Dir)
+                    .map(|e| root.join(awcp_protocol::rawname::to_os(&e.path)))
+                    .collect(),
+                None => return,
+            };
+            if let Err(e) = watch(&weak, &root, dirs, cache.as_deref()) {
                 tracing::warn!(export = %id, error = %e,
                     "cannot watch the exported tree: Delegator-side changes will not reach mounts");
             }
@@ -426,7 +440,35 @@ impl Pending {
     }
 }
 
-fn watch(weak: &Weak<Export>, root: &Path, cache: Option<&HashCache>) -> notify::Result<()> {
+/// Watch a directory that appeared after the manifest was built (created, or moved in),
+/// with everything below it: what it holds already is described with it (a path not known
+/// as a directory is described with its whole subtree).
+fn follow_new_dir(watcher: &mut impl notify::Watcher, event: &notify::Result<notify::Event>) {
+    use notify::event::{CreateKind, EventKind, ModifyKind, RenameMode};
+    let Ok(event) = event else { return };
+    let path = match event.kind {
+        EventKind::Create(CreateKind::Folder) => event.paths.first(),
+        // A rename within the tree keeps its watches (inotify watches inodes): only one
+        // from outside needs a new one, but telling them apart costs more than a watch.
+        EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both)) => event
+            .paths
+            .last()
+            .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir())),
+        _ => None,
+    };
+    if let Some(path) = path
+        && let Err(e) = watcher.watch(path, notify::RecursiveMode::Recursive)
+    {
+        tracing::debug!(path = %path.display(), error = %e, "cannot watch a new directory");
+    }
+}
+
+fn watch(
+    weak: &Weak<Export>,
+    root: &Path,
+    dirs: Vec<PathBuf>,
+    cache: Option<&HashCache>,
+) -> notify::Result<()> {
     use notify::Watcher;
     let (tx, rx) = std::sync::mpsc::channel();
     // Symlinks are never followed: one pointing at `/` would otherwise put the whole
@@ -437,7 +479,23 @@ fn watch(weak: &Weak<Export>, root: &Path, cache: Option<&HashCache>) -> notify:
         },
         notify::Config::default().with_follow_symlinks(false),
     )?;
-    watcher.watch(root, notify::RecursiveMode::Recursive)?;
+    watcher.watch(root, notify::RecursiveMode::NonRecursive)?;
+    let (total, mut failed, mut first_error) = (dirs.len(), 0usize, None);
+    for dir in dirs {
+        if let Err(e) = watcher.watch(&dir, notify::RecursiveMode::NonRecursive) {
+            // Gone since the walk (its removal is an event of its parent), or out of
+            // watches.
+            if std::fs::symlink_metadata(&dir).is_ok() {
+                failed += 1;
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_error {
+        tracing::warn!(failed, directories = total, error = %e,
+            "cannot watch some of the exported tree's directories: Delegator-side changes \
+             in them will not reach mounts (raise fs.inotify.max_user_watches)");
+    }
     tracing::debug!(root = %root.display(), "watching the exported tree");
     loop {
         let first = match rx.recv_timeout(Duration::from_millis(500)) {
@@ -459,11 +517,15 @@ fn watch(weak: &Weak<Export>, root: &Path, cache: Option<&HashCache>) -> notify:
         }
         let Some(first) = first else { continue };
         let mut pending = Pending::default();
+        follow_new_dir(&mut watcher, &first);
         pending.add(root, first);
         let until = Instant::now() + DEBOUNCE;
         while let Some(left) = until.checked_duration_since(Instant::now()) {
             match rx.recv_timeout(left) {
-                Ok(ev) => pending.add(root, ev),
+                Ok(ev) => {
+                    follow_new_dir(&mut watcher, &ev);
+                    pending.add(root, ev);
+                }
                 Err(_) => break,
             }
         }
