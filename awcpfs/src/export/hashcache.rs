@@ -59,6 +59,8 @@ pub struct HashCache {
     racy_window: Option<Duration>,
     hits: std::sync::atomic::AtomicU64,
     misses: std::sync::atomic::AtomicU64,
+    /// Whether the map holds something its file does not (set under the map's lock).
+    unsaved: std::sync::atomic::AtomicBool,
 }
 
 fn now_ns() -> i64 {
@@ -158,7 +160,10 @@ impl HashCache {
         if hashes.size != st.st_size as u64 {
             return;
         }
-        self.map.lock().insert(
+        let mut map = self.map.lock();
+        self.unsaved
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        map.insert(
             (st.st_dev, st.st_ino),
             Entry {
                 size: hashes.size,
@@ -177,25 +182,38 @@ impl HashCache {
         );
     }
 
-    /// Write the cache to its file (no-op for an in-memory cache).
+    /// Write the cache to its file, if it learnt anything since it was opened or last saved
+    /// (no-op for an in-memory cache). A repeated delegation of an unchanged tree only looks
+    /// hashes up: rewriting 100,000 entries then would take a CPU from the mount starting.
     pub fn save(&self) -> io::Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
         let Some(path) = &self.path else {
             return Ok(());
         };
         let _one = self.saving.lock();
         let bytes = {
             let mut map = self.map.lock();
+            if !self.unsaved.swap(false, Relaxed) {
+                return Ok(());
+            }
             if map.len() > MAX_ENTRIES {
                 map.retain(|_, e| e.used);
             }
-            encode(&map)?
+            encode(&map)
         };
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_data()?;
-        drop(f);
-        std::fs::rename(&tmp, path)
+        let written = bytes.and_then(|bytes| {
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&bytes)?;
+            f.sync_data()?;
+            drop(f);
+            std::fs::rename(&tmp, path)
+        });
+        if written.is_err() {
+            // Try again at the next save.
+            self.unsaved.store(true, Relaxed);
+        }
+        written
     }
 }
 
@@ -363,7 +381,24 @@ mod tests {
         assert!(cache.lookup(&old, 8).is_none(), "other block size");
         cache.save().unwrap();
         let reloaded = HashCache::open(&dir.path().join("hashes.bin"));
-        assert_eq!(reloaded.lookup(&old, 4), Some(hashes));
+        assert_eq!(reloaded.lookup(&old, 4), Some(hashes.clone()));
+        // Nothing learnt since: a save leaves the file alone; something new: written.
+        std::fs::remove_file(dir.path().join("hashes.bin")).unwrap();
+        assert_eq!(cache.lookup(&old, 4), Some(hashes.clone()));
+        cache.save().unwrap();
+        reloaded.save().unwrap();
+        assert!(
+            !dir.path().join("hashes.bin").exists(),
+            "rewritten unchanged"
+        );
+        let mut other = old;
+        other.st_ino += 1;
+        reloaded.insert(&other, 4, &hashes);
+        reloaded.save().unwrap();
+        assert_eq!(
+            HashCache::open(&dir.path().join("hashes.bin")).lookup(&other, 4),
+            Some(hashes.clone())
+        );
         // Any change of size, mtime or ctime misses.
         let mut changed = old;
         changed.st_mtime_nsec += 1;
