@@ -300,6 +300,10 @@ for d in "$D_AW" "$D_SSH"; do
     cp -al "$D_NAT/big" "$d/big"
 done
 for d in "$D_NAT" "$D_AW" "$D_SSH"; do reset_copy "$d"; done
+# The copies' pages are dirty: written back while the first cells run, they would slow
+# those cells down (at 100,000 files the delegate cell took 1.0-1.2 s instead of 0.6 s).
+log "writing the copies to disk (sync)"
+sync
 BIG_BYTES=$(stat -c %s "$D_NAT/big/big.bin")
 
 DROP_OK=1
