@@ -116,9 +116,9 @@ fn hash_worker(
 
 /// Walk the tree below `root` and build its manifest and block index (blocking IO).
 ///
-/// The root is listed on this thread and its subdirectories are walked by a few threads
-/// (at most [`HASH_THREADS`], one subtree at a time each, every subtree into a list of its
-/// own, spliced back after its directory's entry: the order is a single walk's); files
+/// The top levels are listed on this thread and the subtrees below them are walked by a few
+/// threads (at most [`HASH_THREADS`], one subtree at a time each, every subtree into a list
+/// of its own, spliced back after its directory's entry: the order is a single walk's); files
 /// whose hashes `cache` does not hold are opened by the walking threads and hashed by a
 /// few more meanwhile (at most [`HASH_THREADS`]). At 100,000 files with a warm hash cache
 /// the walk is mostly `fstatat` and `getdents`: two threads took it from ~470 to ~380 ms.
@@ -129,7 +129,7 @@ pub(crate) fn build(
 ) -> io::Result<Built> {
     let root_stat = fstat(root.fd())?;
     let walker = walk_with(params, cache, |walker| {
-        // The root's subdirectories are walked by several threads (see `walk_with`).
+        // Subtrees are walked by several threads (see `walk_with`).
         walker.deferred = Some(Vec::new());
         Dir::openat(root.fd(), ".", dir_flags(), Mode::empty())
             .map_err(io::Error::from)
@@ -230,7 +230,29 @@ fn walk_with(
         progress: params.progress.clone(),
     };
     let mut walker = walker_for(0, tx.clone());
-    let (walked, subtrees) = std::thread::scope(|s| {
+    // Every walker's output by part number (0: `walker`), and per part the parts to splice
+    // in after its entries: (how many of its entries precede, part).
+    let outs: Mutex<Vec<Option<WalkerOut>>> = Mutex::new(vec![None]);
+    let children: Mutex<Vec<Vec<(usize, usize)>>> = Mutex::new(vec![Vec::new()]);
+    let queue: Mutex<std::collections::VecDeque<(usize, Deferred)>> =
+        Mutex::new(std::collections::VecDeque::new());
+    // Number `w`'s deferred subtrees as new parts, queue them, keep its output.
+    let finish = |part: usize, mut w: Walker<'_>| {
+        let deferred = w.deferred.take().unwrap_or_default();
+        let placed = std::mem::take(&mut w.placed);
+        let mut outs = outs.lock();
+        let mut children = children.lock();
+        let mut queue = queue.lock();
+        for (d, at) in deferred.into_iter().zip(placed) {
+            let child = outs.len();
+            outs.push(None);
+            children.push(Vec::new());
+            children[part].push((at, child));
+            queue.push_back((child, d));
+        }
+        outs[part] = Some(w.into_out());
+    };
+    let walked = std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
                 hash_worker(
@@ -243,29 +265,25 @@ fn walk_with(
             });
         }
         let r = walk(&mut walker);
-        walker.jobs = None;
-        // The subtrees `walk` left for later (the root's subdirectories, when it builds a
-        // whole manifest): a few threads walk them, each into a walker of its own.
-        let queue: Mutex<std::collections::VecDeque<(usize, Deferred)>> = Mutex::new(
-            (1..)
-                .zip(walker.deferred.take().unwrap_or_default())
-                .collect(),
-        );
-        let walked: Mutex<Vec<(usize, WalkerOut)>> = Mutex::new(Vec::new());
-        let walkers = threads.min(queue.lock().len());
+        finish(0, walker);
+        // The subtrees left for later (when building a whole manifest): a few threads walk
+        // them, each into a walker of its own, which may leave subtrees of its own.
+        let walkers = if queue.lock().is_empty() { 0 } else { threads };
         std::thread::scope(|w| {
             for _ in 0..walkers {
-                let (tx, queue, walked, walker_for) = (tx.clone(), &queue, &walked, &walker_for);
+                let (tx, queue, walker_for, finish) = (tx.clone(), &queue, &walker_for, &finish);
                 w.spawn(move || {
                     loop {
                         let next = queue.lock().pop_front();
                         let Some((part, d)) = next else { break };
                         let mut sub = walker_for(part, tx.clone());
+                        sub.deferred = Some(Vec::new());
                         if let Err(e) = sub.walk_dir(d.dir, &d.rel, d.depth) {
                             tracing::warn!(path = %d.rel, error = %e,
                                 "skipping an entry that cannot be read");
                         }
-                        walked.lock().push((part, sub.into_out()));
+                        sub.jobs = None;
+                        finish(part, sub);
                     }
                 });
             }
@@ -275,15 +293,15 @@ fn walk_with(
         if let Some(p) = &params.progress {
             p.set_walked();
         }
-        (r, walked.into_inner())
+        r
     });
     walked?;
-    let mut parts: Vec<WalkerOut> = vec![WalkerOut::default(); subtrees.len() + 1];
-    let at: Vec<usize> = walker.placed.clone();
-    parts[0] = walker.into_out();
-    for (part, out) in subtrees {
-        parts[part] = out;
-    }
+    let mut parts: Vec<WalkerOut> = outs
+        .into_inner()
+        .into_iter()
+        .map(Option::unwrap_or_default)
+        .collect();
+    let children = children.into_inner();
     for (part, idx, r) in results.into_inner() {
         let out = &mut parts[part];
         match r {
@@ -312,23 +330,7 @@ fn walk_with(
         hashes: Vec::with_capacity(total),
         stamps: Vec::with_capacity(total),
     };
-    let mut subtree = (1..parts.len()).zip(at).peekable();
-    let root = std::mem::take(&mut parts[0]);
-    for (i, ((e, h), s)) in root
-        .entries
-        .into_iter()
-        .zip(root.hashes)
-        .zip(root.stamps)
-        .enumerate()
-    {
-        all.push(e, h, s);
-        while let Some((part, _)) = subtree.next_if(|(_, at)| *at == i + 1) {
-            let p = std::mem::take(&mut parts[part]);
-            all.entries.extend(p.entries);
-            all.hashes.extend(p.hashes);
-            all.stamps.extend(p.stamps);
-        }
-    }
+    splice(0, &mut parts, &children, &mut all);
     // Fill in content, build the index in manifest order, and drop files that failed.
     let mut index = BlockIndex::default();
     let mut entries = Vec::with_capacity(all.entries.len());
@@ -361,6 +363,35 @@ fn walk_with(
     }
     Ok(Walked { entries, index })
 }
+
+/// Append part `part`'s entries to `all`, each of its deferred subtrees (recursively) right
+/// after the entry that precedes it.
+fn splice(
+    part: usize,
+    parts: &mut [WalkerOut],
+    children: &[Vec<(usize, usize)>],
+    all: &mut WalkerOut,
+) {
+    let out = std::mem::take(&mut parts[part]);
+    let mut kids = children[part].iter().peekable();
+    for (i, ((e, h), s)) in out
+        .entries
+        .into_iter()
+        .zip(out.hashes)
+        .zip(out.stamps)
+        .enumerate()
+    {
+        all.push(e, h, s);
+        while let Some((_, child)) = kids.next_if(|(at, _)| *at == i + 1) {
+            splice(*child, parts, children, all);
+        }
+    }
+}
+
+/// Directories down to this many levels below the root are each walked by a walker of its
+/// own (the walking threads take them one at a time): the root's children and
+/// grandchildren, so a tree with one big top-level directory (`src/`) is shared out too.
+const DEFER_DEPTH: usize = 2;
 
 /// Most threads hashing at once during a build.
 pub(crate) const HASH_THREADS: usize = 4;
@@ -480,8 +511,8 @@ struct Walker<'a> {
     /// Which walker this is, for the hashing threads' answers: 0 walks first, then one per
     /// deferred subtree.
     part: usize,
-    /// When set, the subdirectories of the directory walked at depth 0 are not entered but
-    /// left here (and their positions in `placed`), for other threads.
+    /// When set, directories down to [`DEFER_DEPTH`] levels below the root are not entered
+    /// but left here (and their positions in `placed`), for walkers of their own.
     deferred: Option<Vec<Deferred>>,
     /// Per deferred subtree, how many entries preceded it (its directory's included).
     placed: Vec<usize>,
@@ -576,7 +607,7 @@ impl Walker<'_> {
                 if !self.recurse {
                     return Ok(());
                 }
-                if depth == 0
+                if depth < DEFER_DEPTH
                     && let Some(deferred) = &mut self.deferred
                 {
                     deferred.push(Deferred {
