@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use std::io::{self, Read};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -215,10 +216,12 @@ fn walk_with(
     let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(256);
     let rx = Mutex::new(rx);
     let results: Mutex<Vec<JobResult>> = Mutex::new(Vec::new());
+    let queued = &AtomicUsize::new(0);
     let walker_for = |part: usize, jobs: SyncSender<Job>| Walker {
         part,
         deferred: None,
         placed: Vec::new(),
+        queued,
         block_size: params.block_size,
         entries: Vec::new(),
         hashes: Vec::new(),
@@ -276,6 +279,7 @@ fn walk_with(
                     loop {
                         let next = queue.lock().pop_front();
                         let Some((part, d)) = next else { break };
+                        queued.fetch_sub(1, Ordering::Relaxed);
                         let mut sub = walker_for(part, tx.clone());
                         sub.deferred = Some(Vec::new());
                         if let Err(e) = sub.walk_dir(d.dir, &d.rel, d.depth) {
@@ -386,6 +390,18 @@ fn splice(
             splice(*child, parts, children, all);
         }
     }
+}
+
+/// Most subtrees left for the walking threads at once (each holds its directory open).
+const MAX_QUEUED: usize = 256;
+
+/// Count one more queued subtree, unless [`MAX_QUEUED`] are.
+fn take_slot(queued: &AtomicUsize) -> bool {
+    queued
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+            (n < MAX_QUEUED).then_some(n + 1)
+        })
+        .is_ok()
 }
 
 /// Directories down to this many levels below the root are each walked by a walker of its
@@ -524,6 +540,9 @@ struct Walker<'a> {
     /// Per entry: the file's stamp, when its blocks can be served without re-hashing.
     stamps: Vec<Option<Stamp>>,
     cache: Option<&'a HashCache>,
+    /// Deferred subtrees not yet taken by a walking thread, across walkers: each holds an
+    /// open descriptor, so there are at most [`MAX_QUEUED`] (beyond, a walker walks on).
+    queued: &'a AtomicUsize,
     jobs: Option<SyncSender<Job>>,
     /// Enter directories (a shallow [`describe`] lists a known directory's own entry only).
     recurse: bool,
@@ -609,6 +628,7 @@ impl Walker<'_> {
                 }
                 if depth < DEFER_DEPTH
                     && let Some(deferred) = &mut self.deferred
+                    && take_slot(self.queued)
                 {
                     deferred.push(Deferred {
                         dir: sub,
@@ -821,6 +841,48 @@ mod walk_tests {
                 reference(&path, &rel, out);
             }
         }
+    }
+
+    #[test]
+    fn a_wide_tree_is_walked_whole_within_a_few_hundred_descriptors() {
+        use nix::sys::resource::{Resource, getrlimit, setrlimit};
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        // More directories at the split levels than descriptors allowed: holding one open
+        // for each until a thread takes it would run out (and drop entries unseen).
+        for i in 0..1500 {
+            std::fs::create_dir_all(r.join(format!("d{i:04}/s"))).unwrap();
+            std::fs::write(r.join(format!("d{i:04}/s/f")), format!("{i}")).unwrap();
+        }
+        let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+        setrlimit(Resource::RLIMIT_NOFILE, 1024, hard).unwrap();
+        let params = ManifestParams {
+            export_id: "x".into(),
+            block_size: 16,
+            read_only: false,
+            filter: None,
+            progress: None,
+        };
+        let built = build(&RootDir::open(r).unwrap(), &params, None);
+        setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+        let built = built.unwrap();
+        let mut want = Vec::new();
+        reference(r, "", &mut want);
+        let got: Vec<&str> = built
+            .manifest
+            .entries
+            .iter()
+            .map(|e| e.path.as_str())
+            .collect();
+        assert_eq!(got.len(), 4500);
+        assert_eq!(got, want);
+        assert!(
+            built
+                .manifest
+                .entries
+                .iter()
+                .all(|e| e.kind != EntryKind::File || e.hash.is_some() && e.size > 0)
+        );
     }
 
     #[test]
