@@ -416,6 +416,96 @@ fn a_state_directory_with_an_unfinished_journal_is_not_reused() {
     }
 }
 
+/// A remote whose manifest lists `a/b` without `a`; nothing else answers.
+struct OrphanManifest;
+
+impl Remote for OrphanManifest {
+    fn manifest(
+        &self,
+    ) -> Result<(awcp_protocol::dataplane::Manifest, String), awcpfs::mount::remote::RemoteError>
+    {
+        use awcp_protocol::dataplane::{DATA_PLANE_VERSION, EntryKind, Manifest, ManifestEntry};
+        let orphan = ManifestEntry {
+            path: "a/b".into(),
+            kind: EntryKind::File,
+            mode: 0o644,
+            size: 0,
+            mtime_ns: 0,
+            hash: Some(blake3::hash(b"").to_hex().to_string()),
+            blocks: Vec::new(),
+            target: None,
+            ino: None,
+            ctime_ns: None,
+            xattrs: Default::default(),
+        };
+        let m = Manifest {
+            version: DATA_PLANE_VERSION,
+            export_id: "e1".into(),
+            block_size: 1 << 20,
+            read_only: false,
+            root_mode: 0o755,
+            root_mtime_ns: 0,
+            entries: vec![orphan],
+        };
+        Ok((m, "digest".into()))
+    }
+    fn fetch_blocks(
+        &self,
+        _: &[String],
+    ) -> Result<Vec<Vec<u8>>, awcpfs::mount::remote::RemoteError> {
+        Err(offline())
+    }
+    fn missing(&self, _: &[String]) -> Result<Vec<String>, awcpfs::mount::remote::RemoteError> {
+        Err(offline())
+    }
+    fn upload(&self, _: &[([u8; 32], &[u8])]) -> Result<(), awcpfs::mount::remote::RemoteError> {
+        Err(offline())
+    }
+    fn commit(
+        &self,
+        _: &awcp_protocol::dataplane::ChangeSet,
+    ) -> Result<awcp_protocol::dataplane::CommitResult, awcpfs::mount::remote::RemoteError> {
+        Err(offline())
+    }
+    fn renew(
+        &self,
+    ) -> Result<awcp_protocol::dataplane::ExportEvent, awcpfs::mount::remote::RemoteError> {
+        Err(offline())
+    }
+    fn events(
+        &self,
+    ) -> Result<
+        Box<dyn Iterator<Item = awcpfs::mount::remote::StreamItem> + Send>,
+        awcpfs::mount::remote::RemoteError,
+    > {
+        Err(offline())
+    }
+}
+
+fn offline() -> awcpfs::mount::remote::RemoteError {
+    awcpfs::mount::remote::RemoteError::Protocol {
+        what: "offline".into(),
+    }
+}
+
+#[test]
+fn a_manifest_the_mount_cannot_build_is_refused_and_leaves_no_state() {
+    let state = tempfile::tempdir().unwrap();
+    let cfg = awcpfs::mount::MountConfig::new(
+        "http://127.0.0.1:1",
+        "e1",
+        "tok",
+        &state.path().join("mnt"),
+        state.path(),
+    );
+    match awcpfs::mount::Mount::start_with_remote(cfg, Arc::new(OrphanManifest)) {
+        Err(awcpfs::mount::MountError::BadManifest { .. }) => {}
+        other => panic!("expected BadManifest, got {other:?}"),
+    }
+    // A saved manifest is what recovery starts from: none may be left for this one.
+    assert!(!state.path().join("manifest.bin").exists());
+}
+
 #[test]
 fn background_hydration_fetches_small_files_in_one_request() {
     let f = fixture(false, tree);

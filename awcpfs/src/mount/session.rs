@@ -354,7 +354,11 @@ impl Mount {
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             (table, base, saved)
         });
-        let table = table.map_err(|source| MountError::BadManifest { source })?;
+        let table = table.map_err(|source| {
+            // Saved beside the table's build: nothing will recover from it.
+            let _ = std::fs::remove_file(cfg.state_dir.join(super::recover::MANIFEST_FILE));
+            MountError::BadManifest { source }
+        })?;
         saved.map_err(state_err)?;
         drop(compressed);
         let t_table = t0.elapsed();
