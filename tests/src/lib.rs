@@ -251,6 +251,11 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
     f()
 }
 
+/// Whether `path` exists within `timeout` (an agent's "ready" file, typically).
+pub async fn appears(path: &Path, timeout: Duration) -> bool {
+    eventually(timeout, || path.exists()).await
+}
+
 /// Whether every command in `tools` is installed (each checked with `sh -c 'command -v …'`).
 /// Under `CI=true` a missing tool fails the test (`.ci/run` installs them all); elsewhere the
 /// test is skipped, loudly.

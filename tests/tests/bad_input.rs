@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use awcp_protocol::messages::AccessMode;
-use awcp_tests::{Harness, eventually, fuse_available, sample_repo};
+use awcp_tests::{Harness, appears, fuse_available, sample_repo};
 
 async fn post_raw(url: &str, body: &str) -> (u16, serde_json::Value) {
     let resp = reqwest::Client::new()
@@ -122,13 +122,7 @@ async fn the_export_refuses_escapes_and_bad_tokens_of_a_live_delegation() {
     std::fs::write(outside.join("secret"), "untouched").unwrap();
     std::os::unix::fs::symlink(&outside, repo.join("escape")).unwrap();
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
-    assert!(
-        eventually(Duration::from_secs(60), || out
-            .path()
-            .join("ready")
-            .exists())
-        .await
-    );
+    assert!(appears(&out.path().join("ready"), Duration::from_secs(60)).await);
 
     let token = h.daemon.daemon.export_token(&id).unwrap();
     let base = format!("{}/v1/exports/{id}", h.daemon.daemon.export_url());

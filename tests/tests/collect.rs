@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
-use awcp_tests::{Harness, eventually, fuse_available, is_mounted, sample_repo};
+use awcp_tests::{Harness, appears, eventually, fuse_available, is_mounted, sample_repo};
 
 async fn revoked_with_unwritten_changes() -> (Harness, std::path::PathBuf, String, tempfile::TempDir)
 {
@@ -24,13 +24,7 @@ async fn revoked_with_unwritten_changes() -> (Harness, std::path::PathBuf, Strin
     let repo = h.path("repo");
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
-    assert!(
-        eventually(Duration::from_secs(30), || out
-            .path()
-            .join("ready")
-            .exists())
-        .await
-    );
+    assert!(appears(&out.path().join("ready"), Duration::from_secs(30)).await);
     h.client.revoke(&id, true).await.unwrap();
     assert_eq!(
         h.wait_end(&id, Duration::from_secs(30)).await,

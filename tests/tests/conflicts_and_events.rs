@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
-use awcp_tests::{Harness, eventually, fuse_available, sample_repo};
+use awcp_tests::{Harness, appears, fuse_available, sample_repo};
 
 // Regression: without atomic O_TRUNC the kernel opened (fetching the old content, which no
 // longer matched its hash because the Delegator had changed the file) before truncating,
@@ -29,13 +29,7 @@ async fn overwriting_a_file_the_delegator_changed_keeps_both_versions() {
     let repo = h.path("repo");
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
-    assert!(
-        eventually(Duration::from_secs(30), || out
-            .path()
-            .join("ready")
-            .exists())
-        .await
-    );
+    assert!(appears(&out.path().join("ready"), Duration::from_secs(30)).await);
     std::fs::write(repo.join("README.md"), "delegator version\n").unwrap();
     std::fs::write(out.path().join("go"), "").unwrap();
     assert_eq!(

@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 
 use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
-use awcp_tests::{Harness, eventually, fuse_available, sample_repo};
+use awcp_tests::{Harness, appears, fuse_available, sample_repo};
 
 /// The `user.*` extended attributes of a file or directory, as `name=hex` joined by `;`.
 fn user_xattrs(p: &Path) -> String {
@@ -350,13 +350,7 @@ async fn random_operations_match_a_native_directory_and_write_back_completely() 
         .unwrap();
     assert!(status.success());
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
-    assert!(
-        eventually(Duration::from_secs(30), || out
-            .path()
-            .join("ready")
-            .exists())
-        .await
-    );
+    assert!(appears(&out.path().join("ready"), Duration::from_secs(30)).await);
     let mnt = h.mountpoint(&id);
 
     let result = tokio::task::spawn_blocking(move || {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
-use awcp_tests::{Harness, eventually, fuse_available, sample_repo, sh};
+use awcp_tests::{Harness, appears, eventually, fuse_available, sample_repo, sh};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn directories_open_without_round_trips_and_list_correctly() {
@@ -85,11 +85,7 @@ async fn files_open_without_round_trips_and_their_writes_are_written_back() {
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
     assert!(
-        eventually(Duration::from_secs(30), || out
-            .path()
-            .join("ready")
-            .exists())
-        .await,
+        appears(&out.path().join("ready"), Duration::from_secs(30)).await,
         "the agent did not start"
     );
     // Written back while the descriptor is still open: the kernel does not say when it is

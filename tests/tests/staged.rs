@@ -15,7 +15,7 @@ use awcp_ctl::executor::ExecutorConfig;
 use awcp_protocol::DelegationState;
 use awcp_protocol::api::{DelegateRequest, SnapshotMode, SnapshotStatus};
 use awcp_protocol::messages::{AccessMode, TaskSpec};
-use awcp_tests::{Harness, eventually, fuse_available, is_mounted};
+use awcp_tests::{Harness, appears, eventually, fuse_available, is_mounted};
 
 /// What the Executor's agent does on the mount: change, add, delete, rename, chmod, a new
 /// directory, a binary file; and it must read back its own writes.
@@ -548,13 +548,7 @@ async fn changes_collected_after_a_no_flush_revoke_join_the_change_set() {
         .delegation_id
         .as_str()
         .to_string();
-    assert!(
-        eventually(Duration::from_secs(30), || out
-            .path()
-            .join("ready")
-            .exists())
-        .await
-    );
+    assert!(appears(&out.path().join("ready"), Duration::from_secs(30)).await);
     h.client.revoke(&id, true).await.unwrap();
     assert_eq!(
         h.wait_end(&id, Duration::from_secs(30)).await,

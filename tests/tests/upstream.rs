@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
-use awcp_tests::{Harness, eventually, fuse_available, sample_repo, sh};
+use awcp_tests::{Harness, appears, eventually, fuse_available, sample_repo, sh};
 
 fn read(p: impl AsRef<std::path::Path>) -> String {
     std::fs::read_to_string(p.as_ref()).unwrap_or_default()
@@ -43,11 +43,7 @@ async fn delegator_edits_creates_and_removals_reach_the_running_mount() {
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
     assert!(
-        eventually(Duration::from_secs(30), || out
-            .path()
-            .join("ready")
-            .exists())
-        .await,
+        appears(&out.path().join("ready"), Duration::from_secs(30)).await,
         "the agent did not start"
     );
     assert_eq!(read(out.path().join("readme-before")), "# sample\n");
@@ -134,13 +130,7 @@ async fn git_on_the_mount_sees_a_commit_made_on_the_delegator() {
     let repo = h.path("repo");
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
-    assert!(
-        eventually(Duration::from_secs(30), || out
-            .path()
-            .join("ready")
-            .exists())
-        .await
-    );
+    assert!(appears(&out.path().join("ready"), Duration::from_secs(30)).await);
     sh(
         &repo,
         "sed -i 's/a + b/b + a/' calc/ops.py && git -c user.email=d@x -c user.name=delegator commit -qam 'delegator: swap'",
@@ -206,11 +196,7 @@ async fn a_packed_file_changed_on_the_delegator_shows_the_new_content() {
     let original = read(repo.join("calc/ops.py"));
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
     assert!(
-        eventually(Duration::from_secs(30), || out
-            .path()
-            .join("ready")
-            .exists())
-        .await,
+        appears(&out.path().join("ready"), Duration::from_secs(30)).await,
         "the agent did not start"
     );
     assert_eq!(read(out.path().join("before")), original);
