@@ -220,12 +220,9 @@ fn walk_with(
     let walker_for = |part: usize, jobs: SyncSender<Job>| Walker {
         part,
         deferred: None,
-        placed: Vec::new(),
         queued,
         block_size: params.block_size,
-        entries: Vec::new(),
-        hashes: Vec::new(),
-        stamps: Vec::new(),
+        out: WalkerOut::default(),
         cache,
         jobs: Some(jobs),
         filter: params.filter.clone(),
@@ -237,23 +234,24 @@ fn walk_with(
     // in after its entries: (how many of its entries precede, part).
     let outs: Mutex<Vec<Option<WalkerOut>>> = Mutex::new(vec![None]);
     let children: Mutex<Vec<Vec<(usize, usize)>>> = Mutex::new(vec![Vec::new()]);
-    let queue: Mutex<std::collections::VecDeque<(usize, Deferred)>> =
-        Mutex::new(std::collections::VecDeque::new());
+    // Subtrees waiting for a walking thread, and how many threads are walking one (they may
+    // leave more): a thread that finds nothing waits until none is.
+    let queue: Mutex<(std::collections::VecDeque<(usize, Deferred)>, usize)> =
+        Mutex::new(Default::default());
+    let queue_cv = parking_lot::Condvar::new();
     // Number `w`'s deferred subtrees as new parts, queue them, keep its output.
     let finish = |part: usize, mut w: Walker<'_>| {
-        let deferred = w.deferred.take().unwrap_or_default();
-        let placed = std::mem::take(&mut w.placed);
         let mut outs = outs.lock();
         let mut children = children.lock();
         let mut queue = queue.lock();
-        for (d, at) in deferred.into_iter().zip(placed) {
+        for d in w.deferred.take().unwrap_or_default() {
             let child = outs.len();
             outs.push(None);
             children.push(Vec::new());
-            children[part].push((at, child));
-            queue.push_back((child, d));
+            children[part].push((d.at, child));
+            queue.0.push_back((child, d));
         }
-        outs[part] = Some(w.into_out());
+        outs[part] = Some(w.out);
     };
     let walked = std::thread::scope(|s| {
         for _ in 0..threads {
@@ -271,15 +269,41 @@ fn walk_with(
         finish(0, walker);
         // The subtrees left for later (when building a whole manifest): a few threads walk
         // them, each into a walker of its own, which may leave subtrees of its own.
-        let walkers = if queue.lock().is_empty() { 0 } else { threads };
+        let walkers = if queue.lock().0.is_empty() {
+            0
+        } else {
+            threads
+        };
         std::thread::scope(|w| {
             for _ in 0..walkers {
-                let (tx, queue, walker_for, finish) = (tx.clone(), &queue, &walker_for, &finish);
+                let (tx, queue, queue_cv, walker_for, finish) =
+                    (tx.clone(), &queue, &queue_cv, &walker_for, &finish);
                 w.spawn(move || {
                     loop {
-                        let next = queue.lock().pop_front();
-                        let Some((part, d)) = next else { break };
+                        let next = {
+                            let mut q = queue.lock();
+                            loop {
+                                if let Some(next) = q.0.pop_front() {
+                                    q.1 += 1;
+                                    break Some(next);
+                                }
+                                if q.1 == 0 {
+                                    break None;
+                                }
+                                queue_cv.wait(&mut q);
+                            }
+                        };
+                        let Some((part, d)) = next else {
+                            queue_cv.notify_all();
+                            break;
+                        };
                         queued.fetch_sub(1, Ordering::Relaxed);
+                        // Counted out however this walk ends (a panic included: the
+                        // others would wait for it forever).
+                        let _walking = scopeguard::guard((), |()| {
+                            queue.lock().1 -= 1;
+                            queue_cv.notify_all();
+                        });
                         let mut sub = walker_for(part, tx.clone());
                         sub.deferred = Some(Vec::new());
                         if let Err(e) = sub.walk_dir(d.dir, &d.rel, d.depth) {
@@ -505,13 +529,16 @@ struct Deferred {
     dir: Dir,
     rel: String,
     depth: usize,
+    at: usize,
 }
 
 /// What a walker listed: entries, and per entry the hashes and stamp known so far.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default)]
 struct WalkerOut {
     entries: Vec<ManifestEntry>,
+    /// Content hashes per entry (files only), filled from the cache or by the workers.
     hashes: Vec<Option<FileHashes>>,
+    /// Per entry: the file's stamp, when its blocks can be served without re-hashing.
     stamps: Vec<Option<Stamp>>,
 }
 
@@ -528,17 +555,12 @@ struct Walker<'a> {
     /// deferred subtree.
     part: usize,
     /// When set, directories down to [`DEFER_DEPTH`] levels below the root are not entered
-    /// but left here (and their positions in `placed`), for walkers of their own.
+    /// but left here, for walkers of their own.
     deferred: Option<Vec<Deferred>>,
-    /// Per deferred subtree, how many entries preceded it (its directory's included).
-    placed: Vec<usize>,
     filter: Option<super::PathFilter>,
     block_size: u32,
-    entries: Vec<ManifestEntry>,
-    /// Content hashes per entry (files only), filled from the cache or by the workers.
-    hashes: Vec<Option<FileHashes>>,
-    /// Per entry: the file's stamp, when its blocks can be served without re-hashing.
-    stamps: Vec<Option<Stamp>>,
+    /// What it listed so far.
+    out: WalkerOut,
     cache: Option<&'a HashCache>,
     /// Deferred subtrees not yet taken by a walking thread, across walkers: each holds an
     /// open descriptor, so there are at most [`MAX_QUEUED`] (beyond, a walker walks on).
@@ -550,14 +572,6 @@ struct Walker<'a> {
 }
 
 impl Walker<'_> {
-    fn into_out(self) -> WalkerOut {
-        WalkerOut {
-            entries: self.entries,
-            hashes: self.hashes,
-            stamps: self.stamps,
-        }
-    }
-
     /// List `dir` (whose path is `prefix`), emit its entries, recurse into subdirectories.
     fn walk_dir(&mut self, mut dir: Dir, prefix: &str, depth: usize) -> io::Result<()> {
         let mut names = Vec::new();
@@ -608,7 +622,7 @@ impl Walker<'_> {
                 }
                 let sub = Dir::openat(dir.as_fd(), name, dir_flags(), Mode::empty())?;
                 let xattrs = fd_user_xattrs(sub.as_fd(), rel);
-                self.entries.push(ManifestEntry {
+                let entry = ManifestEntry {
                     path: rel.to_owned(),
                     kind: EntryKind::Dir,
                     mode: perm(&st),
@@ -620,9 +634,8 @@ impl Walker<'_> {
                     ino: Some(st.st_ino),
                     ctime_ns: Some(ctime_ns(&st)),
                     xattrs,
-                });
-                self.hashes.push(None);
-                self.stamps.push(None);
+                };
+                self.out.push(entry, None, None);
                 if !self.recurse {
                     return Ok(());
                 }
@@ -634,17 +647,16 @@ impl Walker<'_> {
                         dir: sub,
                         rel: rel.to_owned(),
                         depth: depth + 1,
+                        at: self.out.entries.len(),
                     });
-                    self.placed.push(self.entries.len());
                     return Ok(());
                 }
                 self.walk_dir(sub, rel, depth + 1)
             }
             NodeKind::File => {
                 let cached = self.cache.and_then(|c| c.lookup(&st, self.block_size));
-                let idx = self.entries.len();
                 // Content (size, hash, blocks) is filled in when the hashes are known.
-                self.entries.push(ManifestEntry {
+                let entry = ManifestEntry {
                     path: rel.to_owned(),
                     kind: EntryKind::File,
                     mode: perm(&st),
@@ -657,27 +669,18 @@ impl Walker<'_> {
                     ctime_ns: Some(ctime_ns(&st)),
                     // With the content, from the hashing thread or the hash cache.
                     xattrs: BTreeMap::new(),
-                });
+                };
                 if let Some(p) = &self.progress {
                     p.saw_file(st.st_size.max(0) as u64, cached.is_some());
                 }
                 if cached.is_some() {
-                    self.hashes.push(cached);
                     // Unchanged since a quiescent hashing: its blocks need no re-hash.
-                    self.stamps.push(Some(Stamp::of(&st)));
+                    self.out.push(entry, cached, Some(Stamp::of(&st)));
                     return Ok(());
                 }
-                self.hashes.push(None);
-                self.stamps.push(None);
-                let file = match open_file_at(dir.as_fd(), name, rel) {
-                    Ok(f) => f,
-                    Err(e) => {
-                        self.entries.pop();
-                        self.hashes.pop();
-                        self.stamps.pop();
-                        return Err(io::Error::other(e));
-                    }
-                };
+                let file = open_file_at(dir.as_fd(), name, rel).map_err(io::Error::other)?;
+                let idx = self.out.entries.len();
+                self.out.push(entry, None, None);
                 let job = Job {
                     part: self.part,
                     idx,
@@ -694,7 +697,7 @@ impl Walker<'_> {
                 let target = readlinkat(dir.as_fd(), name)?;
                 let size = target.len() as u64;
                 let target = rawname::from_os(&target);
-                self.entries.push(ManifestEntry {
+                let entry = ManifestEntry {
                     path: rel.to_owned(),
                     kind: EntryKind::Symlink,
                     mode: perm(&st),
@@ -707,9 +710,8 @@ impl Walker<'_> {
                     ctime_ns: Some(ctime_ns(&st)),
                     // Linux allows no user.* attributes on a symlink.
                     xattrs: BTreeMap::new(),
-                });
-                self.hashes.push(None);
-                self.stamps.push(None);
+                };
+                self.out.push(entry, None, None);
                 Ok(())
             }
             NodeKind::Special | NodeKind::Absent => {
@@ -843,6 +845,33 @@ mod walk_tests {
         }
     }
 
+    fn reference_paths(dir: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        reference(dir, "", &mut out);
+        out
+    }
+
+    /// The manifest of `dir` (blocks of 16 bytes, no hash cache).
+    fn build_at(dir: &Path) -> io::Result<Built> {
+        let params = ManifestParams {
+            export_id: "x".into(),
+            block_size: 16,
+            read_only: false,
+            filter: None,
+            progress: None,
+        };
+        build(&RootDir::open(dir)?, &params, None)
+    }
+
+    fn paths(built: &Built) -> Vec<&str> {
+        built
+            .manifest
+            .entries
+            .iter()
+            .map(|e| e.path.as_str())
+            .collect()
+    }
+
     #[test]
     fn a_wide_tree_is_walked_whole_within_a_few_hundred_descriptors() {
         use nix::sys::resource::{Resource, getrlimit, setrlimit};
@@ -856,24 +885,10 @@ mod walk_tests {
         }
         let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
         setrlimit(Resource::RLIMIT_NOFILE, 1024, hard).unwrap();
-        let params = ManifestParams {
-            export_id: "x".into(),
-            block_size: 16,
-            read_only: false,
-            filter: None,
-            progress: None,
-        };
-        let built = build(&RootDir::open(r).unwrap(), &params, None);
+        let built = build_at(r);
         setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
         let built = built.unwrap();
-        let mut want = Vec::new();
-        reference(r, "", &mut want);
-        let got: Vec<&str> = built
-            .manifest
-            .entries
-            .iter()
-            .map(|e| e.path.as_str())
-            .collect();
+        let (got, want) = (paths(&built), reference_paths(r));
         assert_eq!(got.len(), 4500);
         assert_eq!(got, want);
         assert!(
@@ -914,22 +929,8 @@ mod walk_tests {
             std::fs::write(r.join(f), format!("content {i} of {f}").repeat(i + 1)).unwrap();
         }
         std::os::unix::fs::symlink("0.txt", r.join("a/link")).unwrap();
-        let params = ManifestParams {
-            export_id: "x".into(),
-            block_size: 16,
-            read_only: false,
-            filter: None,
-            progress: None,
-        };
-        let built = build(&RootDir::open(r).unwrap(), &params, None).unwrap();
-        let mut want = Vec::new();
-        reference(r, "", &mut want);
-        let got: Vec<&str> = built
-            .manifest
-            .entries
-            .iter()
-            .map(|e| e.path.as_str())
-            .collect();
+        let built = build_at(r).unwrap();
+        let (got, want) = (paths(&built), reference_paths(r));
         assert_eq!(got, want);
         for e in &built.manifest.entries {
             if e.kind != EntryKind::File {
