@@ -337,15 +337,13 @@ impl Mount {
         let t_manifest = t0.elapsed();
         // Three things that need only the manifest, on two CPUs: the inode table here; the
         // syncer's starting point and the saved manifest beside it.
+        let manifest_path = cfg.state_dir.join(super::recover::MANIFEST_FILE);
         let (table, base, saved) = std::thread::scope(|s| {
             let side = s.spawn(|| {
                 // What recovery needs to rebuild this mount's tree: the manifest it started
                 // from (the export's may be rebuilt meanwhile) and the log of what reached
                 // the Delegator.
-                let saved = write_durably(
-                    &cfg.state_dir.join(super::recover::MANIFEST_FILE),
-                    &compressed,
-                );
+                let saved = write_durably(&manifest_path, &compressed);
                 (Syncer::base_of(&manifest), saved)
             });
             let table = InodeTable::from_manifest(&manifest, uid, gid);
@@ -356,7 +354,7 @@ impl Mount {
         });
         let table = table.map_err(|source| {
             // Saved beside the table's build: nothing will recover from it.
-            let _ = std::fs::remove_file(cfg.state_dir.join(super::recover::MANIFEST_FILE));
+            let _ = std::fs::remove_file(&manifest_path);
             MountError::BadManifest { source }
         })?;
         saved.map_err(state_err)?;
