@@ -119,7 +119,8 @@ fn hash_worker(
 ///
 /// The top levels are listed on this thread and the subtrees below them are walked by a few
 /// threads (at most [`HASH_THREADS`], one subtree at a time each, every subtree into a list
-/// of its own, spliced back after its directory's entry: the order is a single walk's); files
+/// of its own, spliced back after its directory's entry: the order is a single walk's; a
+/// thread left idle is handed the next directory another one reaches, at any depth); files
 /// whose hashes `cache` does not hold are opened by the walking threads and hashed by a
 /// few more meanwhile (at most [`HASH_THREADS`]). At 100,000 files with a warm hash cache
 /// the walk is mostly `fstatat` and `getdents`: two threads took it from ~470 to ~380 ms.
@@ -131,11 +132,16 @@ pub(crate) fn build(
     let root_stat = fstat(root.fd())?;
     let walker = walk_with(params, cache, |walker| {
         // Subtrees are walked by several threads (see `walk_with`).
-        walker.deferred = Some(Vec::new());
+        walker.may_defer = true;
         Dir::openat(root.fd(), ".", dir_flags(), Mode::empty())
             .map_err(io::Error::from)
             .and_then(|dir| walker.walk_dir(dir, "", 0))
     })?;
+    tracing::debug!(
+        entries = walker.entries.len(),
+        walkers = walker.parts,
+        "manifest walked"
+    );
     Ok(Built {
         manifest: Manifest {
             version: DATA_PLANE_VERSION,
@@ -216,11 +222,11 @@ fn walk_with(
     let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(256);
     let rx = Mutex::new(rx);
     let results: Mutex<Vec<JobResult>> = Mutex::new(Vec::new());
-    let queued = &AtomicUsize::new(0);
+    let parts = &Parts::default();
     let walker_for = |part: usize, jobs: SyncSender<Job>| Walker {
         part,
-        deferred: None,
-        queued,
+        may_defer: false,
+        parts,
         block_size: params.block_size,
         out: WalkerOut::default(),
         cache,
@@ -230,29 +236,6 @@ fn walk_with(
         progress: params.progress.clone(),
     };
     let mut walker = walker_for(0, tx.clone());
-    // Every walker's output by part number (0: `walker`), and per part the parts to splice
-    // in after its entries: (how many of its entries precede, part).
-    let outs: Mutex<Vec<Option<WalkerOut>>> = Mutex::new(vec![None]);
-    let children: Mutex<Vec<Vec<(usize, usize)>>> = Mutex::new(vec![Vec::new()]);
-    // Subtrees waiting for a walking thread, and how many threads are walking one (they may
-    // leave more): a thread that finds nothing waits until none is.
-    let queue: Mutex<(std::collections::VecDeque<(usize, Deferred)>, usize)> =
-        Mutex::new(Default::default());
-    let queue_cv = parking_lot::Condvar::new();
-    // Number `w`'s deferred subtrees as new parts, queue them, keep its output.
-    let finish = |part: usize, mut w: Walker<'_>| {
-        let mut outs = outs.lock();
-        let mut children = children.lock();
-        let mut queue = queue.lock();
-        for d in w.deferred.take().unwrap_or_default() {
-            let child = outs.len();
-            outs.push(None);
-            children.push(Vec::new());
-            children[part].push((d.at, child));
-            queue.0.push_back((child, d));
-        }
-        outs[part] = Some(w.out);
-    };
     let walked = std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
@@ -266,52 +249,30 @@ fn walk_with(
             });
         }
         let r = walk(&mut walker);
-        finish(0, walker);
+        parts.finish(0, walker.out);
         // The subtrees left for later (when building a whole manifest): a few threads walk
         // them, each into a walker of its own, which may leave subtrees of its own.
-        let walkers = if queue.lock().0.is_empty() {
+        let walkers = if parts.queue.lock().waiting.is_empty() {
             0
         } else {
             threads
         };
         std::thread::scope(|w| {
             for _ in 0..walkers {
-                let (tx, queue, queue_cv, walker_for, finish) =
-                    (tx.clone(), &queue, &queue_cv, &walker_for, &finish);
+                let (tx, walker_for) = (tx.clone(), &walker_for);
                 w.spawn(move || {
-                    loop {
-                        let next = {
-                            let mut q = queue.lock();
-                            loop {
-                                if let Some(next) = q.0.pop_front() {
-                                    q.1 += 1;
-                                    break Some(next);
-                                }
-                                if q.1 == 0 {
-                                    break None;
-                                }
-                                queue_cv.wait(&mut q);
-                            }
-                        };
-                        let Some((part, d)) = next else {
-                            queue_cv.notify_all();
-                            break;
-                        };
-                        queued.fetch_sub(1, Ordering::Relaxed);
+                    while let Some((part, d)) = parts.next() {
                         // Counted out however this walk ends (a panic included: the
                         // others would wait for it forever).
-                        let _walking = scopeguard::guard((), |()| {
-                            queue.lock().1 -= 1;
-                            queue_cv.notify_all();
-                        });
+                        let _walking = scopeguard::guard((), |()| parts.walked());
                         let mut sub = walker_for(part, tx.clone());
-                        sub.deferred = Some(Vec::new());
+                        sub.may_defer = true;
                         if let Err(e) = sub.walk_dir(d.dir, &d.rel, d.depth) {
                             tracing::warn!(path = %d.rel, error = %e,
                                 "skipping an entry that cannot be read");
                         }
                         sub.jobs = None;
-                        finish(part, sub);
+                        parts.finish(part, sub.out);
                     }
                 });
             }
@@ -324,12 +285,9 @@ fn walk_with(
         r
     });
     walked?;
-    let mut parts: Vec<WalkerOut> = outs
-        .into_inner()
-        .into_iter()
-        .map(Option::unwrap_or_default)
-        .collect();
-    let children = children.into_inner();
+    let PartLists { outs, children } = std::mem::take(&mut *parts.lists.lock());
+    let mut parts: Vec<WalkerOut> = outs.into_iter().map(Option::unwrap_or_default).collect();
+    let walkers = parts.len();
     for (part, idx, r) in results.into_inner() {
         let out = &mut parts[part];
         match r {
@@ -389,7 +347,11 @@ fn walk_with(
         }
         entries.push(e);
     }
-    Ok(Walked { entries, index })
+    Ok(Walked {
+        entries,
+        index,
+        parts: walkers,
+    })
 }
 
 /// Append part `part`'s entries to `all`, each of its deferred subtrees (recursively) right
@@ -431,7 +393,104 @@ fn take_slot(queued: &AtomicUsize) -> bool {
 /// Directories down to this many levels below the root are each walked by a walker of its
 /// own (the walking threads take them one at a time): the root's children and
 /// grandchildren, so a tree with one big top-level directory (`src/`) is shared out too.
+/// Deeper, a directory is left to another walker when a walking thread has nothing to do
+/// (see [`Parts::hungry`]), so a tree whose bulk sits under a chain of single directories
+/// (`src/main/java/org/…`) is shared out as well.
 const DEFER_DEPTH: usize = 2;
+
+/// The walk's parts, shared by its walkers: what each walker listed, where the subtrees it
+/// left go, and the subtrees waiting for a walking thread.
+#[derive(Default)]
+struct Parts {
+    lists: Mutex<PartLists>,
+    queue: Mutex<WalkQueue>,
+    queue_cv: parking_lot::Condvar,
+    /// Deferred subtrees not yet taken by a walking thread: each holds an open descriptor,
+    /// so there are at most [`MAX_QUEUED`] (beyond, a walker walks on).
+    queued: AtomicUsize,
+    /// Walking threads waiting for a subtree.
+    idle: AtomicUsize,
+}
+
+/// Every walker's output by part number (0: the first walker), and per part the parts to
+/// splice in after its entries: (how many of its entries precede, part).
+#[derive(Default)]
+struct PartLists {
+    outs: Vec<Option<WalkerOut>>,
+    children: Vec<Vec<(usize, usize)>>,
+}
+
+/// Subtrees waiting for a walking thread, and how many threads are walking one (they may
+/// leave more): a thread that finds nothing waits until none is.
+#[derive(Default)]
+struct WalkQueue {
+    waiting: std::collections::VecDeque<(usize, Deferred)>,
+    walking: usize,
+}
+
+impl Parts {
+    /// Leave `d`, found by part `part`, to a walker of its own: number it as a new part and
+    /// queue it at once.
+    fn defer(&self, part: usize, d: Deferred) {
+        {
+            let mut lists = self.lists.lock();
+            ensure_part(&mut lists, part);
+            let child = lists.outs.len();
+            lists.outs.push(None);
+            lists.children.push(Vec::new());
+            lists.children[part].push((d.at, child));
+            self.queue.lock().waiting.push_back((child, d));
+        }
+        self.queue_cv.notify_one();
+    }
+
+    /// Keep part `part`'s output.
+    fn finish(&self, part: usize, out: WalkerOut) {
+        let mut lists = self.lists.lock();
+        ensure_part(&mut lists, part);
+        lists.outs[part] = Some(out);
+    }
+
+    /// A walking thread would take a subtree now, and none is waiting for one.
+    fn hungry(&self) -> bool {
+        self.idle.load(Ordering::Relaxed) > self.queued.load(Ordering::Relaxed)
+    }
+
+    /// The next subtree to walk, counted as walking; `None` once none is queued and none is
+    /// being walked (so none can be left any more).
+    fn next(&self) -> Option<(usize, Deferred)> {
+        let mut q = self.queue.lock();
+        loop {
+            if let Some(next) = q.waiting.pop_front() {
+                q.walking += 1;
+                self.queued.fetch_sub(1, Ordering::Relaxed);
+                return Some(next);
+            }
+            if q.walking == 0 {
+                drop(q);
+                self.queue_cv.notify_all();
+                return None;
+            }
+            self.idle.fetch_add(1, Ordering::Relaxed);
+            self.queue_cv.wait(&mut q);
+            self.idle.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A walking thread is done with its subtree.
+    fn walked(&self) {
+        self.queue.lock().walking -= 1;
+        self.queue_cv.notify_all();
+    }
+}
+
+/// Make room for part `part` (the first walker's, 0, exists before it defers anything).
+fn ensure_part(lists: &mut PartLists, part: usize) {
+    if lists.outs.len() <= part {
+        lists.outs.resize_with(part + 1, || None);
+        lists.children.resize_with(part + 1, Vec::new);
+    }
+}
 
 /// Most threads hashing at once during a build.
 pub(crate) const HASH_THREADS: usize = 4;
@@ -439,6 +498,8 @@ pub(crate) const HASH_THREADS: usize = 4;
 struct Walked {
     entries: Vec<ManifestEntry>,
     index: BlockIndex,
+    /// How many walkers shared the walk (the first one and one per subtree left).
+    parts: usize,
 }
 
 fn dir_flags() -> OFlag {
@@ -554,17 +615,17 @@ struct Walker<'a> {
     /// Which walker this is, for the hashing threads' answers: 0 walks first, then one per
     /// deferred subtree.
     part: usize,
-    /// When set, directories down to [`DEFER_DEPTH`] levels below the root are not entered
-    /// but left here, for walkers of their own.
-    deferred: Option<Vec<Deferred>>,
+    /// When set, directories down to [`DEFER_DEPTH`] levels below the root, and deeper
+    /// ones while a walking thread is idle, are not entered but left to walkers of their
+    /// own.
+    may_defer: bool,
     filter: Option<super::PathFilter>,
     block_size: u32,
     /// What it listed so far.
     out: WalkerOut,
     cache: Option<&'a HashCache>,
-    /// Deferred subtrees not yet taken by a walking thread, across walkers: each holds an
-    /// open descriptor, so there are at most [`MAX_QUEUED`] (beyond, a walker walks on).
-    queued: &'a AtomicUsize,
+    /// The walk's parts, shared by its walkers.
+    parts: &'a Parts,
     jobs: Option<SyncSender<Job>>,
     /// Enter directories (a shallow [`describe`] lists a known directory's own entry only).
     recurse: bool,
@@ -639,16 +700,17 @@ impl Walker<'_> {
                 if !self.recurse {
                     return Ok(());
                 }
-                if depth < DEFER_DEPTH
-                    && let Some(deferred) = &mut self.deferred
-                    && take_slot(self.queued)
+                if self.may_defer
+                    && (depth < DEFER_DEPTH || self.parts.hungry())
+                    && take_slot(&self.parts.queued)
                 {
-                    deferred.push(Deferred {
+                    let d = Deferred {
                         dir: sub,
                         rel: rel.to_owned(),
                         depth: depth + 1,
                         at: self.out.entries.len(),
-                    });
+                    };
+                    self.parts.defer(self.part, d);
                     return Ok(());
                 }
                 self.walk_dir(sub, rel, depth + 1)
@@ -851,16 +913,20 @@ mod walk_tests {
         out
     }
 
-    /// The manifest of `dir` (blocks of 16 bytes, no hash cache).
-    fn build_at(dir: &Path) -> io::Result<Built> {
-        let params = ManifestParams {
+    /// Blocks of 16 bytes, no filter.
+    fn params() -> ManifestParams {
+        ManifestParams {
             export_id: "x".into(),
             block_size: 16,
             read_only: false,
             filter: None,
             progress: None,
-        };
-        build(&RootDir::open(dir)?, &params, None)
+        }
+    }
+
+    /// The manifest of `dir` (blocks of 16 bytes, no hash cache).
+    fn build_at(dir: &Path) -> io::Result<Built> {
+        build(&RootDir::open(dir)?, &params(), None)
     }
 
     fn paths(built: &Built) -> Vec<&str> {
@@ -959,6 +1025,49 @@ mod walk_tests {
                     e.path
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_tree_under_a_chain_of_single_directories_is_shared_out_below_it() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        // Everything below five single directories, as in `src/main/java/org/project/`:
+        // the split by depth alone (two levels) leaves all of it to one walker.
+        let chain = r.join("src/main/java/org/project");
+        for d in 0..300 {
+            let dir = chain.join(format!("pkg{d:03}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            for f in 0..10 {
+                std::fs::write(dir.join(format!("F{f}.java")), format!("{d} {f}")).unwrap();
+            }
+        }
+        let walked = walk_with(&params(), None, |walker| {
+            walker.may_defer = true;
+            let dir = Dir::open(r, dir_flags(), Mode::empty())?;
+            walker.walk_dir(dir, "", 0)
+        })
+        .unwrap();
+        let got: Vec<&str> = walked.entries.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(got, reference_paths(r));
+        assert_eq!(got.len(), 5 + 300 * 11);
+        assert!(
+            walked
+                .entries
+                .iter()
+                .all(|e| e.kind != EntryKind::File || e.hash.is_some())
+        );
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if threads >= 2 {
+            // The root's, `src`'s and `main`'s walkers, and more: directories below the
+            // depth split were handed to walking threads that had nothing to do.
+            assert!(
+                walked.parts > 3,
+                "the walk was not shared out below the depth split: {} walkers",
+                walked.parts
+            );
+        } else {
+            eprintln!("one CPU: no walking thread is ever idle; only the order is checked");
         }
     }
 }
