@@ -626,16 +626,30 @@ impl ExportRegistry {
             export_id: export_id.clone(),
             source,
         };
-        let binary = built
-            .manifest
-            .to_binary()
-            .map_err(|e| serialize(Box::new(e)))?;
-        let manifest_digest = blake3::hash(&binary).to_hex().to_string();
-        if let Some(p) = &progress {
-            p.set_done();
-        }
-        let zst = zstd::bulk::compress(&binary, MANIFEST_ZSTD_LEVEL)
-            .map_err(|e| serialize(Box::new(e)))?;
+        // The change feed's starting point (a map of every path) is built on a second thread
+        // while this one encodes, hashes and compresses the manifest: ~30 ms each at 100,000
+        // entries, on the way to the handle.
+        let (encoded, feed) = std::thread::scope(|s| {
+            let feed = s.spawn(|| watch::ChangeFeed::new(&built.manifest));
+            let encoded = built
+                .manifest
+                .to_binary()
+                .map_err(|e| serialize(Box::new(e)))
+                .and_then(|binary| {
+                    let digest = blake3::hash(&binary).to_hex().to_string();
+                    if let Some(p) = &progress {
+                        p.set_done();
+                    }
+                    let zst = zstd::bulk::compress(&binary, MANIFEST_ZSTD_LEVEL)
+                        .map_err(|e| serialize(Box::new(e)))?;
+                    Ok((digest, zst))
+                });
+            let feed = feed
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (encoded, feed)
+        });
+        let (manifest_digest, zst) = encoded?;
         tracing::info!(
             export = %export_id,
             root = %cfg.root.display(),
@@ -644,7 +658,6 @@ impl ExportRegistry {
             digest = %manifest_digest,
             "export registered"
         );
-        let feed = watch::ChangeFeed::new(&built.manifest);
         let export = Arc::new(Export {
             feed,
             token_hash: blake3::hash(token.as_bytes()),
