@@ -490,7 +490,7 @@ impl AwcpFs {
     pub fn remote_small_files(&self, max_size: u64) -> Vec<(Ino, u64)> {
         let table = self.table.lock();
         let mut out = Vec::new();
-        table.walk(|_, n| {
+        table.walk_nodes(|n| {
             if n.size <= max_size && matches!(n.data, Data::Remote { packed: None, .. }) {
                 out.push((n.ino, n.size));
             }

@@ -745,6 +745,21 @@ impl InodeTable {
         self.walk_from(ROOT_INO, "", f);
     }
 
+    /// Visit every node reachable from the root in [`InodeTable::walk`]'s order, without
+    /// building paths (one string per node saved, under the table's lock).
+    pub fn walk_nodes(&self, mut f: impl FnMut(&Node)) {
+        let mut stack = vec![ROOT_INO];
+        while let Some(ino) = stack.pop() {
+            let Some(node) = self.nodes.get(&ino) else {
+                continue;
+            };
+            if ino != ROOT_INO {
+                f(node);
+            }
+            stack.extend(node.children.values().rev());
+        }
+    }
+
     /// Visit `start` (at `path`) and every node below it, parents before children, with
     /// their paths (the root itself is never visited).
     pub fn walk_from(&self, start: Ino, path: &str, mut f: impl FnMut(&str, &Node)) {
@@ -824,6 +839,11 @@ mod tests {
         let mut paths = Vec::new();
         t.walk(|p, _| paths.push(p.to_string()));
         assert_eq!(paths, vec!["link", "src", "src/a.py"]);
+        let mut by_path = Vec::new();
+        t.walk(|_, n| by_path.push(n.ino));
+        let mut nodes = Vec::new();
+        t.walk_nodes(|n| nodes.push(n.ino));
+        assert_eq!(nodes, by_path, "the same nodes in the same order");
     }
 
     #[test]
