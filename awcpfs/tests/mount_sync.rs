@@ -1583,6 +1583,65 @@ fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
 }
 
 #[test]
+fn a_read_far_into_a_large_file_fetches_its_own_blocks_without_waiting_for_the_rest() {
+    // 5 MiB in 4 KiB blocks. The stream's requests (from the start of the file) are held;
+    // only requests for the block holding the last 4 KiB get through.
+    let big: Vec<u8> = (0..5u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
+    let g2 = gate.clone();
+    let f = fixture_with(
+        false,
+        |r| std::fs::write(r.join("big.bin"), &big).unwrap(),
+        move |inner| {
+            let g = Gated::new(inner, false, 0);
+            *g2.lock() = Some(g.clone());
+            g
+        },
+    );
+    let gated = gate.lock().clone().unwrap();
+    let tail = big.len() - 4096;
+    *gated.pass.lock() = Some(blake3::hash(&big[tail..]).to_hex().to_string());
+    f.fs.set_no_open();
+    let ino = f.fs.lookup(ROOT_INO, o("big.bin")).unwrap().ino.0;
+    let read = |off: u64, len: u32| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let fs = f.fs.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(fs.read_at(ino, 0, off, len));
+        });
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the read waited for the blocks before it")
+            .unwrap()
+    };
+    // The first read starts the stream (held); the tail is read past it, and a read across
+    // the end returns what there is.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let fs = f.fs.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(fs.read_at(ino, 0, 0, 4096));
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the start of the file was read although its blocks are held back"
+    );
+    assert_eq!(read(tail as u64, 4096), &big[tail..]);
+    assert_eq!(read(tail as u64 + 1000, 65536), &big[tail + 1000..]);
+    gated.release();
+    let head = rx.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+    assert_eq!(head, &big[..4096]);
+    // Everything else reads the same once the stream is through.
+    let mut all = Vec::new();
+    while all.len() < big.len() {
+        let chunk = f.fs.read_at(ino, 0, all.len() as u64, 1 << 20).unwrap();
+        assert!(!chunk.is_empty());
+        all.extend_from_slice(&chunk);
+    }
+    assert_eq!(all, big);
+}
+
+#[test]
 fn a_fetch_failing_in_a_later_batch_fails_the_open_cleanly_and_a_retry_succeeds() {
     // 2 MiB in 4 KiB blocks: 32 batches, fetched two at a time; the fifth request fails.
     let big: Vec<u8> = (0..2u32 << 20)

@@ -173,6 +173,18 @@ impl AwcpFs {
             }
         };
         let want = offset.saturating_add(u64::from(size)).min(file_size);
+        // A read further ahead than the requests the stream has in flight (a random read
+        // far into the file: the tail of a log, a pack's objects) fetches its own blocks
+        // instead of waiting for every block before them; the stream goes on meanwhile.
+        let block_size = u64::from(self.opts.block_size.max(1));
+        let ahead = (FETCH_LANES * FETCH_BATCH) as u64 * block_size;
+        let far = {
+            let st = stream.state.lock();
+            !st.done && offset > st.written.saturating_add(ahead)
+        };
+        if far && let Some(data) = self.read_remote_blocks(ino, offset, want)? {
+            return Ok(Some(data));
+        }
         let mut st = stream.state.lock();
         while st.written < want && !st.done {
             stream.cv.wait(&mut st);
@@ -190,6 +202,45 @@ impl AwcpFs {
             Some(file) if reached => read_file(file, offset, size).map(Some),
             _ => Ok(None),
         }
+    }
+
+    /// Bytes `offset..want` of remote file `ino`, from the blocks that hold them (the block
+    /// cache first, then one request; every block verified). `None` if the file is no
+    /// longer remote content.
+    fn read_remote_blocks(
+        &self,
+        ino: Ino,
+        offset: u64,
+        want: u64,
+    ) -> Result<Option<Vec<u8>>, FsError> {
+        if want <= offset {
+            return Ok(Some(Vec::new()));
+        }
+        let block_size = u64::from(self.opts.block_size.max(1));
+        let (first, last) = (offset / block_size, (want - 1) / block_size);
+        let hashes = {
+            let table = self.table.lock();
+            match table.get(ino).map(|n| &n.data) {
+                Some(d @ Data::Remote { packed: None, .. }) => {
+                    let blocks = d.remote_blocks();
+                    match blocks.get(first as usize..=last as usize) {
+                        Some(range) => range.to_vec(),
+                        None => return Ok(None),
+                    }
+                }
+                _ => return Ok(None),
+            }
+        };
+        let blocks = self.remote.fetch_blocks(&hashes)?;
+        let mut out = Vec::with_capacity((want - offset) as usize);
+        for (i, block) in blocks.iter().enumerate() {
+            let start = (first + i as u64) * block_size;
+            let from = offset.saturating_sub(start).min(block.len() as u64) as usize;
+            let to = (want - start).min(block.len() as u64) as usize;
+            out.extend_from_slice(&block[from..to.max(from)]);
+        }
+        self.check()?;
+        Ok(Some(out))
     }
 
     /// Fetch `ino`'s content into its upper file unless it is local, publishing progress
