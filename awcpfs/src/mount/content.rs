@@ -176,8 +176,7 @@ impl AwcpFs {
         // A read further ahead than the requests the stream has in flight (a random read
         // far into the file: the tail of a log, a pack's objects) fetches its own blocks
         // instead of waiting for every block before them; the stream goes on meanwhile.
-        let block_size = u64::from(self.opts.block_size.max(1));
-        let ahead = (FETCH_LANES * FETCH_BATCH) as u64 * block_size;
+        let ahead = (FETCH_LANES * FETCH_BATCH) as u64 * self.block_size();
         let far = {
             let st = stream.state.lock();
             !st.done && offset > st.written.saturating_add(ahead)
@@ -204,6 +203,11 @@ impl AwcpFs {
         }
     }
 
+    /// The export's block size in bytes (never 0).
+    fn block_size(&self) -> u64 {
+        u64::from(self.opts.block_size.max(1))
+    }
+
     /// Bytes `offset..want` of remote file `ino`, from the blocks that hold them (the block
     /// cache first, then one request; every block verified). `None` if the file is no
     /// longer remote content.
@@ -216,19 +220,19 @@ impl AwcpFs {
         if want <= offset {
             return Ok(Some(Vec::new()));
         }
-        let block_size = u64::from(self.opts.block_size.max(1));
+        let block_size = self.block_size();
         let (first, last) = (offset / block_size, (want - 1) / block_size);
-        let hashes = {
+        let hashes: Vec<String> = {
             let table = self.table.lock();
-            match table.get(ino).map(|n| &n.data) {
+            let range = match table.get(ino).map(|n| &n.data) {
                 Some(d @ Data::Remote { packed: None, .. }) => {
-                    let blocks = d.remote_blocks();
-                    match blocks.get(first as usize..=last as usize) {
-                        Some(range) => range.to_vec(),
-                        None => return Ok(None),
-                    }
+                    d.remote_block_hashes().get(first as usize..=last as usize)
                 }
-                _ => return Ok(None),
+                _ => None,
+            };
+            match range {
+                Some(range) => range.iter().map(hex::encode).collect(),
+                None => return Ok(None),
             }
         };
         let blocks = self.remote.fetch_blocks(&hashes)?;
@@ -327,7 +331,7 @@ impl AwcpFs {
         /// The turn counter's value once a lane gave up: every lane stops.
         const ABORTED: usize = usize::MAX;
         type Item = Result<(Vec<u8>, Option<super::budget::Grant>), FsError>;
-        let block_size = u64::from(self.opts.block_size.max(1));
+        let block_size = self.block_size();
         let lanes = FETCH_LANES.min(chunks.len()).max(1);
         // The next chunk whose grant may be taken.
         let turn = (Mutex::new(0usize), parking_lot::Condvar::new());

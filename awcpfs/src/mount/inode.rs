@@ -116,14 +116,19 @@ impl Data {
     /// The block hashes of remote content, in hex as the data plane names them (empty for
     /// anything else).
     pub fn remote_blocks(&self) -> Vec<String> {
+        self.remote_block_hashes().iter().map(hex::encode).collect()
+    }
+
+    /// The block hashes of remote content (empty for anything else).
+    pub fn remote_block_hashes(&self) -> &[[u8; 32]] {
         match self {
             Data::Remote {
                 hash, blocks: None, ..
-            } => vec![hex::encode(hash)],
+            } => std::slice::from_ref(hash),
             Data::Remote {
                 blocks: Some(b), ..
-            } => b.iter().map(hex::encode).collect(),
-            _ => Vec::new(),
+            } => b,
+            _ => &[],
         }
     }
 
