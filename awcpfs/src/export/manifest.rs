@@ -381,15 +381,6 @@ fn splice(
 /// Most subtrees left for the walking threads at once (each holds its directory open).
 const MAX_QUEUED: usize = 256;
 
-/// Count one more queued subtree, unless [`MAX_QUEUED`] are.
-fn take_slot(queued: &AtomicUsize) -> bool {
-    queued
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-            (n < MAX_QUEUED).then_some(n + 1)
-        })
-        .is_ok()
-}
-
 /// Directories down to this many levels below the root are each walked by a walker of its
 /// own (the walking threads take them one at a time): the root's children and
 /// grandchildren, so a tree with one big top-level directory (`src/`) is shared out too.
@@ -414,10 +405,19 @@ struct Parts {
 
 /// Every walker's output by part number (0: the first walker), and per part the parts to
 /// splice in after its entries: (how many of its entries precede, part).
-#[derive(Default)]
 struct PartLists {
     outs: Vec<Option<WalkerOut>>,
     children: Vec<Vec<(usize, usize)>>,
+}
+
+impl Default for PartLists {
+    /// Part 0, the first walker's; every other part is made when it is left.
+    fn default() -> Self {
+        PartLists {
+            outs: vec![None],
+            children: vec![Vec::new()],
+        }
+    }
 }
 
 /// Subtrees waiting for a walking thread, and how many threads are walking one (they may
@@ -434,7 +434,6 @@ impl Parts {
     fn defer(&self, part: usize, d: Deferred) {
         {
             let mut lists = self.lists.lock();
-            ensure_part(&mut lists, part);
             let child = lists.outs.len();
             lists.outs.push(None);
             lists.children.push(Vec::new());
@@ -446,9 +445,16 @@ impl Parts {
 
     /// Keep part `part`'s output.
     fn finish(&self, part: usize, out: WalkerOut) {
-        let mut lists = self.lists.lock();
-        ensure_part(&mut lists, part);
-        lists.outs[part] = Some(out);
+        self.lists.lock().outs[part] = Some(out);
+    }
+
+    /// Count one more queued subtree, unless [`MAX_QUEUED`] are.
+    fn take_slot(&self) -> bool {
+        self.queued
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < MAX_QUEUED).then_some(n + 1)
+            })
+            .is_ok()
     }
 
     /// A walking thread would take a subtree now, and none is waiting for one.
@@ -481,14 +487,6 @@ impl Parts {
     fn walked(&self) {
         self.queue.lock().walking -= 1;
         self.queue_cv.notify_all();
-    }
-}
-
-/// Make room for part `part` (the first walker's, 0, exists before it defers anything).
-fn ensure_part(lists: &mut PartLists, part: usize) {
-    if lists.outs.len() <= part {
-        lists.outs.resize_with(part + 1, || None);
-        lists.children.resize_with(part + 1, Vec::new);
     }
 }
 
@@ -702,7 +700,7 @@ impl Walker<'_> {
                 }
                 if self.may_defer
                     && (depth < DEFER_DEPTH || self.parts.hungry())
-                    && take_slot(&self.parts.queued)
+                    && self.parts.take_slot()
                 {
                     let d = Deferred {
                         dir: sub,
