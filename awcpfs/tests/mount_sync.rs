@@ -1526,11 +1526,11 @@ impl Remote for Gated {
     }
 }
 
-#[test]
-fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
-    // 5 MiB in 4 KiB blocks: 80 fetches of 16 blocks; all but the first batch's are held.
+/// A 5 MiB file (4 KiB blocks; its bytes depend on `shift`) on a no-open mount whose fetches
+/// are held behind a gate, shut: the fixture, the content, the gate and the file's inode.
+fn gated_big_file(shift: u32) -> (Fixture, Vec<u8>, Arc<Gated>, u64) {
     let big: Vec<u8> = (0..5u32 << 20)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> shift) as u8)
         .collect();
     let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
     let g2 = gate.clone();
@@ -1544,9 +1544,27 @@ fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
         },
     );
     let gated = gate.lock().clone().unwrap();
-    *gated.pass.lock() = Some(blake3::hash(&big[..4096]).to_hex().to_string());
     f.fs.set_no_open();
     let ino = f.fs.lookup(ROOT_INO, o("big.bin")).unwrap().ino.0;
+    (f, big, gated, ino)
+}
+
+/// The first `len` bytes of `ino`, read 1 MiB at a time through handle `fh` (0: none).
+fn read_whole(f: &Fixture, ino: u64, fh: u64, len: usize) -> Vec<u8> {
+    let mut all = Vec::new();
+    while all.len() < len {
+        let chunk = f.fs.read_at(ino, fh, all.len() as u64, 1 << 20).unwrap();
+        assert!(!chunk.is_empty());
+        all.extend_from_slice(&chunk);
+    }
+    all
+}
+
+#[test]
+fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
+    // 5 MiB in 4 KiB blocks: 80 fetches of 16 blocks; all but the first batch's are held.
+    let (f, big, gated, ino) = gated_big_file(13);
+    *gated.pass.lock() = Some(blake3::hash(&big[..4096]).to_hex().to_string());
     // The first 64 KiB arrive with the fetch of the first batch: the read returns while the
     // rest of the file is still held back.
     let (tx, rx) = std::sync::mpsc::channel();
@@ -1573,38 +1591,16 @@ fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
         assert_eq!(got, &big[start..end], "read of {len} at {off}");
     }
     // Once the stream is done, the file is local and reads the same.
-    let mut all = Vec::new();
-    while all.len() < big.len() {
-        let chunk = f.fs.read_at(ino, 0, all.len() as u64, 1 << 20).unwrap();
-        assert!(!chunk.is_empty());
-        all.extend_from_slice(&chunk);
-    }
-    assert_eq!(all, big);
+    assert_eq!(read_whole(&f, ino, 0, big.len()), big);
 }
 
 #[test]
 fn a_read_far_into_a_large_file_fetches_its_own_blocks_without_waiting_for_the_rest() {
     // 5 MiB in 4 KiB blocks. The stream's requests (from the start of the file) are held;
     // only requests for the block holding the last 4 KiB get through.
-    let big: Vec<u8> = (0..5u32 << 20)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
-        .collect();
-    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
-    let g2 = gate.clone();
-    let f = fixture_with(
-        false,
-        |r| std::fs::write(r.join("big.bin"), &big).unwrap(),
-        move |inner| {
-            let g = Gated::new(inner, false, 0);
-            *g2.lock() = Some(g.clone());
-            g
-        },
-    );
-    let gated = gate.lock().clone().unwrap();
+    let (f, big, gated, ino) = gated_big_file(11);
     let tail = big.len() - 4096;
     *gated.pass.lock() = Some(blake3::hash(&big[tail..]).to_hex().to_string());
-    f.fs.set_no_open();
-    let ino = f.fs.lookup(ROOT_INO, o("big.bin")).unwrap().ino.0;
     let read = |off: u64, len: u32| {
         let (tx, rx) = std::sync::mpsc::channel();
         let fs = f.fs.clone();
@@ -1632,13 +1628,7 @@ fn a_read_far_into_a_large_file_fetches_its_own_blocks_without_waiting_for_the_r
     let head = rx.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
     assert_eq!(head, &big[..4096]);
     // Everything else reads the same once the stream is through.
-    let mut all = Vec::new();
-    while all.len() < big.len() {
-        let chunk = f.fs.read_at(ino, 0, all.len() as u64, 1 << 20).unwrap();
-        assert!(!chunk.is_empty());
-        all.extend_from_slice(&chunk);
-    }
-    assert_eq!(all, big);
+    assert_eq!(read_whole(&f, ino, 0, big.len()), big);
 }
 
 #[test]
@@ -1674,12 +1664,7 @@ fn a_fetch_failing_in_a_later_batch_fails_the_open_cleanly_and_a_retry_succeeds(
     assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
     // Nothing is stuck: the next open fetches the whole file, in order.
     let fh = open(f.fs.clone()).unwrap();
-    let mut all = Vec::new();
-    while all.len() < big.len() {
-        let chunk = f.fs.read_at(ino, fh, all.len() as u64, 1 << 20).unwrap();
-        assert!(!chunk.is_empty());
-        all.extend_from_slice(&chunk);
-    }
+    let all = read_whole(&f, ino, fh, big.len());
     assert!(all == big, "the content differs from the Delegator's");
     f.fs.release(fh).unwrap();
 }
