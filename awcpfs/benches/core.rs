@@ -154,6 +154,7 @@ impl awcpfs::mount::remote::Remote for AcceptAll {
             commit_id: changes.commit_id.clone(),
             applied: changes.changes.len() as u64,
             conflicts: Vec::new(),
+            seq: None,
         })
     }
     fn renew(&self) -> Result<ExportEvent, RemoteError> {

@@ -276,7 +276,7 @@ pub struct Export {
     manifest_digest: String,
     blocks: BlockSource,
     stats: Stats,
-    commits: tokio::sync::Mutex<commit::CommitLog>,
+    commits: Arc<tokio::sync::Mutex<commit::CommitLog>>,
     filter: Option<PathFilter>,
     /// Changes to the tree since registration, for mounts (see `watch`).
     feed: watch::ChangeFeed,
@@ -462,7 +462,7 @@ impl Export {
                 staging,
             },
             stats: Stats::default(),
-            commits: tokio::sync::Mutex::new(commit::CommitLog::default()),
+            commits: Arc::new(tokio::sync::Mutex::new(commit::CommitLog::default())),
             filter,
             stage: std::sync::OnceLock::new(),
         })
@@ -674,7 +674,9 @@ impl ExportRegistry {
                 staging,
             },
             stats: Stats::default(),
-            commits: tokio::sync::Mutex::new(commit::CommitLog::default()),
+            commits: Arc::new(tokio::sync::Mutex::new(commit::CommitLog::open(
+                &cfg.staging_dir,
+            ))),
             filter,
             stage: std::sync::OnceLock::new(),
             id: export_id.clone(),

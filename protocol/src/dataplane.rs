@@ -289,6 +289,12 @@ pub struct CommitResult {
     pub applied: u64,
     /// Changes not applied because of a conflict (the Executor's data is kept beside).
     pub conflicts: Vec<Conflict>,
+    /// The export's change sequence (the `seq` of `changed` events) at which this commit's
+    /// changes were recorded: a `changed` event with a `seq` not above it was described
+    /// before the commit, so it is older than what the commit left at those paths. A retry
+    /// of a known `commitId` gets the original value. Absent from exports that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
 }
 
 /// State of the lease as the export sees it.
@@ -322,12 +328,15 @@ pub enum ExportEvent {
     },
     /// The Delegator changed the tree: what these paths are now. Sent when the export sees a
     /// change (after a short debounce), and on connect for every path changed since the
-    /// export was registered, so a mount that reconnects catches up. Changes the export
+    /// export was registered (or, with `GET /events?since=<seq>`, since that sequence), so a
+    /// mount that reconnects catches up. Changes the export
     /// made itself (commits) are reported too: a mount recognises its own write-back by its
     /// hash. A path is listed at most once per event; parents come before children.
     #[serde(rename_all = "camelCase")]
     Changed {
-        /// Increases with every change the export records; a path's latest change wins.
+        /// The export's change sequence when the event was described: every path in it is
+        /// in the state it had at that sequence. It never decreases, across reconnects and
+        /// export restarts; a path's latest change wins.
         seq: u64,
         /// Entries now present (new or changed), as the manifest would list them.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -51,8 +51,13 @@ use super::error::ApiError;
 use super::rootfs::{FsError, NodeKind, RootDir, hash_file_at, kind_at, open_file_at, os};
 use super::store::{BlockHash, BlockLoc, TMP_PREFIX, hash_hex, parse_hash, tmp_name};
 
-/// How many commit results are remembered for idempotent retries.
-const REMEMBERED_COMMITS: usize = 256;
+/// How many commit results are remembered for idempotent retries. A mount re-sends only
+/// its last unanswered commit, so this is far more than one mount needs; it bounds what
+/// several mounts (recoveries included) of one export can interleave.
+const REMEMBERED_COMMITS: usize = 4096;
+/// The file in an export's staging directory that keeps the remembered results, one JSON
+/// line each, so a restarted export still answers a retry with the first outcome.
+pub(crate) const COMMITS_FILE: &str = "commits.log";
 /// Most changes in one commit.
 pub(crate) const MAX_CHANGES: usize = 100_000;
 /// Longest commit id accepted.
@@ -65,13 +70,96 @@ pub(crate) const HIDDEN_REASON: &str =
 /// Mode bits an Executor may set: permissions and sticky, never set-uid/set-gid.
 pub(crate) const MODE_MASK: u32 = 0o1777;
 
-/// Results of recent commits, for answering retries without applying twice.
+/// Results of recent commits, for answering retries without applying twice: in memory,
+/// and appended to [`COMMITS_FILE`] when the log has one.
 #[derive(Debug, Default)]
 pub(crate) struct CommitLog {
     recent: VecDeque<CommitResult>,
+    file: Option<CommitFile>,
+}
+
+/// The durable side of a [`CommitLog`].
+#[derive(Debug)]
+struct CommitFile {
+    path: std::path::PathBuf,
+    file: File,
+    /// Lines in the file (rewritten with only the remembered ones when it doubles).
+    lines: usize,
 }
 
 impl CommitLog {
+    /// The log kept in `dir` (an export's staging directory): the results it remembers
+    /// from before (an export registered again after a restart), and appended to from now
+    /// on. A torn last line (a crash mid-append) is ignored. When the file cannot be
+    /// opened the log lives in memory only, with a warning.
+    pub(crate) fn open(dir: &std::path::Path) -> CommitLog {
+        let path = dir.join(COMMITS_FILE);
+        let mut log = CommitLog::default();
+        let mut lines = 0;
+        match std::fs::read(&path) {
+            Ok(bytes) => {
+                for line in bytes.split(|b| *b == b'\n') {
+                    if let Ok(r) = serde_json::from_slice::<CommitResult>(line) {
+                        log.push(r);
+                        lines += 1;
+                    }
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e,
+                    "cannot read the commit log: retries of earlier commits will be judged again");
+            }
+        }
+        match std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+        {
+            Ok(file) => log.file = Some(CommitFile { path, file, lines }),
+            Err(e) => tracing::warn!(path = %path.display(), error = %e,
+                "cannot open the commit log: commit outcomes are remembered in memory only"),
+        }
+        log
+    }
+
+    fn push(&mut self, result: CommitResult) {
+        if self.recent.len() == REMEMBERED_COMMITS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(result);
+    }
+
+    /// Append `result` to the file (synced before the commit is answered, so an answer a
+    /// client saw is never forgotten), compacting it once it holds twice what is kept.
+    fn persist(&mut self, result: &CommitResult) -> io::Result<()> {
+        let Some(f) = &mut self.file else {
+            return Ok(());
+        };
+        if f.lines >= 2 * REMEMBERED_COMMITS {
+            let tmp = f.path.with_extension("log.tmp");
+            let mut buf = Vec::new();
+            for r in &self.recent {
+                serde_json::to_writer(&mut buf, r).map_err(io::Error::other)?;
+                buf.push(b'\n');
+            }
+            let mut out = File::create(&tmp)?;
+            out.write_all(&buf)?;
+            out.sync_data()?;
+            std::fs::rename(&tmp, &f.path)?;
+            f.file = std::fs::OpenOptions::new().append(true).open(&f.path)?;
+            f.lines = self.recent.len();
+            // `result` is already among the remembered ones: written above.
+            return Ok(());
+        }
+        let mut line = serde_json::to_vec(result).map_err(io::Error::other)?;
+        line.push(b'\n');
+        f.file.write_all(&line)?;
+        f.file.sync_data()?;
+        f.lines += 1;
+        Ok(())
+    }
+
     /// The result of an earlier commit with this id.
     pub(crate) fn find(&self, commit_id: &str) -> Option<CommitResult> {
         self.recent
@@ -80,12 +168,15 @@ impl CommitLog {
             .cloned()
     }
 
-    /// Remember a result.
+    /// Remember a result (in memory, and durably when the log has a file).
     pub(crate) fn remember(&mut self, result: CommitResult) {
-        if self.recent.len() == REMEMBERED_COMMITS {
-            self.recent.pop_front();
+        self.push(result.clone());
+        if let Err(e) = self.persist(&result) {
+            // The commit is applied either way; a retry after a restart is then judged
+            // again (its changes mostly as no-ops), which is what happened before the log.
+            tracing::warn!(commit = %result.commit_id, error = %e,
+                "cannot append to the commit log");
         }
-        self.recent.push_back(result);
     }
 }
 
@@ -209,7 +300,7 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
         super::Stats::add(&export.stats.bytes_written, *size);
     }
     drop(index);
-    export.feed.note_commit(root, &cs.changes, &conflicts);
+    let seq = export.feed.note_commit(root, &cs.changes, &conflicts);
     for h in &hidden {
         tracing::warn!(export = %export.id, path = %h.path, "a change to a hidden path was not written");
     }
@@ -220,6 +311,7 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
         commit_id: cs.commit_id.clone(),
         applied,
         conflicts,
+        seq: Some(seq),
     })
 }
 
@@ -1195,6 +1287,7 @@ mod tests {
                 commit_id: format!("c{i}"),
                 applied: i as u64,
                 conflicts: vec![],
+                seq: None,
             });
         }
         assert!(log.find("c0").is_none());

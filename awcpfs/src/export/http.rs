@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Request, State};
+use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -411,15 +411,21 @@ async fn commit(
     // result is remembered: a client that disconnects mid-commit cannot release the lock
     // early, and its retry is answered from the log.
     let task = tokio::spawn(async move {
-        let mut log = export.commits.lock().await;
+        let log = export.commits.clone().lock_owned().await;
         if let Some(done) = log.find(&changes.commit_id) {
-            tracing::debug!(commit = %changes.commit_id, "commit retry answered from the log");
+            tracing::info!(export = %export.id, commit = %changes.commit_id,
+                "commit retry answered with its first outcome");
             return Ok::<_, ApiError>(done);
         }
         let worker = export.clone();
-        let result = blocking("applying a commit", move || commit::run(&worker, &changes)).await?;
-        log.remember(result.clone());
-        Ok(result)
+        // Applied and remembered (durably) before the answer, on the blocking pool.
+        blocking("applying a commit", move || {
+            let mut log = log;
+            let result = commit::run(&worker, &changes)?;
+            log.remember(result.clone());
+            Ok(result)
+        })
+        .await
     });
     let result = task.await.map_err(|e| ApiError::Internal {
         context: "applying a commit",
@@ -430,8 +436,31 @@ async fn commit(
 
 async fn events(
     Extension(export): Extension<Arc<Export>>,
-) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    Sse::new(export_events(export)).keep_alive(KeepAlive::default())
+    RawQuery(query): RawQuery,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let since = since_of(query.as_deref())?;
+    Ok(Sse::new(export_events(export, since)).keep_alive(KeepAlive::default()))
+}
+
+/// The `since` of `GET /events?since=<seq>`: the change sequence a mount already has
+/// (catch-up sends only what changed after it); 0 when absent. Other parameters are
+/// ignored.
+fn since_of(query: Option<&str>) -> Result<u64, ApiError> {
+    let Some(query) = query else { return Ok(0) };
+    for pair in query.split('&') {
+        if let Some(v) = pair.strip_prefix("since=") {
+            return v.parse().map_err(|_| {
+                ApiError::bad_body(
+                    "GET /events",
+                    format!(
+                        "since must be a change sequence number (an unsigned integer), not {:?}",
+                        v.chars().take(40).collect::<String>()
+                    ),
+                )
+            });
+        }
+    }
+    Ok(0)
 }
 
 /// State of one `GET /events` stream.
@@ -470,17 +499,17 @@ impl EventStream {
     }
 }
 
-/// One `lease` event now, then every Delegator-side change recorded so far (`changed`
-/// events); afterwards a `lease` event on every change of the lease and at its deadline and
+/// One `lease` event now, then every change recorded after sequence `since` (`changed`
+/// events; 0: since registration); afterwards a `lease` event on every change of the lease and at its deadline and
 /// `changed` events as changes are seen. Ends after the first `lease` event whose state is
 /// not `Active`.
-fn export_events(export: Arc<Export>) -> impl Stream<Item = Result<Event, Infallible>> {
+fn export_events(export: Arc<Export>, since: u64) -> impl Stream<Item = Result<Event, Infallible>> {
     let s = EventStream {
         lease: export.lease().subscribe(),
         changes: export.feed.subscribe(),
         export,
         queue: std::collections::VecDeque::new(),
-        sent: 0,
+        sent: since,
         started: false,
         done: false,
     };

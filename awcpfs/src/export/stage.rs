@@ -279,6 +279,7 @@ impl ChangeStage {
                 commit_id: plan.commit_id.clone(),
                 applied: 0,
                 conflicts: Vec::new(),
+                seq: None,
             }
         } else {
             commit::run_live(export, &plan).map_err(|e| StageError::Commit {
@@ -384,6 +385,8 @@ impl ChangeStage {
             commit_id: cs.commit_id.clone(),
             applied: cs.changes.len() as u64,
             conflicts: hidden,
+            // Nothing reached the tree: staged changes leave the change feed alone.
+            seq: Some(export.feed.seq()),
         })
     }
 

@@ -130,15 +130,23 @@ impl ChangeFeed {
             .collect();
         ChangeFeed {
             quiet: Mutex::new(()),
-            // 1, so that a stream starting from 0 gets even the commits recorded before
-            // the first Delegator-side change (see `note_commit`).
+            // Above 0, so that a stream starting from 0 gets even the commits recorded
+            // before the first Delegator-side change (see `note_commit`); and the time of
+            // registration in microseconds, so that an export registered again (a daemon
+            // restart) starts above every sequence it handed out before: a mount's record
+            // of what it saw never looks newer than what the export now describes.
             state: Mutex::new(FeedState {
-                seq: 1,
+                seq: first_seq(),
                 known,
                 ..FeedState::default()
             }),
             tx: tokio::sync::watch::channel(0).0,
         }
+    }
+
+    /// The latest sequence number.
+    pub(crate) fn seq(&self) -> u64 {
+        self.state.lock().seq
     }
 
     /// Woken with the latest sequence number whenever changes are recorded.
@@ -259,8 +267,15 @@ impl ChangeFeed {
 
     /// A commit applied `changes` (except the conflicting ones) to the tree: remember what
     /// it left so the watcher does not report it back, and so a mount that reconnects is
-    /// not handed an older Delegator-side state of those paths.
-    pub(crate) fn note_commit(&self, root: &RootDir, changes: &[Change], conflicts: &[Conflict]) {
+    /// not handed an older Delegator-side state of those paths. Returns the sequence the
+    /// commit is recorded at (the commit result's `seq`): every event described before the
+    /// commit has a `seq` no higher, every Delegator-side change after it a higher one.
+    pub(crate) fn note_commit(
+        &self,
+        root: &RootDir,
+        changes: &[Change],
+        conflicts: &[Conflict],
+    ) -> u64 {
         let stamp_of = |path: &str| {
             let (dir, name) = root.open_parent(path).ok()?;
             fstatat(
@@ -362,7 +377,18 @@ impl ChangeFeed {
                 }
             }
         }
+        seq
     }
+}
+
+/// The first sequence number of a feed: microseconds since the epoch (at least 1). Batches
+/// come at most one per [`DEBOUNCE`], so a feed registered later always starts above the
+/// last sequence an earlier one of the same export reached.
+fn first_seq() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2))
+        .max(1)
 }
 
 /// Start watching `export`'s tree on a thread of its own; it stops when the export is

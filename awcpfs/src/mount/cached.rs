@@ -243,6 +243,13 @@ impl Remote for CachedRemote {
     fn events(&self) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError> {
         self.inner.events()
     }
+
+    fn events_since(
+        &self,
+        since: u64,
+    ) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError> {
+        self.inner.events_since(since)
+    }
 }
 
 #[cfg(test)]

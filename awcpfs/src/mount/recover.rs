@@ -7,7 +7,10 @@
 //! manifest, starts the syncer from the manifest plus `synced.log`, and runs final-flush
 //! rounds until nothing is left. Every record describes state, not an operation, so running
 //! recovery twice — or after a partly successful commit — writes each change exactly once:
-//! the export accepts a change it already has as a no-op.
+//! the export accepts a change it already has as a no-op. A commit the mount sent but never
+//! saw answered (the pending commit in `synced.log`) is sent again first, under its own id,
+//! so the export answers it with its first outcome instead of judging the mount's later
+//! changes against the state before it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -102,6 +105,8 @@ struct SavedMount {
     table: InodeTable,
     records: usize,
     synced: Vec<super::sync::SyncedRecord>,
+    /// The commit the mount sent and never saw answered.
+    pending: Option<super::sync::PendingCommit>,
     state_dir: std::path::PathBuf,
     uid: u32,
     gid: u32,
@@ -134,13 +139,14 @@ impl SavedMount {
             .map_err(|source| RecoverError::Manifest { source })?;
         let records = Journal::read_all(&state_dir.join(JOURNAL_FILE)).map_err(state_err)?;
         journal::replay(&mut table, &records, uid, gid);
-        let synced = SyncedLog::read_all(&state_dir.join(SYNCED_FILE)).map_err(state_err)?;
+        let logged = SyncedLog::read(&state_dir.join(SYNCED_FILE)).map_err(state_err)?;
         std::fs::create_dir_all(state_dir.join("upper")).map_err(state_err)?;
         Ok(Some(SavedMount {
             manifest,
             table,
             records: records.len(),
-            synced,
+            synced: logged.records,
+            pending: logged.pending,
             state_dir: state_dir.to_path_buf(),
             uid,
             gid,
@@ -181,6 +187,7 @@ pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryRepo
     let records = saved.records;
     let manifest = saved.manifest.clone();
     let synced = saved.synced.clone();
+    let pending = saved.pending.clone();
     let fs = saved.into_fs(
         remote,
         Journal::open(&state_dir.join(JOURNAL_FILE)).map_err(state_err)?,
@@ -188,6 +195,9 @@ pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryRepo
     let upper_dir = state_dir.join("upper");
     let log = SyncedLog::open(&state_dir.join(SYNCED_FILE)).map_err(state_err)?;
     let syncer = Syncer::with_log(fs, &manifest, &synced, Some(log));
+    // A commit whose answer the mount never saw goes first, under its own id: the export
+    // answers it with its first outcome if it applied it (never a conflict with itself).
+    syncer.resume_pending(pending);
     let mut report = RecoveryReport {
         records,
         ..Default::default()
@@ -244,6 +254,7 @@ impl Remote for Capture {
             commit_id: changes.commit_id.clone(),
             applied: changes.changes.len() as u64,
             conflicts: Vec::new(),
+            seq: None,
         })
     }
     fn events(

@@ -123,6 +123,16 @@ pub trait Remote: Send + Sync {
     /// Open the lease event stream; the iterator ends when the stream does. It also yields
     /// [`StreamItem::KeepAlive`] for comment lines, so a reader can check for shutdown.
     fn events(&self) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError>;
+    /// [`Remote::events`], with the catch-up limited to changes after sequence `since`
+    /// (what the mount already has; 0: everything since the export was registered). The
+    /// default ignores `since`: the full catch-up is correct, only larger.
+    fn events_since(
+        &self,
+        since: u64,
+    ) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError> {
+        let _ = since;
+        self.events()
+    }
 }
 
 /// One item of the export's event stream.
@@ -418,9 +428,21 @@ impl Remote for HttpRemote {
     }
 
     fn events(&self) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError> {
+        self.events_since(0)
+    }
+
+    fn events_since(
+        &self,
+        since: u64,
+    ) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError> {
+        let url = if since == 0 {
+            format!("{}/events", self.base)
+        } else {
+            format!("{}/events?since={since}", self.base)
+        };
         let resp = self
             .stream_agent
-            .get(&format!("{}/events", self.base))
+            .get(&url)
             .set("Authorization", &self.auth)
             .set("Accept", "text/event-stream")
             .call()

@@ -625,8 +625,14 @@ impl Mount {
 
     fn event_reader(&self) {
         let mut backoff = Duration::from_millis(200);
+        // Where a reconnect resumes: the last change sequence whose events all arrived. The
+        // events of one catch-up share a sequence and may be cut mid-way, so a sequence
+        // counts as complete only once a higher one arrives; resuming from the one before
+        // gets the latest batch again, which is harmless.
+        let mut latest = 0u64;
+        let mut resume = 0u64;
         while !self.inner.ending.load(Ordering::SeqCst) {
-            match self.inner.remote.events() {
+            match self.inner.remote.events_since(resume) {
                 Ok(items) => {
                     backoff = Duration::from_millis(200);
                     for item in items {
@@ -641,9 +647,15 @@ impl Mount {
                                 ..
                             }) => (state, remaining_ms, flush_grace_ms),
                             StreamItem::Event(ExportEvent::Changed {
-                                entries, removed, ..
+                                seq,
+                                entries,
+                                removed,
                             }) => {
-                                self.apply_upstream(&entries, &removed);
+                                if seq > latest {
+                                    resume = latest;
+                                    latest = seq;
+                                }
+                                self.apply_upstream(seq, &entries, &removed);
                                 continue;
                             }
                             StreamItem::KeepAlive => continue,
@@ -845,18 +857,20 @@ impl Mount {
 
     /// Show the Delegator's own changes (a `changed` event) where the mount has nothing of
     /// its own, and make the kernel forget what it cached about them.
-    fn apply_upstream(&self, entries: &[ManifestEntry], removed: &[String]) {
+    fn apply_upstream(&self, seq: u64, entries: &[ManifestEntry], removed: &[String]) {
         if self.inner.fs.fenced().is_some() {
             return;
         }
-        let (invals, report) = self.inner.syncer.apply_upstream(entries, removed);
+        let (invals, report) = self.inner.syncer.apply_upstream(seq, entries, removed);
         self.inner
             .fs
             .stats
             .add_upstream(report.applied as u64, report.kept_local as u64);
         tracing::info!(
+            seq,
             applied = report.applied,
             kept_local = report.kept_local,
+            stale = report.stale,
             "Delegator-side changes"
         );
         let notifier = match self.inner.session.lock().as_ref() {

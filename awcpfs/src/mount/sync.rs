@@ -14,6 +14,19 @@
 //! idempotent: a retried round after a failure re-sends changes whose base hashes the
 //! export already satisfies, and the export accepts those as no-ops.
 //!
+//! Commits are idempotent and their outcome is learnable: each has an id (this syncer's
+//! random instance and a sequence number), and before it is sent it is written, with what
+//! it leaves at each path, to `synced.log` as the *pending* commit ([`PendingCommit`]).
+//! When its answer comes, the new states and a `resolved` mark are appended. A commit whose
+//! answer never came (a reset, a timeout, the mount killed) stays pending, and the next
+//! round — or crash recovery, which reads it back from `synced.log` — sends it again,
+//! unchanged and under the same id, before comparing anything: the export answers a
+//! commit it already applied with its first outcome, and applies one it never received.
+//! Only then is the tree compared, against what that commit left. Without this, a commit
+//! applied but unanswered would be diffed again from the state before it, and the mount's
+//! own change would meet itself at the export as a Delegator-side change: a conflict that
+//! keeps the older version, or a deleted file brought back.
+//!
 //! A file still open for writing is left for a later round (live mode syncs on close and
 //! fsync) unless the round is a final flush.
 
@@ -195,6 +208,47 @@ pub struct SyncedRecord {
     pub state: Option<Synced>,
 }
 
+/// A commit sent, or about to be, whose answer the mount has not seen; kept in `synced.log`
+/// until it is resolved (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PendingCommit {
+    /// The change set, with its id, exactly as sent.
+    pub set: ChangeSet,
+    /// What the export has at each path once it is applied (conflicts included: the export
+    /// keeps our version beside its own, so those changes count as done too).
+    pub next: Vec<SyncedRecord>,
+}
+
+/// One line of `synced.log`. Lines of a kind a reader does not know are skipped, so older
+/// readers see only the records.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+enum LogLine {
+    /// About to send this commit.
+    Pending {
+        /// The commit.
+        pending: PendingCommit,
+    },
+    /// The pending commit with this id is answered (its records precede the mark) or was
+    /// refused without being applied.
+    Resolved {
+        /// The commit id.
+        resolved: String,
+    },
+    /// A path's state at the export.
+    Record(SyncedRecord),
+}
+
+/// What `synced.log` holds: the states commits and Delegator-side changes left, and the
+/// commit that was sent but never answered, if any.
+#[derive(Debug, Default, Clone)]
+pub struct SyncedLogContents {
+    /// Every state record, in order.
+    pub records: Vec<SyncedRecord>,
+    /// The last commit written as pending and not resolved.
+    pub pending: Option<PendingCommit>,
+}
+
 /// Append-only log of committed state (see [`SyncedRecord`]).
 #[derive(Debug)]
 pub struct SyncedLog {
@@ -214,31 +268,82 @@ impl SyncedLog {
     }
 
     fn append(&self, records: &[SyncedRecord]) -> std::io::Result<()> {
-        use std::io::Write;
         let mut buf = Vec::new();
         for r in records {
             serde_json::to_writer(&mut buf, r).map_err(std::io::Error::other)?;
             buf.push(b'\n');
         }
+        self.write_synced(&buf)
+    }
+
+    /// Record `commit` as about to be sent.
+    fn append_pending(&self, commit: &PendingCommit) -> std::io::Result<()> {
+        let mut buf = serde_json::to_vec(&LogLine::Pending {
+            pending: commit.clone(),
+        })
+        .map_err(std::io::Error::other)?;
+        buf.push(b'\n');
+        self.write_synced(&buf)
+    }
+
+    /// Record that commit `id` is resolved, after the states it left (`records`).
+    fn append_resolved(&self, records: &[SyncedRecord], id: &str) -> std::io::Result<()> {
+        let mut buf = Vec::new();
+        for r in records {
+            serde_json::to_writer(&mut buf, r).map_err(std::io::Error::other)?;
+            buf.push(b'\n');
+        }
+        serde_json::to_writer(
+            &mut buf,
+            &LogLine::Resolved {
+                resolved: id.to_owned(),
+            },
+        )
+        .map_err(std::io::Error::other)?;
+        buf.push(b'\n');
+        self.write_synced(&buf)
+    }
+
+    fn write_synced(&self, buf: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
         // Synced to disk: after a machine crash, recovery must not re-send (and turn into
         // conflicts) what the Delegator already has.
         let mut f = self.file.lock();
-        f.write_all(&buf)?;
+        f.write_all(buf)?;
         f.sync_data()
     }
 
     /// Every complete record at `path` (a torn last line is ignored).
     pub fn read_all(path: &std::path::Path) -> std::io::Result<Vec<SyncedRecord>> {
+        Ok(Self::read(path)?.records)
+    }
+
+    /// Everything the log at `path` holds (a torn last line is ignored: a pending commit
+    /// whose line is torn was never sent).
+    pub fn read(path: &std::path::Path) -> std::io::Result<SyncedLogContents> {
         use std::io::BufRead;
         let file = match std::fs::File::open(path) {
             Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(SyncedLogContents::default());
+            }
             Err(e) => return Err(e),
         };
-        let mut out = Vec::new();
+        let mut out = SyncedLogContents::default();
         for line in std::io::BufReader::new(file).split(b'\n') {
-            if let Ok(r) = serde_json::from_slice(&line?) {
-                out.push(r);
+            match serde_json::from_slice(&line?) {
+                Ok(LogLine::Record(r)) => out.records.push(r),
+                Ok(LogLine::Pending { pending }) => out.pending = Some(pending),
+                Ok(LogLine::Resolved { resolved }) => {
+                    if out
+                        .pending
+                        .as_ref()
+                        .is_some_and(|p| p.set.commit_id == resolved)
+                    {
+                        out.pending = None;
+                    }
+                }
+                Err(_) => {}
             }
         }
         Ok(out)
@@ -396,6 +501,13 @@ struct Hashed {
 pub struct Syncer {
     fs: Arc<AwcpFs>,
     pub(super) synced: Mutex<BTreeMap<String, Synced>>,
+    /// Per path, the highest export change sequence this mount knows of there (its own
+    /// commits' and the events it applied): events no newer are stale (see `upstream`).
+    /// Taken after `synced`.
+    pub(super) seen: Mutex<BTreeMap<String, u64>>,
+    /// The commit sent whose answer has not come (also in `synced.log`). Taken after
+    /// `synced`.
+    pending: Mutex<Option<PendingCommit>>,
     log: Option<SyncedLog>,
     seq: AtomicU64,
     instance: String,
@@ -432,6 +544,8 @@ impl Syncer {
         let mut s = Syncer {
             fs,
             synced: Mutex::new(base.0),
+            seen: Mutex::new(BTreeMap::new()),
+            pending: Mutex::new(None),
             log: None,
             seq: AtomicU64::new(0),
             instance: hex::encode(rand::random::<[u8; 8]>()),
@@ -451,6 +565,21 @@ impl Syncer {
         }
         s.log = log;
         s
+    }
+
+    /// Take over a commit an earlier process sent and never saw answered (read from its
+    /// `synced.log`): the next round sends it again first, under its own id.
+    pub fn resume_pending(&self, pending: Option<PendingCommit>) {
+        if let Some(p) = &pending {
+            tracing::info!(commit = %p.set.commit_id, changes = p.set.changes.len(),
+                "a commit was sent but never answered: sending it again before anything else");
+        }
+        *self.pending.lock() = pending;
+    }
+
+    /// The commit sent whose answer has not come, if any.
+    pub fn pending(&self) -> Option<PendingCommit> {
+        self.pending.lock().clone()
     }
 
     /// A syncer whose starting point is the manifest the mount was built from.
@@ -614,10 +743,21 @@ impl Syncer {
     /// still open for writing.
     pub fn round(&self, final_flush: bool) -> Result<RoundReport, SyncError> {
         let mut synced = self.synced.lock();
+        // First the commit whose answer never came: what it left is the base of this round.
+        let earlier = self.settle_pending(&mut synced)?;
         let snap = self.snapshot(final_flush);
         let mut again: Vec<String> = Vec::new();
         match self.round_over(&mut synced, &snap, &mut again) {
-            Ok(report) => {
+            Ok(mut report) => {
+                if let Some((set, r)) = earlier {
+                    report.changes += set.changes.len();
+                    report.files_written += set
+                        .changes
+                        .iter()
+                        .filter(|c| matches!(c, Change::Write { .. }))
+                        .count();
+                    report.conflicts.splice(0..0, r.conflicts);
+                }
                 // Skipped (open for writing) or vanished under the round: compare them again.
                 if !again.is_empty() {
                     let mut table = self.fs.table.lock();
@@ -972,16 +1112,11 @@ impl Syncer {
             }
         }
         // One commit per round, unless the round is larger than the export takes in one
-        // (100,000 changes, 64 MiB): then consecutive commits in the same order. If a later
-        // one fails, the round is retried whole; the export answers what the earlier ones
-        // already applied as no-ops (same content, directory exists, path already gone).
+        // (100,000 changes, 64 MiB): then consecutive commits in the same order, each
+        // recording what it left as it is answered. If one fails, the round fails; the
+        // next sends that commit again (it is pending) and compares from what it left.
         let all_changes = changes.len();
-        let mut files_written = 0;
-        let mut result = CommitResult {
-            commit_id: String::new(),
-            applied: 0,
-            conflicts: Vec::new(),
-        };
+        let mut chunks: Vec<Vec<Change>> = Vec::new();
         let mut rest = changes;
         while !rest.is_empty() {
             let mut take = 0;
@@ -991,50 +1126,33 @@ impl Syncer {
                 take += 1;
             }
             let tail = rest.split_off(take);
-            let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-            let cs = ChangeSet {
-                commit_id: format!("{}-{seq}", self.instance),
-                changes: rest,
-            };
+            chunks.push(rest);
             rest = tail;
-            files_written += cs
+        }
+        let nexts = split_next(&chunks, next);
+        let mut files_written = 0;
+        let mut conflicts: Vec<Conflict> = Vec::new();
+        for (changes, next) in chunks.into_iter().zip(nexts) {
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+            let pending = PendingCommit {
+                set: ChangeSet {
+                    commit_id: format!("{}-{seq}", self.instance),
+                    changes,
+                },
+                next,
+            };
+            files_written += pending
+                .set
                 .changes
                 .iter()
                 .filter(|c| matches!(c, Change::Write { .. }))
                 .count();
-            let r = self
-                .fs
-                .remote
-                .commit(&cs)
-                .map_err(|source| SyncError::Remote { source })?;
-            result.commit_id = r.commit_id;
-            result.applied += r.applied;
-            result.conflicts.extend(r.conflicts);
+            let r = self.send_commit(synced, pending)?;
+            conflicts.extend(r.conflicts);
         }
-        for conflict in &result.conflicts {
+        for conflict in &conflicts {
             tracing::warn!(path = %conflict.path, reason = %conflict.reason,
                 kept_as = ?conflict.kept_as, "write-back conflict: the Delegator's copy changed");
-        }
-        // Conflicting changes count as done too: the export kept our version beside its own,
-        // and re-sending would only make more copies.
-        if let Some(log) = &self.log {
-            let records: Vec<SyncedRecord> = next
-                .iter()
-                .map(|(path, state)| SyncedRecord {
-                    path: path.clone(),
-                    state: state.clone(),
-                })
-                .collect();
-            if let Err(e) = log.append(&records) {
-                // Recovery would re-send these changes; the export treats them as no-ops.
-                tracing::warn!(error = %e, "cannot append to synced.log");
-            }
-        }
-        for (path, s) in next {
-            match s {
-                Some(s) => synced.insert(path, s),
-                None => synced.remove(&path),
-            };
         }
         {
             let mut table = self.fs.table.lock();
@@ -1057,16 +1175,138 @@ impl Syncer {
         }
         report.files_written = files_written;
         report.changes = all_changes;
-        report.conflicts = result.conflicts.clone();
         self.fs
             .stats
-            .add_commit(report.files_written as u64, uploaded, &result.conflicts);
+            .add_commit(report.files_written as u64, uploaded, &conflicts);
+        report.conflicts = conflicts;
         tracing::debug!(
             changes = report.changes,
             files = report.files_written,
             "committed"
         );
         Ok(report)
+    }
+
+    /// Send one commit: recorded as pending first (in memory and, synced, in `synced.log`),
+    /// then sent; on an answer, what it left is recorded and it is resolved. A failure
+    /// with no answer leaves it pending, for the next round to send again.
+    fn send_commit(
+        &self,
+        synced: &mut BTreeMap<String, Synced>,
+        pending: PendingCommit,
+    ) -> Result<CommitResult, SyncError> {
+        if let Some(log) = &self.log
+            && let Err(e) = log.append_pending(&pending)
+        {
+            // Still sent: a retry in this process re-sends it from memory; only a crash
+            // before its answer would recover without it (as before pending commits).
+            tracing::warn!(error = %e, "cannot record the pending commit in synced.log");
+        }
+        *self.pending.lock() = Some(pending.clone());
+        match self.fs.remote.commit(&pending.set) {
+            Ok(r) => {
+                self.finish_commit(synced, &pending, &r);
+                Ok(r)
+            }
+            Err(source) => {
+                if never_applied(&source) {
+                    self.drop_pending(&pending.set.commit_id);
+                }
+                Err(SyncError::Remote { source })
+            }
+        }
+    }
+
+    /// Send the pending commit again, if there is one, and record its outcome: the first
+    /// one if the export had applied it, or the one it gets now. Returns it, or `None`
+    /// when there was none or the export refused it without applying it (then the round
+    /// compares from the state before it, which is the export's).
+    fn settle_pending(
+        &self,
+        synced: &mut BTreeMap<String, Synced>,
+    ) -> Result<Option<(ChangeSet, CommitResult)>, SyncError> {
+        let Some(pending) = self.pending.lock().clone() else {
+            return Ok(None);
+        };
+        tracing::info!(commit = %pending.set.commit_id,
+            "sending again a commit whose answer never came");
+        match self.fs.remote.commit(&pending.set) {
+            Ok(r) => {
+                self.finish_commit(synced, &pending, &r);
+                let files = pending
+                    .set
+                    .changes
+                    .iter()
+                    .filter(|c| matches!(c, Change::Write { .. }))
+                    .count();
+                self.fs.stats.add_commit(files as u64, 0, &r.conflicts);
+                for c in &r.conflicts {
+                    tracing::warn!(path = %c.path, reason = %c.reason, kept_as = ?c.kept_as,
+                        "write-back conflict: the Delegator's copy changed");
+                }
+                Ok(Some((pending.set, r)))
+            }
+            Err(e) if never_applied(&e) => {
+                tracing::warn!(commit = %pending.set.commit_id, error = %e,
+                    "the export refused a commit sent again without applying it; comparing afresh");
+                self.drop_pending(&pending.set.commit_id);
+                Ok(None)
+            }
+            Err(source) => Err(SyncError::Remote { source }),
+        }
+    }
+
+    /// The answer to `pending` came: record what it left, and where the export's change
+    /// sequence stood (events described before it are stale at its paths).
+    fn finish_commit(
+        &self,
+        synced: &mut BTreeMap<String, Synced>,
+        pending: &PendingCommit,
+        r: &CommitResult,
+    ) {
+        if let Some(log) = &self.log
+            && let Err(e) = log.append_resolved(&pending.next, &pending.set.commit_id)
+        {
+            // Recovery would send the commit again; the export answers it from its log.
+            tracing::warn!(error = %e, "cannot append to synced.log");
+        }
+        for rec in &pending.next {
+            match &rec.state {
+                Some(s) => synced.insert(rec.path.clone(), s.clone()),
+                None => synced.remove(&rec.path),
+            };
+        }
+        if let Some(seq) = r.seq {
+            // A conflicting path holds the Delegator's version, not ours: its events stay
+            // news.
+            let conflicted: HashSet<&str> = r.conflicts.iter().map(|c| c.path.as_str()).collect();
+            let mut seen = self.seen.lock();
+            for c in &pending.set.changes {
+                if !conflicted.contains(c.path()) {
+                    super::upstream::note_seen(&mut seen, c.path(), seq);
+                }
+            }
+        }
+        let mut slot = self.pending.lock();
+        if slot
+            .as_ref()
+            .is_some_and(|p| p.set.commit_id == pending.set.commit_id)
+        {
+            *slot = None;
+        }
+    }
+
+    /// Forget the pending commit `id`: the export refused it without applying it.
+    fn drop_pending(&self, id: &str) {
+        if let Some(log) = &self.log
+            && let Err(e) = log.append_resolved(&[], id)
+        {
+            tracing::warn!(error = %e, "cannot append to synced.log");
+        }
+        let mut slot = self.pending.lock();
+        if slot.as_ref().is_some_and(|p| p.set.commit_id == id) {
+            *slot = None;
+        }
     }
 
     /// Background loop: a round shortly after each request, retrying failures with backoff,
@@ -1115,6 +1355,92 @@ impl Syncer {
                 }
             }
         }
+    }
+}
+
+/// Whether a failed commit is known not to have been applied: the export refused it before
+/// applying anything (a malformed set, missing blocks, too large, read-only), so it holds
+/// no outcome for its id. Anything else — no answer, a server error, a lease that ended,
+/// an unknown export — may follow an applied commit, which stays pending.
+fn never_applied(e: &RemoteError) -> bool {
+    matches!(
+        e,
+        RemoteError::Refused {
+            status: 400 | 403 | 409 | 413,
+            ..
+        }
+    )
+}
+
+/// Split a round's `next` states between its commits: each path's final state goes with
+/// the last commit that changes it; a commit that changes a path a later one changes again
+/// records the state it leaves in between (a removal before a creation, say). Applying
+/// each commit's share as it is answered keeps `synced` true to the export even when a
+/// later commit of the round fails.
+fn split_next(
+    chunks: &[Vec<Change>],
+    next: Vec<(String, Option<Synced>)>,
+) -> Vec<Vec<SyncedRecord>> {
+    let mut out: Vec<Vec<SyncedRecord>> = vec![Vec::new(); chunks.len()];
+    if chunks.len() <= 1 {
+        if let Some(first) = out.first_mut() {
+            first.extend(
+                next.into_iter()
+                    .map(|(path, state)| SyncedRecord { path, state }),
+            );
+        }
+        return out;
+    }
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    for (k, chunk) in chunks.iter().enumerate() {
+        for c in chunk {
+            last.insert(c.path(), k);
+        }
+    }
+    for (k, chunk) in chunks.iter().enumerate() {
+        for c in chunk {
+            if last.get(c.path()).is_some_and(|l| *l > k)
+                && let Some(state) = state_after(c)
+            {
+                out[k].push(SyncedRecord {
+                    path: c.path().to_owned(),
+                    state,
+                });
+            }
+        }
+    }
+    let final_chunk = chunks.len() - 1;
+    for (path, state) in next {
+        let k = last.get(path.as_str()).copied().unwrap_or(final_chunk);
+        out[k].push(SyncedRecord { path, state });
+    }
+    out
+}
+
+/// What a change leaves at its path, when it says so by itself (not a `chmod`).
+fn state_after(c: &Change) -> Option<Option<Synced>> {
+    match c {
+        Change::Unlink { .. } | Change::Rmdir { .. } => Some(None),
+        Change::Mkdir { mode, .. } => Some(Some(Synced::Dir {
+            mode: *mode,
+            xattrs: BTreeMap::new(),
+        })),
+        Change::Write {
+            mode,
+            hash,
+            mtime_ns,
+            xattrs,
+            ..
+        } => Some(Some(Synced::File {
+            hash: super::inode::hash_from_hex(hash),
+            mode: *mode,
+            mtime_ns: Some(*mtime_ns),
+            xattrs: xattrs.clone().unwrap_or_default(),
+        })),
+        Change::Symlink { target, .. } => Some(Some(Synced::Symlink {
+            target: target.clone(),
+        })),
+        Change::Chmod { .. } => None,
     }
 }
 

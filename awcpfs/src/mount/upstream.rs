@@ -11,6 +11,14 @@
 //! conflict as before (both versions kept). Files with several names (hard links) are left
 //! alone.
 //!
+//! Events are versioned: each carries the export's change sequence at which it was
+//! described, and the syncer remembers, per path, the highest sequence it knows of there
+//! (what its own commits left, from the commit results, and the events it applied). An
+//! event no newer than that for a path, one of its parents, or anything below it is stale —
+//! described before a commit of ours that it would roll back, typically the catch-up
+//! answer of a reconnect that arrives late — and is ignored for that path
+//! ([`UpstreamReport::stale`]).
+//!
 //! Every applied change is journaled ([`Record::Upstream`], [`Record::Unlink`]) and logged
 //! to `synced.log`, so crash recovery rebuilds the same tree and does not mistake the
 //! Delegator's change for one of ours. The kernel is told after the tables are unlocked
@@ -47,6 +55,31 @@ pub struct UpstreamReport {
     pub applied: usize,
     /// Paths left alone because the mount has its own changes there.
     pub kept_local: usize,
+    /// Paths left alone because the event is older than what the mount committed or saw
+    /// there.
+    pub stale: usize,
+}
+
+/// Whether an event of sequence `seq` is stale at `path`: the mount knows of a state at
+/// least as new at the path, at one of its parents, or below it.
+pub(super) fn is_stale(seen: &BTreeMap<String, u64>, path: &str, seq: u64) -> bool {
+    let newer = |p: &str| seen.get(p).is_some_and(|s| *s >= seq);
+    if newer(path) || path.match_indices('/').any(|(i, _)| newer(&path[..i])) {
+        return true;
+    }
+    let prefix = format!("{path}/");
+    seen.range::<str, _>((
+        std::ops::Bound::Included(prefix.as_str()),
+        std::ops::Bound::Unbounded,
+    ))
+    .take_while(|(p, _)| p.starts_with(&prefix))
+    .any(|(_, s)| *s >= seq)
+}
+
+/// Record that the mount knows `path` as of sequence `seq`.
+pub(super) fn note_seen(seen: &mut BTreeMap<String, u64>, path: &str, seq: u64) {
+    let s = seen.entry(path.to_owned()).or_insert(seq);
+    *s = (*s).max(seq);
 }
 
 /// The syncer's view of a path's node, as it would record it after a commit.
@@ -163,13 +196,20 @@ fn all_clean(
 }
 
 impl Syncer {
-    /// Apply one `changed` event; returns what the kernel must forget and what was done.
+    /// Apply one `changed` event of sequence `seq`; returns what the kernel must forget
+    /// and what was done. Paths where the event is stale (see the module docs) are left
+    /// alone.
     pub fn apply_upstream(
         &self,
+        seq: u64,
         entries: &[ManifestEntry],
         removed: &[String],
     ) -> (Vec<Inval>, UpstreamReport) {
         let mut synced = self.synced.lock();
+        let mut seen = self.seen.lock();
+        // Paths this event is news for: marked seen once the whole event is judged, so a
+        // path does not make its own event stale for its parent or children.
+        let mut fresh: Vec<&str> = Vec::new();
         let fs = self.fs();
         let mut table = fs.table.lock();
         let mut invals = Vec::new();
@@ -181,6 +221,11 @@ impl Syncer {
             if awcp_protocol::dataplane::validate_rel_path(path).is_err() {
                 continue;
             }
+            if is_stale(&seen, path, seq) {
+                report.stale += 1;
+                continue;
+            }
+            fresh.push(path);
             match table.resolve(path) {
                 None => {
                     // Gone here too (removed or moved away locally): the syncer must not
@@ -204,6 +249,11 @@ impl Syncer {
             if awcp_protocol::dataplane::validate_rel_path(&e.path).is_err() {
                 continue;
             }
+            if is_stale(&seen, &e.path, seq) {
+                report.stale += 1;
+                continue;
+            }
+            fresh.push(&e.path);
             let (parent_path, name) = match e.path.rsplit_once('/') {
                 Some((p, n)) => (Some(p), n),
                 None => (None, e.path.as_str()),
@@ -291,6 +341,10 @@ impl Syncer {
             report.applied += 1;
         }
         drop(table);
+        for path in fresh {
+            note_seen(&mut seen, path, seq);
+        }
+        drop(seen);
         if let Err(e) = fs.journal(&records) {
             tracing::warn!(error = %e, "cannot journal the Delegator's changes");
         }
