@@ -2064,3 +2064,149 @@ async fn a_staged_export_keeps_commits_off_the_tree_and_serves_their_blocks() {
     );
     assert_eq!(reopened.generation(), 1);
 }
+
+// ---------------------------------------------------------------------------------------
+// Idempotency and change sequences across restarts and reconnects
+
+// A commit the export applied, whose answer was lost, retried after the export process
+// restarted (the daemon re-registers the export under the same id and staging directory):
+// it used to be judged again against a tree that had moved on — here the Delegator removed
+// the file since — and brought the file back (or made a conflict copy).
+#[tokio::test]
+async fn a_retried_commit_gets_its_first_outcome_after_the_export_restarts() {
+    let f = fixture(small_tree).await;
+    f.upload(b"once").await;
+    let set = cs("lost-answer", vec![write("once.txt", None, b"once", 0o644)]);
+    let first = f.commit(&set).await;
+    assert_eq!((first.applied, first.conflicts.len()), (1, 0));
+    assert!(
+        first.seq.is_some(),
+        "a commit answer carries the change sequence"
+    );
+
+    // The export process restarts: a new registry, the same id and staging directory.
+    f.registry.remove("exp_test");
+    let registry = ExportRegistry::new();
+    let lease = Arc::new(Lease::grant(
+        f.clock.clone(),
+        LeaseTerms {
+            ttl: Duration::from_secs(600),
+            max_ttl: Duration::from_secs(3600),
+            flush_grace: Duration::from_secs(30),
+        },
+    ));
+    let again = registry
+        .register(
+            "exp_test".into(),
+            TOKEN.into(),
+            ExportConfig {
+                root: f.root.path().to_owned(),
+                read_only: false,
+                block_size: BLOCK,
+                staging_dir: f.staging.path().join("blocks"),
+            },
+            lease,
+        )
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = registry.router();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    // The Delegator removes the file meanwhile.
+    std::fs::remove_file(f.path("once.txt")).unwrap();
+
+    let resp = f
+        .client
+        .post(format!("http://{addr}/v1/exports/exp_test/commit"))
+        .bearer_auth(TOKEN)
+        .json(&set)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let retried: CommitResult = resp.json().await.unwrap();
+    assert_eq!(retried, first, "the retry was judged again");
+    assert!(!f.path("once.txt").exists(), "the retry was applied again");
+    assert_eq!(again.stats().commits, 0);
+    // The restarted export's change sequence starts above the one it handed out before.
+    let resp = f
+        .client
+        .post(format!("http://{addr}/v1/exports/exp_test/commit"))
+        .bearer_auth(TOKEN)
+        .json(&cs(
+            "after-restart",
+            vec![Change::Mkdir {
+                path: "new".into(),
+                mode: 0o755,
+            }],
+        ))
+        .send()
+        .await
+        .unwrap();
+    let after: CommitResult = resp.json().await.unwrap();
+    assert_eq!(after.applied, 1);
+    assert!(after.seq > first.seq, "{:?} <= {:?}", after.seq, first.seq);
+    assert_eq!(again.stats().commits, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_resumes_after_the_sequence_the_mount_has() {
+    let f = fixture(small_tree).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (mut stream, mut buf) = open_events(&f).await;
+    std::fs::write(f.path("a.txt"), b"first delegator change").unwrap();
+    let first_seq = loop {
+        match next_event(&mut stream, &mut buf).await {
+            Some(ExportEvent::Changed { seq, entries, .. })
+                if entries.iter().any(|e| e.path == "a.txt") =>
+            {
+                break seq;
+            }
+            Some(_) => {}
+            None => panic!("the event stream ended"),
+        }
+    };
+    std::fs::write(f.path("b.txt"), b"second delegator change").unwrap();
+    collect_changes(&mut stream, &mut buf, |p, _| p.contains_key("b.txt")).await;
+
+    // Reconnecting with `since` the first change: only what came after it.
+    let resp = f
+        .client
+        .get(format!("{}?since={first_seq}", f.url("events")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let mut resumed = resp.bytes_stream();
+    let mut buf = String::new();
+    assert!(matches!(
+        next_event(&mut resumed, &mut buf).await,
+        Some(ExportEvent::Lease { .. })
+    ));
+    let Some(ExportEvent::Changed {
+        seq,
+        entries,
+        removed,
+    }) = next_event(&mut resumed, &mut buf).await
+    else {
+        panic!("no catch-up");
+    };
+    assert!(seq > first_seq);
+    let paths: Vec<&str> = entries.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["b.txt"], "{removed:?}");
+
+    // A `since` that is not a sequence number is refused with the reason.
+    let resp = f
+        .client
+        .get(format!("{}?since=yesterday", f.url("events")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = refusal(resp).await;
+    assert_eq!(
+        (status, body.code.as_str()),
+        (StatusCode::BAD_REQUEST, "BAD_REQUEST")
+    );
+    assert!(body.message.contains("since"), "{}", body.message);
+}

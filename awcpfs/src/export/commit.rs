@@ -72,10 +72,22 @@ pub(crate) const MODE_MASK: u32 = 0o1777;
 
 /// Results of recent commits, for answering retries without applying twice: in memory,
 /// and appended to [`COMMITS_FILE`] when the log has one.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct CommitLog {
     recent: VecDeque<CommitResult>,
     file: Option<CommitFile>,
+    /// How many results are kept ([`REMEMBERED_COMMITS`]).
+    cap: usize,
+}
+
+impl Default for CommitLog {
+    fn default() -> Self {
+        CommitLog {
+            recent: VecDeque::new(),
+            file: None,
+            cap: REMEMBERED_COMMITS,
+        }
+    }
 }
 
 /// The durable side of a [`CommitLog`].
@@ -93,8 +105,15 @@ impl CommitLog {
     /// on. A torn last line (a crash mid-append) is ignored. When the file cannot be
     /// opened the log lives in memory only, with a warning.
     pub(crate) fn open(dir: &std::path::Path) -> CommitLog {
+        Self::open_capped(dir, REMEMBERED_COMMITS)
+    }
+
+    fn open_capped(dir: &std::path::Path, cap: usize) -> CommitLog {
         let path = dir.join(COMMITS_FILE);
-        let mut log = CommitLog::default();
+        let mut log = CommitLog {
+            cap,
+            ..CommitLog::default()
+        };
         let mut lines = 0;
         match std::fs::read(&path) {
             Ok(bytes) => {
@@ -124,7 +143,7 @@ impl CommitLog {
     }
 
     fn push(&mut self, result: CommitResult) {
-        if self.recent.len() == REMEMBERED_COMMITS {
+        if self.recent.len() >= self.cap {
             self.recent.pop_front();
         }
         self.recent.push_back(result);
@@ -136,7 +155,7 @@ impl CommitLog {
         let Some(f) = &mut self.file else {
             return Ok(());
         };
-        if f.lines >= 2 * REMEMBERED_COMMITS {
+        if f.lines >= 2 * self.cap {
             let tmp = f.path.with_extension("log.tmp");
             let mut buf = Vec::new();
             for r in &self.recent {
@@ -1292,5 +1311,46 @@ mod tests {
         }
         assert!(log.find("c0").is_none());
         assert_eq!(log.find("c5").map(|r| r.applied), Some(5));
+    }
+
+    // A restarted export (the daemon re-registers it over the same staging directory)
+    // still knows what it answered; a torn last line is ignored; the file is compacted.
+    #[test]
+    fn commit_log_survives_a_reopen_and_stays_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let result = |i: usize| CommitResult {
+            commit_id: format!("c{i}"),
+            applied: i as u64,
+            conflicts: vec![],
+            seq: Some(i as u64),
+        };
+        // Bounded at 8 here (4,096 in use): each result is synced to disk.
+        let cap = 8;
+        {
+            let mut log = CommitLog::open_capped(dir.path(), cap);
+            log.remember(result(1));
+            log.remember(result(2));
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(dir.path().join(COMMITS_FILE))
+            .unwrap();
+        f.write_all(br#"{"commitId":"c3","appl"#).unwrap();
+        drop(f);
+        let mut log = CommitLog::open_capped(dir.path(), cap);
+        assert_eq!(log.find("c2"), Some(result(2)));
+        assert_eq!(log.find("c3"), None);
+        for i in 3..(2 * cap + 10) {
+            log.remember(result(i));
+        }
+        let lines = std::fs::read_to_string(dir.path().join(COMMITS_FILE))
+            .unwrap()
+            .lines()
+            .count();
+        assert!(lines <= 2 * cap + 1, "{lines} lines");
+        let log = CommitLog::open_capped(dir.path(), cap);
+        assert_eq!(log.find("c1"), None);
+        let last = 2 * cap + 9;
+        assert_eq!(log.find(&format!("c{last}")), Some(result(last)));
     }
 }

@@ -1480,6 +1480,143 @@ mod tests {
         assert!(matches!(r.state, Some(Synced::File { hash, .. }) if hash == [0; 32]));
     }
 
+    fn file(content: &[u8]) -> Synced {
+        Synced::File {
+            hash: *blake3::hash(content).as_bytes(),
+            mode: 0o644,
+            mtime_ns: Some(1),
+            xattrs: BTreeMap::new(),
+        }
+    }
+
+    fn pending(id: &str) -> PendingCommit {
+        PendingCommit {
+            set: ChangeSet {
+                commit_id: id.into(),
+                changes: vec![Change::Unlink {
+                    path: "gone".into(),
+                    base: Some(hex::encode(blake3::hash(b"old").as_bytes())),
+                }],
+            },
+            next: vec![SyncedRecord {
+                path: "gone".into(),
+                state: None,
+            }],
+        }
+    }
+
+    // A commit sent before a crash must be found again by recovery until its answer is
+    // logged; a torn line (the crash came while writing it) means it was never sent.
+    #[test]
+    fn synced_log_keeps_the_unanswered_commit_until_it_is_resolved() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("synced.log");
+        let log = SyncedLog::open(&path).unwrap();
+        let rec = SyncedRecord {
+            path: "a".into(),
+            state: Some(file(b"a")),
+        };
+        log.append(std::slice::from_ref(&rec)).unwrap();
+        log.append_pending(&pending("m-1")).unwrap();
+        let read = SyncedLog::read(&path).unwrap();
+        assert_eq!(read.records, vec![rec.clone()]);
+        assert_eq!(read.pending, Some(pending("m-1")));
+        // Older readers see the records only.
+        assert_eq!(SyncedLog::read_all(&path).unwrap(), vec![rec.clone()]);
+
+        log.append_resolved(&pending("m-1").next, "m-1").unwrap();
+        let read = SyncedLog::read(&path).unwrap();
+        assert_eq!(read.pending, None);
+        assert_eq!(read.records.len(), 2);
+
+        // A resolution of another id leaves the pending commit pending.
+        log.append_pending(&pending("m-2")).unwrap();
+        log.append_resolved(&[], "m-1").unwrap();
+        assert_eq!(
+            SyncedLog::read(&path).unwrap().pending,
+            Some(pending("m-2"))
+        );
+
+        // A torn pending line: never sent.
+        log.append_resolved(&[], "m-2").unwrap();
+        let line = serde_json::to_string(&LogLine::Pending {
+            pending: pending("m-3"),
+        })
+        .unwrap();
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        f.write_all(&line.as_bytes()[..line.len() / 2]).unwrap();
+        assert_eq!(SyncedLog::read(&path).unwrap().pending, None);
+    }
+
+    #[test]
+    fn a_round_split_in_commits_records_each_commits_share() {
+        let unlink = Change::Unlink {
+            path: "p".into(),
+            base: Some(hex::encode(blake3::hash(b"old").as_bytes())),
+        };
+        let mkdir = Change::Mkdir {
+            path: "p".into(),
+            mode: 0o755,
+        };
+        let other = Change::Rmdir { path: "q".into() };
+        let next = vec![
+            (
+                "p".to_string(),
+                Some(Synced::Dir {
+                    mode: 0o755,
+                    xattrs: BTreeMap::new(),
+                }),
+            ),
+            ("q".to_string(), None),
+        ];
+        // One commit: everything in it.
+        let one = split_next(
+            &[vec![unlink.clone(), other.clone(), mkdir.clone()]],
+            next.clone(),
+        );
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].len(), 2);
+        // Two: the first leaves `p` removed (its creation is in the second) and `q` done.
+        let two = split_next(&[vec![unlink, other], vec![mkdir]], next);
+        assert_eq!(
+            two[0],
+            vec![
+                SyncedRecord {
+                    path: "p".into(),
+                    state: None
+                },
+                SyncedRecord {
+                    path: "q".into(),
+                    state: None
+                },
+            ]
+        );
+        assert_eq!(two[1].len(), 1);
+        assert!(matches!(two[1][0].state, Some(Synced::Dir { .. })));
+    }
+
+    #[test]
+    fn only_refusals_that_applied_nothing_drop_a_pending_commit() {
+        let refused = |status| RemoteError::Refused {
+            status,
+            code: "X".into(),
+            message: String::new(),
+        };
+        for s in [400, 403, 409, 413] {
+            assert!(never_applied(&refused(s)), "{s}");
+        }
+        for s in [404, 408, 500, 502] {
+            assert!(!never_applied(&refused(s)), "{s}");
+        }
+        assert!(!never_applied(&RemoteError::Protocol {
+            what: "cut short".into()
+        }));
+    }
+
     #[test]
     fn coverage_of_changed_subtrees() {
         let roots: HashSet<String> = ["a/b".to_string()].into();

@@ -487,3 +487,30 @@ fn update(
     }
     records.push(Record::upstream(n));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // A reconnect's catch-up described before the mount's own commit (a lower sequence)
+    // must not roll that commit back: not at the path, nor through a parent or a child.
+    #[test]
+    fn events_no_newer_than_what_the_mount_knows_are_stale() {
+        let mut seen = BTreeMap::new();
+        note_seen(&mut seen, "d/x", 10);
+        assert!(is_stale(&seen, "d/x", 9));
+        assert!(is_stale(&seen, "d/x", 10));
+        assert!(!is_stale(&seen, "d/x", 11));
+        // A removal of the parent described before the commit below it.
+        assert!(is_stale(&seen, "d", 10));
+        assert!(!is_stale(&seen, "d", 11));
+        // Below a path known newer.
+        assert!(is_stale(&seen, "d/x/y", 5));
+        // Unrelated paths, including one sharing a prefix.
+        assert!(!is_stale(&seen, "d/xy", 5));
+        assert!(!is_stale(&seen, "e", 1));
+        // Never lowered.
+        note_seen(&mut seen, "d/x", 3);
+        assert!(is_stale(&seen, "d/x", 10));
+    }
+}
