@@ -658,6 +658,13 @@ impl ExportRegistry {
             digest = %manifest_digest,
             "export registered"
         );
+        // Answers to earlier commits (an export registered again after a restart), and a
+        // change sequence that starts above every one they carry, even if the clock went
+        // back.
+        let commits = commit::CommitLog::open(&cfg.staging_dir);
+        if let Some(seq) = commits.max_seq() {
+            feed.start_above(seq);
+        }
         let export = Arc::new(Export {
             feed,
             token_hash: blake3::hash(token.as_bytes()),
@@ -674,9 +681,7 @@ impl ExportRegistry {
                 staging,
             },
             stats: Stats::default(),
-            commits: Arc::new(tokio::sync::Mutex::new(commit::CommitLog::open(
-                &cfg.staging_dir,
-            ))),
+            commits: Arc::new(tokio::sync::Mutex::new(commits)),
             filter,
             stage: std::sync::OnceLock::new(),
             id: export_id.clone(),

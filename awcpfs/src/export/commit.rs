@@ -142,6 +142,11 @@ impl CommitLog {
         log
     }
 
+    /// The highest change sequence among the remembered results.
+    pub(crate) fn max_seq(&self) -> Option<u64> {
+        self.recent.iter().filter_map(|r| r.seq).max()
+    }
+
     fn push(&mut self, result: CommitResult) {
         if self.recent.len() >= self.cap {
             self.recent.pop_front();

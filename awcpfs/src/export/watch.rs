@@ -144,6 +144,13 @@ impl ChangeFeed {
         }
     }
 
+    /// Make the sequence at least `seq + 1` (a feed of an export registered again, whose
+    /// earlier commits answered up to `seq`).
+    pub(crate) fn start_above(&self, seq: u64) {
+        let mut st = self.state.lock();
+        st.seq = st.seq.max(seq.saturating_add(1));
+    }
+
     /// The latest sequence number.
     pub(crate) fn seq(&self) -> u64 {
         self.state.lock().seq
@@ -661,4 +668,35 @@ fn process(export: &Export, cache: Option<&HashCache>, mut pending: Pending) -> 
     drop(found);
     export.blocks.index.write().merge(built.index);
     feed.record(built.manifest.entries, &absent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn empty() -> Manifest {
+        Manifest {
+            version: awcp_protocol::dataplane::DATA_PLANE_VERSION,
+            export_id: "t".into(),
+            block_size: 4096,
+            read_only: false,
+            root_mode: 0o755,
+            root_mtime_ns: 0,
+            entries: Vec::new(),
+        }
+    }
+
+    // A mount keeps the sequences an export handed out; the same export registered again
+    // (a restart) must start above them, or its new changes would look stale.
+    #[test]
+    fn a_feed_starts_above_the_time_before_and_above_earlier_commits() {
+        let before = first_seq();
+        let feed = ChangeFeed::new(&empty());
+        assert!(feed.seq() >= before);
+        let far = feed.seq() + 1_000_000;
+        feed.start_above(far);
+        assert_eq!(feed.seq(), far + 1);
+        feed.start_above(5);
+        assert_eq!(feed.seq(), far + 1, "never lowered");
+    }
 }
