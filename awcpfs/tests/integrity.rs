@@ -57,6 +57,8 @@ struct ProxyState {
     release: Option<Release>,
     /// Commit answers passed on to the mount.
     commits_answered: usize,
+    /// The request line of every event-stream connect.
+    event_requests: Vec<String>,
     /// Live connections: the request kind, and both sockets (to reset them).
     conns: Vec<(Arc<Mutex<Req>>, TcpStream, TcpStream)>,
 }
@@ -118,10 +120,11 @@ impl Proxy {
             up.try_clone().unwrap(),
         ));
         // Client to export: note what each request is, then pass it on.
-        let (mut from, mut to, k) = (
+        let (mut from, mut to, k, ctl_in) = (
             client.try_clone().unwrap(),
             up.try_clone().unwrap(),
             kind.clone(),
+            ctl.clone(),
         );
         std::thread::spawn(move || {
             let mut buf = vec![0u8; 64 << 10];
@@ -137,6 +140,9 @@ impl Proxy {
                     *k.lock() = if line.contains("/commit ") {
                         Req::Commit
                     } else if line.contains("/events") {
+                        let (st, cv) = &*ctl_in;
+                        st.lock().event_requests.push(line.trim_end().to_owned());
+                        cv.notify_all();
                         Req::Events
                     } else {
                         Req::Other
@@ -243,6 +249,19 @@ impl Proxy {
                 "timed out waiting for a commit's answer to reach the mount"
             );
         }
+    }
+
+    /// Wait until `n` event-stream connects were seen; returns their request lines.
+    fn wait_event_requests(&self, n: usize) -> Vec<String> {
+        let deadline = Instant::now() + PATIENCE;
+        let mut st = self.ctl.0.lock();
+        while st.event_requests.len() < n {
+            assert!(
+                !self.ctl.1.wait_until(&mut st, deadline).timed_out(),
+                "timed out waiting for event-stream connect {n}"
+            );
+        }
+        st.event_requests.clone()
     }
 
     /// Hold the next answer to a request of this kind.
@@ -650,4 +669,35 @@ fn a_commit_answer_lost_to_kill_9_is_recovered_without_conflict_then_rewrite() {
 #[test]
 fn a_commit_answer_lost_to_kill_9_is_recovered_without_conflict_then_delete() {
     commit_answer_lost(Then::Delete, Lost::Kill);
+}
+
+// A reconnect of the event stream used to replay every change since the export started
+// (the mount's own commits included); it must resume after the changes the mount has.
+#[test]
+fn a_reconnect_resumes_the_catch_up_after_what_the_mount_has() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup(&[("README", "hello\n")]);
+    assert_eq!(s.proxy.wait_event_requests(1).len(), 1);
+    // Two Delegator-side changes, each seen on the mount: the first one's sequence is
+    // known complete once the second arrives.
+    std::fs::write(s.src.join("d1"), "one\n").unwrap();
+    wait_for("d1 on the mount", || s.mnt.join("d1").exists());
+    std::fs::write(s.src.join("d2"), "two\n").unwrap();
+    wait_for("d2 on the mount", || s.mnt.join("d2").exists());
+
+    s.proxy.reset_event_streams();
+    let requests = s.proxy.wait_event_requests(2);
+    let since: u64 = requests[1]
+        .split("since=")
+        .nth(1)
+        .and_then(|rest| rest.split([' ', '&']).next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("the reconnect did not resume: {}", requests[1]));
+    assert!(since > 0, "{}", requests[1]);
+    // And the resumed stream carries what comes next.
+    std::fs::write(s.src.join("d3"), "three\n").unwrap();
+    wait_for("d3 on the mount", || s.mnt.join("d3").exists());
+    assert_eq!(std::fs::read_to_string(s.mnt.join("d2")).unwrap(), "two\n");
 }
