@@ -774,6 +774,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         n("passthroughOpens"),
                         n("syncErrors")
                     );
+                    if m["unsynced"].as_bool() == Some(true) {
+                        // Never "all synced" while write-back fails: say so, and why.
+                        println!(
+                            "sync        NOT SYNCED: {} (the Executor keeps the changes and retries; see TROUBLESHOOTING.md)",
+                            m["syncError"]
+                                .as_str()
+                                .or_else(|| s["lastSyncError"].as_str())
+                                .unwrap_or("write-back is failing")
+                        );
+                    }
                     println!(
                         "cache       {} block(s) from the block cache ({} bytes), {} fetched from the Delegator; {} file(s) in the pack ({} bytes)",
                         n("cacheHits"),
