@@ -86,8 +86,15 @@ impl FaultProxy {
             .thread_name("fault-proxy")
             .enable_all()
             .build()?;
-        let listener = rt.block_on(TcpListener::bind("127.0.0.1:0"))?;
-        let addr = listener.local_addr()?;
+        // Bound without blocking on the runtime: a test may start the proxy from inside
+        // its own runtime.
+        let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        std_listener.set_nonblocking(true)?;
+        let addr = std_listener.local_addr()?;
+        let listener = {
+            let _in_rt = rt.enter();
+            TcpListener::from_std(std_listener)?
+        };
         let (faults, _) = watch::channel(Faults::default());
         let shared = Arc::new(Shared::default());
         let (rx, sh) = (faults.subscribe(), shared.clone());
