@@ -87,12 +87,17 @@ impl OpenMode {
 pub const STREAM_MIN: u64 = 4 << 20;
 
 /// An on-demand fetch of a file that starts less than this long after a fetch of the same
-/// file failed on the network (or that waited for that fetch) fails at once with `EIO`.
-/// The kernel answers a failed read-ahead by reading the page again at once, and the reads
-/// of one `read(2)` may queue behind one fetch: without this, one read during an outage
-/// would wait a request deadline per attempt (the issue saw EIO only after 62 s with a 30 s
-/// deadline). A later read tries the network again.
+/// file failed on the network after waiting on it (at least [`FAILED_FETCH_SLOW`]), or
+/// that waited for such a fetch, fails at once with `EIO`. The kernel answers a failed
+/// read-ahead by reading the page again at once, and the reads of one `read(2)` may queue
+/// behind one fetch: without this, one read during an outage would wait a request deadline
+/// per attempt (the issue saw EIO only after 62 s with a 30 s deadline). A later read tries
+/// the network again; so does any retry after a failure that came fast (a reset, a
+/// refusal), which costs no waiting.
 pub const FAILED_FETCH_MEMO: Duration = Duration::from_millis(250);
+
+/// How long a failed fetch must have waited for [`FAILED_FETCH_MEMO`] to apply.
+pub const FAILED_FETCH_SLOW: Duration = Duration::from_secs(1);
 
 /// A large file being fetched in the background, readable as its blocks arrive.
 #[derive(Debug, Default)]
@@ -190,9 +195,10 @@ impl AwcpFs {
             !st.done && offset > st.written.saturating_add(ahead)
         };
         if far {
-            self.check_failed_fetch(ino, Instant::now())?;
+            let started = Instant::now();
+            self.check_failed_fetch(ino, started)?;
             let r = self.read_remote_blocks(ino, offset, want);
-            self.note_fetch(ino, &r);
+            self.note_fetch(ino, started, &r);
             if let Some(data) = r? {
                 return Ok(Some(data));
             }
@@ -265,13 +271,13 @@ impl AwcpFs {
     fn fetch_local(&self, ino: Ino, stream: Option<&Stream>) -> Result<(), FsError> {
         let started = Instant::now();
         let r = self.fetch_local_inner(ino, stream, started);
-        self.note_fetch(ino, &r);
+        self.note_fetch(ino, started, &r);
         r
     }
 
-    /// Remember when an on-demand fetch of `ino` failed on the network (forget it once
-    /// one succeeds).
-    fn note_fetch<T>(&self, ino: Ino, r: &Result<T, FsError>) {
+    /// Remember when an on-demand fetch of `ino` that began at `started` failed on the
+    /// network after waiting at least [`FAILED_FETCH_SLOW`] (forget it once one succeeds).
+    fn note_fetch<T>(&self, ino: Ino, started: Instant, r: &Result<T, FsError>) {
         match r {
             Ok(_) => {
                 let mut failed = self.failed_fetches.lock();
@@ -279,7 +285,9 @@ impl AwcpFs {
                     failed.remove(&ino);
                 }
             }
-            Err(FsError::Remote { source }) if !source.is_fatal() => {
+            Err(FsError::Remote { source })
+                if !source.is_fatal() && started.elapsed() >= FAILED_FETCH_SLOW =>
+            {
                 self.failed_fetches.lock().insert(ino, Instant::now());
             }
             Err(_) => {}
@@ -486,9 +494,10 @@ impl AwcpFs {
         let (len, off) = match packed {
             Some(off) => (len, off),
             None if len <= PACK_MAX && self.pack.has_room(len) => {
-                self.check_failed_fetch(ino, Instant::now())?;
+                let started = Instant::now();
+                self.check_failed_fetch(ino, started)?;
                 let r = self.fetch_packed(&[ino], true);
-                self.note_fetch(ino, &r);
+                self.note_fetch(ino, started, &r);
                 r?;
                 match self.remote_of(ino) {
                     Some((len, Some(off))) => (len, off),
