@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# Longer runs of the random-operation exerciser (tests/tests/exerciser.rs) and of the crash
-# recovery tests, each with a fresh seed, until a time budget is used up. Prints the seeds,
-# the operations done and the failures; a failure's seed reproduces it:
+# Longer runs of the random-operation exerciser (tests/tests/exerciser.rs), of the crash
+# recovery tests and of the network fault matrix (awcpfs/tests/fault_matrix.rs: one reset,
+# seconds of resets, a blackhole, kill -9 with a commit's answer in flight), each with a
+# fresh seed, until a time budget is used up. Prints the seeds, the operations done and the
+# failures; a failure's seed reproduces it:
 #   AWCP_SEED=<seed> AWCP_EXERCISER_OPS=<n> cargo test -p awcp-tests --test exerciser
+#   AWCP_SEED=<seed> AWCP_FAULT_SEEDS=1 AWCP_FAULT_SECS=<s> cargo test -p awcpfs --test fault_matrix
 # Usage: scripts/soak.sh [minutes (default 10)] [ops per exerciser run (default 10000)]
+#        [seconds of workload per fault run (default 20)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 minutes=${1:-10}
 ops=${2:-10000}
+fault_secs=${3:-20}
 deadline=$(( $(date +%s) + minutes * 60 ))
 cargo test -q -p awcp-tests --test exerciser --no-run
 cargo test -q -p awcpfs --test crash_recovery --no-run
+cargo test -q -p awcpfs --test fault_matrix --no-run
 runs=0; failures=0; total_ops=0
 while [ "$(date +%s)" -lt "$deadline" ]; do
   seed=$(python3 -c 'import random; print(random.getrandbits(63))')
@@ -25,9 +31,18 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
   else
     failures=$((failures + 1)); echo "kill -9 + recover: FAILED"; cp /tmp/awcp-soak.log "/tmp/awcp-soak.crash.$runs.log"
   fi
+  # The fault matrix: every fault once with this seed and a longer, randomized workload
+  # (the fault's moment is drawn from the seed too). Each run checks every acknowledged
+  # state against the Delegator's tree.
+  if AWCP_SEED=$seed AWCP_FAULT_SEEDS=1 AWCP_FAULT_SECS=$fault_secs cargo test -q -p awcpfs --test fault_matrix >/tmp/awcp-soak.log 2>&1; then
+    echo "fault matrix seed $seed: ok (4 faults, ${fault_secs}s each, no acknowledged state lost)"
+  else
+    failures=$((failures + 1)); echo "fault matrix seed $seed: FAILED (log: /tmp/awcp-soak.faults.$seed.log)"
+    cp /tmp/awcp-soak.log "/tmp/awcp-soak.faults.$seed.log"
+  fi
   runs=$((runs + 1)); total_ops=$((total_ops + ops))
 done
 # A failed exerciser or crash-recovery run is how a lost write shows (each checks every
 # acknowledged write), so "writes lost" is 0 exactly when there were no failures.
-echo "soak: $runs round(s), $total_ops exerciser operations, $runs kill -9 fault(s) injected, $failures failure(s); writes lost: $([ "$failures" -eq 0 ] && echo 0 || echo 'see the failed runs')"
+echo "soak: $runs round(s), $total_ops exerciser operations, $runs kill -9 fault(s) injected, $((runs * 4)) network fault run(s), $failures failure(s); writes lost: $([ "$failures" -eq 0 ] && echo 0 || echo 'see the failed runs')"
 [ "$failures" -eq 0 ]

@@ -296,6 +296,11 @@ struct ExecutorArgs {
     /// the Delegator renews it.
     #[arg(long, value_parser = parse_duration)]
     renew_margin: Option<Duration>,
+    /// A read on a mount that needs the Delegator's network fails with EIO after this long
+    /// when the export does not answer (e.g. `10s`); also the bound on each data-plane
+    /// request.
+    #[arg(long, value_parser = parse_read_timeout, default_value = "30s")]
+    read_timeout: Duration,
     #[command(flatten)]
     aglx: aglx::AnnounceArgs,
     /// Transports offered (INVITEs asking for another get DEP_MISSING).
@@ -471,6 +476,14 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs(n * mult))
 }
 
+/// `--read-timeout`: a duration of at least a second (a zero bound would fail every read).
+fn parse_read_timeout(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => Err("the read timeout must be at least 1s".into()),
+        d => Ok(d),
+    }
+}
+
 /// Exit code for how a delegation ended.
 fn exit_for(state: DelegationState) -> ExitCode {
     match state {
@@ -578,6 +591,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.passthrough = a.passthrough;
             cfg.track_opens = a.track_opens;
             cfg.renew_margin = a.renew_margin;
+            cfg.read_timeout = a.read_timeout;
             cfg.transports = a.transports.into_iter().map(transport_of).collect();
             cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
             cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
@@ -774,6 +788,16 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         n("passthroughOpens"),
                         n("syncErrors")
                     );
+                    if m["unsynced"].as_bool() == Some(true) {
+                        // Never "all synced" while write-back fails: say so, and why.
+                        println!(
+                            "sync        NOT SYNCED: {} (the Executor keeps the changes and retries; see TROUBLESHOOTING.md)",
+                            m["syncError"]
+                                .as_str()
+                                .or_else(|| s["lastSyncError"].as_str())
+                                .unwrap_or("write-back is failing")
+                        );
+                    }
                     println!(
                         "cache       {} block(s) from the block cache ({} bytes), {} fetched from the Delegator; {} file(s) in the pack ({} bytes)",
                         n("cacheHits"),
@@ -1211,6 +1235,13 @@ mod tests {
         assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
         assert!(parse_duration("x").is_err());
         assert!(parse_duration("5y").is_err());
+    }
+
+    #[test]
+    fn a_zero_read_timeout_is_refused() {
+        assert_eq!(parse_read_timeout("10s").unwrap(), Duration::from_secs(10));
+        let err = parse_read_timeout("0s").unwrap_err();
+        assert!(err.contains("at least 1s"), "{err}");
     }
 
     #[test]

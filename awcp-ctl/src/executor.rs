@@ -54,6 +54,9 @@ pub struct ExecutorConfig {
     /// Renew each lease with the Delegator's export when less than this is left (`None`:
     /// leases end when the Delegator's TTL runs out unless it renews them).
     pub renew_margin: Option<Duration>,
+    /// A mount's read timeout: a read that needs the network fails with `EIO` after it;
+    /// also the bound on each data-plane request.
+    pub read_timeout: Duration,
     /// How long a mount waits after a change before writing back (batching bursts).
     pub sync_debounce: Duration,
     /// The block cache shared by all mounts (`None`: no cache, content never outlives a
@@ -87,6 +90,7 @@ impl ExecutorConfig {
             passthrough: false,
             track_opens: false,
             renew_margin: None,
+            read_timeout: Duration::from_secs(30),
             sync_debounce: Duration::from_millis(50),
             block_cache: Some(awcpfs::cache::CacheConfig::new(Some(base.join("cache")))),
             transports: vec![TransportType::Awcpfs, TransportType::Archive],

@@ -35,6 +35,7 @@ mod commit;
 mod error;
 pub mod hashcache;
 mod http;
+pub mod identity;
 pub mod manifest;
 mod progress;
 mod rootfs;

@@ -10,6 +10,8 @@ pub mod mount;
 /// Support for this workspace's tests (not part of the API).
 #[doc(hidden)]
 pub mod testing {
+    pub mod proxy;
+
     /// Whether FUSE tests can run here (`/dev/fuse` exists and we are root). When they
     /// cannot, says so loudly on stderr, and panics under `CI=true`: CI must run them.
     pub fn fuse_available() -> bool {

@@ -91,6 +91,10 @@ enum Command {
         /// it for 50 ms. Implied by --passthrough.
         #[arg(long)]
         track_opens: bool,
+        /// A read (or open) that needs the network fails with EIO after this many seconds
+        /// when the export does not answer; also the bound on each data-plane request.
+        #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+        read_timeout_secs: u64,
     },
 }
 
@@ -162,22 +166,53 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .await
                 .with_context(|| format!("binding {listen} (use --listen)"))?;
             let addr = listener.local_addr()?;
+            std::fs::create_dir_all(&state_dir)
+                .with_context(|| format!("creating --state-dir {}", state_dir.display()))?;
+            // A restart with the same directory and state directory serves the same
+            // delegation (id, token, lease end), so mounts resume and recovery works.
+            let (identity, origin) = awcpfs::export::identity::load_or_create(
+                &std::path::absolute(&state_dir)?,
+                &root,
+                Duration::from_secs(ttl_secs),
+            )?;
+            use awcpfs::export::identity::Origin;
+            let ttl = match &origin {
+                Origin::Resumed { remaining } => {
+                    eprintln!(
+                        "awcpfs: resuming export {} of {} (lease until {}; --ttl-secs applies to a new export only; \
+                         move {} away to start a new one)",
+                        identity.export_id,
+                        root.display(),
+                        identity.expires_at,
+                        awcpfs::export::identity::identity_path(&state_dir, &root).display()
+                    );
+                    *remaining
+                }
+                Origin::Replaced { expired_at } => {
+                    eprintln!(
+                        "awcpfs: the earlier export of {} ended at {expired_at}; starting a new one (new id and token: \
+                         mounts of the old handle cannot resume; `awcpfs recover` their state needs the old export)",
+                        root.display()
+                    );
+                    Duration::from_secs(ttl_secs)
+                }
+                Origin::New => Duration::from_secs(ttl_secs),
+            };
             let lease = Arc::new(Lease::grant(
                 Arc::new(SystemClock::new()),
                 LeaseTerms {
-                    ttl: Duration::from_secs(ttl_secs),
-                    max_ttl: Duration::from_secs(ttl_secs),
+                    ttl,
+                    max_ttl: ttl,
                     flush_grace: Duration::from_secs(10),
                 },
             ));
             // A standalone export lives exactly --ttl-secs: renewals cannot extend it.
-            lease.limit_renewals(Duration::from_secs(ttl_secs));
-            std::fs::create_dir_all(&state_dir)?;
+            lease.limit_renewals(ttl);
             let registry = ExportRegistry::with_hash_cache(std::sync::Arc::new(
                 awcpfs::export::hashcache::HashCache::open(&state_dir.join("hashes.bin")),
             ));
-            let export_id = format!("exp_{}", hex::encode(rand::random::<[u8; 8]>()));
-            let token = hex::encode(rand::random::<[u8; 32]>());
+            let export_id = identity.export_id.clone();
+            let token = identity.token.clone();
             let cfg = ExportConfig {
                 root,
                 read_only: ro,
@@ -268,6 +303,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cache_size,
             passthrough,
             track_opens,
+            read_timeout_secs,
         } => {
             let h = read_handle(&handle)?;
             let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
@@ -277,6 +313,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.expires_at = Some(h.expires_at.clone());
             cfg.read_only = ro;
             cfg.keep_cache = keep_cache;
+            cfg.request_timeout = Duration::from_secs(read_timeout_secs);
             if let Some(dir) = cache_dir {
                 let mut c = awcpfs::cache::CacheConfig::new(Some(dir));
                 c.disk_bytes = cache_size;

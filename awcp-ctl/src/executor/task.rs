@@ -670,6 +670,7 @@ fn mount_config(ex: &Executor, p: &MountPlan, received: std::time::Instant) -> M
     mcfg.kernel.passthrough = ex.cfg.passthrough;
     mcfg.kernel.no_open = !ex.cfg.track_opens;
     mcfg.renew_margin = ex.cfg.renew_margin;
+    mcfg.request_timeout = ex.cfg.read_timeout;
     mcfg.sync_debounce = ex.cfg.sync_debounce;
     mcfg.block_cache = ex.block_cache.clone();
     mcfg

@@ -14,7 +14,7 @@ use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use fuser::FileAttr;
 use parking_lot::Mutex;
@@ -85,6 +85,19 @@ impl OpenMode {
 /// Remote files at least this large are streamed to readers without a handle (no-open): a
 /// background thread fetches the file, and a read waits only for the bytes it asks for.
 pub const STREAM_MIN: u64 = 4 << 20;
+
+/// An on-demand fetch of a file that starts less than this long after a fetch of the same
+/// file failed on the network after waiting on it (at least [`FAILED_FETCH_SLOW`]), or
+/// that waited for such a fetch, fails at once with `EIO`. The kernel answers a failed
+/// read-ahead by reading the page again at once, and the reads of one `read(2)` may queue
+/// behind one fetch: without this, one read during an outage would wait a request deadline
+/// per attempt (the issue saw EIO only after 62 s with a 30 s deadline). A later read tries
+/// the network again; so does any retry after a failure that came fast (a reset, a
+/// refusal), which costs no waiting.
+pub const FAILED_FETCH_MEMO: Duration = Duration::from_millis(250);
+
+/// How long a failed fetch must have waited for [`FAILED_FETCH_MEMO`] to apply.
+pub const FAILED_FETCH_SLOW: Duration = Duration::from_secs(1);
 
 /// A large file being fetched in the background, readable as its blocks arrive.
 #[derive(Debug, Default)]
@@ -181,8 +194,14 @@ impl AwcpFs {
             let st = stream.state.lock();
             !st.done && offset > st.written.saturating_add(ahead)
         };
-        if far && let Some(data) = self.read_remote_blocks(ino, offset, want)? {
-            return Ok(Some(data));
+        if far {
+            let started = Instant::now();
+            self.check_failed_fetch(ino, started)?;
+            let r = self.read_remote_blocks(ino, offset, want);
+            self.note_fetch(ino, started, &r);
+            if let Some(data) = r? {
+                return Ok(Some(data));
+            }
         }
         let mut st = stream.state.lock();
         while st.written < want && !st.done {
@@ -250,6 +269,46 @@ impl AwcpFs {
     /// Fetch `ino`'s content into its upper file unless it is local, publishing progress
     /// to `stream`.
     fn fetch_local(&self, ino: Ino, stream: Option<&Stream>) -> Result<(), FsError> {
+        let started = Instant::now();
+        let r = self.fetch_local_inner(ino, stream, started);
+        self.note_fetch(ino, started, &r);
+        r
+    }
+
+    /// Remember when an on-demand fetch of `ino` that began at `started` failed on the
+    /// network after waiting at least [`FAILED_FETCH_SLOW`] (forget it once one succeeds).
+    fn note_fetch<T>(&self, ino: Ino, started: Instant, r: &Result<T, FsError>) {
+        match r {
+            Ok(_) => {
+                let mut failed = self.failed_fetches.lock();
+                if !failed.is_empty() {
+                    failed.remove(&ino);
+                }
+            }
+            Err(FsError::Remote { source })
+                if !source.is_fatal() && started.elapsed() >= FAILED_FETCH_SLOW =>
+            {
+                self.failed_fetches.lock().insert(ino, Instant::now());
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Fail an on-demand fetch of `ino` that began at `started` at once if a fetch of it
+    /// failed on the network since, or less than [`FAILED_FETCH_MEMO`] before.
+    fn check_failed_fetch(&self, ino: Ino, started: Instant) -> Result<(), FsError> {
+        match self.failed_fetches.lock().get(&ino) {
+            Some(at) if *at + FAILED_FETCH_MEMO >= started => Err(FsError::FetchFailedRecently),
+            _ => Ok(()),
+        }
+    }
+
+    fn fetch_local_inner(
+        &self,
+        ino: Ino,
+        stream: Option<&Stream>,
+        started: Instant,
+    ) -> Result<(), FsError> {
         let lock = {
             let mut h = self.hydrating.lock();
             h.entry(ino)
@@ -268,6 +327,9 @@ impl AwcpFs {
                 }
             }
         };
+        if packed.is_none() {
+            self.check_failed_fetch(ino, started)?;
+        }
         let tmp = self.opts.upper_dir.join(format!(".fetch-{ino}"));
         let mut out = std::fs::File::create(&tmp)?;
         if let Some(s) = stream {
@@ -432,7 +494,11 @@ impl AwcpFs {
         let (len, off) = match packed {
             Some(off) => (len, off),
             None if len <= PACK_MAX && self.pack.has_room(len) => {
-                self.fetch_packed(&[ino], true)?;
+                let started = Instant::now();
+                self.check_failed_fetch(ino, started)?;
+                let r = self.fetch_packed(&[ino], true);
+                self.note_fetch(ino, started, &r);
+                r?;
                 match self.remote_of(ino) {
                     Some((len, Some(off))) => (len, off),
                     _ => return Ok(None),

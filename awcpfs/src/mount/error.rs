@@ -96,6 +96,14 @@ pub enum FsError {
         #[source]
         source: RemoteError,
     },
+    /// A fetch of the same file from the export failed a moment ago (or while this
+    /// operation waited for it): this one fails at once instead of waiting a second
+    /// request deadline.
+    #[error(
+        "fetching this file from the Delegator failed a moment ago; the export is unreachable \
+         or too slow (try again)"
+    )]
+    FetchFailedRecently,
     /// Local I/O on the state directory failed.
     #[error("local I/O failed")]
     Io {
@@ -153,6 +161,8 @@ impl FsError {
                 | RemoteError::BadBlock { .. }
                 | RemoteError::Io { .. } => Errno::EIO,
             },
+            // The same EIO the failed fetch it repeats gave.
+            FsError::FetchFailedRecently => Errno::EIO,
             FsError::Io { source } => source
                 .raw_os_error()
                 .map(Errno::from_i32)

@@ -104,6 +104,9 @@ pub struct AwcpFs {
     pub(super) opts: FsOptions,
     pub(super) fenced: RwLock<Option<EndReason>>,
     pub(super) hydrating: Mutex<HashMap<Ino, Arc<Mutex<()>>>>,
+    /// When an on-demand fetch of a file last failed on the network (see
+    /// [`FAILED_FETCH_MEMO`](super::content::FAILED_FETCH_MEMO)).
+    pub(super) failed_fetches: Mutex<HashMap<Ino, Instant>>,
     pub(super) sync: Arc<SyncSignal>,
     pub(super) stats: Arc<Stats>,
     /// Set once the kernel opens files without asking (no-open, see
@@ -212,6 +215,7 @@ impl AwcpFs {
             journal,
             fenced: RwLock::new(None),
             hydrating: Mutex::new(HashMap::new()),
+            failed_fetches: Mutex::new(HashMap::new()),
             sync,
             stats,
             no_open: AtomicBool::new(false),

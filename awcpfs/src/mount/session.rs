@@ -127,7 +127,11 @@ pub enum MountError {
         source: RemoteError,
     },
     /// Its digest is not the one in the transport handle.
-    #[error("the manifest's digest {got} does not match the transport handle's {want}")]
+    #[error(
+        "the manifest's digest {got} does not match the transport handle's {want}: the export's \
+         tree changed since the handle was issued (an export restarted, or a handle of another \
+         export); use the handle the export gives now (`awcpfs export` prints it at every start)"
+    )]
     DigestMismatch {
         /// Expected.
         want: String,
@@ -187,8 +191,13 @@ pub struct MountStatus {
     pub lease_remaining_ms: u64,
     /// Files open right now.
     pub open_handles: usize,
-    /// Changes the final flush could not deliver (kept in the state directory).
+    /// Changes are not written back: write-back is failing now (the last sync round failed
+    /// and is being retried), or the final flush could not deliver them (they are kept in
+    /// the state directory).
     pub unsynced: bool,
+    /// Why, when `unsynced`: the last write-back error.
+    #[serde(default)]
+    pub sync_error: Option<String>,
     /// Counters.
     pub stats: StatsSnapshot,
 }
@@ -728,6 +737,21 @@ impl Mount {
                 .lock()
                 .saturating_duration_since(Instant::now())
         };
+        let stats = self.stats();
+        let kept = self.inner.unsynced.load(Ordering::Relaxed);
+        let unsynced = kept || (ended.is_none() && self.inner.fs.stats.sync_failing());
+        let sync_error = unsynced.then(|| {
+            let last = stats.last_sync_error.clone();
+            if kept {
+                format!(
+                    "changes could not be written back; they are kept in {} ({})",
+                    self.inner.cfg.state_dir.display(),
+                    last.as_deref().unwrap_or("the final flush ran out of time")
+                )
+            } else {
+                last.unwrap_or_else(|| "write-back is failing".into())
+            }
+        });
         MountStatus {
             state: state.into(),
             reason: ended.or(fenced).map(|r| r.to_string()),
@@ -735,8 +759,9 @@ impl Mount {
             export_id: self.inner.cfg.export_id.clone(),
             lease_remaining_ms: u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX),
             open_handles: self.inner.fs.open_handle_count(),
-            unsynced: self.inner.unsynced.load(Ordering::Relaxed),
-            stats: self.stats(),
+            unsynced,
+            sync_error,
+            stats,
         }
     }
 

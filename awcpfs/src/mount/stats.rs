@@ -64,6 +64,8 @@ pub struct Stats {
     bytes_packed: AtomicU64,
     conflicts: Mutex<Vec<Conflict>>,
     last_sync_error: Mutex<Option<String>>,
+    /// Set while write-back fails: from a failed sync round until one succeeds.
+    sync_failing: std::sync::atomic::AtomicBool,
 }
 
 /// A point-in-time copy of [`Stats`], as written to `status.json`.
@@ -130,6 +132,22 @@ impl Stats {
         self.bytes_uploaded.fetch_add(uploaded, Ordering::Relaxed);
         self.conflicts.lock().extend_from_slice(conflicts);
         *self.last_sync_error.lock() = None;
+        self.sync_failing.store(false, Ordering::Relaxed);
+    }
+
+    /// A sync round succeeded: write-back works (again). True if it was failing.
+    pub fn sync_succeeded(&self) -> bool {
+        let was = self.sync_failing.swap(false, Ordering::Relaxed);
+        if was {
+            *self.last_sync_error.lock() = None;
+        }
+        was
+    }
+
+    /// Whether write-back is failing now: the last sync round failed and none has
+    /// succeeded since.
+    pub fn sync_failing(&self) -> bool {
+        self.sync_failing.load(Ordering::Relaxed)
     }
 
     /// Count one FUSE request of operation `name` (one of [`OPS`]; others are ignored).
@@ -172,10 +190,12 @@ impl Stats {
         self.passthrough_opens.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Count a failed sync round.
-    pub fn add_sync_error(&self, message: String) {
+    /// Count a failed sync round (write-back is failing until a round succeeds). True if
+    /// it is the first failure since write-back last worked.
+    pub fn add_sync_error(&self, message: String) -> bool {
         self.sync_errors.fetch_add(1, Ordering::Relaxed);
         *self.last_sync_error.lock() = Some(message);
+        !self.sync_failing.swap(true, Ordering::Relaxed)
     }
 
     /// Copy the counters.

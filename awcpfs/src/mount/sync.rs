@@ -1340,6 +1340,11 @@ impl Syncer {
                 Ok(_) => {
                     retry = false;
                     backoff = Duration::from_millis(100);
+                    if self.fs.stats.sync_succeeded() {
+                        tracing::info!(
+                            "write-back works again: the changes kept meanwhile are committed"
+                        );
+                    }
                 }
                 Err(e) if e.is_fatal() => {
                     tracing::warn!(error = %e, "write-back stopped: the lease is over");
@@ -1348,8 +1353,14 @@ impl Syncer {
                 }
                 Err(e) => {
                     let msg = format!("{}: {}", e, source_chain(&e));
-                    tracing::warn!(error = %msg, "write-back failed; retrying");
-                    self.fs.stats.add_sync_error(msg);
+                    if self.fs.stats.add_sync_error(msg.clone()) {
+                        // Said once per outage at error level (status.json says
+                        // `unsynced: true` until a round succeeds); each retry at warn.
+                        tracing::error!(error = %msg,
+                            "write-back is failing: changes are kept on this machine and retried");
+                    } else {
+                        tracing::warn!(error = %msg, "write-back failed; retrying");
+                    }
                     retry = true;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
