@@ -29,6 +29,7 @@ fn request(
                 include: None,
                 exclude,
                 gitignore: gitignore.then_some(true),
+                allow_sensitive: None,
             }],
         },
         task: TaskSpec {

@@ -32,6 +32,7 @@ impl Daemon {
             include: r.include.clone().unwrap_or_default(),
             exclude: r.exclude.clone().unwrap_or_default(),
             sensitive: self.cfg.sensitive.clone(),
+            allow_sensitive: r.allow_sensitive.clone().unwrap_or_default(),
         };
         if r.gitignore == Some(true) {
             f.add_gitignore(root);
@@ -118,11 +119,61 @@ fn too_large(detail: String) -> Refusal {
     }
 }
 
-/// The reference's refusal for sensitive files.
-pub(crate) fn sensitive(files: &[String]) -> Refusal {
-    Refusal::bad(
-        ErrorCode::SensitiveFiles,
-        format!("Sensitive files detected: {}", files.join(", ")),
-        "Remove or exclude sensitive files before delegating",
-    )
+/// How many sensitive files a refusal names; the rest are counted.
+const NAMED_SENSITIVE: usize = 10;
+
+/// The refusal for sensitive files (the reference's message, every file named up to
+/// [`NAMED_SENSITIVE`], then a count), with the exact `--exclude` that would pass and the
+/// `--allow-sensitive` that would delegate them anyway. `files` are paths as reported
+/// (for `archive`, `<resource>/<path>`); `patterns` the sensitive globs in force.
+pub(crate) fn sensitive(files: &[String], patterns: &[String]) -> Refusal {
+    let named = files
+        .iter()
+        .take(NAMED_SENSITIVE)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    let message = if files.len() > NAMED_SENSITIVE {
+        format!(
+            "Sensitive files detected: {named} … and {} more ({} in all)",
+            files.len() - NAMED_SENSITIVE,
+            files.len()
+        )
+    } else {
+        format!("Sensitive files detected: {named}")
+    };
+    // The sensitive patterns these files match: excluding exactly those leaves out every
+    // one of them and nothing that is not sensitive itself.
+    let mut matched: Vec<&str> = Vec::new();
+    for f in files {
+        // `archive` names `<resource>/<path>`; try the path within the resource too.
+        let inner = f.split_once('/').map(|(_, rest)| rest);
+        let hit = patterns.iter().find(|p| {
+            crate::archive::glob_matches(p, f)
+                || inner.is_some_and(|i| crate::archive::glob_matches(p, i))
+        });
+        if let Some(p) = hit
+            && !matched.contains(&p.as_str())
+        {
+            matched.push(p);
+        }
+    }
+    let flags = |flag: &str| {
+        matched
+            .iter()
+            .map(|p| format!("{flag} '{p}'"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let hint = if matched.is_empty() {
+        "Remove or exclude sensitive files before delegating".to_string()
+    } else {
+        format!(
+            "Leave them out with `{}` (API: resources[].exclude), or, if they are safe to \
+             share, delegate them with `{}` (API: resources[].allowSensitive)",
+            flags("--exclude"),
+            flags("--allow-sensitive")
+        )
+    };
+    Refusal::bad(ErrorCode::SensitiveFiles, message, &hint)
 }

@@ -191,7 +191,7 @@ impl Daemon {
         })?;
         let admitted = match hits.take().as_slice() {
             [] => super::admission::check_limits(export.manifest(), &self.cfg.awcpfs_limits),
-            files => Err(super::admission::sensitive(files)),
+            files => Err(super::admission::sensitive(files, &self.cfg.sensitive)),
         };
         if let Err(refusal) = admitted {
             self.exports.remove(export.id());
