@@ -920,16 +920,17 @@ impl Daemon {
             .resources
             .iter()
             .find(|s| s.name == r.name);
-        let filter = spec
-            .map(|s| super::admission::export_filter(self.resource_filter(s, &r.source), false).0);
+        let filter = spec.map(|s| self.resource_filter(s, &r.source));
         let exports = self.exports.clone();
         let (eid, tok, l) = (r.export_id.clone(), d.token.clone(), lease.clone());
-        Ok(
-            tokio::task::spawn_blocking(move || {
-                exports.register_filtered(eid, tok, cfg, l, filter)
-            })
-            .await??,
-        )
+        let root = r.source.clone();
+        Ok(tokio::task::spawn_blocking(move || {
+            // As when it was first registered: what git tracks is withheld, not left out.
+            let filter =
+                filter.map(|f| super::admission::export_filter_withholding(f, &root, false).0);
+            exports.register_filtered(eid, tok, cfg, l, filter)
+        })
+        .await??)
     }
 
     /// Reload persisted delegations: ended ones for history, live ones with their exports

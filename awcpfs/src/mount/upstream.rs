@@ -204,6 +204,11 @@ impl Syncer {
             if awcp_protocol::dataplane::validate_rel_path(&e.path).is_err() {
                 continue;
             }
+            if e.kind == EntryKind::File && e.hash.is_none() {
+                // A withheld file (excluded or sensitive): no content to show; the mount
+                // keeps the metadata it started with.
+                continue;
+            }
             let (parent_path, name) = match e.path.rsplit_once('/') {
                 Some((p, n)) => (Some(p), n),
                 None => (None, e.path.as_str()),
