@@ -490,6 +490,14 @@ impl Session {
             _ => {
                 let delivered = self.forward(agent, &raw);
                 if let Some(Recipient::Agent(to)) = &f.to
+                    && to == &cfg.me
+                {
+                    // Addressed to the bridge itself (the `FROM` of its `handshake.ack`): the
+                    // bridge is the recipient, so it is delivered (and counted) here.
+                    tracing::debug!(%agent, msg_type = %msg_type, "frame for the bridge itself");
+                    return Ok(ok(Some(delivered + 1)));
+                }
+                if let Some(Recipient::Agent(to)) = &f.to
                     && delivered == 0
                     && !self.is_subscribed(to)
                     && !lock(&self.shared.registry).contains(to, Instant::now())

@@ -103,6 +103,24 @@ async fn unknown_recipient_is_404_and_the_connection_stays_up() {
     );
 }
 
+// Symptom: a frame to the bridge's own name (the FROM of its handshake.ack) was answered
+// 404 "not connected and not registered", although that peer had just acknowledged us.
+#[tokio::test]
+async fn frame_to_the_bridge_itself_is_delivered_not_404() {
+    let bridge = start(config()).await;
+    let mut alpha = connect(&bridge, "agent://alpha.local", Subscribe::None).await;
+    let me = alpha.bridge().unwrap().to_string();
+    let answer = alpha.request(task(&me)).await.unwrap();
+    assert_eq!(answer.status, Some(Status::Ok));
+    assert_eq!(answer.body_as::<StatusBody>().unwrap().delivered, Some(1));
+    // A monitor sees it as well, and is counted besides the bridge.
+    let mut monitor = connect(&bridge, "agent://monitor.local", Subscribe::All).await;
+    let answer = alpha.request(task(&me)).await.unwrap();
+    assert_eq!(answer.body_as::<StatusBody>().unwrap().delivered, Some(2));
+    let got = monitor.recv().await.unwrap().decoded.frame;
+    assert_eq!(got.to, Some(Recipient::Agent(agent(&me))));
+}
+
 #[tokio::test]
 async fn first_frame_must_be_a_handshake() {
     let bridge = start(config()).await;

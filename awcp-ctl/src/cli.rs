@@ -240,6 +240,11 @@ struct ServeArgs {
     /// `archive` delegations: largest single file.
     #[arg(long, default_value = "50M", value_parser = parse_size)]
     archive_max_file_bytes: u64,
+    /// The transport of a delegation that names none (the reference's MCP server and
+    /// client never do): `auto` asks the Executor's `/awcp/status` (`awcpfs` where it is
+    /// served, else `archive`, as for a reference Executor).
+    #[arg(long, value_enum, default_value = "auto")]
+    default_transport: DefaultTransport,
     /// Sensitive-file globs that refuse an `archive` delegation (repeatable); replaces the
     /// default list (`.env`, `.env.*`, `*.pem`, `*.key`, `id_rsa`, `credentials.json`, …).
     /// `--sensitive ''` turns the check off.
@@ -365,8 +370,10 @@ struct DelegateArgs {
     auto: aglx::AutoArgs,
     /// How the workspace travels: `awcpfs` (live mount, ours) or `archive` (one zip in
     /// START, for Executors that speak only the reference protocol; limited in size).
-    #[arg(long, value_enum, default_value = "awcpfs")]
-    transport: Transport,
+    /// Default: the daemon's choice (`serve --default-transport`; unless set there, what
+    /// the Executor serves, `awcpfs` preferred).
+    #[arg(long, value_enum)]
+    transport: Option<Transport>,
     /// What to do with the result an `archive` Executor sends back: apply it at once
     /// (`auto`), keep it until `apply`/`discard` (`staged`), or drop it (`discard`).
     #[arg(long, value_enum, default_value = "auto")]
@@ -382,6 +389,11 @@ struct DelegateArgs {
     /// Also leave out what the directory's `.gitignore` lists.
     #[arg(long)]
     gitignore: bool,
+    /// Delegate files matching this glob although they match a sensitive pattern (a
+    /// public key in a vendored dependency, say; repeatable). The sensitive-file refusal
+    /// names the exact globs.
+    #[arg(long, value_name = "GLOB")]
+    allow_sensitive: Vec<String>,
     /// A multi-round session: after the task the delegation waits, idle, with the
     /// workspace still mounted, for `awcp-ctl continue <id> --task …` or `awcp-ctl close`.
     #[arg(long)]
@@ -393,6 +405,13 @@ struct DelegateArgs {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Transport {
+    Awcpfs,
+    Archive,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DefaultTransport {
+    Auto,
     Awcpfs,
     Archive,
 }
@@ -543,6 +562,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.api_token = cli.api_token.clone();
             cfg.idle_timeout = a.idle_timeout;
             cfg.watch = !a.no_watch;
+            cfg.default_transport = match a.default_transport {
+                DefaultTransport::Auto => None,
+                DefaultTransport::Awcpfs => Some(TransportType::Awcpfs),
+                DefaultTransport::Archive => Some(TransportType::Archive),
+            };
             cfg.awcpfs_limits = awcp_ctl::archive::ScanLimits {
                 max_total_bytes: a.awcpfs_max_bytes,
                 max_files: a.awcpfs_max_files,
@@ -651,6 +675,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                             include: (!a.include.is_empty()).then(|| a.include.clone()),
                             exclude: (!a.exclude.is_empty()).then(|| a.exclude.clone()),
                             gitignore: a.gitignore.then_some(true),
+                            allow_sensitive: (!a.allow_sensitive.is_empty())
+                                .then(|| a.allow_sensitive.clone()),
                         })
                         .collect(),
                 },
@@ -670,7 +696,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     credential: t,
                     metadata: None,
                 }),
-                transport: Some(transport_of(a.transport)),
+                transport: a.transport.map(transport_of),
                 multi_round: a.multi_round.then_some(true),
             };
             // The daemon answers after admission, the manifests (or the zip), INVITE and
@@ -694,7 +720,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if !a.wait {
                 return Ok(ExitCode::SUCCESS);
             }
-            follow(&client, &id, cli.json, 1).await
+            // Only a multi-round session stops at its first idle state: a single-round one
+            // may pass through `idle` (an Executor that always works in rounds), and the
+            // daemon closes it at once, so follow it to its end.
+            let idle_at = if a.multi_round { 1 } else { usize::MAX };
+            follow(&client, &id, cli.json, idle_at).await
         }
         Command::Status { id: Some(id) } => {
             let v = client.get(&id).await?;

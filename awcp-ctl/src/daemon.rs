@@ -83,6 +83,11 @@ pub struct DaemonConfig {
     /// Watch delegated directories and show the Delegator's own changes on running mounts
     /// (`awcpfs` transport). Off: a mount sees the directory as it was when delegated.
     pub watch: bool,
+    /// The transport of a request that names none (the reference's MCP server and
+    /// `DelegatorDaemonClient` never do). `None` (the default): ask the Executor's
+    /// `GET /awcp/status` which transports it serves — ours lists them (`transports`), a
+    /// reference Executor does not and gets `archive`, the only one it serves.
+    pub default_transport: Option<awcp_protocol::TransportType>,
 }
 
 impl DaemonConfig {
@@ -116,6 +121,7 @@ impl DaemonConfig {
             api_token: None,
             watch: true,
             idle_timeout: Duration::from_secs(300),
+            default_transport: None,
         }
     }
 }

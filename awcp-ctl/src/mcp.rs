@@ -235,6 +235,7 @@ impl AwcpMcp {
                         include: None,
                         exclude: None,
                         gitignore: None,
+                        allow_sensitive: None,
                     })
                 })
                 .collect::<Result<Vec<_>, String>>()?,
@@ -246,6 +247,7 @@ impl AwcpMcp {
                 include: None,
                 exclude: None,
                 gitignore: None,
+                allow_sensitive: None,
             }],
             _ => return Err("give workspace_dir or resources".into()),
         };

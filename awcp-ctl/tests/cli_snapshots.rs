@@ -31,8 +31,8 @@ async fn staged_snapshots_are_listed_diffed_applied_and_discarded_from_the_cli()
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
     let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
-    let agent = "set -e; echo changed > workspace/a.txt; echo new > workspace/b.txt; \
-                 rm workspace/gone.txt";
+    // With one resource the agent's working directory is that resource.
+    let agent = "set -e; echo changed > a.txt; echo new > b.txt; rm gone.txt";
     let mut ecfg =
         awcp_ctl::executor::ExecutorConfig::new(agent.into(), tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();

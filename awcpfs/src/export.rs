@@ -66,11 +66,23 @@ pub const RECENT_CONFLICTS: usize = 32;
 /// zstd level of the served manifest (done once per registration).
 const MANIFEST_ZSTD_LEVEL: i32 = 3;
 
-/// Which paths an export shows: called with a path relative to the root (`/`-separated) and
-/// whether it is a directory, `true` when it is visible. A hidden directory is not entered.
-/// Hidden paths are left out of the manifest (so never served) and refused in commits.
+/// Which paths an export shows: a predicate called with a path relative to the root
+/// (`/`-separated) and whether it is a directory, `true` when it is visible. A hidden
+/// directory is not entered. Hidden paths are left out of the manifest (so never served) and
+/// refused in commits.
+///
+/// A filter may also *withhold* some hidden paths ([`PathFilter::withholding`]) instead of
+/// leaving them out: a withheld file is listed in the manifest with its metadata as on the
+/// Delegator (mode, size, times, inode number) and no content (no `hash`, no blocks, so
+/// nothing of it can be fetched); a withheld directory is listed and entered, its entries
+/// judged one by one. Both stay refused in commits. A mount shows a withheld file as present
+/// but unreadable, so a tool comparing it with a record of the tree (git's index) finds it
+/// unchanged instead of deleted.
 #[derive(Clone)]
-pub struct PathFilter(pub Arc<PathPredicate>);
+pub struct PathFilter {
+    shows: Arc<PathPredicate>,
+    withholds: Option<Arc<PathPredicate>>,
+}
 
 /// `(path, is_dir) -> visible`.
 pub type PathPredicate = dyn Fn(&str, bool) -> bool + Send + Sync;
@@ -82,14 +94,42 @@ impl std::fmt::Debug for PathFilter {
 }
 
 impl PathFilter {
+    /// A filter showing the paths `shows(path, is_dir)` is true for.
+    pub fn new(shows: impl Fn(&str, bool) -> bool + Send + Sync + 'static) -> PathFilter {
+        PathFilter {
+            shows: Arc::new(shows),
+            withholds: None,
+        }
+    }
+
+    /// Of the hidden paths, list those `withholds(path, is_dir)` is true for (asked only
+    /// about paths the filter hides) instead of leaving them out (see [`PathFilter`]).
+    pub fn withholding(
+        mut self,
+        withholds: impl Fn(&str, bool) -> bool + Send + Sync + 'static,
+    ) -> PathFilter {
+        self.withholds = Some(Arc::new(withholds));
+        self
+    }
+
+    /// Whether the entry `path` itself is visible (the directories above it aside).
+    pub fn shows_entry(&self, path: &str, is_dir: bool) -> bool {
+        (self.shows)(path, is_dir)
+    }
+
+    /// Whether the hidden entry `path` is listed anyway, its content withheld.
+    pub fn withholds(&self, path: &str, is_dir: bool) -> bool {
+        self.withholds.as_ref().is_some_and(|w| w(path, is_dir))
+    }
+
     /// Whether `path` and every directory above it are visible. A name that is not UTF-8
     /// is matched with each undecodable byte shown as U+FFFD (so `*` and `?` patterns
     /// cover it; see [`awcp_protocol::rawname::lossy`]).
     pub fn shows(&self, path: &str, is_dir: bool) -> bool {
         let path = awcp_protocol::rawname::lossy(path);
         path.match_indices('/')
-            .all(|(end, _)| (self.0)(&path[..end], true))
-            && (self.0)(&path, is_dir)
+            .all(|(end, _)| (self.shows)(&path[..end], true))
+            && (self.shows)(&path, is_dir)
     }
 }
 
@@ -762,13 +802,13 @@ mod tests {
 
     #[test]
     fn filters_see_non_utf8_names_with_replacement_characters() {
-        let f = PathFilter(Arc::new(|p: &str, _| {
+        let f = PathFilter::new(|p: &str, _| {
             assert!(
                 !p.contains('\0'),
                 "the escaped form reached a filter: {p:?}"
             );
             !p.ends_with(".secret") && p != "h\u{fffd}dden"
-        }));
+        });
         assert!(!f.shows("d\0ff/x.secret", false));
         assert!(
             !f.shows("h\0e9dden/x", false),

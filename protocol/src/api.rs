@@ -66,6 +66,10 @@ pub struct ResourceSpec {
     /// Ours (additive): also exclude what the resource's root `.gitignore` lists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gitignore: Option<bool>,
+    /// Ours (additive): globs of files delegated although they match a sensitive pattern
+    /// (the user has looked at them, e.g. a public key in a vendored dependency).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_sensitive: Option<Vec<String>>,
 }
 
 /// The resources of a delegation, with source paths.
@@ -518,6 +522,10 @@ pub struct ExecutorStatus {
     pub completed_delegations: u64,
     /// The running (and idle) assignments.
     pub delegations: Vec<ExecutorDelegationInfo>,
+    /// Ours (additive): the transports this Executor serves, so a Delegator asked for no
+    /// particular one can choose (a reference Executor sends none and serves `archive`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transports: Option<Vec<crate::TransportType>>,
 }
 
 /// An item of [`ExecutorStatus`].

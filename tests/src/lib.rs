@@ -160,6 +160,7 @@ impl Harness {
                     include: None,
                     exclude: None,
                     gitignore: None,
+                    allow_sensitive: None,
                 }],
             },
             task: TaskSpec {
@@ -303,6 +304,7 @@ pub fn request(
                     include: None,
                     exclude: None,
                     gitignore: None,
+                    allow_sensitive: None,
                 })
                 .collect(),
         },

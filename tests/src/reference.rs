@@ -92,6 +92,7 @@ impl RefExecutor {
             .route("/awcp/tasks/{id}/ack", post(ack))
             .route("/awcp/tasks/{id}/result", get(result))
             .route("/awcp/cancel/{id}", post(cancel))
+            .route("/awcp/status", get(status))
             .with_state(state.clone())
             .layer(axum::extract::DefaultBodyLimit::max(64 << 20));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -308,6 +309,13 @@ async fn result(State(st): State<Arc<RefState>>, UrlPath(id): UrlPath<String>) -
         Some(r) => Json(r.clone()).into_response(),
         None => (StatusCode::NOT_FOUND, Json(json!({"status": "not_found"}))).into_response(),
     }
+}
+
+/// The reference's status: counts and running tasks, no list of transports.
+async fn status(State(st): State<Arc<RefState>>) -> Json<Value> {
+    let n = st.tasks.lock().unwrap().len();
+    Json(json!({"pendingInvitations": 0, "activeDelegations": n,
+                "completedDelegations": 0, "delegations": []}))
 }
 
 async fn ack(State(st): State<Arc<RefState>>, UrlPath(id): UrlPath<String>) -> Json<Value> {

@@ -29,6 +29,7 @@ fn request(
                 include: None,
                 exclude,
                 gitignore: gitignore.then_some(true),
+                allow_sensitive: None,
             }],
         },
         task: TaskSpec {
@@ -238,5 +239,158 @@ async fn an_executor_admits_only_its_modes_transports_and_capacity() {
             .contains("Maximum concurrent"),
         "{b}"
     );
+    h.stop().await;
+}
+
+// Symptom: the sensitive-file check refused a delegation naming the first match it found;
+// the user fixed that one, retried, and met the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_sensitive_refusal_names_every_match_and_the_flags_that_pass() {
+    if !fuse_available() {
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    let agent = format!(
+        "cp vendor/dep0/release.key {}/seen.key 2>/dev/null || true",
+        out.path().display()
+    );
+    let h = Harness::start(&agent).await;
+    let dir = h.path("repo");
+    std::fs::create_dir_all(dir.join("conf")).unwrap();
+    std::fs::write(dir.join("main.py"), "print(1)\n").unwrap();
+    std::fs::write(dir.join("conf/.env"), "TOKEN=secret\n").unwrap();
+    for i in 0..12 {
+        std::fs::create_dir_all(dir.join(format!("vendor/dep{i}"))).unwrap();
+        std::fs::write(dir.join(format!("vendor/dep{i}/release.key")), "PUBLIC\n").unwrap();
+    }
+    let err = h
+        .client
+        .delegate(&request(&h, &dir, None, false))
+        .await
+        .unwrap_err();
+    let ClientError::Refused { status, body } = err else {
+        panic!("{err}")
+    };
+    assert_eq!(status, 400);
+    assert_eq!(body.code.unwrap().as_str(), "SENSITIVE_FILES");
+    assert!(
+        body.error.starts_with("Sensitive files detected: ")
+            && body.error.contains("conf/.env")
+            && body.error.contains("vendor/dep0/release.key")
+            && body.error.contains("and 3 more (13 in all)"),
+        "{}",
+        body.error
+    );
+    let hint = body.hint.unwrap();
+    for flag in [
+        "--exclude '.env'",
+        "--exclude '*.key'",
+        "--allow-sensitive '*.key'",
+    ] {
+        assert!(hint.contains(flag), "{flag} missing: {hint}");
+    }
+    // The excludes the hint names pass; the files stay out.
+    let req = request(&h, &dir, Some(vec![".env".into(), "*.key".into()]), false);
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    assert_eq!(
+        h.wait_end(id.as_str(), Duration::from_secs(60)).await,
+        DelegationState::Completed
+    );
+    assert!(!out.path().join("seen.key").exists());
+    // Allowed explicitly, they are delegated.
+    let mut req = request(&h, &dir, Some(vec![".env".into()]), false);
+    req.environment.resources[0].allow_sensitive = Some(vec!["*.key".into()]);
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    assert_eq!(
+        h.wait_end(id.as_str(), Duration::from_secs(60)).await,
+        DelegationState::Completed
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.path().join("seen.key")).unwrap(),
+        "PUBLIC\n"
+    );
+    h.stop().await;
+}
+
+// Symptom: with `--exclude '**/*.key'`, `git status` in the agent's workspace showed
+// ` D rust-deps/…/llvm-snapshot.gpg.key`, and an agent's `git commit -a` recorded the
+// deletion in the Delegator's own history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn excluded_files_git_tracks_are_present_but_unreadable_never_deleted() {
+    if !fuse_available() {
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    let o = out.path().display();
+    let key = "rust-deps/llvm/llvm-snapshot.gpg.key";
+    let agent = format!(
+        r#"set -e
+        git status --porcelain > {o}/status.txt
+        stat -c %s {key} > {o}/size.txt
+        if cat {key} > {o}/leak.txt 2> {o}/cat.err; then echo read > {o}/read.txt; fi
+        rm -f {key} 2> {o}/rm.err || echo refused > {o}/rm.txt
+        mv {key} moved.key 2> {o}/mv.err || echo refused > {o}/mv.txt
+        (echo overwrite > {key}) 2> {o}/write.err || echo refused > {o}/write.txt
+        echo 'print(2)' >> main.py
+        git -c user.email=a@x -c user.name=agent commit -qam 'agent change'
+        git status --porcelain > {o}/status-after.txt
+        "#
+    );
+    let h = Harness::start(&agent).await;
+    let dir = h.path("repo");
+    std::fs::create_dir_all(dir.join("rust-deps/llvm")).unwrap();
+    std::fs::write(dir.join("main.py"), "print(1)\n").unwrap();
+    std::fs::write(dir.join(key), "-----BEGIN PGP PUBLIC KEY BLOCK-----\n").unwrap();
+    std::fs::write(dir.join("rust-deps/llvm/README"), "llvm\n").unwrap();
+    // Old mtimes, so no entry of the index is racily clean (git would read it again).
+    awcp_tests::sh(
+        &dir,
+        "touch -d 2020-01-01 main.py rust-deps/llvm/* && git init -q -b main && \
+         git add -A && git -c user.email=d@x -c user.name=d commit -qm initial && \
+         git status --porcelain",
+    );
+    let id = h
+        .client
+        .delegate(&request(&h, &dir, Some(vec!["**/*.key".into()]), false))
+        .await
+        .unwrap()
+        .delegation_id;
+    assert_eq!(
+        h.wait_end(id.as_str(), Duration::from_secs(90)).await,
+        DelegationState::Completed
+    );
+    let read = |f: &str| std::fs::read_to_string(out.path().join(f)).unwrap_or_default();
+    assert_eq!(read("status.txt"), "", "git status on the mount is clean");
+    assert_eq!(
+        read("size.txt").trim(),
+        "37",
+        "stat as the Delegator has it"
+    );
+    assert!(read("read.txt").is_empty(), "the content was readable");
+    assert_eq!(read("leak.txt"), "", "content left the Delegator");
+    assert!(
+        read("cat.err").contains("Permission denied"),
+        "{}",
+        read("cat.err")
+    );
+    for what in ["rm.txt", "mv.txt", "write.txt"] {
+        assert_eq!(read(what).trim(), "refused", "{what}");
+    }
+    assert_eq!(
+        read("status-after.txt"),
+        "",
+        "clean after the agent's commit"
+    );
+    // The Delegator: the agent's commit changed main.py only, the key is as it was, and
+    // the working tree is clean.
+    assert_eq!(
+        awcp_tests::sh(&dir, "git show --name-status --format= HEAD"),
+        "M\tmain.py\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join(key)).unwrap(),
+        "-----BEGIN PGP PUBLIC KEY BLOCK-----\n"
+    );
+    assert_eq!(awcp_tests::sh(&dir, "git status --porcelain"), "");
     h.stop().await;
 }

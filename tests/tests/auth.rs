@@ -44,6 +44,7 @@ fn request(
                 include: None,
                 exclude: None,
                 gitignore: None,
+                allow_sensitive: None,
             }],
         },
         task: TaskSpec {

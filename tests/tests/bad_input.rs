@@ -18,6 +18,57 @@ async fn post_raw(url: &str, body: &str) -> (u16, serde_json::Value) {
     (status, resp.json().await.unwrap_or(serde_json::Value::Null))
 }
 
+/// POST a body of `len` bytes and read the answer the server gives, while the body is still
+/// being sent (a server may answer, and stop reading, before all of it has arrived):
+/// (status, whole answer).
+async fn post_large(url: &str, len: u64) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let u = reqwest::Url::parse(url).unwrap();
+    let s = tokio::net::TcpStream::connect((u.host_str().unwrap(), u.port().unwrap()))
+        .await
+        .unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let head = format!(
+        "POST {} HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n",
+        u.path(),
+        u.host_str().unwrap()
+    );
+    let writer = tokio::spawn(async move {
+        wr.write_all(head.as_bytes()).await?;
+        let chunk = vec![b' '; 1 << 20];
+        let mut sent = 0u64;
+        while sent < len {
+            let n = chunk.len().min((len - sent) as usize);
+            wr.write_all(&chunk[..n]).await?;
+            sent += n as u64;
+        }
+        std::io::Result::Ok(())
+    });
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+            if String::from_utf8_lossy(&out).contains('}') {
+                break;
+            }
+        }
+    })
+    .await;
+    writer.abort();
+    assert!(read.is_ok(), "no answer to an oversized body");
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn executor_and_daemon_answer_malformed_and_unknown_input_clearly() {
     let h = Harness::start("true").await;
@@ -30,8 +81,8 @@ async fn executor_and_daemon_answer_malformed_and_unknown_input_clearly() {
         r#"{"version":"1","type":"BOGUS","delegationId":"dlg_0123456789abcdef0123456789abcdef"}"#,
     )
     .await;
-    // The reference throws on an unknown type: 500 {error}.
-    assert_eq!(s, 500);
+    // Symptom: an unknown type was answered 500, as if the Executor had failed.
+    assert_eq!(s, 400);
     assert!(b["error"].as_str().unwrap().contains("BOGUS"), "{b}");
     let (s, b) = post_raw(
         &format!("{awcp}/"),
@@ -48,7 +99,20 @@ async fn executor_and_daemon_answer_malformed_and_unknown_input_clearly() {
             "transportHandle":{"transport":"archive","workspaceBase64":"","checksum":"00"}}"#,
     )
     .await;
-    assert_eq!(s, 500, "the reference answers an unknown id with 500");
+    // Symptom: START for an unknown id was answered 500 (the reference's), not 404.
+    assert_eq!(s, 404, "an unknown id is not found");
+    for body in [
+        r#"{"version":"1","type":"ERROR","delegationId":"dlg_0123456789abcdef0123456789abcdef","code":"CANCELLED","message":"m"}"#,
+        r#"{"version":"1","type":"CONTINUE","delegationId":"dlg_0123456789abcdef0123456789abcdef","task":{"description":"d","prompt":"p"},"round":2}"#,
+        r#"{"version":"1","type":"CLOSE","delegationId":"dlg_0123456789abcdef0123456789abcdef"}"#,
+    ] {
+        let (s, b) = post_raw(&format!("{awcp}/"), body).await;
+        assert_eq!(s, 404, "{body}: {b}");
+        assert!(
+            b["error"].as_str().unwrap().contains("Unknown delegation"),
+            "{b}"
+        );
+    }
     let unknown = "dlg_0123456789abcdef0123456789abcdef";
     let http = reqwest::Client::new();
     // (An unknown id's event stream is a 200 stream with one NOT_FOUND event, as the
@@ -72,6 +136,10 @@ async fn executor_and_daemon_answer_malformed_and_unknown_input_clearly() {
     assert!(b["error"].as_str().unwrap().contains("executorUrl"), "{b}");
     let (s, b) = post_raw(&format!("{api}/delegate"), r#"{"executorUrl":"x"}"#).await;
     assert_eq!(s, 400, "{b}");
+    // Symptom: a 200 MB body was answered 400 "length limit exceeded", not 413.
+    let (s, b) = post_large(&format!("{api}/delegate"), 200 << 20).await;
+    assert_eq!(s, 413, "{b}");
+    assert!(b.contains("too large"), "{b}");
     let s = http
         .get(format!("{api}/delegation/{unknown}"))
         .send()

@@ -215,6 +215,7 @@ async fn daemon_setup(h: &Harness, setup: &str, vars: &mut BTreeMap<&str, String
                 include: None,
                 exclude: None,
                 gitignore: None,
+                allow_sensitive: None,
             }],
         },
         task: TaskSpec {

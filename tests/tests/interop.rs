@@ -81,11 +81,16 @@ async fn a_reference_delegator_drives_our_executor_with_archive() {
     if !fuse_available() {
         return;
     }
+    // Symptom: the agent ran in the work directory with the resource under `./workspace/`,
+    // so writing `a.txt` in its working directory silently changed nothing. With one
+    // resource its working directory is the resource (`<workPath>/<name>`), as with awcpfs.
     let agent = r#"set -e
-        test -f workspace/sub/b.txt
-        echo changed > workspace/a.txt
-        rm workspace/gone.txt
-        mkdir -p workspace/new && echo n > workspace/new/f.txt
+        test "$(basename "$PWD")" = workspace
+        test "$AWCP_WORKSPACE" = "$PWD"
+        test -f sub/b.txt
+        echo changed > a.txt
+        rm gone.txt
+        mkdir -p new && echo n > new/f.txt
         echo finished-the-work"#;
     let h = Harness::start(agent).await;
     let awcp = h.executor.awcp_url();
@@ -228,10 +233,11 @@ async fn our_executor_answers_refusals_and_bad_archives_as_the_reference() {
         (s, b["type"].as_str(), b["code"].as_str()),
         (200, Some("ERROR"), Some("DEP_MISSING"))
     );
-    // Unknown id and unknown type: 500 {error}.
+    // Unknown id: 404 {error}; unknown or misdirected type: 400 {error} (the reference
+    // answers both with 500; the message is the reference's).
     let zip = zip_entries(&[("workspace/a", b"a")], zip::CompressionMethod::Deflated);
     let (s, b) = post(&awcp, &start(&new_id(), &zip, &sha256_hex(&zip))).await;
-    assert_eq!(s, 500);
+    assert_eq!(s, 404);
     assert!(
         b["error"].as_str().unwrap().contains("Unknown delegation"),
         "{b}"
@@ -241,13 +247,13 @@ async fn our_executor_answers_refusals_and_bad_archives_as_the_reference() {
     let (s, b) = post(&awcp, &done).await;
     assert_eq!(
         (s, b),
-        (500, json!({"error": "Unexpected message type: DONE"}))
+        (400, json!({"error": "Unexpected message type: DONE"}))
     );
     let bogus = json!({"version": "1", "type": "BOGUS", "delegationId": new_id()});
     let (s, b) = post(&awcp, &bogus).await;
     assert_eq!(
         (s, b),
-        (500, json!({"error": "Unexpected message type: BOGUS"}))
+        (400, json!({"error": "Unexpected message type: BOGUS"}))
     );
     // Unknown ids elsewhere.
     let unknown = new_id();
@@ -341,7 +347,10 @@ async fn an_archive_start_of_more_than_200_mb_is_accepted() {
     if !fuse_available() {
         return;
     }
-    let h = Harness::start("set -e; test $(stat -c %s workspace/big.bin) = 157286400; rm workspace/big.bin; echo ok > workspace/small.txt").await;
+    let h = Harness::start(
+        "set -e; test $(stat -c %s big.bin) = 157286400; rm big.bin; echo ok > small.txt",
+    )
+    .await;
     let awcp = h.executor.awcp_url();
     // 150 MiB stored (uncompressed): the JSON body is over 200 MB once in base64.
     let big = vec![7u8; 150 << 20];
@@ -401,6 +410,7 @@ fn resource(name: &str, dir: &std::path::Path, mode: AccessMode) -> ResourceSpec
         include: None,
         exclude: None,
         gitignore: None,
+        allow_sensitive: None,
     }
 }
 
@@ -635,9 +645,11 @@ async fn archive_admission_refuses_sensitive_files_and_oversized_workspaces() {
     assert_eq!(s, 400);
     assert_eq!(b["code"], "SENSITIVE_FILES");
     assert_eq!(b["error"], "Sensitive files detected: workspace/conf/.env");
-    assert_eq!(
-        b["hint"],
-        "Remove or exclude sensitive files before delegating"
+    // The hint names the exact flags that would pass.
+    let hint = b["hint"].as_str().unwrap();
+    assert!(
+        hint.contains("--exclude '.env'") && hint.contains("--allow-sensitive '.env'"),
+        "{hint}"
     );
     assert!(
         rex.state.messages.lock().unwrap().is_empty(),
@@ -792,6 +804,155 @@ async fn a_reinvite_cannot_take_over_a_running_delegation() {
     assert_eq!(
         std::fs::read_to_string(repo.join("precious.txt")).unwrap(),
         "keep me\n"
+    );
+    h.stop().await;
+}
+
+/// The `data:` events of an SSE response one by one; `None` once the stream has ended.
+struct DataLines {
+    stream: futures::stream::BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
+    buf: Vec<u8>,
+}
+
+impl DataLines {
+    fn new(resp: reqwest::Response) -> Self {
+        use futures::StreamExt;
+        DataLines {
+            stream: resp.bytes_stream().boxed(),
+            buf: Vec::new(),
+        }
+    }
+
+    async fn next(&mut self) -> Option<Value> {
+        use futures::StreamExt;
+        loop {
+            while let Some(pos) = self.buf.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=pos).collect();
+                let line = String::from_utf8_lossy(&line).trim_end().to_string();
+                if let Some(data) = line.strip_prefix("data: ")
+                    && let Ok(v) = serde_json::from_str::<Value>(data)
+                {
+                    return Some(v);
+                }
+            }
+            match self.stream.next().await {
+                Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
+                _ => return None,
+            }
+        }
+    }
+
+    /// The next event of type `kind`, skipping others.
+    async fn until(&mut self, kind: &str) -> Value {
+        tokio::time::timeout(TIMEOUT, async {
+            loop {
+                let ev = self.next().await.expect("the stream ended early");
+                if ev["type"] == kind {
+                    return ev;
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no {kind} event"))
+    }
+}
+
+// Symptoms: the Executor's event stream stayed open after `done` until the Delegator's ack
+// (PROTOCOL.md says it ends there), and after an explicit CLOSE the `done` and `/result`
+// said "Session closed by delegator" instead of the last round's summary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_stream_ends_at_done_and_close_keeps_the_last_rounds_summary() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("echo \"did round $AWCP_ROUND\"").await;
+    let awcp = h.executor.awcp_url();
+    let id = new_id();
+    let mut inv = invite(&id, 600, "archive");
+    inv["multiRound"] = json!(true);
+    let (_, accept) = post(&awcp, &inv).await;
+    assert_eq!(accept["type"], "ACCEPT", "{accept}");
+    let mut events = DataLines::new(
+        reqwest::get(format!("{awcp}/tasks/{id}/events"))
+            .await
+            .unwrap(),
+    );
+    let zip = zip_entries(
+        &[("workspace/a.txt", b"a")],
+        zip::CompressionMethod::Deflated,
+    );
+    let (s, _) = post(&awcp, &start(&id, &zip, &sha256_hex(&zip))).await;
+    assert_eq!(s, 200);
+    let round = events.until("round_done").await;
+    let summary = round["summary"].as_str().unwrap().to_string();
+    assert!(summary.contains("did round 1"), "{round}");
+    let close = json!({"version": "1", "type": "CLOSE", "delegationId": id});
+    let (s, b) = post(&awcp, &close).await;
+    assert_eq!(s, 200, "{b}");
+    let done = events.until("done").await;
+    assert_eq!(done["summary"], summary.as_str(), "{done}");
+    // No ack sent: the stream ends anyway, right after `done`.
+    let end = tokio::time::timeout(TIMEOUT, events.next()).await;
+    assert!(
+        matches!(end, Ok(None)),
+        "the stream is still open after done: {end:?}"
+    );
+    let r: Value = reqwest::get(format!("{awcp}/tasks/{id}/result"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["status"], "completed", "{r}");
+    assert_eq!(r["summary"], summary.as_str(), "{r}");
+    h.stop().await;
+}
+
+// Symptom: the reference's MCP server and `DelegatorDaemonClient` never send `transport`, so
+// our daemon picked `awcpfs`; a reference Executor accepted the INVITE, then failed START
+// with "unexpected transport type".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_without_transport_works_against_both_kinds_of_executor() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("echo ours > ours.txt").await;
+    let ws = h.path("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("a.txt"), "original\n").unwrap();
+    let rex = RefExecutor::start(
+        &h.path("ref-work"),
+        false,
+        Arc::new(|d: &std::path::Path| {
+            std::fs::write(d.join("workspace/a.txt"), "executor\n").unwrap()
+        }),
+    )
+    .await;
+    let req = awcp_tests::request(rex.url(), &[("workspace", &ws, AccessMode::Rw)], 600);
+    assert_eq!(req.transport, None);
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Completed);
+    let msgs = rex.state.messages.lock().unwrap().clone();
+    assert_eq!(msgs[0]["requirements"], json!({"transport": "archive"}));
+    assert_eq!(msgs[1]["transportHandle"]["transport"], "archive");
+    assert_eq!(
+        std::fs::read_to_string(ws.join("a.txt")).unwrap(),
+        "executor\n"
+    );
+    assert_eq!(h.client.get(&id).await.unwrap().transport, "archive");
+    // Our Executor lists what it serves, and gets awcpfs.
+    let ws2 = h.path("ws2");
+    std::fs::create_dir_all(&ws2).unwrap();
+    let req = h.request(&[("workspace", &ws2, AccessMode::Rw)], 600);
+    assert_eq!(req.transport, None);
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Completed);
+    assert_eq!(h.client.get(&id).await.unwrap().transport, "awcpfs");
+    assert_eq!(
+        std::fs::read_to_string(ws2.join("ours.txt")).unwrap(),
+        "ours\n"
     );
     h.stop().await;
 }

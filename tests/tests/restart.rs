@@ -89,6 +89,7 @@ async fn restart(several: bool) {
                     include: None,
                     exclude: None,
                     gitignore: None,
+                    allow_sensitive: None,
                 })
                 .collect(),
         },

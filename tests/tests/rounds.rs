@@ -140,6 +140,23 @@ async fn two_rounds(transport: TransportType) {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     assert!(!is_mounted(&h.mountpoint(&id)), "unmounted after CLOSE");
+    // Symptom: after an explicit close, `result.summary` became "Session closed by
+    // delegator" (the `done` answering CLOSE), replacing the last round's summary.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let v = loop {
+        let v = h.client.get(&id).await.unwrap();
+        if v.progress.as_ref().is_some_and(|p| p.phase == "ended") || Instant::now() > deadline {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    assert_eq!(
+        v.progress.unwrap().phase,
+        "ended",
+        "the Executor's done arrived"
+    );
+    let last = v.record.rounds.unwrap()[1].result.clone().unwrap().summary;
+    assert_eq!(v.record.result.unwrap().summary, last);
     h.stop().await;
 }
 

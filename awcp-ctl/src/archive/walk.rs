@@ -41,6 +41,8 @@ pub struct Filter {
     pub exclude: Vec<String>,
     /// These refuse the delegation when they would travel.
     pub sensitive: Vec<String>,
+    /// These travel although they match a sensitive pattern (`--allow-sensitive`).
+    pub allow_sensitive: Vec<String>,
 }
 
 impl Filter {
@@ -58,6 +60,7 @@ impl Filter {
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),
+            allow_sensitive: Vec::new(),
         }
     }
 
@@ -69,9 +72,19 @@ impl Filter {
         self.include.is_empty() || self.include.iter().any(|p| glob_path(p, rel))
     }
 
-    /// Whether `rel` matches a sensitive pattern.
+    /// Whether `rel` matches a sensitive pattern and no `allow_sensitive` one.
     pub fn is_sensitive(&self, rel: &str) -> bool {
-        self.sensitive.iter().any(|p| glob_path(p, rel))
+        self.sensitive_pattern(rel).is_some()
+    }
+
+    /// The first sensitive pattern `rel` matches, unless an `allow_sensitive` glob lets it
+    /// travel.
+    pub fn sensitive_pattern(&self, rel: &str) -> Option<&str> {
+        let hit = self.sensitive.iter().find(|p| glob_path(p, rel))?;
+        if self.allow_sensitive.iter().any(|p| glob_path(p, rel)) {
+            return None;
+        }
+        Some(hit)
     }
 
     /// Whether the entry `rel` itself is shown (its parents are checked separately): not

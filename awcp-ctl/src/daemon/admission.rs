@@ -9,6 +9,7 @@
 //! the sensitive files it hid during that walk; the delegation is refused if there are any
 //! (as the reference refuses them), or if the manifest is over the limits.
 
+use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,6 +33,7 @@ impl Daemon {
             include: r.include.clone().unwrap_or_default(),
             exclude: r.exclude.clone().unwrap_or_default(),
             sensitive: self.cfg.sensitive.clone(),
+            allow_sensitive: r.allow_sensitive.clone().unwrap_or_default(),
         };
         if r.gitignore == Some(true) {
             f.add_gitignore(root);
@@ -58,13 +60,110 @@ impl SensitiveHits {
 /// An export filter from `filter`; with `record`, it records the sensitive files it hides
 /// until [`SensitiveHits::take`].
 pub(crate) fn export_filter(filter: Filter, record: bool) -> (PathFilter, Arc<SensitiveHits>) {
+    export_filter_with(filter, Arc::new(Withheld::default()), record)
+}
+
+/// [`export_filter`] for an export that builds a manifest of `root`: the hidden files git
+/// tracks there are withheld, not left out (listed with their metadata, content refused;
+/// see [`PathFilter`]), so on the mount they look unchanged to git, not deleted. Blocking:
+/// runs `git ls-files`.
+pub(crate) fn export_filter_withholding(
+    filter: Filter,
+    root: &Path,
+    record: bool,
+) -> (PathFilter, Arc<SensitiveHits>) {
+    let withheld = Withheld::of(&filter, git_tracked(root));
+    if !withheld.files.is_empty() {
+        tracing::info!(
+            root = %root.display(),
+            files = withheld.files.len(),
+            "hidden files git tracks are withheld: present but unreadable on the mount"
+        );
+    }
+    export_filter_with(filter, Arc::new(withheld), record)
+}
+
+/// The hidden files git tracks below a resource's root, and the hidden directories (or
+/// directories below hidden ones) on their way: what its export withholds.
+#[derive(Debug, Default)]
+struct Withheld {
+    files: HashSet<String>,
+    dirs: HashSet<String>,
+}
+
+impl Withheld {
+    fn of(filter: &Filter, tracked: Vec<String>) -> Withheld {
+        let mut w = Withheld::default();
+        for path in tracked {
+            let mut hidden_above = false;
+            let mut dirs = Vec::new();
+            for (end, _) in path.match_indices('/') {
+                let dir = &path[..end];
+                hidden_above = hidden_above || !filter.visible(dir, true);
+                if hidden_above {
+                    dirs.push(dir.to_string());
+                }
+            }
+            if hidden_above || !filter.visible(&path, false) {
+                w.dirs.extend(dirs);
+                w.files.insert(path);
+            }
+        }
+        w
+    }
+}
+
+/// The files git tracks below `root` (relative to it), when `root` is the top of a git work
+/// tree and `git` runs; otherwise none (hidden files are then simply left out).
+fn git_tracked(root: &Path) -> Vec<String> {
+    if !root.join(".git").exists() {
+        return Vec::new();
+    }
+    let out = std::process::Command::new("git")
+        // The daemon often runs as root on another user's repository.
+        .args(["-c", "safe.directory=*", "-C"])
+        .arg(root)
+        .args(["ls-files", "-z", "--cached"])
+        .stdin(std::process::Stdio::null())
+        .output();
+    match out {
+        Ok(o) if o.status.success() => o
+            .stdout
+            .split(|b| *b == 0)
+            .filter(|p| !p.is_empty())
+            .map(|p| String::from_utf8_lossy(p).into_owned())
+            .collect(),
+        Ok(o) => {
+            tracing::warn!(root = %root.display(), stderr = %String::from_utf8_lossy(&o.stderr).trim(),
+                "git ls-files failed: excluded files git tracks will look deleted on the mount");
+            Vec::new()
+        }
+        Err(e) => {
+            tracing::warn!(root = %root.display(), error = %e,
+                "cannot run git: excluded files git tracks will look deleted on the mount");
+            Vec::new()
+        }
+    }
+}
+
+fn export_filter_with(
+    filter: Filter,
+    withheld: Arc<Withheld>,
+    record: bool,
+) -> (PathFilter, Arc<SensitiveHits>) {
     let hits = Arc::new(SensitiveHits {
         hits: Mutex::new(Vec::new()),
         recording: AtomicBool::new(record),
     });
     let h = hits.clone();
-    let f = PathFilter(Arc::new(move |rel: &str, is_dir: bool| {
-        let shown = filter.visible(rel, is_dir);
+    let w = withheld.clone();
+    let f = PathFilter::new(move |rel: &str, is_dir: bool| {
+        // Below a withheld directory (entered only for the files it withholds) nothing is
+        // shown.
+        let in_withheld_dir = rel
+            .rsplit_once('/')
+            .is_some_and(|(parent, _)| w.dirs.contains(parent));
+        let shown = !in_withheld_dir && filter.visible(rel, is_dir);
         if !shown
             && !is_dir
             && h.recording.load(Ordering::SeqCst)
@@ -74,7 +173,14 @@ pub(crate) fn export_filter(filter: Filter, record: bool) -> (PathFilter, Arc<Se
             h.hits.lock().push(rel.to_string());
         }
         shown
-    }));
+    })
+    .withholding(move |rel: &str, is_dir: bool| {
+        if is_dir {
+            withheld.dirs.contains(rel)
+        } else {
+            withheld.files.contains(rel)
+        }
+    });
     (f, hits)
 }
 
@@ -118,11 +224,61 @@ fn too_large(detail: String) -> Refusal {
     }
 }
 
-/// The reference's refusal for sensitive files.
-pub(crate) fn sensitive(files: &[String]) -> Refusal {
-    Refusal::bad(
-        ErrorCode::SensitiveFiles,
-        format!("Sensitive files detected: {}", files.join(", ")),
-        "Remove or exclude sensitive files before delegating",
-    )
+/// How many sensitive files a refusal names; the rest are counted.
+const NAMED_SENSITIVE: usize = 10;
+
+/// The refusal for sensitive files (the reference's message, every file named up to
+/// [`NAMED_SENSITIVE`], then a count), with the exact `--exclude` that would pass and the
+/// `--allow-sensitive` that would delegate them anyway. `files` are paths as reported
+/// (for `archive`, `<resource>/<path>`); `patterns` the sensitive globs in force.
+pub(crate) fn sensitive(files: &[String], patterns: &[String]) -> Refusal {
+    let named = files
+        .iter()
+        .take(NAMED_SENSITIVE)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    let message = if files.len() > NAMED_SENSITIVE {
+        format!(
+            "Sensitive files detected: {named} … and {} more ({} in all)",
+            files.len() - NAMED_SENSITIVE,
+            files.len()
+        )
+    } else {
+        format!("Sensitive files detected: {named}")
+    };
+    // The sensitive patterns these files match: excluding exactly those leaves out every
+    // one of them and nothing that is not sensitive itself.
+    let mut matched: Vec<&str> = Vec::new();
+    for f in files {
+        // `archive` names `<resource>/<path>`; try the path within the resource too.
+        let inner = f.split_once('/').map(|(_, rest)| rest);
+        let hit = patterns.iter().find(|p| {
+            crate::archive::glob_matches(p, f)
+                || inner.is_some_and(|i| crate::archive::glob_matches(p, i))
+        });
+        if let Some(p) = hit
+            && !matched.contains(&p.as_str())
+        {
+            matched.push(p);
+        }
+    }
+    let flags = |flag: &str| {
+        matched
+            .iter()
+            .map(|p| format!("{flag} '{p}'"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let hint = if matched.is_empty() {
+        "Remove or exclude sensitive files before delegating".to_string()
+    } else {
+        format!(
+            "Leave them out with `{}` (API: resources[].exclude), or, if they are safe to \
+             share, delegate them with `{}` (API: resources[].allowSensitive)",
+            flags("--exclude"),
+            flags("--allow-sensitive")
+        )
+    };
+    Refusal::bad(ErrorCode::SensitiveFiles, message, &hint)
 }

@@ -111,6 +111,18 @@ impl From<Refusal> for ApiFailure {
 }
 
 fn bad_json(rej: JsonRejection) -> ApiFailure {
+    if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        let mut e = ApiError::new(format!(
+            "request body too large: the daemon accepts at most {} MiB",
+            MAX_BODY_BYTES >> 20
+        ));
+        e.hint = Some(
+            "A delegation request names its workspace by path; the files themselves are \
+             never sent in the body"
+                .into(),
+        );
+        return ApiFailure(StatusCode::PAYLOAD_TOO_LARGE, e);
+    }
     let mut e = ApiError::new(format!("malformed request body: {}", rej.body_text()));
     e.hint = Some("Send a JSON body with the fields documented in docs/PROTOCOL.md".into());
     ApiFailure(StatusCode::BAD_REQUEST, e)
@@ -145,6 +157,9 @@ async fn require_token(
     ApiFailure(StatusCode::UNAUTHORIZED, e).into_response()
 }
 
+/// The largest request body the daemon API reads (larger: 413).
+const MAX_BODY_BYTES: usize = 16 << 20;
+
 pub(crate) fn router(d: Arc<Daemon>) -> Router {
     Router::new()
         .route("/delegate", post(delegate))
@@ -175,7 +190,7 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
         ))
         .route("/health", get(|| async { Json(HealthResponse::ok()) }))
         .with_state(d)
-        .layer(axum::extract::DefaultBodyLimit::max(16 << 20))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
 }
 
 async fn delegate(
@@ -185,10 +200,12 @@ async fn delegate(
 ) -> Result<Json<DelegateResponse>, ApiFailure> {
     let Json(value) = body.map_err(|rej| {
         let mut f = bad_json(rej);
-        f.1.error = format!(
-            "{} (required fields: executorUrl, environment, task)",
-            f.1.error
-        );
+        if f.0 == StatusCode::BAD_REQUEST {
+            f.1.error = format!(
+                "{} (required fields: executorUrl, environment, task)",
+                f.1.error
+            );
+        }
         f
     })?;
     // The reference's check and message, first.

@@ -81,7 +81,9 @@ impl Daemon {
                          or the awcpfs transport."
                     )),
                 },
-                archive::ArchiveError::Sensitive { files } => super::admission::sensitive(files),
+                archive::ArchiveError::Sensitive { files } => {
+                    super::admission::sensitive(files, &self.cfg.sensitive)
+                }
                 _ => Refusal::bad(
                     ErrorCode::WorkspaceInvalid,
                     format!("cannot pack the workspace: {e}"),

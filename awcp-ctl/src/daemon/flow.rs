@@ -134,9 +134,12 @@ impl Daemon {
     /// `POST /delegate`; `progress` counts the manifest builds for a progress bar.
     pub(crate) async fn delegate(
         self: &Arc<Self>,
-        req: DelegateRequest,
+        mut req: DelegateRequest,
         progress: Arc<super::progress::Progress>,
     ) -> Result<DelegationId, Refusal> {
+        if req.transport.is_none() {
+            req.transport = Some(self.choose_transport(&req).await);
+        }
         if req.transport == Some(TransportType::Archive) {
             return self.delegate_archive(req, progress).await;
         }
@@ -776,6 +779,46 @@ impl Daemon {
             .and_then(|d| d.mount)
     }
 
+    /// The transport for a request that names none: `--default-transport` if set, else
+    /// what the Executor's `GET /awcp/status` says it serves. Ours lists `transports`
+    /// (`awcpfs` preferred); a reference Executor lists none (or has no such route, 404)
+    /// and serves only `archive`. When the Executor cannot be asked (unreachable, 401, a
+    /// body that is not a status), `awcpfs`: INVITE then reports the real problem.
+    pub(crate) async fn choose_transport(&self, req: &DelegateRequest) -> TransportType {
+        if let Some(t) = self.cfg.default_transport {
+            return t;
+        }
+        let token = req.auth.as_ref().map(|a| a.credential.as_str());
+        let rb = self
+            .http
+            .get(format!("{}/status", awcp_base(&req.executor_url)));
+        let chosen = match with_token(rb, token)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+        {
+            Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => TransportType::Archive,
+            Ok(r) if r.status().is_success() => {
+                match r.json::<awcp_protocol::api::ExecutorStatus>().await {
+                    Ok(st) => match st.transports {
+                        Some(t) if t.contains(&TransportType::Awcpfs) => TransportType::Awcpfs,
+                        Some(t) if t.contains(&TransportType::Archive) => TransportType::Archive,
+                        Some(_) => TransportType::Awcpfs,
+                        None => TransportType::Archive,
+                    },
+                    Err(_) => TransportType::Awcpfs,
+                }
+            }
+            _ => TransportType::Awcpfs,
+        };
+        tracing::info!(
+            executor = %req.executor_url,
+            transport = chosen.as_str(),
+            "no transport requested; chose what the Executor serves"
+        );
+        chosen
+    }
+
     /// Renew the lease by `ttl`.
     pub(crate) fn renew(&self, id: &str, ttl: Duration) -> Result<String, Refusal> {
         let live = self.get_live(id).ok_or_else(|| Refusal {
@@ -877,16 +920,17 @@ impl Daemon {
             .resources
             .iter()
             .find(|s| s.name == r.name);
-        let filter = spec
-            .map(|s| super::admission::export_filter(self.resource_filter(s, &r.source), false).0);
+        let filter = spec.map(|s| self.resource_filter(s, &r.source));
         let exports = self.exports.clone();
         let (eid, tok, l) = (r.export_id.clone(), d.token.clone(), lease.clone());
-        Ok(
-            tokio::task::spawn_blocking(move || {
-                exports.register_filtered(eid, tok, cfg, l, filter)
-            })
-            .await??,
-        )
+        let root = r.source.clone();
+        Ok(tokio::task::spawn_blocking(move || {
+            // As when it was first registered: what git tracks is withheld, not left out.
+            let filter =
+                filter.map(|f| super::admission::export_filter_withholding(f, &root, false).0);
+            exports.register_filtered(eid, tok, cfg, l, filter)
+        })
+        .await??)
     }
 
     /// Reload persisted delegations: ended ones for history, live ones with their exports

@@ -161,21 +161,30 @@ impl Daemon {
             block_size: self.cfg.block_size,
             staging_dir: self.cfg.state_dir.join("staging").join(eid),
         };
-        let (filter, hits) =
-            super::admission::export_filter(self.resource_filter(resource, source), true);
+        let filter = self.resource_filter(resource, source);
         let exports = self.exports.clone();
-        let (eid, etoken, elease, p) = (
+        let (eid, etoken, elease, p, root) = (
             eid.to_string(),
             token.to_string(),
             lease.clone(),
             progress.clone(),
+            source.to_path_buf(),
         );
-        let export = tokio::task::spawn_blocking(move || {
-            exports.register_with_progress(eid, etoken, export_cfg, elease, Some(filter), Some(p))
+        let (export, hits) = tokio::task::spawn_blocking(move || {
+            let (filter, hits) = super::admission::export_filter_withholding(filter, &root, true);
+            let export = exports.register_with_progress(
+                eid,
+                etoken,
+                export_cfg,
+                elease,
+                Some(filter),
+                Some(p),
+            );
+            (export, hits)
         })
         .await
-        .map_err(|e| Refusal::internal(format!("building the manifest panicked: {e}")))?
-        .map_err(|e| {
+        .map_err(|e| Refusal::internal(format!("building the manifest panicked: {e}")))?;
+        let export = export.map_err(|e| {
             let hint = match &e {
                 awcpfs::export::ExportError::StagingInsideRoot { .. } => {
                     "The daemon's --state-dir is inside the workspace; restart \
@@ -191,7 +200,7 @@ impl Daemon {
         })?;
         let admitted = match hits.take().as_slice() {
             [] => super::admission::check_limits(export.manifest(), &self.cfg.awcpfs_limits),
-            files => Err(super::admission::sensitive(files)),
+            files => Err(super::admission::sensitive(files, &self.cfg.sensitive)),
         };
         if let Err(refusal) = admitted {
             self.exports.remove(export.id());

@@ -44,20 +44,27 @@ impl Daemon {
         }]);
     }
 
-    /// Close the current round in the record with its result.
+    /// Close the current round in the record with its result. When every round has already
+    /// ended (a `done` answering CLOSE), the delegation's result stays the last round's: the
+    /// reference Executor's "Session closed by delegator" says nothing the agent did.
     pub(crate) fn end_round(&self, live: &Live, summary: &str, highlights: Option<Vec<String>>) {
         let mut d = live.d.lock();
         let result = ResultSummary {
             summary: summary.to_string(),
             highlights,
         };
-        if let Some(r) = d.record.rounds.as_mut().and_then(|r| r.last_mut())
-            && r.completed_at.is_none()
-        {
-            r.completed_at = Some(crate::now_iso());
-            r.result = Some(result.clone());
+        let rounds_ended = match d.record.rounds.as_mut().and_then(|r| r.last_mut()) {
+            Some(r) if r.completed_at.is_none() => {
+                r.completed_at = Some(crate::now_iso());
+                r.result = Some(result.clone());
+                false
+            }
+            Some(r) => r.result.is_some(),
+            None => false,
+        };
+        if !rounds_ended || d.record.result.is_none() {
+            d.record.result = Some(result);
         }
-        d.record.result = Some(result);
         drop(d);
         // Staged mode: the round's changes show up as a pending snapshot.
         self.refresh_staged(live);

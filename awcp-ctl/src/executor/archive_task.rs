@@ -164,6 +164,34 @@ pub(super) async fn run(
     }
 }
 
+/// Where the agent runs: with one resource, that resource's directory
+/// (`<workPath>/<name>`, the reference's layout), so the agent's working directory is the
+/// workspace, as with `awcpfs`; with several, the work directory holding one directory per
+/// resource.
+fn agent_dir(a: &Assignment) -> std::path::PathBuf {
+    // Only a plain name (one normal path component) may choose a directory below the work
+    // directory; anything else (`..`, `a/b`) keeps the agent in the work directory.
+    let plain = |name: &str| {
+        let mut c = std::path::Path::new(name).components();
+        matches!(
+            (c.next(), c.next()),
+            (Some(std::path::Component::Normal(_)), None)
+        ) && !name.contains('/')
+    };
+    match a.invite.environment.resources.as_slice() {
+        [one] if plain(&one.name) => {
+            let dir = a.work_path.join(&one.name);
+            // A resource with no files has no entries in the zip, hence no directory yet.
+            if let Err(e) = std::fs::create_dir_all(&dir) {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot create the resource directory; the agent runs in the work directory");
+                return a.work_path.clone();
+            }
+            dir
+        }
+        _ => a.work_path.clone(),
+    }
+}
+
 /// How an archive task ends.
 enum End {
     Done(String, Option<DoneSnapshot>),
@@ -186,8 +214,9 @@ async fn run_rounds(
         )
     };
     let cancelled = || End::Error(ErrorCode::Cancelled, "Delegation cancelled".into(), None);
+    let cwd = agent_dir(a);
     loop {
-        let mut agent = match spawn_agent(ex, a, &a.work_path) {
+        let mut agent = match spawn_agent(ex, a, &cwd) {
             Ok(agent) => agent,
             Err(e) => {
                 return End::Error(

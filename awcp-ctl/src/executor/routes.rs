@@ -100,13 +100,14 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
     let msg = match awcp_protocol::parse_message(&body) {
         Ok(m) => m,
         Err(e) if e.is_unknown_type() => {
-            // The reference throws on an unknown `type`: 500 with its message.
+            // An unknown `type` is the client's mistake: 400 (the reference throws, 500),
+            // with the reference's message.
             let kind = serde_json::from_slice::<serde_json::Value>(&body)
                 .ok()
                 .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
                 .unwrap_or_default();
             return fail(
-                StatusCode::INTERNAL_SERVER_ERROR,
+                StatusCode::BAD_REQUEST,
                 format!("Unexpected message type: {kind}"),
             );
         }
@@ -124,10 +125,11 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
     match msg {
         AwcpMessage::Invite(inv) => Json(invite(&ex, inv, &headers)).into_response(),
         AwcpMessage::Start(start) => {
-            // The reference answers an unknown id or a START in the wrong state with 500.
+            // An unknown id: 404 (the reference: 500). A START in the wrong state: 500,
+            // with the reference's message.
             let Some(a) = ex.tasks.lock().get(&id).cloned() else {
                 return fail(
-                    StatusCode::INTERNAL_SERVER_ERROR,
+                    StatusCode::NOT_FOUND,
                     format!("Unknown delegation for START: {id}"),
                 );
             };
@@ -147,10 +149,7 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
         }
         AwcpMessage::Error(e) => {
             let Some(a) = ex.tasks.lock().get(&id).cloned() else {
-                return fail(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("Unknown delegation: {id}"),
-                );
+                return fail(StatusCode::NOT_FOUND, format!("Unknown delegation: {id}"));
             };
             tracing::warn!(%id, code = e.code.as_str(), message = %e.message, "the delegator sent ERROR");
             if *a.state.lock() == AssignmentState::Pending {
@@ -178,8 +177,9 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
             },
         ),
         AwcpMessage::Close(_) => round_cmd(&ex, &id, "RECEIVE_CLOSE", super::task::RoundCmd::Close),
+        // ACCEPT, DONE: valid messages, but never sent to an Executor.
         other => fail(
-            StatusCode::INTERNAL_SERVER_ERROR,
+            StatusCode::BAD_REQUEST,
             format!("Unexpected message type: {}", other.kind()),
         ),
     }
@@ -189,10 +189,7 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
 /// reference's multi-round branch).
 fn round_cmd(ex: &Executor, id: &str, event: &str, cmd: super::task::RoundCmd) -> Response {
     let Some(a) = ex.tasks.lock().get(id).cloned() else {
-        return fail(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("Unknown delegation: {id}"),
-        );
+        return fail(StatusCode::NOT_FOUND, format!("Unknown delegation: {id}"));
     };
     {
         // Checked and moved on under the lock, so two CONTINUEs cannot both pass.
@@ -400,21 +397,23 @@ async fn events(
     let live = BroadcastStream::new(rx)
         .filter_map(move |r| std::future::ready(r.ok().filter(|(i, _)| *i > last)))
         .take(if done { 0 } else { usize::MAX });
-    let stream = futures::stream::iter(backlog)
-        .chain(live)
-        .scan(false, |ended, item| {
-            if *ended {
-                return std::future::ready(None);
-            }
-            *ended = item.1.is_terminal();
-            std::future::ready(Some(item))
-        })
-        .map(|(i, ev)| {
-            Ok(Event::default()
-                .id(i.to_string())
-                .json_data(&ev)
-                .unwrap_or_default())
-        });
+    // End right after `done`/`error`, without waiting for another item: the live part has
+    // no next item until the ack drops the assignment, which kept the stream open until then.
+    let events = futures::stream::iter(backlog).chain(live).boxed();
+    let stream = futures::stream::unfold((events, false), |(mut events, ended)| async move {
+        if ended {
+            return None;
+        }
+        let item = events.next().await?;
+        let end = item.1.is_terminal();
+        Some((item, (events, end)))
+    })
+    .map(|(i, ev)| {
+        Ok(Event::default()
+            .id(i.to_string())
+            .json_data(&ev)
+            .unwrap_or_default())
+    });
     sse_response(stream.boxed())
 }
 
@@ -604,6 +603,7 @@ async fn status(State(ex): State<Arc<Executor>>) -> Json<ExecutorStatus> {
         active_delegations: 0,
         completed_delegations: 0,
         delegations: Vec::new(),
+        transports: Some(ex.cfg.transports.clone()),
     };
     for (_, a) in tasks {
         match *a.state.lock() {

@@ -405,7 +405,9 @@ pub(super) fn start_round(a: &Assignment, task: TaskSpec, round: u32) {
     ));
 }
 
-/// CLOSE: `idle → completed`, and `done` as the reference words it.
+/// CLOSE: `idle → completed`, and `done` with the last round's summary (so `/result` keeps
+/// what the agent reported; the reference's "Session closed by delegator" only when no round
+/// reported anything).
 pub(super) fn close_session(a: &Assignment) {
     {
         let mut st = a.state.lock();
@@ -413,7 +415,15 @@ pub(super) fn close_session(a: &Assignment) {
             *st = next;
         }
     }
-    finish_done(a, "Session closed by delegator".into(), None);
+    let last = a.backlog.lock().iter().rev().find_map(|(_, ev)| match ev {
+        TaskEvent::RoundDone(r) => Some(r.summary.clone()),
+        _ => None,
+    });
+    finish_done(
+        a,
+        last.unwrap_or_else(|| "Session closed by delegator".into()),
+        None,
+    );
 }
 
 /// Run the task of `start` to its end.

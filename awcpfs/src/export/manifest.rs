@@ -322,7 +322,17 @@ fn walk_with(
     let mut entries = Vec::with_capacity(all.entries.len());
     for ((mut e, h), stamp) in all.entries.into_iter().zip(all.hashes).zip(all.stamps) {
         if e.kind == EntryKind::File {
-            let Some(mut h) = h else { continue };
+            let Some(mut h) = h else {
+                // Withheld files have no hashes by design; other files without them failed.
+                if params
+                    .filter
+                    .as_ref()
+                    .is_some_and(|f| f.withholds(&rawname::lossy(&e.path), false))
+                {
+                    entries.push(e);
+                }
+                continue;
+            };
             e.xattrs = std::mem::take(&mut h.xattrs);
             let path: Arc<str> = Arc::from(e.path.as_str());
             if let Some(stamp) = stamp {
@@ -664,13 +674,20 @@ impl Walker<'_> {
 
     fn visit(&mut self, dir: &Dir, name: &OsStr, rel: &str, depth: usize) -> io::Result<()> {
         let st = fstatat(dir.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW)?;
-        // Hidden paths are left out (parents were checked on the way down).
+        // Hidden paths are left out (parents were checked on the way down), unless the
+        // filter withholds them: listed, content left out (see `PathFilter`).
         let is_dir = NodeKind::of(&st) == NodeKind::Dir;
-        if self
-            .filter
-            .as_ref()
-            .is_some_and(|f| !(f.0)(&rawname::lossy(rel), is_dir))
-        {
+        let withheld = match &self.filter {
+            Some(f) if !f.shows_entry(&rawname::lossy(rel), is_dir) => {
+                if !f.withholds(&rawname::lossy(rel), is_dir) {
+                    return Ok(());
+                }
+                true
+            }
+            _ => false,
+        };
+        if withheld && !matches!(NodeKind::of(&st), NodeKind::File | NodeKind::Dir) {
+            // Only files and directories are withheld; anything else stays left out.
             return Ok(());
         }
         match NodeKind::of(&st) {
@@ -712,6 +729,24 @@ impl Walker<'_> {
                     return Ok(());
                 }
                 self.walk_dir(sub, rel, depth + 1)
+            }
+            NodeKind::File if withheld => {
+                // Metadata as the Delegator has it, no content: never opened or hashed.
+                let entry = ManifestEntry {
+                    path: rel.to_owned(),
+                    kind: EntryKind::File,
+                    mode: perm(&st),
+                    size: st.st_size.max(0) as u64,
+                    mtime_ns: mtime_ns(&st),
+                    hash: None,
+                    blocks: Vec::new(),
+                    target: None,
+                    ino: Some(st.st_ino),
+                    ctime_ns: Some(ctime_ns(&st)),
+                    xattrs: BTreeMap::new(),
+                };
+                self.out.push(entry, None, None);
+                Ok(())
             }
             NodeKind::File => {
                 let cached = self.cache.and_then(|c| c.lookup(&st, self.block_size));

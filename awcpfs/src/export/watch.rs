@@ -624,7 +624,7 @@ fn process(export: &Export, cache: Option<&HashCache>, mut pending: Pending) -> 
         if let Some(filter) = &export.filter
             && !rel
                 .match_indices('/')
-                .all(|(end, _)| (filter.0)(&rel[..end], true))
+                .all(|(end, _)| filter.shows_entry(&rel[..end], true))
         {
             continue;
         }

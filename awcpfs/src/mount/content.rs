@@ -319,6 +319,7 @@ impl AwcpFs {
         let (hash, blocks, packed, size) = {
             let table = self.table.lock();
             let node = table.get(ino).ok_or(FsError::NotFound)?;
+            table.refuse_withheld(ino)?;
             match &node.data {
                 Data::Local { .. } => return Ok(()),
                 Data::None => return Err(FsError::IsDir),
@@ -612,7 +613,10 @@ impl AwcpFs {
         let table = self.table.lock();
         let mut out = Vec::new();
         table.walk_nodes(|n| {
-            if n.size <= max_size && matches!(n.data, Data::Remote { packed: None, .. }) {
+            if n.size <= max_size
+                && matches!(n.data, Data::Remote { packed: None, .. })
+                && !table.is_withheld(n.ino)
+            {
                 out.push((n.ino, n.size));
             }
         });
@@ -649,6 +653,7 @@ impl AwcpFs {
     /// `setattr`.
     pub fn setattr(&self, ino: Ino, set: SetAttr) -> Result<FileAttr, FsError> {
         self.check_write()?;
+        self.table.lock().refuse_withheld(ino)?;
         if let Some(size) = set.size {
             let is_file = self.table.lock().get(ino).map(|n| n.kind) == Some(Kind::File);
             if !is_file {
@@ -738,7 +743,11 @@ impl AwcpFs {
         } else {
             self.check()?;
         }
-        let kind = self.table.lock().get(ino).ok_or(FsError::NotFound)?.kind;
+        let kind = {
+            let table = self.table.lock();
+            table.refuse_withheld(ino)?;
+            table.get(ino).ok_or(FsError::NotFound)?.kind
+        };
         if kind != Kind::File {
             return Err(FsError::IsDir);
         }
@@ -936,6 +945,7 @@ impl AwcpFs {
         size: u32,
     ) -> Result<Vec<u8>, FsError> {
         self.check()?;
+        self.table.lock().refuse_withheld(ino)?;
         // One look at the node first: a local file, the usual case, needs neither path.
         if fh == 0
             && self.no_open()

@@ -83,6 +83,10 @@ pub enum FsError {
         /// Which limit.
         what: &'static str,
     },
+    /// The file is present on the Delegator but its content is withheld (excluded or
+    /// sensitive): it cannot be read, written, renamed or removed on the mount.
+    #[error("the Delegator withholds this file (excluded or sensitive)")]
+    Withheld,
     /// Not implemented by awcpfs.
     #[error("{op} is not supported on awcpfs")]
     Unsupported {
@@ -144,6 +148,9 @@ impl FsError {
             FsError::Unsupported { .. } => Errno::EOPNOTSUPP,
             // link(2): "EPERM oldpath is a directory."
             FsError::NoHardLinks => Errno::EPERM,
+            // "Permission denied": the file is there (stat works, git's index matches),
+            // but this mount may not touch it. ENOENT would make it look deleted.
+            FsError::Withheld => Errno::EACCES,
             // getxattr(2)/removexattr(2): "ENODATA The named attribute does not exist".
             FsError::NoAttr => Errno::ENODATA,
             FsError::AttrRange => Errno::ERANGE,

@@ -609,6 +609,7 @@ impl AwcpFs {
         if table.get(ino).map(|n| n.kind) == Some(Kind::Dir) {
             return Err(FsError::IsDir);
         }
+        table.refuse_withheld(ino)?;
         Self::touch_dir(&mut table, parent);
         self.remove_dentry(&mut table, parent, name);
         self.journal(&[Record::Unlink {
@@ -673,6 +674,14 @@ impl AwcpFs {
         let dst = table.child(newparent, newname);
         if dst == Some(src) {
             return Ok(());
+        }
+        // A withheld file stays where the Delegator has it: not moved (nor a directory
+        // holding one), not replaced.
+        for ino in [Some(src), dst].into_iter().flatten() {
+            table.refuse_withheld(ino)?;
+            if table.get(ino).map(|n| n.kind) == Some(Kind::Dir) && table.holds_withheld(ino) {
+                return Err(FsError::Withheld);
+            }
         }
         let mut records = Vec::new();
         if exchange {
@@ -754,6 +763,8 @@ impl AwcpFs {
         if node.kind == Kind::Dir {
             return Err(FsError::NoHardLinks);
         }
+        table.refuse_withheld(ino)?;
+        let node = table.get(ino).ok_or(FsError::NotFound)?;
         if node.unlinked {
             // linkat(2) of an unlinked file (AT_EMPTY_PATH of an O_TMPFILE excepted): ENOENT.
             return Err(FsError::NotFound);
@@ -902,10 +913,8 @@ impl AwcpFs {
         } else {
             self.check()?;
         }
-        self.table
-            .lock()
-            .get(ino)
-            .map(|_| ())
-            .ok_or(FsError::NotFound)
+        let table = self.table.lock();
+        table.get(ino).ok_or(FsError::NotFound)?;
+        table.refuse_withheld(ino)
     }
 }

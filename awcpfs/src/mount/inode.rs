@@ -305,6 +305,10 @@ pub struct InodeTable {
     /// Generation of each directory whose entries changed since the table was built
     /// (absent: 0).
     dir_gens: HashMap<Ino, u64>,
+    /// Files whose content the export withholds (a manifest file entry without a hash: an
+    /// excluded or sensitive file on the Delegator): shown with the Delegator's metadata,
+    /// never read, written, renamed or removed here.
+    withheld: HashSet<Ino>,
 }
 
 impl InodeTable {
@@ -412,6 +416,9 @@ impl InodeTable {
                 Kind::File => Data::remote(e.hash.as_deref(), &e.blocks),
                 _ => Data::None,
             };
+            if kind == Kind::File && e.hash.is_none() {
+                table.withheld.insert(ino);
+            }
             let node = Node {
                 ino,
                 parent,
@@ -729,6 +736,28 @@ impl InodeTable {
     }
 
     /// Whether `anc` is `ino` or one of its ancestors.
+    /// Whether `ino` is a file whose content the export withholds.
+    pub fn is_withheld(&self, ino: Ino) -> bool {
+        self.withheld.contains(&ino)
+    }
+
+    /// Whether a withheld file lies anywhere below the directory `dir`.
+    pub fn holds_withheld(&self, dir: Ino) -> bool {
+        self.withheld.iter().any(|w| {
+            self.nodes
+                .get(w)
+                .is_some_and(|n| !n.unlinked && self.is_ancestor(dir, n.parent))
+        })
+    }
+
+    /// `ino` is a file whose content the export withholds (see [`InodeTable::is_withheld`]).
+    pub fn refuse_withheld(&self, ino: Ino) -> Result<(), super::error::FsError> {
+        if self.is_withheld(ino) {
+            return Err(super::error::FsError::Withheld);
+        }
+        Ok(())
+    }
+
     pub fn is_ancestor(&self, anc: Ino, ino: Ino) -> bool {
         let mut cur = ino;
         loop {

@@ -102,6 +102,7 @@ impl AwcpFs {
         flags: i32,
     ) -> Result<(), FsError> {
         self.check_write()?;
+        self.table.lock().refuse_withheld(ino)?;
         let name = user_name(name)?;
         if value.len() > MAX_XATTR_VALUE {
             return Err(FsError::AttrTooBig {
@@ -149,6 +150,7 @@ impl AwcpFs {
     /// `removexattr`.
     pub fn removexattr(&self, ino: Ino, name: &OsStr) -> Result<(), FsError> {
         self.check_write()?;
+        self.table.lock().refuse_withheld(ino)?;
         let Ok(name) = user_name(name) else {
             return Err(FsError::NoAttr);
         };

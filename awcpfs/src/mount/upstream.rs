@@ -253,6 +253,11 @@ impl Syncer {
                 report.stale += 1;
                 continue;
             }
+            if e.kind == EntryKind::File && e.hash.is_none() {
+                // A withheld file (excluded or sensitive): no content to show; the mount
+                // keeps the metadata it started with.
+                continue;
+            }
             fresh.push(&e.path);
             let (parent_path, name) = match e.path.rsplit_once('/') {
                 Some((p, n)) => (Some(p), n),
