@@ -31,6 +31,7 @@
 //! `tokio::task::spawn_blocking` in async code. The router does its own blocking IO on the
 //! blocking pool.
 
+pub mod aecp;
 mod commit;
 mod error;
 pub mod hashcache;
@@ -282,6 +283,8 @@ pub struct Export {
     feed: watch::ChangeFeed,
     /// Where commits go instead of the tree, once set (staged snapshot mode).
     stage: std::sync::OnceLock<Arc<stage::ChangeStage>>,
+    /// AECP artifact-index events for the mount, and its delivery reports.
+    aecp: aecp::AecpFeed,
 }
 
 impl Export {
@@ -360,6 +363,11 @@ impl Export {
     /// The lease that gates every request.
     pub fn lease(&self) -> &Arc<Lease> {
         &self.lease
+    }
+
+    /// AECP's events for the mounts of this export and their delivery reports.
+    pub fn aecp(&self) -> &aecp::AecpFeed {
+        &self.aecp
     }
 
     /// The served directory.
@@ -465,6 +473,7 @@ impl Export {
             commits: tokio::sync::Mutex::new(commit::CommitLog::default()),
             filter,
             stage: std::sync::OnceLock::new(),
+            aecp: aecp::AecpFeed::default(),
         })
     }
 
@@ -677,6 +686,7 @@ impl ExportRegistry {
             commits: tokio::sync::Mutex::new(commit::CommitLog::default()),
             filter,
             stage: std::sync::OnceLock::new(),
+            aecp: aecp::AecpFeed::default(),
             id: export_id.clone(),
         });
         // Re-check under the write lock: the walk above ran without it.

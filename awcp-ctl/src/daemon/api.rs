@@ -90,7 +90,7 @@ pub struct RenewResponse {
     pub expires_at: String,
 }
 
-struct ApiFailure(StatusCode, ApiError);
+pub(crate) struct ApiFailure(pub(crate) StatusCode, pub(crate) ApiError);
 
 impl IntoResponse for ApiFailure {
     fn into_response(self) -> Response {
@@ -110,7 +110,7 @@ impl From<Refusal> for ApiFailure {
     }
 }
 
-fn bad_json(rej: JsonRejection) -> ApiFailure {
+pub(crate) fn bad_json(rej: JsonRejection) -> ApiFailure {
     let mut e = ApiError::new(format!("malformed request body: {}", rej.body_text()));
     e.hint = Some("Send a JSON body with the fields documented in docs/PROTOCOL.md".into());
     ApiFailure(StatusCode::BAD_REQUEST, e)
@@ -168,6 +168,7 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
         .route("/delegation/{id}/renew", post(renew))
         .route("/delegation/{id}/events", get(events))
         .route("/delegation/{id}/collect", post(collect))
+        .merge(super::aecp::routes())
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
         .layer(axum::middleware::from_fn_with_state(
             d.clone(),

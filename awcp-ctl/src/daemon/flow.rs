@@ -294,6 +294,7 @@ impl Daemon {
         self.live
             .lock()
             .insert(id.as_str().to_string(), live.clone());
+        self.aecp_attach(id.as_str());
         self.record(
             &live,
             WatchEvent::State {
@@ -962,6 +963,7 @@ impl Daemon {
                 },
             });
             self.live.lock().insert(id.clone(), live.clone());
+            self.aecp_attach(&id);
             if !terminal {
                 let d = self.clone();
                 let l = live.clone();

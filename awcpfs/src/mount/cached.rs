@@ -243,6 +243,10 @@ impl Remote for CachedRemote {
     fn events(&self) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError> {
         self.inner.events()
     }
+
+    fn aecp_delivered(&self, report: &serde_json::Value) -> Result<(), RemoteError> {
+        self.inner.aecp_delivered(report)
+    }
 }
 
 #[cfg(test)]

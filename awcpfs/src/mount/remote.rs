@@ -123,6 +123,11 @@ pub trait Remote: Send + Sync {
     /// Open the lease event stream; the iterator ends when the stream does. It also yields
     /// [`StreamItem::KeepAlive`] for comment lines, so a reader can check for shutdown.
     fn events(&self) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError>;
+    /// AECP: report deliveries made on this mount (`POST /aecp/delivered`). A remote
+    /// without AECP accepts and drops them.
+    fn aecp_delivered(&self, _report: &serde_json::Value) -> Result<(), RemoteError> {
+        Ok(())
+    }
 }
 
 /// One item of the export's event stream.
@@ -427,6 +432,15 @@ impl Remote for HttpRemote {
             .map_err(|e| self.map_err(e))?;
         let reader = BufReader::new(resp.into_reader());
         Ok(Box::new(SseEvents { reader }))
+    }
+
+    fn aecp_delivered(&self, report: &serde_json::Value) -> Result<(), RemoteError> {
+        self.agent
+            .post(&format!("{}/aecp/delivered", self.base))
+            .set("Authorization", &self.auth)
+            .send_json(report)
+            .map_err(|e| self.map_err(e))?;
+        Ok(())
     }
 }
 
