@@ -81,6 +81,11 @@ impl WorkerHook {
         (hook, rx)
     }
 
+    /// Whether the replica holds any artifact (the observer does nothing otherwise).
+    pub fn active(&self) -> bool {
+        self.active.load(Ordering::Acquire)
+    }
+
     /// The worker this hook serves.
     pub fn worker(&self) -> &str {
         &self.worker

@@ -221,7 +221,10 @@ pub(super) fn spawn_agent(
         .env("AWCP_WORKSPACE", cwd)
         .env(
             "AECP_SOCKET",
-            ex.cfg.state_dir.join(id).join(awcpfs::mount::aecp::SOCKET_NAME),
+            ex.cfg
+                .state_dir
+                .join(id)
+                .join(awcpfs::mount::aecp::SOCKET_NAME),
         )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -18,7 +18,6 @@
 //!   it is not listed by `listxattr`, so copies and archives do not pick it up.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, SystemTime};
 
@@ -49,8 +48,6 @@ pub struct MountAecp {
     notes: Mutex<Option<mpsc::Receiver<Note>>>,
     /// Virtual paths (relative to `.aecp`, `""` for itself) ↔ inodes.
     virt: Mutex<Virt>,
-    /// Whether any event arrived (the tree exists only on mounts that AECP feeds).
-    fed: AtomicBool,
     uid: u32,
     gid: u32,
 }
@@ -84,7 +81,6 @@ impl MountAecp {
             hook,
             notes: Mutex::new(Some(notes)),
             virt: Mutex::new(virt),
-            fed: AtomicBool::new(false),
             uid,
             gid,
         }
@@ -110,7 +106,6 @@ impl MountAecp {
                 return None;
             }
         };
-        self.fed.store(true, Ordering::Release);
         self.hook.apply(event)
     }
 
@@ -138,7 +133,7 @@ impl MountAecp {
     }
 
     fn hook_active(&self) -> bool {
-        self.fed.load(Ordering::Acquire)
+        self.hook.active()
     }
 
     fn ino_for(&self, path: &str) -> u64 {
@@ -265,7 +260,8 @@ impl MountAecp {
         name: &str,
     ) -> Option<Result<FileAttr, FsError>> {
         let vp = if parent == ROOT_INO && name == AECP_DIR {
-            if !self.hook_active() {
+            // A workspace's own `.aecp` wins (then the tree is not reachable on this mount).
+            if table.child(ROOT_INO, AECP_DIR).is_some() {
                 return None;
             }
             String::new()
@@ -491,4 +487,13 @@ pub fn report(
         }
     }
     let _ = std::fs::remove_file(socket);
+}
+
+/// Answers an `open` of a virtual file: direct I/O (every read reaches [`MountAecp::read`],
+/// so a growing inbox is never cut at a cached size), or the error.
+pub fn reply_open(r: Result<u64, FsError>, reply: fuser::ReplyOpen) {
+    match r {
+        Ok(fh) => reply.opened(fuser::FileHandle(fh), fuser::FopenFlags::FOPEN_DIRECT_IO),
+        Err(e) => reply.error(e.errno()),
+    }
 }
