@@ -3,6 +3,7 @@
 //! 2 usage error (clap), 3 the delegation was cancelled or revoked, 4 its lease expired,
 //! 5 it failed.
 
+mod aecp;
 mod aglx;
 mod bars;
 
@@ -58,6 +59,11 @@ enum Command {
     Executor(ExecutorArgs),
     /// Delegate a directory to an Executor.
     Delegate(DelegateArgs),
+    /// AECP: knowledge artifacts between the workers of a workspace (docs/AECP.md).
+    Aecp {
+        #[command(subcommand)]
+        cmd: aecp::AecpCommand,
+    },
     /// Show delegations (all, or one in detail).
     Status {
         /// Delegation id (`dlg_…`); omit to list all.
@@ -222,6 +228,11 @@ struct ServeArgs {
     /// over the Executor's, as conflicts, at write-back).
     #[arg(long)]
     no_watch: bool,
+    /// AECP: let witnesses run on this machine, in the named sandbox (only `netns`: a new
+    /// network namespace, which needs root). Without it they run only on the worker's
+    /// Executor, in its mount.
+    #[arg(long, value_parser = ["netns"])]
+    aecp_local_witness: Option<String>,
     /// `awcpfs` delegations: largest workspace (all files delegated).
     #[arg(long, default_value = "1024G", value_parser = parse_size)]
     awcpfs_max_bytes: u64,
@@ -401,6 +412,11 @@ struct DelegateArgs {
     /// The Executor's token (its `--token`), sent in INVITE's `auth`.
     #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
     executor_token: Option<String>,
+    /// AECP: the modules this worker owns, as workspace-relative globs (`pkg/**`,
+    /// `pkg/acct.py`; repeatable). Findings about related modules are forwarded to owners.
+    /// Default: it owns the files it writes back.
+    #[arg(long, value_name = "GLOB")]
+    owns: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -567,6 +583,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 DefaultTransport::Awcpfs => Some(TransportType::Awcpfs),
                 DefaultTransport::Archive => Some(TransportType::Archive),
             };
+            cfg.aecp_local_witness = a.aecp_local_witness;
             cfg.awcpfs_limits = awcp_ctl::archive::ScanLimits {
                 max_total_bytes: a.awcpfs_max_bytes,
                 max_files: a.awcpfs_max_files,
@@ -651,6 +668,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             running.stop().await;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Aecp { cmd } => {
+            aecp::run(&client, cli.json, cmd).await?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Delegate(a) => {
             let dir = std::path::absolute(&a.dir)
                 .with_context(|| format!("resolving {}", a.dir.display()))?;
@@ -712,6 +733,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let resp = resp?;
             let id = resp.delegation_id.as_str().to_string();
+            if !a.owns.is_empty() {
+                client
+                    .aecp_owners(&id, &a.owns)
+                    .await
+                    .context("recording --owns")?;
+            }
             if cli.json {
                 println!("{}", serde_json::json!({"delegationId": id}));
             } else {

@@ -1,5 +1,7 @@
 //! A typed client of the daemon API, used by the CLI and the tests.
 
+mod aecp;
+
 use std::time::Duration;
 
 use awcp_protocol::api::{

@@ -15,6 +15,7 @@
 //!    the same way.
 
 mod admission;
+pub mod aecp;
 pub mod api;
 mod archive_flow;
 mod collect;
@@ -88,6 +89,9 @@ pub struct DaemonConfig {
     /// `GET /awcp/status` which transports it serves — ours lists them (`transports`), a
     /// reference Executor does not and gets `archive`, the only one it serves.
     pub default_transport: Option<awcp_protocol::TransportType>,
+    /// AECP witnesses may run on this machine, in the named sandbox (only `netns`: a new
+    /// network namespace). `None`: they run on the worker's Executor only.
+    pub aecp_local_witness: Option<String>,
 }
 
 impl DaemonConfig {
@@ -120,6 +124,7 @@ impl DaemonConfig {
                 .collect(),
             api_token: None,
             watch: true,
+            aecp_local_witness: None,
             idle_timeout: Duration::from_secs(300),
             default_transport: None,
         }
@@ -153,6 +158,8 @@ pub struct Daemon {
     pub(crate) tasks: Mutex<Vec<tokio::task::AbortHandle>>,
     /// AGLX notifications, best effort.
     pub(crate) aglx: Option<crate::aglx::DaemonNotifier>,
+    /// AECP: the artifact store and policy.
+    pub(crate) aecp: aecp::Aecp,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -207,6 +214,13 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating the state directory {}", cfg.state_dir.display()))?;
     let store = Store::open(&cfg.state_dir.join("delegator.db"))?;
+    let aecp = aecp::Aecp {
+        store: Arc::new(aecp_hooks::store::Store::open(
+            &cfg.state_dir.join("delegator.db"),
+        )?),
+        policy: aecp_hooks::policy::Policy::default(),
+        local_witness: cfg.aecp_local_witness.clone(),
+    };
     // Hashes of files unchanged since an earlier delegation are reused, not recomputed.
     let hash_path = cfg.state_dir.join("hashes.bin");
     let hashes =
@@ -254,6 +268,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     };
     let daemon = Arc::new(Daemon {
         aglx,
+        aecp,
         cfg,
         store,
         exports,

@@ -10,6 +10,7 @@
 //! `error`, and unmount. If the lease ends first (revoke, expiry, AWCP cancel), the mount
 //! fences itself, the agent's process group is killed, and the task ends in `error`.
 
+mod aecp;
 mod archive_task;
 mod mounts;
 mod routes;

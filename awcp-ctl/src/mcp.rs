@@ -2,10 +2,13 @@
 //! reference's tools and parameters (`delegate`, `delegate_output`, `delegate_cancel`,
 //! `delegate_snapshots`, `delegate_apply_snapshot`, `delegate_discard_snapshot`,
 //! `delegate_recover`, `delegate_continue`, `delegate_close`) plus ours (`delegate_revoke`,
-//! `delegate_renew`, `delegate_status`).
+//! `delegate_renew`, `delegate_status`, and AECP's `aecp_publish`, `aecp_flag`,
+//! `aecp_lookup`, `aecp_inbox`: `mcp/aecp.rs`).
 //!
 //! stdout carries the protocol only: logs go to stderr. Every tool answers with one text
 //! block holding JSON (the daemon's answer, or `{"error", "hint"?}` with `isError`).
+
+mod aecp;
 
 use std::time::Duration;
 
@@ -191,7 +194,7 @@ impl AwcpMcp {
     pub fn new(client: DaemonClient) -> Self {
         AwcpMcp {
             client,
-            tool_router: Self::tool_router(),
+            tool_router: Self::tool_router() + Self::aecp_router(),
         }
     }
 
@@ -425,7 +428,7 @@ impl AwcpMcp {
     }
 }
 
-#[tool_handler]
+#[tool_handler(router = self.tool_router)]
 impl ServerHandler for AwcpMcp {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(

@@ -120,6 +120,10 @@ async fn an_mcp_client_delegates_and_reads_the_result_over_stdio() {
     assert_eq!(
         names,
         vec![
+            "aecp_flag",
+            "aecp_inbox",
+            "aecp_lookup",
+            "aecp_publish",
             "delegate",
             "delegate_apply_snapshot",
             "delegate_cancel",
@@ -191,6 +195,22 @@ async fn an_mcp_client_delegates_and_reads_the_result_over_stdio() {
     assert_eq!(v["state"], "completed");
     let (v, _) = c.tool("delegate_status", json!({})).await;
     assert_eq!(v["delegations"][0]["id"], id);
+    // AECP's tools reach the daemon: the delegation is a worker with an empty inbox and no
+    // findings; an unknown worker is an error that says what a worker is.
+    let (v, err) = c.tool("aecp_inbox", json!({"worker": id})).await;
+    assert!(!err, "{v}");
+    assert_eq!(v, json!([]));
+    let (v, err) = c
+        .tool("aecp_lookup", json!({"worker": id, "path": "a.txt"}))
+        .await;
+    assert!(!err, "{v}");
+    assert_eq!(v, json!([]));
+    let (v, err) = c.tool("aecp_inbox", json!({"worker": "dlg_nope"})).await;
+    assert!(err);
+    assert!(
+        v["error"].as_str().unwrap().contains("unknown worker"),
+        "{v}"
+    );
     let (v, _) = c
         .tool("delegate_snapshots", json!({"delegation_id": id}))
         .await;

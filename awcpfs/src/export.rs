@@ -31,6 +31,7 @@
 //! `tokio::task::spawn_blocking` in async code. The router does its own blocking IO on the
 //! blocking pool.
 
+pub mod aecp;
 mod commit;
 mod error;
 pub mod hashcache;
@@ -323,6 +324,8 @@ pub struct Export {
     feed: watch::ChangeFeed,
     /// Where commits go instead of the tree, once set (staged snapshot mode).
     stage: std::sync::OnceLock<Arc<stage::ChangeStage>>,
+    /// AECP artifact-index events for the mount, and its delivery reports.
+    aecp: aecp::AecpFeed,
 }
 
 impl Export {
@@ -401,6 +404,11 @@ impl Export {
     /// The lease that gates every request.
     pub fn lease(&self) -> &Arc<Lease> {
         &self.lease
+    }
+
+    /// AECP's events for the mounts of this export and their delivery reports.
+    pub fn aecp(&self) -> &aecp::AecpFeed {
+        &self.aecp
     }
 
     /// The served directory.
@@ -506,6 +514,7 @@ impl Export {
             commits: Arc::new(tokio::sync::Mutex::new(commit::CommitLog::default())),
             filter,
             stage: std::sync::OnceLock::new(),
+            aecp: aecp::AecpFeed::default(),
         })
     }
 
@@ -725,6 +734,7 @@ impl ExportRegistry {
             commits: Arc::new(tokio::sync::Mutex::new(commits)),
             filter,
             stage: std::sync::OnceLock::new(),
+            aecp: aecp::AecpFeed::default(),
             id: export_id.clone(),
         });
         // Re-check under the write lock: the walk above ran without it.

@@ -8,6 +8,7 @@
 //! * [`inode`], [`journal`], [`sync`] — the namespace, its durable log, and write-back;
 //! * [`remote`] — the data-plane client behind a trait.
 
+pub mod aecp;
 pub mod budget;
 pub mod cached;
 pub mod content;

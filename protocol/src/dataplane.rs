@@ -345,6 +345,13 @@ pub enum ExportEvent {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         removed: Vec<String>,
     },
+    /// AECP: one change to the mount's replica of its workspace's artifact index (an
+    /// `aecp_hooks::index::IndexEvent`, kept opaque here). All of them are sent on connect
+    /// (catch-up), then each as it happens.
+    Aecp {
+        /// The index event.
+        event: serde_json::Value,
+    },
 }
 
 /// Error body of every refused data-plane request.

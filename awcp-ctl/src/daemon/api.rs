@@ -90,7 +90,7 @@ pub struct RenewResponse {
     pub expires_at: String,
 }
 
-struct ApiFailure(StatusCode, ApiError);
+pub(crate) struct ApiFailure(pub(crate) StatusCode, pub(crate) ApiError);
 
 impl IntoResponse for ApiFailure {
     fn into_response(self) -> Response {
@@ -110,7 +110,7 @@ impl From<Refusal> for ApiFailure {
     }
 }
 
-fn bad_json(rej: JsonRejection) -> ApiFailure {
+pub(crate) fn bad_json(rej: JsonRejection) -> ApiFailure {
     if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
         let mut e = ApiError::new(format!(
             "request body too large: the daemon accepts at most {} MiB",
@@ -183,6 +183,7 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
         .route("/delegation/{id}/renew", post(renew))
         .route("/delegation/{id}/events", get(events))
         .route("/delegation/{id}/collect", post(collect))
+        .merge(super::aecp::routes())
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
         .layer(axum::middleware::from_fn_with_state(
             d.clone(),

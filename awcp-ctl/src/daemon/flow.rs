@@ -297,6 +297,7 @@ impl Daemon {
         self.live
             .lock()
             .insert(id.as_str().to_string(), live.clone());
+        self.aecp_attach(id.as_str());
         self.record(
             &live,
             WatchEvent::State {
@@ -1006,6 +1007,7 @@ impl Daemon {
                 },
             });
             self.live.lock().insert(id.clone(), live.clone());
+            self.aecp_attach(&id);
             if !terminal {
                 let d = self.clone();
                 let l = live.clone();

@@ -78,6 +78,7 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
         )
         .route("/awcp/cancel/{id}", post(cancel))
         .route("/awcp/status", get(status))
+        .route("/awcp/tasks/{id}/aecp/witness", post(super::aecp::witness))
         .route_layer(axum::middleware::from_fn_with_state(
             ex.clone(),
             require_token,

@@ -219,6 +219,13 @@ pub(super) fn spawn_agent(
                 .to_string(),
         )
         .env("AWCP_WORKSPACE", cwd)
+        .env(
+            "AECP_SOCKET",
+            ex.cfg
+                .state_dir
+                .join(id)
+                .join(awcpfs::mount::aecp::SOCKET_NAME),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -79,6 +79,7 @@ pub(crate) fn router(reg: ExportRegistry) -> Router {
         .route("/v1/exports/{id}/blocks", post(blocks))
         .route("/v1/exports/{id}/events", get(events))
         .route("/v1/exports/{id}/renew", post(renew))
+        .route("/v1/exports/{id}/aecp/delivered", post(aecp_delivered))
         .route_layer(from_fn_with_state((reg.clone(), Gate::Read), gate));
     let flush = Router::new()
         .route("/v1/exports/{id}/missing", post(missing))
@@ -468,6 +469,9 @@ struct EventStream {
     export: Arc<Export>,
     lease: tokio::sync::watch::Receiver<LeaseSnapshot>,
     changes: tokio::sync::watch::Receiver<u64>,
+    /// AECP index events (see `export/aecp.rs`) and how far this stream sent them.
+    aecp: tokio::sync::watch::Receiver<u64>,
+    aecp_sent: super::aecp::Cursor,
     /// Events ready to send, as JSON.
     queue: std::collections::VecDeque<String>,
     /// The change feed's sequence number this stream has sent up to.
@@ -497,6 +501,35 @@ impl EventStream {
             }
         }
     }
+
+    fn queue_aecp(&mut self) {
+        self.aecp.mark_unchanged();
+        let (events, cursor) = self.export.aecp().since(self.aecp_sent);
+        self.aecp_sent = cursor;
+        for event in events {
+            if let Ok(json) = serde_json::to_string(&ExportEvent::Aecp { event }) {
+                self.queue.push_back(json);
+            }
+        }
+    }
+}
+
+/// `POST /aecp/delivered`: a mount reports the AECP deliveries it made (a JSON array);
+/// handed to the daemon's sink. 404 when AECP is off for this export.
+async fn aecp_delivered(Extension(export): Extension<Arc<Export>>, req: Request) -> Response {
+    let body = match read_body(req, 1 << 20).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let report: serde_json::Value = match parse_json("aecp/delivered", &body) {
+        Ok(v) => v,
+        Err(e) => return e.into_response(),
+    };
+    if export.aecp().delivered(report) {
+        axum::http::StatusCode::NO_CONTENT.into_response()
+    } else {
+        axum::http::StatusCode::NOT_FOUND.into_response()
+    }
 }
 
 /// One `lease` event now, then every change recorded after sequence `since` (`changed`
@@ -507,6 +540,8 @@ fn export_events(export: Arc<Export>, since: u64) -> impl Stream<Item = Result<E
     let s = EventStream {
         lease: export.lease().subscribe(),
         changes: export.feed.subscribe(),
+        aecp: export.aecp().subscribe(),
+        aecp_sent: super::aecp::Cursor::default(),
         export,
         queue: std::collections::VecDeque::new(),
         sent: since,
@@ -526,6 +561,7 @@ fn export_events(export: Arc<Export>, since: u64) -> impl Stream<Item = Result<E
                 s.queue_lease();
                 if !s.done {
                     s.queue_changes();
+                    s.queue_aecp();
                 }
                 continue;
             }
@@ -535,6 +571,11 @@ fn export_events(export: Arc<Export>, since: u64) -> impl Stream<Item = Result<E
                 changed = s.changes.changed() => {
                     if changed.is_ok() {
                         s.queue_changes();
+                    }
+                }
+                changed = s.aecp.changed() => {
+                    if changed.is_ok() {
+                        s.queue_aecp();
                     }
                 }
             }

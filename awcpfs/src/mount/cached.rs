@@ -250,6 +250,10 @@ impl Remote for CachedRemote {
     ) -> Result<Box<dyn Iterator<Item = StreamItem> + Send>, RemoteError> {
         self.inner.events_since(since)
     }
+
+    fn aecp_delivered(&self, report: &serde_json::Value) -> Result<(), RemoteError> {
+        self.inner.aecp_delivered(report)
+    }
 }
 
 #[cfg(test)]

@@ -120,6 +120,8 @@ pub struct AwcpFs {
     pub(super) streams: Mutex<HashMap<Ino, Arc<super::content::Stream>>>,
     /// Copies of remote files fetched for reading (`upper/.pack`).
     pub(super) pack: super::pack::Pack,
+    /// AECP: the access observer and the `.aecp/` tree (`mount/aecp.rs`).
+    pub(super) aecp: super::aecp::MountAecp,
 }
 
 /// Writes without a handle (no-open) to one file: how many are under way, and when the
@@ -222,8 +224,14 @@ impl AwcpFs {
             recent_writes: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             pack: super::pack::Pack::new(opts.upper_dir.join(".pack"), pack_limit),
+            aecp: super::aecp::MountAecp::new(opts.uid, opts.gid),
             opts,
         }
+    }
+
+    /// AECP's side of this mount.
+    pub fn aecp(&self) -> &super::aecp::MountAecp {
+        &self.aecp
     }
 
     /// The kernel opens files without asking from now on (it was answered `ENOSYS`).
@@ -488,12 +496,16 @@ impl AwcpFs {
         self.check()?;
         let name = rawname::from_os(name);
         let table = self.table.lock();
+        if let Some(r) = self.aecp.lookup(&table, parent, &name) {
+            return r;
+        }
         let dir = table.get(parent).ok_or(FsError::NotFound)?;
         if dir.kind != Kind::Dir {
             return Err(FsError::NotDir);
         }
         let ino = table.child(parent, &name).ok_or(FsError::NotFound)?;
         let node = table.get(ino).ok_or(FsError::NotFound)?;
+        self.aecp.observe(&table, ino);
         Ok(self.attr_of(node))
     }
 
@@ -502,6 +514,9 @@ impl AwcpFs {
     pub fn getattr(&self, ino: Ino) -> Result<FileAttr, FsError> {
         self.check()?;
         let mut table = self.table.lock();
+        if let Some(r) = self.aecp.getattr(&table, ino) {
+            return r;
+        }
         let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
         if node.open_writers > 0
             && matches!(node.data, Data::Local { .. })
@@ -811,6 +826,9 @@ impl AwcpFs {
         offset: u64,
     ) -> Result<(Arc<Vec<DirEntry>>, u64, usize), FsError> {
         let (want_gen, index) = ((offset >> 32) as u32, (offset & 0xffff_ffff) as usize);
+        if let Some(r) = self.aecp.listing(&self.table.lock(), ino) {
+            return r.map(|e| (Arc::new(e), 0, index));
+        }
         if offset != 0 {
             self.check()?;
             if let Some(s) = self.dir_snaps.lock().get(&ino)
@@ -852,6 +870,9 @@ impl AwcpFs {
     /// Read directory `ino`: `.`, `..`, then its children.
     fn build_listing(&self, ino: Ino) -> Result<Vec<DirEntry>, FsError> {
         self.check()?;
+        if let Some(r) = self.aecp.listing(&self.table.lock(), ino) {
+            return r;
+        }
         Self::listing_of(&self.table.lock(), ino)
     }
 
@@ -908,6 +929,9 @@ impl AwcpFs {
     /// `access`: permission bits are checked by the kernel (`default_permissions`); this
     /// adds the fence and the read-only delegation.
     pub fn access(&self, ino: Ino, write: bool) -> Result<(), FsError> {
+        if let Some(r) = self.aecp.open(ino, write) {
+            return r.map(drop);
+        }
         if write {
             self.check_write()?;
         } else {

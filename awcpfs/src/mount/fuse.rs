@@ -114,6 +114,16 @@ impl FuseAdapter {
         }
     }
 
+    /// The kernel's cache time for `ino`: none for AECP's virtual files, whose content
+    /// changes without a write.
+    fn ttl_of(ttl: Duration, ino: u64) -> Duration {
+        if crate::mount::aecp::MountAecp::is_virtual(ino) {
+            Duration::ZERO
+        } else {
+            ttl
+        }
+    }
+
     /// Whether files are opened with FUSE passthrough.
     pub fn passthrough(&self) -> bool {
         self.passthrough.load(Ordering::Relaxed)
@@ -294,7 +304,7 @@ impl Filesystem for FuseAdapter {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         self.fs.stats().count_op("lookup");
         match self.fs.lookup(parent.0, name) {
-            Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
+            Ok(attr) => reply.entry(&Self::ttl_of(self.ttl, attr.ino.0), &attr, Generation(0)),
             Err(crate::mount::FsError::NotFound) => {
                 reply.entry(&self.ttl, &Self::negative_attr(), Generation(0))
             }
@@ -305,7 +315,7 @@ impl Filesystem for FuseAdapter {
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         self.fs.stats().count_op("getattr");
         match self.fs.getattr(ino.0) {
-            Ok(attr) => reply.attr(&self.ttl, &attr),
+            Ok(attr) => reply.attr(&Self::ttl_of(self.ttl, ino.0), &attr),
             Err(e) => reply_err!(reply, "getattr", e),
         }
     }
@@ -471,6 +481,13 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         self.fs.stats().count_op("open");
+        if let Some(r) = self
+            .fs
+            .aecp()
+            .open(ino.0, OpenMode::from_flags(flags.0).write)
+        {
+            return crate::mount::aecp::reply_open(r, reply);
+        }
         if self.no_open {
             // "Open files yourself from now on": this open succeeds with handle 0, and no
             // further open, flush or release of an existing file is sent.

@@ -70,6 +70,12 @@ impl AwcpFs {
     pub fn getxattr(&self, ino: Ino, name: &OsStr, size: u32) -> Result<XattrReply, FsError> {
         self.check()?;
         let table = self.table.lock();
+        if let Some(r) = self
+            .aecp
+            .getxattr(&table, ino, &name.to_string_lossy(), size)
+        {
+            return r;
+        }
         let node = table.get(ino).ok_or(FsError::NotFound)?;
         // Any other namespace simply has no attributes (what tools probing for ACLs or
         // SELinux labels expect from a filesystem without them).

@@ -133,6 +133,12 @@ pub trait Remote: Send + Sync {
         let _ = since;
         self.events()
     }
+
+    /// AECP: report deliveries made on this mount (`POST /aecp/delivered`). A remote
+    /// without AECP accepts and drops them.
+    fn aecp_delivered(&self, _report: &serde_json::Value) -> Result<(), RemoteError> {
+        Ok(())
+    }
 }
 
 /// One item of the export's event stream.
@@ -449,6 +455,15 @@ impl Remote for HttpRemote {
             .map_err(|e| self.map_err(e))?;
         let reader = BufReader::new(resp.into_reader());
         Ok(Box::new(SseEvents { reader }))
+    }
+
+    fn aecp_delivered(&self, report: &serde_json::Value) -> Result<(), RemoteError> {
+        self.agent
+            .post(&format!("{}/aecp/delivered", self.base))
+            .set("Authorization", &self.auth)
+            .send_json(report)
+            .map_err(|e| self.map_err(e))?;
+        Ok(())
     }
 }
 

@@ -502,6 +502,20 @@ impl Mount {
         }
         let m = self.clone();
         std::thread::Builder::new()
+            .name("awcpfs-aecp".into())
+            .spawn(move || {
+                let socket = m.inner.cfg.state_dir.join(super::aecp::SOCKET_NAME);
+                let invalidate = || {
+                    if let Some(s) = m.inner.session.lock().as_ref() {
+                        super::aecp::invalidate(&m.inner.fs, &s.notifier(), None);
+                    }
+                };
+                let ended = || m.wait(super::aecp::REPORT_EVERY).is_some();
+                super::aecp::report(&m.inner.fs, &*m.inner.remote, &socket, invalidate, ended);
+            })
+            .expect("spawning a thread");
+        let m = self.clone();
+        std::thread::Builder::new()
             .name("awcpfs-status".into())
             .spawn(move || {
                 while m.wait(Duration::from_millis(500)).is_none() {
@@ -665,6 +679,10 @@ impl Mount {
                                     latest = seq;
                                 }
                                 self.apply_upstream(seq, &entries, &removed);
+                                continue;
+                            }
+                            StreamItem::Event(ExportEvent::Aecp { event }) => {
+                                self.apply_aecp(event);
                                 continue;
                             }
                             StreamItem::KeepAlive => continue,
@@ -882,6 +900,15 @@ impl Mount {
 
     /// Show the Delegator's own changes (a `changed` event) where the mount has nothing of
     /// its own, and make the kernel forget what it cached about them.
+    /// An AECP index event: update the replica, and make the kernel ask again about the
+    /// path it binds (and forget the `.aecp/` contents it read).
+    fn apply_aecp(&self, event: serde_json::Value) {
+        let path = self.inner.fs.aecp().apply(event);
+        if let Some(s) = self.inner.session.lock().as_ref() {
+            super::aecp::invalidate(&self.inner.fs, &s.notifier(), path.as_deref());
+        }
+    }
+
     fn apply_upstream(&self, seq: u64, entries: &[ManifestEntry], removed: &[String]) {
         if self.inner.fs.fenced().is_some() {
             return;

@@ -1,0 +1,74 @@
+//! AECP on the Executor: witnesses run here, inside the worker's mount.
+//!
+//! `POST /awcp/tasks/{id}/aecp/witness` (behind the Executor's token, like every task route)
+//! runs a witness in the task's mount directory with a timeout, in its own process group
+//! and — where the machine allows — a new network namespace, and answers the run. The
+//! Delegator's daemon calls it on publication and on a flag; nothing runs on the Delegator's
+//! machine.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+use aecp_hooks::knowledge::Witness;
+use aecp_hooks::witness::{RunSpec, run};
+use awcp_protocol::AssignmentState;
+
+use super::Executor;
+
+fn fail(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, Json(serde_json::json!({ "error": msg.into() }))).into_response()
+}
+
+/// `POST /awcp/tasks/{id}/aecp/witness`.
+pub(super) async fn witness(
+    State(ex): State<Arc<Executor>>,
+    Path(id): Path<String>,
+    body: Result<Json<Witness>, JsonRejection>,
+) -> Response {
+    let w = match body {
+        Ok(Json(w)) => w,
+        Err(rej) => {
+            return fail(
+                StatusCode::BAD_REQUEST,
+                format!("malformed witness: {}", rej.body_text()),
+            );
+        }
+    };
+    if let Err(e) = w.validate() {
+        return fail(StatusCode::BAD_REQUEST, e.to_string());
+    }
+    let Some(a) = ex.tasks.lock().get(&id).cloned() else {
+        return fail(
+            StatusCode::NOT_FOUND,
+            format!("no task {id} on this Executor"),
+        );
+    };
+    let running = matches!(
+        *a.state.lock(),
+        AssignmentState::Active | AssignmentState::Idle
+    ) && a.mount.lock().is_some();
+    if !running {
+        return fail(
+            StatusCode::CONFLICT,
+            format!("task {id} has no mount now: a witness runs in a running task's mount"),
+        );
+    }
+    let spec = RunSpec {
+        dir: a.work_path.clone(),
+        user: None,
+        isolate_network: true,
+    };
+    match tokio::task::spawn_blocking(move || run(&w, &spec)).await {
+        Ok(Ok(r)) => Json(r).into_response(),
+        Ok(Err(e)) => fail(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")),
+        Err(e) => fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("witness task failed: {e}"),
+        ),
+    }
+}

@@ -1,0 +1,499 @@
+//! AECP on the mount: the access observer, the read-only `.aecp/` tree and the
+//! `user.aecp.findings` attribute. The logic is in `aecp-hooks` ([`WorkerHook`]); this module
+//! only adapts it to inodes, and each call from `fs.rs`/`content.rs`/`posix.rs` is one line.
+//!
+//! * **Observer.** [`MountAecp::observe`] runs on lookup, open and read of a workspace path.
+//!   With an empty replica it is one atomic load; otherwise the path of the inode (from the
+//!   inode table, already locked by the caller) and a hash lookup per directory level. It
+//!   never waits on the network: deliveries go to the in-memory inbox, and a [`Note`] goes
+//!   down a channel that the `awcpfs-aecp` thread drains (reporting to the export,
+//!   streaming to the worker's socket).
+//! * **`.aecp/`.** Virtual inodes from [`AECP_INO`] up (far above any inode the table
+//!   allocates), reachable by lookup from the root but absent from the root's listing — so
+//!   `git status`, `grep -r` and `find` never see it. `inbox` (this worker's deliveries,
+//!   NDJSON), `violations`, `findings/<path>` (what is bound to that path and its
+//!   directories), `contracts/<module>`. Everything is read-only (mode 0444/0555); contents
+//!   are generated at each read, and the kernel's copy is invalidated when they change.
+//! * **xattr.** `getfattr -n user.aecp.findings FILE` answers the findings for that file;
+//!   it is not listed by `listxattr`, so copies and archives do not pick it up.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::time::{Duration, SystemTime};
+
+use fuser::{FileAttr, INodeNo};
+use parking_lot::Mutex;
+
+use aecp_hooks::hook::{FINDINGS_LIST_MAX, Note, WorkerHook};
+use aecp_hooks::index::IndexEvent;
+use aecp_hooks::policy::Policy;
+
+use super::FsError;
+use super::fs::DirEntry;
+use super::inode::{InodeTable, Kind, ROOT_INO};
+use super::posix::XattrReply;
+
+/// The inode of `.aecp`; its children are numbered after it.
+pub const AECP_INO: u64 = 0xAEC0_0000_0000_0000;
+
+/// The name at the mount root.
+pub const AECP_DIR: &str = ".aecp";
+
+/// The attribute on workspace files.
+pub const FINDINGS_XATTR: &str = "user.aecp.findings";
+
+/// The mount's side of AECP.
+pub struct MountAecp {
+    hook: WorkerHook,
+    notes: Mutex<Option<mpsc::Receiver<Note>>>,
+    /// Virtual paths (relative to `.aecp`, `""` for itself) ↔ inodes.
+    virt: Mutex<Virt>,
+    uid: u32,
+    gid: u32,
+}
+
+#[derive(Default)]
+struct Virt {
+    by_path: HashMap<String, u64>,
+    by_ino: HashMap<u64, String>,
+}
+
+impl std::fmt::Debug for MountAecp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MountAecp").finish_non_exhaustive()
+    }
+}
+
+/// What a virtual path is.
+enum Node {
+    Dir(Vec<(String, bool)>),
+    File(Vec<u8>),
+}
+
+impl MountAecp {
+    /// With the default policy, owned by `uid`/`gid` (the mount's owner).
+    pub fn new(uid: u32, gid: u32) -> MountAecp {
+        let (hook, notes) = WorkerHook::new("mount", Policy::default());
+        let mut virt = Virt::default();
+        virt.by_path.insert(String::new(), AECP_INO);
+        virt.by_ino.insert(AECP_INO, String::new());
+        MountAecp {
+            hook,
+            notes: Mutex::new(Some(notes)),
+            virt: Mutex::new(virt),
+            uid,
+            gid,
+        }
+    }
+
+    /// The receiving end of delivery notes (once: for the `awcpfs-aecp` thread).
+    pub fn take_notes(&self) -> Option<mpsc::Receiver<Note>> {
+        self.notes.lock().take()
+    }
+
+    /// Whether `ino` is one of ours.
+    pub fn is_virtual(ino: u64) -> bool {
+        ino >= AECP_INO
+    }
+
+    /// Applies one `aecp` event of the export's stream; returns the workspace path whose
+    /// kernel entry must be invalidated.
+    pub fn apply(&self, event: serde_json::Value) -> Option<String> {
+        let event: IndexEvent = match serde_json::from_value(event) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::debug!(error = %e, "ignoring an AECP event this mount does not understand");
+                return None;
+            }
+        };
+        self.hook.apply(event)
+    }
+
+    /// The virtual inodes handed out (to invalidate their cached content).
+    pub fn virtual_inodes(&self) -> Vec<u64> {
+        self.virt.lock().by_ino.keys().copied().collect()
+    }
+
+    /// The observer: `ino` was looked up, opened or read.
+    pub fn observe(&self, table: &InodeTable, ino: u64) {
+        if !self.hook_active() {
+            return;
+        }
+        if let Some(path) = table.path_of(ino) {
+            self.hook.on_access(&path);
+        }
+    }
+
+    /// [`MountAecp::observe`] for callers without the table locked: it is locked only when
+    /// AECP has something to deliver.
+    pub fn observe_ino(&self, table: &Mutex<InodeTable>, ino: u64) {
+        if self.hook_active() && !Self::is_virtual(ino) {
+            self.observe(&table.lock(), ino);
+        }
+    }
+
+    fn hook_active(&self) -> bool {
+        self.hook.active()
+    }
+
+    fn ino_for(&self, path: &str) -> u64 {
+        let mut v = self.virt.lock();
+        if let Some(i) = v.by_path.get(path) {
+            return *i;
+        }
+        let ino = AECP_INO + v.by_path.len() as u64;
+        v.by_path.insert(path.to_owned(), ino);
+        v.by_ino.insert(ino, path.to_owned());
+        ino
+    }
+
+    /// What virtual path `vp` is now, or `None` if it does not exist.
+    fn node(&self, table: &InodeTable, vp: &str) -> Option<Node> {
+        let (top, rest) = vp.split_once('/').map_or((vp, None), |(a, b)| (a, Some(b)));
+        match (top, rest) {
+            ("", None) => Some(Node::Dir(vec![
+                ("inbox".into(), false),
+                ("violations".into(), false),
+                ("findings".into(), true),
+                ("contracts".into(), true),
+            ])),
+            ("inbox", None) => Some(Node::File(self.hook.inbox())),
+            ("violations", None) => Some(Node::File(self.hook.violations())),
+            ("findings", rest) => {
+                let p = rest.unwrap_or("");
+                match table.resolve(p).and_then(|i| table.get(i)) {
+                    Some(n) if n.kind == Kind::Dir => {
+                        let names = n
+                            .children
+                            .iter()
+                            .filter_map(|(name, child)| {
+                                let c = table.get(*child)?;
+                                matches!(c.kind, Kind::Dir | Kind::File)
+                                    .then(|| (name.clone(), c.kind == Kind::Dir))
+                            })
+                            .collect();
+                        Some(Node::Dir(names))
+                    }
+                    Some(_) => Some(Node::File(self.hook.findings(p, FINDINGS_LIST_MAX))),
+                    // Bound but not (yet) in the workspace: still readable by path.
+                    None if !p.is_empty() && self.hook.bound_paths().iter().any(|b| b == p) => {
+                        Some(Node::File(self.hook.findings(p, FINDINGS_LIST_MAX)))
+                    }
+                    None => None,
+                }
+            }
+            ("contracts", None) => {
+                let mut top: Vec<(String, bool)> = self
+                    .hook
+                    .contract_modules()
+                    .iter()
+                    .map(|m| match m.split_once('/') {
+                        Some((d, _)) => (d.to_owned(), true),
+                        None => (m.clone(), false),
+                    })
+                    .collect();
+                top.sort();
+                top.dedup();
+                Some(Node::Dir(top))
+            }
+            ("contracts", Some(m)) => {
+                if let Some(c) = self.hook.contract(m) {
+                    return Some(Node::File(c));
+                }
+                let prefix = format!("{m}/");
+                let mut names: Vec<(String, bool)> = self
+                    .hook
+                    .contract_modules()
+                    .iter()
+                    .filter_map(|x| x.strip_prefix(&prefix))
+                    .map(|r| match r.split_once('/') {
+                        Some((d, _)) => (d.to_owned(), true),
+                        None => (r.to_owned(), false),
+                    })
+                    .collect();
+                names.sort();
+                names.dedup();
+                (!names.is_empty()).then_some(Node::Dir(names))
+            }
+            _ => None,
+        }
+    }
+
+    fn attr(&self, ino: u64, node: &Node) -> FileAttr {
+        let (kind, perm, size) = match node {
+            Node::Dir(_) => (fuser::FileType::Directory, 0o555, 4096),
+            Node::File(b) => (fuser::FileType::RegularFile, 0o444, b.len() as u64),
+        };
+        let now = SystemTime::now();
+        FileAttr {
+            ino: INodeNo(ino),
+            size,
+            blocks: size.div_ceil(512),
+            atime: now,
+            mtime: now,
+            ctime: now,
+            crtime: now,
+            kind,
+            perm,
+            nlink: if kind == fuser::FileType::Directory {
+                2
+            } else {
+                1
+            },
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 4096,
+            flags: 0,
+        }
+    }
+
+    fn path_of(&self, ino: u64) -> Option<String> {
+        self.virt.lock().by_ino.get(&ino).cloned()
+    }
+
+    /// `lookup` in the root (`.aecp`) or inside the tree; `None`: not ours.
+    pub fn lookup(
+        &self,
+        table: &InodeTable,
+        parent: u64,
+        name: &str,
+    ) -> Option<Result<FileAttr, FsError>> {
+        let vp = if parent == ROOT_INO && name == AECP_DIR {
+            // A workspace's own `.aecp` wins (then the tree is not reachable on this mount).
+            if table.child(ROOT_INO, AECP_DIR).is_some() {
+                return None;
+            }
+            String::new()
+        } else if Self::is_virtual(parent) {
+            let Some(pp) = self.path_of(parent) else {
+                return Some(Err(FsError::NotFound));
+            };
+            if pp.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{pp}/{name}")
+            }
+        } else {
+            return None;
+        };
+        Some(match self.node(table, &vp) {
+            Some(n) => Ok(self.attr(self.ino_for(&vp), &n)),
+            None => Err(FsError::NotFound),
+        })
+    }
+
+    /// `getattr` of a virtual inode; `None`: not ours.
+    pub fn getattr(&self, table: &InodeTable, ino: u64) -> Option<Result<FileAttr, FsError>> {
+        if !Self::is_virtual(ino) {
+            return None;
+        }
+        let vp = self.path_of(ino)?;
+        Some(
+            self.node(table, &vp)
+                .map(|n| self.attr(ino, &n))
+                .ok_or(FsError::NotFound),
+        )
+    }
+
+    /// The listing of a virtual directory; `None`: not ours.
+    pub fn listing(&self, table: &InodeTable, ino: u64) -> Option<Result<Vec<DirEntry>, FsError>> {
+        if !Self::is_virtual(ino) {
+            return None;
+        }
+        let Some(vp) = self.path_of(ino) else {
+            return Some(Err(FsError::NotFound));
+        };
+        Some(match self.node(table, &vp) {
+            Some(Node::Dir(names)) => {
+                let mut out = vec![
+                    DirEntry {
+                        ino,
+                        kind: Kind::Dir,
+                        name: ".".into(),
+                    },
+                    DirEntry {
+                        ino: if vp.is_empty() { ROOT_INO } else { AECP_INO },
+                        kind: Kind::Dir,
+                        name: "..".into(),
+                    },
+                ];
+                for (name, dir) in names {
+                    let child = if vp.is_empty() {
+                        name.clone()
+                    } else {
+                        format!("{vp}/{name}")
+                    };
+                    let kind = if dir { Kind::Dir } else { Kind::File };
+                    out.push(DirEntry {
+                        ino: self.ino_for(&child),
+                        kind,
+                        name,
+                    });
+                }
+                Ok(out)
+            }
+            Some(Node::File(_)) => Err(FsError::NotDir),
+            None => Err(FsError::NotFound),
+        })
+    }
+
+    /// `open` of a virtual file: read-only, handle 0; `None`: not ours.
+    pub fn open(&self, ino: u64, write: bool) -> Option<Result<u64, FsError>> {
+        if !Self::is_virtual(ino) {
+            return None;
+        }
+        Some(if write { Err(FsError::ReadOnly) } else { Ok(0) })
+    }
+
+    /// `read` of a virtual file; `None`: not ours.
+    pub fn read(
+        &self,
+        table: &Mutex<InodeTable>,
+        ino: u64,
+        offset: u64,
+        size: u32,
+    ) -> Option<Result<Vec<u8>, FsError>> {
+        if !Self::is_virtual(ino) {
+            self.observe_ino(table, ino);
+            return None;
+        }
+        let table = &*table.lock();
+        let Some(vp) = self.path_of(ino) else {
+            return Some(Err(FsError::NotFound));
+        };
+        Some(match self.node(table, &vp) {
+            Some(Node::File(b)) => {
+                let start = (offset as usize).min(b.len());
+                let end = start.saturating_add(size as usize).min(b.len());
+                Ok(b[start..end].to_vec())
+            }
+            Some(Node::Dir(_)) => Err(FsError::IsDir),
+            None => Err(FsError::NotFound),
+        })
+    }
+
+    /// `getxattr` of `user.aecp.findings` on a workspace file (or any name on a virtual
+    /// inode: none); `None`: not ours.
+    pub fn getxattr(
+        &self,
+        table: &InodeTable,
+        ino: u64,
+        name: &str,
+        size: u32,
+    ) -> Option<Result<XattrReply, FsError>> {
+        if Self::is_virtual(ino) {
+            return Some(Err(FsError::NoAttr));
+        }
+        if name != FINDINGS_XATTR {
+            return None;
+        }
+        let value = table.path_of(ino).and_then(|p| self.hook.xattr(&p));
+        Some(match value {
+            None => Err(FsError::NoAttr),
+            Some(v) if size == 0 => Ok(XattrReply::Size(v.len() as u32)),
+            Some(v) if v.len() > size as usize => Err(FsError::AttrRange),
+            Some(v) => Ok(XattrReply::Data(v)),
+        })
+    }
+}
+
+/// How long the reporter gathers notes before one report to the export.
+pub const REPORT_EVERY: Duration = Duration::from_millis(100);
+
+/// The worker's delivery socket, in the mount's state directory.
+pub const SOCKET_NAME: &str = "aecp.sock";
+
+/// Makes the kernel forget `path`'s entry (an artifact was bound there: the next access
+/// must reach the observer) and the `.aecp/` contents it may have cached. `ENOENT`
+/// answers (nothing cached) are expected and ignored.
+pub fn invalidate(fs: &super::fs::AwcpFs, notifier: &fuser::Notifier, path: Option<&str>) {
+    if let Some(path) = path {
+        let entry = {
+            let table = fs.table.lock();
+            let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+            table.resolve(dir).map(|parent| (parent, name.to_owned()))
+        };
+        if let Some((parent, name)) = entry.filter(|(_, n)| !n.is_empty()) {
+            let _ = notifier.inval_entry(INodeNo(parent), std::ffi::OsStr::new(&name));
+        }
+    }
+    for ino in fs.aecp().virtual_inodes() {
+        let _ = notifier.inval_inode(INodeNo(ino), 0, -1);
+    }
+}
+
+/// The `awcpfs-aecp` thread: every [`REPORT_EVERY`] (until `ended` says the mount is over)
+/// takes the delivery notes, reports them to the export (best effort: a failed report is
+/// retried with the next batch, up to a bound), streams each delivery line to the clients of
+/// the worker's socket, and invalidates the `.aecp/` contents. Removes the socket at the end.
+pub fn report(
+    fs: &super::fs::AwcpFs,
+    remote: &dyn super::remote::Remote,
+    socket: &std::path::Path,
+    invalidate: impl Fn(),
+    mut ended: impl FnMut() -> bool,
+) {
+    use std::io::Write as _;
+    let Some(notes) = fs.aecp().take_notes() else {
+        return;
+    };
+    let _ = std::fs::remove_file(socket);
+    let listener = match std::os::unix::net::UnixListener::bind(socket) {
+        Ok(l) => {
+            let _ = l.set_nonblocking(true);
+            Some(l)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, socket = %socket.display(), "AECP: no delivery socket");
+            None
+        }
+    };
+    let mut clients: Vec<std::os::unix::net::UnixStream> = Vec::new();
+    let mut unreported: Vec<serde_json::Value> = Vec::new();
+    loop {
+        let done = ended();
+        if let Some(l) = &listener {
+            while let Ok((c, _)) = l.accept() {
+                let _ = c.set_nonblocking(false);
+                // A client that stops reading loses its connection, never stalls the others.
+                let _ = c.set_write_timeout(Some(Duration::from_secs(1)));
+                clients.push(c);
+            }
+        }
+        let batch: Vec<Note> = notes.try_iter().collect();
+        if !batch.is_empty() {
+            for n in &batch {
+                let line = n.delivery.to_line();
+                clients.retain_mut(|c| c.write_all(line.as_bytes()).is_ok());
+                unreported.push(serde_json::json!({ "id": n.delivery.id, "revision": n.revision }));
+            }
+            invalidate();
+        }
+        if !unreported.is_empty() {
+            let report = serde_json::Value::Array(unreported.clone());
+            match remote.aecp_delivered(&report) {
+                Ok(()) => unreported.clear(),
+                Err(e) => {
+                    tracing::debug!(error = %e, "AECP: delivery report failed; retrying");
+                    if unreported.len() > 100_000 {
+                        unreported.drain(..50_000);
+                    }
+                }
+            }
+        }
+        if done {
+            break;
+        }
+    }
+    let _ = std::fs::remove_file(socket);
+}
+
+/// Answers an `open` of a virtual file: direct I/O (every read reaches [`MountAecp::read`],
+/// so a growing inbox is never cut at a cached size), or the error.
+pub fn reply_open(r: Result<u64, FsError>, reply: fuser::ReplyOpen) {
+    match r {
+        Ok(fh) => reply.opened(fuser::FileHandle(fh), fuser::FopenFlags::FOPEN_DIRECT_IO),
+        Err(e) => reply.error(e.errno()),
+    }
+}
