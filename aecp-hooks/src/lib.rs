@@ -1,4 +1,8 @@
 //! AECP on the mount: knowledge and contract artifacts delivered at the point of use.
 //!
-//! Not implemented yet: this crate holds its place in the workspace (DESIGN.md §6). Nothing
-//! here is called by the filesystem today; a mount without AECP has no cost.
+//! Contract artifacts live in [`contract`]: the model and its JSON form, interfaces in
+//! `.pyi` syntax, the stub generator and the static verifier (tree-sitter, never running
+//! code). [`python`] holds the tree-sitter-python helpers they share. See `docs/AECP.md`.
+
+pub mod contract;
+pub mod python;

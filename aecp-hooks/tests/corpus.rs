@@ -1,0 +1,120 @@
+//! The verifier corpus: each directory of `tests/corpus/` holds an interface
+//! (`interface.pyi`), a module (`module.py`) and what the verifier must say about it
+//! (`expect.json`: the verdict, the violations as symbol + constraint [+ line], and whether
+//! notes are expected). Every case runs; all failures are listed together.
+
+use std::path::Path;
+
+use aecp_hooks::contract::interface;
+use aecp_hooks::contract::verify::{Report, verify};
+use serde::Deserialize;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Expect {
+    about: String,
+    verdict: String,
+    violations: Vec<Expected>,
+    #[serde(default)]
+    notes: bool,
+}
+
+#[derive(Debug, Deserialize, PartialEq, Eq, PartialOrd, Ord, Clone)]
+#[serde(deny_unknown_fields)]
+struct Expected {
+    symbol: String,
+    constraint: String,
+    #[serde(default)]
+    line: Option<u32>,
+}
+
+fn check(dir: &Path) -> Result<(), String> {
+    let read = |f: &str| {
+        std::fs::read_to_string(dir.join(f)).map_err(|e| format!("{}: {e}", dir.join(f).display()))
+    };
+    let expect: Expect = serde_json::from_str(&read("expect.json")?).map_err(|e| e.to_string())?;
+    let contract =
+        interface::parse("module.py", &read("interface.pyi")?).map_err(|e| e.to_string())?;
+    let report: Report = verify(&contract, &read("module.py")?);
+    let json = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+    let mut problems = Vec::new();
+    if json["verdict"] != expect.verdict.as_str() {
+        problems.push(format!(
+            "verdict {} (want {})",
+            json["verdict"], expect.verdict
+        ));
+    }
+    // Compare as multisets; a line is compared only where the expectation gives one.
+    let mut want = expect.violations.clone();
+    want.sort();
+    let mut got: Vec<Expected> = report
+        .violations
+        .iter()
+        .map(|v| Expected {
+            symbol: v.symbol.clone(),
+            constraint: serde_json::to_value(v.constraint)
+                .ok()
+                .and_then(|c| c.as_str().map(str::to_string))
+                .unwrap_or_default(),
+            line: v.line,
+        })
+        .collect();
+    got.sort();
+    let same = want.len() == got.len()
+        && want.iter().zip(&got).all(|(w, g)| {
+            w.symbol == g.symbol
+                && w.constraint == g.constraint
+                && (w.line.is_none() || w.line == g.line)
+        });
+    if !same {
+        problems.push(format!("violations {got:?} (want {want:?})"));
+    }
+    if expect.notes == report.notes.is_empty() {
+        problems.push(format!(
+            "notes {:?} (want {})",
+            report.notes,
+            if expect.notes { "some" } else { "none" }
+        ));
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} ({}): {}\n    report: {}",
+            dir.file_name().unwrap_or_default().to_string_lossy(),
+            expect.about,
+            problems.join("; "),
+            serde_json::to_string(&report).unwrap_or_default()
+        ))
+    }
+}
+
+#[test]
+fn corpus_verdicts() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 30, "the corpus has {} cases", dirs.len());
+    let verdicts = ["ok", "mismatch", "stub", "syntax"];
+    for v in verdicts {
+        let prefix = if v == "mismatch" { "mm_" } else { v };
+        assert!(
+            dirs.iter().any(|d| d
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(prefix))),
+            "no {v} case"
+        );
+    }
+    let failures: Vec<String> = dirs.iter().filter_map(|d| check(d).err()).collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} corpus cases failed:\n{}",
+        failures.len(),
+        dirs.len(),
+        failures.join("\n")
+    );
+}
