@@ -137,8 +137,8 @@ pub struct Symbol {
     /// the parameters are not (callables only).
     #[serde(default, skip_serializing_if = "is_false")]
     pub overloaded: bool,
-    /// Base classes as written (classes only). Informational: the stub uses them where it
-    /// can, the verifier looks members up in bases defined in the same module.
+    /// Base classes as written (classes only): the implementation must derive from each
+    /// (directly or through the module's own classes); the stub uses them where it can.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub bases: Vec<String>,
     /// Methods, properties, attributes and nested classes (classes only).

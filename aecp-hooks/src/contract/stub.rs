@@ -5,8 +5,8 @@
 //! are annotations. It imports and runs (consumers import it while the producer works):
 //! `from __future__ import annotations` keeps annotations unevaluated, decorators and bases the
 //! stub can import are imported (`functools`, `abc`, `dataclasses`, `enum`, `typing`, …), a
-//! decorator it cannot import is replaced by a no-op stand-in, and a base it cannot import is
-//! left out with a comment. The module constant [`MARKER`] names it a stub; the verifier
+//! decorator it cannot import is replaced by a no-op stand-in, and a base it cannot import by
+//! an empty stand-in class of the same name. The module constant [`MARKER`] names it a stub; the verifier
 //! reports a module that still defines it as verdict `stub`.
 
 use std::collections::BTreeSet;
@@ -99,6 +99,7 @@ pub fn generate(contract: &Contract) -> String {
         imports: BTreeSet::new(),
         shims: BTreeSet::new(),
         defined: BTreeSet::new(),
+        standins: BTreeSet::new(),
         body: String::new(),
     };
     for s in &contract.symbols {
@@ -132,6 +133,13 @@ pub fn generate(contract: &Contract) -> String {
             let _ = writeln!(out, "{s} = _AecpStandIn()");
         }
     }
+    for b in &g.standins {
+        let _ = write!(
+            out,
+            "\n\nclass {b}:\n    \"\"\"AECP stand-in for a base the stub cannot import.\"\"\"\n"
+        );
+    }
+    out.push('\n');
     out.push_str(&g.body);
     out
 }
@@ -142,6 +150,8 @@ struct Gen<'c> {
     shims: BTreeSet<String>,
     /// Module-level classes emitted so far (usable as bases).
     defined: BTreeSet<String>,
+    /// Bases the stub cannot import: defined as empty classes.
+    standins: BTreeSet<String>,
     body: String,
 }
 
@@ -169,26 +179,34 @@ impl Gen<'_> {
         }
     }
 
-    /// A base as the stub can write it, or `None` to leave it out.
+    /// A base as the stub can write it, or `None` to leave it out. A base the stub cannot
+    /// import gets a stand-in class of the same name, so that the stub still runs and still
+    /// names its declared bases.
     fn base(&mut self, text: &str) -> Option<String> {
         let head = text.split('[').next().unwrap_or(text).trim();
+        let last = head.rsplit('.').next().unwrap_or(head);
+        // `Generic[T]`: the type variables are not in the contract, and a plain `Generic`
+        // base is an error; the verifier does not require it.
+        if last == "Generic" {
+            return None;
+        }
         if head.contains('.') {
             let root = head.split('.').next().unwrap_or("");
-            if MODULES.contains(&root) && !text.contains('[') {
+            if MODULES.contains(&root) {
                 self.imports.insert(format!("import {root}"));
                 return Some(head.to_string());
             }
-            return None;
-        }
-        if self.defined.contains(head) || BUILTIN_BASES.contains(&head) {
-            return (!text.contains('[')).then(|| head.to_string());
-        }
-        if let Some((_, m)) = KNOWN.iter().find(|(n, _)| *n == head) {
+        } else if self.defined.contains(head) || BUILTIN_BASES.contains(&head) {
+            return Some(head.to_string());
+        } else if let Some((_, m)) = KNOWN.iter().find(|(n, _)| *n == head) {
             self.imports.insert(format!("from {m} import {head}"));
-            // `Generic[T]`, `Protocol[T]`: the type variables are not in the contract.
             return Some(head.to_string());
         }
-        None
+        if !is_plain_name(last) {
+            return None;
+        }
+        self.standins.insert(last.to_string());
+        Some(last.to_string())
     }
 
     fn line(&mut self, depth: usize, text: &str) {
@@ -221,9 +239,7 @@ impl Gen<'_> {
     }
 
     fn class(&mut self, s: &Symbol, path: &str, depth: usize) {
-        if depth == 0 {
-            self.body.push('\n');
-        }
+        self.body.push_str(if depth == 0 { "\n\n" } else { "\n" });
         for d in &s.decorators {
             self.need_decorator(d);
             self.line(depth, &format!("@{d}"));
@@ -232,10 +248,7 @@ impl Gen<'_> {
         for b in &s.bases {
             match self.base(b) {
                 Some(x) => bases.push(x),
-                None => self.line(
-                    depth,
-                    &format!("# base `{b}` left out: the stub cannot import it"),
-                ),
+                None => self.line(depth, &format!("# base `{b}` left out")),
             }
         }
         let is_enum = s
@@ -272,7 +285,7 @@ impl Gen<'_> {
     }
 
     fn function(&mut self, s: &Symbol, path: &str, depth: usize) {
-        self.body.push('\n');
+        self.body.push_str(if depth == 0 { "\n\n" } else { "\n" });
         match s.kind {
             SymbolKind::Property => self.line(depth, "@property"),
             SymbolKind::Staticmethod => self.line(depth, "@staticmethod"),
@@ -311,6 +324,10 @@ impl Gen<'_> {
             self.line(depth + 1, &raise);
         }
     }
+}
+
+fn is_plain_name(s: &str) -> bool {
+    super::is_identifier(s)
 }
 
 /// A parameter list as Python writes it, `/` and `*` included.

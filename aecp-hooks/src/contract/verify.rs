@@ -8,6 +8,8 @@
 //!   binding at the top level of a scope replaces the earlier ones (the later definition
 //!   wins); bindings inside a branch are alternatives, and a symbol passes if one of them
 //!   keeps the contract. The body of `if TYPE_CHECKING:` does not run, so it binds nothing.
+//! * Declared bases must be derived from (directly, through local classes, or through a
+//!   builtin known to derive from them).
 //! * Class members come from the class body, from `self.x = …` in any method (attributes),
 //!   `__slots__`, and from bases defined in the same module (looked up recursively). A base
 //!   imported from elsewhere might define the member: then a missing member is a note.
@@ -20,13 +22,15 @@
 //! else `stub` if a stub is left (the marker constant, or a contracted body that is only
 //! `...` or `raise NotImplementedError`), else `ok`.
 
-use std::collections::{HashMap, HashSet};
-
 use serde::{Deserialize, Serialize};
 use tree_sitter::Node;
 
-use super::{Contract, Param, ParamKind, Symbol, SymbolKind, annotation, stub};
+mod params;
+mod read;
+
+use super::{Contract, Param, Symbol, SymbolKind, annotation, stub};
 use crate::python::{self, Definition, Module};
+use read::{Binding, Bound, Class, Dynamic, NEUTRAL_BASES, Scope, dataclass_init};
 
 /// The verifier's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,6 +80,8 @@ pub enum Constraint {
     Annotation,
     /// A property declared with a setter has none.
     Setter,
+    /// A class does not derive from a declared base.
+    Base,
     /// A stub is left: the marker, or a body that is only `...`/`raise NotImplementedError`.
     Stub,
 }
@@ -156,431 +162,6 @@ pub fn verify(contract: &Contract, source: &str) -> Report {
         verdict,
         violations: v.violations,
         notes: v.notes,
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Bound<'t> {
-    Def(Definition<'t>),
-    /// An assignment: its annotation and value nodes.
-    Assign {
-        annotation: Option<Node<'t>>,
-        value: Option<Node<'t>>,
-    },
-    Import,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Binding<'t> {
-    bound: Bound<'t>,
-    line: u32,
-}
-
-/// The names one scope (module or class body) binds.
-#[derive(Default)]
-struct Scope<'t> {
-    names: HashMap<String, Vec<Binding<'t>>>,
-    /// `@x.setter` definitions by property name.
-    setters: HashSet<String>,
-    star_import: bool,
-}
-
-impl<'t> Scope<'t> {
-    fn read(m: &Module, block: Node<'t>) -> Scope<'t> {
-        let mut s = Scope::default();
-        s.block(m, block, false);
-        s
-    }
-
-    fn bind(&mut self, name: &str, b: Binding<'t>, conditional: bool) {
-        let list = self.names.entry(name.to_string()).or_default();
-        if !conditional {
-            list.clear();
-        }
-        list.push(b);
-    }
-
-    fn block(&mut self, m: &Module, block: Node<'t>, conditional: bool) {
-        for stmt in python::children(block) {
-            self.statement(m, stmt, conditional);
-        }
-    }
-
-    fn statement(&mut self, m: &Module, stmt: Node<'t>, conditional: bool) {
-        let line = m.line(stmt);
-        match stmt.kind() {
-            "function_definition" | "class_definition" | "decorated_definition" => {
-                let Some(def) = Definition::of(stmt) else {
-                    return;
-                };
-                let name = def.name(m).to_string();
-                let accessor = def.decorators(m).iter().any(|d| {
-                    d.path == format!("{name}.setter")
-                        || d.path == format!("{name}.getter")
-                        || d.path == format!("{name}.deleter")
-                });
-                if accessor {
-                    if def
-                        .decorators(m)
-                        .iter()
-                        .any(|d| d.path == format!("{name}.setter"))
-                    {
-                        self.setters.insert(name);
-                    }
-                    return;
-                }
-                let line = def.line(m);
-                self.bind(
-                    &name,
-                    Binding {
-                        bound: Bound::Def(def),
-                        line,
-                    },
-                    conditional,
-                );
-            }
-            "expression_statement" => {
-                for e in python::children(stmt) {
-                    if e.kind() == "assignment" {
-                        self.assignment(m, e, conditional);
-                    }
-                }
-            }
-            "import_statement" | "import_from_statement" => {
-                for n in stmt.children_by_field_name("name", &mut stmt.walk()) {
-                    let name = match n.kind() {
-                        "aliased_import" => n.child_by_field_name("alias").map(|a| m.text(a)),
-                        _ if stmt.kind() == "import_statement" => m.text(n).split('.').next(),
-                        _ => Some(python::last_part(m.text(n))),
-                    };
-                    if let Some(name) = name {
-                        let b = Binding {
-                            bound: Bound::Import,
-                            line,
-                        };
-                        self.bind(name.trim(), b, conditional);
-                    }
-                }
-                if python::children(stmt)
-                    .iter()
-                    .any(|c| c.kind() == "wildcard_import")
-                {
-                    self.star_import = true;
-                }
-            }
-            "if_statement" => {
-                let cond = stmt
-                    .child_by_field_name("condition")
-                    .map(|c| m.text(c).trim());
-                let type_checking = matches!(cond, Some("TYPE_CHECKING" | "typing.TYPE_CHECKING"));
-                for (i, part) in python::children(stmt).into_iter().enumerate() {
-                    // `if TYPE_CHECKING:` never runs: its body binds nothing at run time.
-                    if i == 1 && type_checking && part.kind() == "block" {
-                        continue;
-                    }
-                    self.branch(m, part);
-                }
-            }
-            "try_statement" | "with_statement" | "for_statement" | "while_statement" => {
-                for part in python::children(stmt) {
-                    self.branch(m, part);
-                }
-            }
-            _ => {}
-        }
-    }
-
-    /// A block of a compound statement, or a clause holding one: alternatives.
-    fn branch(&mut self, m: &Module, part: Node<'t>) {
-        match part.kind() {
-            "block" => self.block(m, part, true),
-            "elif_clause"
-            | "else_clause"
-            | "except_clause"
-            | "except_group_clause"
-            | "finally_clause" => {
-                for b in python::children(part) {
-                    if b.kind() == "block" {
-                        self.block(m, b, true);
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-
-    fn assignment(&mut self, m: &Module, a: Node<'t>, conditional: bool) {
-        let line = m.line(a);
-        let annotation = a.child_by_field_name("type");
-        // `a = b = value`: every target gets the innermost value.
-        let mut value = a.child_by_field_name("right");
-        let mut targets = vec![a.child_by_field_name("left")];
-        while let Some(v) = value.filter(|v| v.kind() == "assignment") {
-            targets.push(v.child_by_field_name("left"));
-            value = v.child_by_field_name("right");
-        }
-        for t in targets.into_iter().flatten() {
-            let idents: Vec<Node<'t>> = match t.kind() {
-                "identifier" => vec![t],
-                "pattern_list" | "tuple_pattern" | "list_pattern" => python::children(t)
-                    .into_iter()
-                    .filter(|n| n.kind() == "identifier")
-                    .collect(),
-                _ => Vec::new(),
-            };
-            let single = idents.len() == 1 && t.kind() == "identifier";
-            for id in idents {
-                let bound = Bound::Assign {
-                    annotation: if single { annotation } else { None },
-                    value: if single { value } else { None },
-                };
-                self.bind(m.text(id), Binding { bound, line }, conditional);
-            }
-        }
-    }
-}
-
-/// Dynamic attribute definitions found anywhere in the module.
-struct Dynamic {
-    /// `globals()` or a `setattr` on something that is not `self`/`cls`/a class name.
-    module: Option<String>,
-    /// Class names with a `setattr(self|cls, …)` inside, or a `setattr(Name, …)` anywhere.
-    classes: HashSet<String>,
-}
-
-impl Dynamic {
-    fn scan(m: &Module) -> Dynamic {
-        let mut d = Dynamic {
-            module: None,
-            classes: HashSet::new(),
-        };
-        let mut stack = vec![(m.root(), None::<String>)];
-        while let Some((n, class)) = stack.pop() {
-            if n.kind() == "call" {
-                let callee = n.child_by_field_name("function").map_or("", |f| m.text(f));
-                let first = n
-                    .child_by_field_name("arguments")
-                    .and_then(|a| python::children(a).into_iter().next())
-                    .map(|a| m.text(a).to_string());
-                match (callee, first.as_deref(), &class) {
-                    ("globals" | "vars", _, _) => {
-                        d.module
-                            .get_or_insert_with(|| format!("`{callee}()` on line {}", m.line(n)));
-                    }
-                    ("setattr", Some("self" | "cls"), Some(c)) => {
-                        d.classes.insert(c.clone());
-                    }
-                    ("setattr", Some(target), _) => {
-                        if target.chars().all(|c| c == '_' || c.is_alphanumeric()) {
-                            d.classes.insert(target.to_string());
-                        }
-                        d.module
-                            .get_or_insert_with(|| format!("`setattr` on line {}", m.line(n)));
-                    }
-                    _ => {}
-                }
-            }
-            let class = if n.kind() == "class_definition" {
-                n.child_by_field_name("name").map(|c| m.text(c).to_string())
-            } else {
-                class
-            };
-            let mut cursor = n.walk();
-            for c in n.children(&mut cursor) {
-                stack.push((c, class.clone()));
-            }
-        }
-        d
-    }
-}
-
-/// A class of the implementation, read for member lookups.
-struct Class<'t> {
-    def: Definition<'t>,
-    name: String,
-    scope: Scope<'t>,
-    /// `self.x = …` in any method: name → (line, annotation).
-    self_attrs: HashMap<String, (u32, Option<String>)>,
-    slots: HashSet<String>,
-    bases: Vec<String>,
-    /// A base, metaclass or decorator whose members cannot be known statically.
-    opaque: Vec<String>,
-    /// Methods here may legitimately be `...` (Protocol, ABC).
-    abstract_ok: bool,
-    decorators: Vec<python::Decorator>,
-}
-
-/// Bases that define no members a contract would declare.
-const NEUTRAL_BASES: &[&str] = &[
-    "object",
-    "ABC",
-    "Generic",
-    "Protocol",
-    "Exception",
-    "BaseException",
-    "ValueError",
-    "TypeError",
-    "KeyError",
-    "IndexError",
-    "LookupError",
-    "RuntimeError",
-    "AttributeError",
-    "OSError",
-    "IOError",
-    "ArithmeticError",
-    "NotImplementedError",
-    "PermissionError",
-    "FileNotFoundError",
-    "TimeoutError",
-    "ConnectionError",
-    "NamedTuple",
-    "TypedDict",
-    "Enum",
-    "IntEnum",
-    "StrEnum",
-    "Flag",
-    "IntFlag",
-];
-
-impl<'t> Class<'t> {
-    fn read(m: &Module, def: Definition<'t>) -> Class<'t> {
-        let scope = def.body().map(|b| Scope::read(m, b)).unwrap_or_default();
-        let mut bases = Vec::new();
-        let mut opaque = Vec::new();
-        let mut abstract_ok = false;
-        if let Some(args) = def.node.child_by_field_name("superclasses") {
-            for a in python::children(args) {
-                if a.kind() == "keyword_argument" {
-                    let key = a.child_by_field_name("name").map_or("", |k| m.text(k));
-                    let val = a.child_by_field_name("value").map_or("", |v| m.text(v));
-                    if key == "metaclass" {
-                        if python::last_part(val) == "ABCMeta" {
-                            abstract_ok = true;
-                        } else {
-                            opaque.push(format!("metaclass {val}"));
-                        }
-                    }
-                    continue;
-                }
-                let text = m.text(a);
-                let head = text.split('[').next().unwrap_or(text).trim();
-                let last = python::last_part(head);
-                if matches!(last, "ABC" | "Protocol") {
-                    abstract_ok = true;
-                }
-                bases.push(head.to_string());
-            }
-        }
-        let mut self_attrs = HashMap::new();
-        let mut slots = HashSet::new();
-        if let Some(body) = def.body() {
-            collect_self_attrs(m, body, &mut self_attrs);
-            for b in scope.names.get("__slots__").into_iter().flatten() {
-                if let Bound::Assign { value: Some(v), .. } = b.bound {
-                    collect_strings(m, v, &mut slots);
-                }
-            }
-        }
-        Class {
-            name: def.name(m).to_string(),
-            decorators: def.decorators(m),
-            def,
-            scope,
-            self_attrs,
-            slots,
-            bases,
-            opaque,
-            abstract_ok,
-        }
-    }
-
-    fn is_dataclass(&self) -> bool {
-        self.decorators.iter().any(|d| {
-            matches!(
-                d.name(),
-                "dataclass" | "define" | "frozen" | "mutable" | "s" | "attrs"
-            )
-        })
-    }
-}
-
-/// `self.x = …` / `self.x: T = …` anywhere in the methods of a class body (not in nested
-/// classes), `self` being each method's first parameter.
-fn collect_self_attrs(
-    m: &Module,
-    body: Node<'_>,
-    out: &mut HashMap<String, (u32, Option<String>)>,
-) {
-    let mut defs = Vec::new();
-    let mut stack = python::children(body);
-    while let Some(n) = stack.pop() {
-        match n.kind() {
-            "function_definition" => defs.push(n),
-            "class_definition" => {}
-            _ => stack.extend(python::children(n)),
-        }
-    }
-    for def in defs {
-        let Some(me) = Definition::of(def)
-            .and_then(|d| d.params(m).into_iter().next())
-            .map(|p| p.name)
-        else {
-            continue;
-        };
-        let mut stack = def
-            .child_by_field_name("body")
-            .map(python::children)
-            .unwrap_or_default();
-        while let Some(n) = stack.pop() {
-            if matches!(n.kind(), "assignment" | "augmented_assignment") {
-                let ann = n
-                    .child_by_field_name("type")
-                    .map(|t| python::collapse_ws(m.text(t)));
-                let mut targets = vec![n.child_by_field_name("left")];
-                let mut value = n.child_by_field_name("right");
-                while let Some(v) = value.filter(|v| v.kind() == "assignment") {
-                    targets.push(v.child_by_field_name("left"));
-                    value = v.child_by_field_name("right");
-                }
-                for t in targets.into_iter().flatten() {
-                    let attrs = if t.kind() == "attribute" {
-                        vec![t]
-                    } else {
-                        python::children(t)
-                            .into_iter()
-                            .filter(|x| x.kind() == "attribute")
-                            .collect()
-                    };
-                    for a in attrs {
-                        let obj = a.child_by_field_name("object").map(|o| m.text(o));
-                        let attr = a.child_by_field_name("attribute").map(|o| m.text(o));
-                        if let (Some(o), Some(name)) = (obj, attr)
-                            && o == me
-                        {
-                            out.entry(name.to_string())
-                                .or_insert((m.line(a), if t == a { ann.clone() } else { None }));
-                        }
-                    }
-                }
-            }
-            if n.kind() != "class_definition" {
-                stack.extend(python::children(n));
-            }
-        }
-    }
-}
-
-fn collect_strings(m: &Module, node: Node<'_>, out: &mut HashSet<String>) {
-    if node.kind() == "string" {
-        for c in python::children(node) {
-            if c.kind() == "string_content" {
-                out.insert(m.text(c).to_string());
-            }
-        }
-        return;
-    }
-    for c in python::children(node) {
-        collect_strings(m, c, out);
     }
 }
 
@@ -731,7 +312,7 @@ impl<'t> Verifier<'t> {
                 let want = sym.kind;
                 let compatible = found == want
                     || (want.is_data() && found == SymbolKind::Property)
-                    || (want == SymbolKind::Constant
+                    || (want.is_data()
                         && sym
                             .annotation
                             .as_deref()
@@ -785,7 +366,7 @@ impl<'t> Verifier<'t> {
                 .map(|p| python::params_of(m, p))
                 .unwrap_or_default();
             let receiver = class.is_some() && sym.kind != SymbolKind::Staticmethod;
-            self.compare_params(path, &sym.params, &params, receiver, line, o);
+            params::compare_params(path, &sym.params, &params, receiver, line, o);
             if sym.returns.is_some() || sym.is_async {
                 o.notes.push(format!(
                         "{path}: a lambda (line {line}) has no annotations; its return and async-ness are not checked"
@@ -842,7 +423,20 @@ impl<'t> Verifier<'t> {
     ) {
         let m = self.m;
         let line = def.line(m);
-        if sym.is_async != def.is_async() {
+        // An async generator is declared `def f() -> AsyncIterator[T]` in stubs and written
+        // `async def f(): … yield …`: the same thing to a caller.
+        let async_iterator = sym.returns.as_deref().is_some_and(|r| {
+            let head = r
+                .trim_matches(|c| c == '"' || c == '\'')
+                .split('[')
+                .next()
+                .unwrap_or(r);
+            matches!(
+                python::last_part(head.trim()),
+                "AsyncIterator" | "AsyncGenerator" | "AsyncIterable"
+            )
+        });
+        if sym.is_async != def.is_async() && !(async_iterator && def.is_async()) {
             o.violations.push(violation(
                 path,
                 Constraint::Async,
@@ -857,13 +451,18 @@ impl<'t> Verifier<'t> {
         check_decorators(path, &sym.decorators, decorators, line, o);
         if sym.kind.is_callable() && !sym.overloaded {
             let receiver = matches!(sym.kind, SymbolKind::Method | SymbolKind::Classmethod);
-            self.compare_params(path, &sym.params, &def.params(m), receiver, line, o);
+            params::compare_params(path, &sym.params, &def.params(m), receiver, line, o);
         }
         if let Some(want) = &sym.returns {
             let have = def
                 .returns(m)
                 .or_else(|| python::type_comment_return(m, def.node));
             match have {
+                // An unannotated `def` returning nothing (`__init__` above all) is the
+                // common way to write `-> None`; it contradicts nothing.
+                None if annotation::same(want, "None") => o.notes.push(format!(
+                    "{path}: declared `-> None`, defined without a return annotation (line {line})"
+                )),
                 None => o.violations.push(violation(
                     path,
                     Constraint::Return,
@@ -909,6 +508,20 @@ impl<'t> Verifier<'t> {
         let m = self.m;
         let class = Class::read(m, def);
         check_decorators(path, &sym.decorators, &class.decorators, def.line(m), o);
+        for base in &sym.bases {
+            match self.has_base(&class, base, 0) {
+                Some(true) => {}
+                Some(false) => o.violations.push(violation(
+                    path,
+                    Constraint::Base,
+                    Some(def.line(m)),
+                    format!("declared with base `{base}`, which the class does not derive from"),
+                )),
+                None => o.notes.push(format!(
+                    "{path}: declared with base `{base}`; it may come through a base not defined in this file"
+                )),
+            }
+        }
         for member in &sym.members {
             let mpath = format!("{path}.{}", member.name);
             match self.find_member(&class, &member.name, 0) {
@@ -945,13 +558,16 @@ impl<'t> Verifier<'t> {
                 Found::Slot => {}
                 Found::Synthesized(params, line) => {
                     let mut r = Outcome::default();
-                    self.compare_params(&mpath, &member.params, &params, true, line, &mut r);
+                    params::compare_params(&mpath, &member.params, &params, true, line, &mut r);
                     o.violations.extend(r.violations);
                     o.notes.extend(r.notes);
                 }
                 Found::Unknown(why) => o.notes.push(format!(
                     "{mpath}: not defined in the class body; {why}, so it may exist at run time"
                 )),
+                // `object.__init__(self)`: declaring a constructor without parameters is
+                // kept by a class that defines none.
+                Found::Missing if member.name == "__init__" && member.params.len() <= 1 => {}
                 Found::Missing => o.violations.push(violation(
                     &mpath,
                     Constraint::Missing,
@@ -965,6 +581,48 @@ impl<'t> Verifier<'t> {
                 )),
             }
         }
+    }
+
+    /// Whether `class` derives from the declared base `want` (compared by the last part of
+    /// its name): `Some(true)` yes, `Some(false)` provably not, `None` unknown (a base not
+    /// defined in this file might).
+    fn has_base(&self, class: &Class<'t>, want: &str, depth: u32) -> Option<bool> {
+        let want = python::last_part(want.split('[').next().unwrap_or(want).trim());
+        // Typing constructs and `object` say nothing a caller can lose.
+        if matches!(want, "object" | "Generic" | "Protocol" | "ABC") {
+            return Some(true);
+        }
+        let mut unknown = false;
+        for base in &class.bases {
+            let name = python::last_part(base);
+            if name == want || implies(name, want) {
+                return Some(true);
+            }
+            let local = (!base.contains('.'))
+                .then(|| self.module.names.get(base.as_str()))
+                .flatten()
+                .filter(|b| b.len() == 1)
+                .and_then(|b| match b[0].bound {
+                    Bound::Def(d) if !d.is_function() => Some(d),
+                    _ => None,
+                });
+            match local {
+                Some(d) if depth < 16 => {
+                    match self.has_base(&Class::read(self.m, d), want, depth + 1) {
+                        Some(true) => return Some(true),
+                        Some(false) => {}
+                        None => unknown = true,
+                    }
+                }
+                Some(_) => unknown = true,
+                None if NEUTRAL_BASES.contains(&name) => {}
+                None => unknown = true,
+            }
+        }
+        if !class.opaque.is_empty() {
+            unknown = true;
+        }
+        if unknown { None } else { Some(false) }
     }
 
     fn find_member(&self, class: &Class<'t>, name: &str, depth: u32) -> Found<'t> {
@@ -1029,7 +687,78 @@ impl<'t> Verifier<'t> {
                 class.name
             ));
         }
+        let generated = class
+            .bases
+            .iter()
+            .any(|b| matches!(python::last_part(b), "NamedTuple" | "TypedDict"));
+        if matches!(name, "__init__" | "__new__") && generated {
+            return Found::Unknown(format!(
+                "`{}` is a NamedTuple/TypedDict, whose constructor is generated",
+                class.name
+            ));
+        }
         Found::Missing
+    }
+}
+
+/// Builtin bases known to derive from another: every builtin exception from `Exception`
+/// (and `BaseException`), the `Enum` family from `Enum`, `IntFlag` from `Flag`.
+fn implies(have: &str, want: &str) -> bool {
+    const EXCEPTIONS: &[&str] = &[
+        "Exception",
+        "ValueError",
+        "TypeError",
+        "KeyError",
+        "IndexError",
+        "LookupError",
+        "RuntimeError",
+        "AttributeError",
+        "OSError",
+        "IOError",
+        "ArithmeticError",
+        "NotImplementedError",
+        "PermissionError",
+        "FileNotFoundError",
+        "TimeoutError",
+        "ConnectionError",
+        "ZeroDivisionError",
+        "OverflowError",
+        "UnicodeError",
+        "FileExistsError",
+        "IsADirectoryError",
+        "NotADirectoryError",
+        "Warning",
+        "UserWarning",
+        "DeprecationWarning",
+        "RuntimeWarning",
+        "AssertionError",
+    ];
+    match want {
+        "BaseException" => {
+            EXCEPTIONS.contains(&have) || have == "KeyboardInterrupt" || have == "SystemExit"
+        }
+        "Exception" => EXCEPTIONS.contains(&have),
+        "LookupError" => matches!(have, "KeyError" | "IndexError"),
+        "OSError" | "IOError" => matches!(
+            have,
+            "OSError"
+                | "IOError"
+                | "PermissionError"
+                | "FileNotFoundError"
+                | "TimeoutError"
+                | "ConnectionError"
+                | "FileExistsError"
+                | "IsADirectoryError"
+                | "NotADirectoryError"
+        ),
+        "ArithmeticError" => matches!(have, "ZeroDivisionError" | "OverflowError"),
+        "RuntimeError" => have == "NotImplementedError",
+        "ValueError" => have == "UnicodeError",
+        "Enum" => matches!(have, "IntEnum" | "StrEnum" | "Flag" | "IntFlag"),
+        "Flag" => have == "IntFlag",
+        "int" => matches!(have, "IntEnum" | "IntFlag" | "bool"),
+        "str" => have == "StrEnum",
+        _ => false,
     }
 }
 
@@ -1098,224 +827,4 @@ fn is_stub_body(m: &Module, def: Definition<'_>) -> bool {
     let stmts = python::statements_without_docstring(body);
     stmts.len() == 1
         && (python::is_ellipsis_stmt(stmts[0]) || python::is_raise_not_implemented(m, stmts[0]))
-}
-
-/// The `__init__` a `@dataclass` generates: `self`, then each annotated field of the body in
-/// order (not `ClassVar`s, not `field(init=False)`), keyword-only after `_: KW_ONLY` or with
-/// `kw_only=True`, with a default when the field has a value (`field()` without `default` or
-/// `default_factory` has none).
-fn dataclass_init(m: &Module, class: &Class<'_>) -> Vec<Param> {
-    let mut params = vec![Param {
-        name: "self".to_string(),
-        kind: ParamKind::PositionalOrKeyword,
-        default: false,
-        annotation: None,
-    }];
-    let mut kw_only = class
-        .decorators
-        .iter()
-        .any(|d| d.text.replace(' ', "").contains("kw_only=True"));
-    let Some(body) = class.def.body() else {
-        return params;
-    };
-    for stmt in python::children(body) {
-        if stmt.kind() != "expression_statement" {
-            continue;
-        }
-        let Some(a) = python::children(stmt).into_iter().next() else {
-            continue;
-        };
-        if a.kind() != "assignment" {
-            continue;
-        }
-        let (Some(left), Some(ty)) = (a.child_by_field_name("left"), a.child_by_field_name("type"))
-        else {
-            continue;
-        };
-        if left.kind() != "identifier" {
-            continue;
-        }
-        let ty = m.text(ty).trim();
-        let ty_head = python::last_part(ty.split('[').next().unwrap_or(ty).trim());
-        if ty_head == "ClassVar" {
-            continue;
-        }
-        if ty_head == "KW_ONLY" {
-            kw_only = true;
-            continue;
-        }
-        let mut default = false;
-        if let Some(v) = a.child_by_field_name("right") {
-            default = true;
-            if v.kind() == "call" {
-                let callee = v.child_by_field_name("function").map_or("", |f| m.text(f));
-                if python::last_part(callee) == "field" {
-                    let args = v
-                        .child_by_field_name("arguments")
-                        .map_or(String::new(), |x| {
-                            m.text(x).chars().filter(|c| !c.is_whitespace()).collect()
-                        });
-                    if args.contains("init=False") {
-                        continue;
-                    }
-                    default = args.contains("default=") || args.contains("default_factory=");
-                }
-            }
-        }
-        params.push(Param {
-            name: m.text(left).to_string(),
-            kind: if kw_only {
-                ParamKind::KeywordOnly
-            } else {
-                ParamKind::PositionalOrKeyword
-            },
-            default,
-            annotation: Some(ty.to_string()),
-        });
-    }
-    params
-}
-
-impl Verifier<'_> {
-    /// Parameters: name, order, kind, default presence; an extra parameter is allowed only
-    /// with a default; what `*args`/`**kwargs` could absorb is a note.
-    fn compare_params(
-        &self,
-        path: &str,
-        declared: &[Param],
-        found: &[Param],
-        receiver: bool,
-        line: u32,
-        o: &mut Outcome,
-    ) {
-        let mut problems: Vec<String> = Vec::new();
-        let cpos: Vec<&Param> = declared.iter().filter(|p| p.kind.is_positional()).collect();
-        let ipos: Vec<&Param> = found.iter().filter(|p| p.kind.is_positional()).collect();
-        let ckw: Vec<&Param> = declared
-            .iter()
-            .filter(|p| p.kind == ParamKind::KeywordOnly)
-            .collect();
-        let ikw: Vec<&Param> = found
-            .iter()
-            .filter(|p| p.kind == ParamKind::KeywordOnly)
-            .collect();
-        let has = |ps: &[Param], k: ParamKind| ps.iter().any(|p| p.kind == k);
-        let (c_args, c_kwargs) = (
-            has(declared, ParamKind::VarPositional),
-            has(declared, ParamKind::VarKeyword),
-        );
-        let (i_args, i_kwargs) = (
-            has(found, ParamKind::VarPositional),
-            has(found, ParamKind::VarKeyword),
-        );
-        let mut absorbed: Vec<&str> = Vec::new();
-        let mut positional_ok = true;
-        for (idx, cp) in cpos.iter().enumerate() {
-            match ipos.get(idx) {
-                Some(ip) => {
-                    let is_receiver = receiver && idx == 0;
-                    if !is_receiver && ip.name != cp.name {
-                        problems.push(format!(
-                            "parameter {} is `{}`, declared `{}`",
-                            idx + 1,
-                            ip.name,
-                            cp.name
-                        ));
-                        positional_ok = false;
-                        break;
-                    }
-                    if ip.kind != cp.kind {
-                        problems.push(format!(
-                            "`{}` is {}, declared {}",
-                            ip.name,
-                            ip.kind.as_str(),
-                            cp.kind.as_str()
-                        ));
-                    }
-                    if ip.default != cp.default && !is_receiver {
-                        problems.push(default_problem(&ip.name, cp.default));
-                    }
-                }
-                None => {
-                    if let Some(ik) = ikw.iter().find(|k| k.name == cp.name) {
-                        problems.push(format!(
-                            "`{}` is keyword_only, declared {}",
-                            ik.name,
-                            cp.kind.as_str()
-                        ));
-                    } else if i_args && (cp.kind == ParamKind::PositionalOnly || i_kwargs) {
-                        absorbed.push(&cp.name);
-                    } else {
-                        problems.push(format!("parameter `{}` is missing", cp.name));
-                    }
-                }
-            }
-        }
-        if positional_ok {
-            for ip in ipos.iter().skip(cpos.len()) {
-                if let Some(ck) = ckw.iter().find(|k| k.name == ip.name) {
-                    problems.push(format!(
-                        "`{}` is {}, declared keyword_only",
-                        ip.name,
-                        ip.kind.as_str()
-                    ));
-                    if ip.default != ck.default {
-                        problems.push(default_problem(&ip.name, ck.default));
-                    }
-                } else if !ip.default {
-                    problems.push(format!(
-                        "extra parameter `{}` has no default: callers written for the contract do not pass it",
-                        ip.name
-                    ));
-                }
-            }
-        }
-        if c_args && !i_args {
-            problems.push("declared `*args`, which the definition does not accept".to_string());
-        }
-        if c_kwargs && !i_kwargs {
-            problems.push("declared `**kwargs`, which the definition does not accept".to_string());
-        }
-        for ck in &ckw {
-            if let Some(ik) = ikw.iter().find(|k| k.name == ck.name) {
-                if ik.default != ck.default {
-                    problems.push(default_problem(&ik.name, ck.default));
-                }
-            } else if ipos.iter().skip(cpos.len()).any(|p| p.name == ck.name) && positional_ok {
-                // Reported above as a kind difference.
-            } else if i_kwargs {
-                absorbed.push(&ck.name);
-            } else if positional_ok || !ipos.iter().any(|p| p.name == ck.name) {
-                problems.push(format!("keyword-only parameter `{}` is missing", ck.name));
-            }
-        }
-        for ik in &ikw {
-            let declared_somewhere =
-                ckw.iter().any(|k| k.name == ik.name) || cpos.iter().any(|p| p.name == ik.name);
-            if !declared_somewhere && !ik.default {
-                problems.push(format!(
-                    "extra keyword-only parameter `{}` has no default: callers written for the contract do not pass it",
-                    ik.name
-                ));
-            }
-        }
-        if !absorbed.is_empty() {
-            o.notes.push(format!(
-                "{path}: `{}` may be taken by `*args`/`**kwargs` (line {line}); whether they are forwarded cannot be decided statically",
-                absorbed.join("`, `")
-            ));
-        }
-        for p in problems {
-            o.violations
-                .push(violation(path, Constraint::Parameters, Some(line), p));
-        }
-    }
-}
-
-fn default_problem(name: &str, declared_default: bool) -> String {
-    if declared_default {
-        format!("`{name}` has no default, declared with one")
-    } else {
-        format!("`{name}` has a default, declared without one")
-    }
 }
