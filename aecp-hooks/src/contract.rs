@@ -362,12 +362,34 @@ impl Contract {
                 return Err(self.invalid(&path, "an attribute or constant has no decorators"));
             }
             for d in &s.decorators {
-                if d.trim().is_empty() || d.starts_with('@') || d.contains('\n') {
+                if !fragment_ok(Fragment::Decorator, d) {
                     return Err(self.invalid(
                         &path,
                         format!(
-                            "decorator `{d}`: write it as in the source, without `@`, on one line"
+                            "decorator `{d}`: write one Python expression as in the source, \
+                             without `@`, on one line"
                         ),
+                    ));
+                }
+            }
+            let annotations = s
+                .returns
+                .iter()
+                .chain(&s.annotation)
+                .chain(s.params.iter().filter_map(|p| p.annotation.as_ref()));
+            for a in annotations {
+                if !fragment_ok(Fragment::Annotation, a) {
+                    return Err(self.invalid(
+                        &path,
+                        format!("annotation `{a}`: write one Python expression on one line"),
+                    ));
+                }
+            }
+            for b in &s.bases {
+                if !fragment_ok(Fragment::Base, b) {
+                    return Err(self.invalid(
+                        &path,
+                        format!("base `{b}`: write one Python expression on one line"),
                     ));
                 }
             }
@@ -413,6 +435,54 @@ impl Contract {
         let mut out = Vec::new();
         go(&mut out, "", &self.symbols);
         out
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Fragment {
+    Annotation,
+    Decorator,
+    Base,
+}
+
+/// A piece of Python the stub writes verbatim (an annotation, a decorator, a base) is one
+/// expression on one line: nothing in a contract can smuggle statements into a stub.
+fn fragment_ok(kind: Fragment, text: &str) -> bool {
+    if text.trim().is_empty() || text.contains(['\n', '\r', '\0']) || text.starts_with('@') {
+        return false;
+    }
+    let source = match kind {
+        Fragment::Annotation => format!("_x: {text}\n"),
+        Fragment::Decorator => format!("@{text}\ndef _f(): ...\n"),
+        Fragment::Base => format!("class _C({text}): ...\n"),
+    };
+    let m = crate::python::Module::parse(&source);
+    if m.syntax_error().is_some() {
+        return false;
+    }
+    let stmts = crate::python::children(m.root());
+    let [stmt] = stmts.as_slice() else {
+        return false;
+    };
+    match kind {
+        Fragment::Annotation => {
+            stmt.kind() == "expression_statement"
+                && crate::python::children(*stmt)
+                    .first()
+                    .and_then(|a| a.child_by_field_name("type"))
+                    .is_some_and(|t| t.end_byte() == source.len() - 1)
+        }
+        Fragment::Decorator => {
+            stmt.kind() == "decorated_definition"
+                && crate::python::children(*stmt)
+                    .iter()
+                    .filter(|c| c.kind() == "decorator")
+                    .count()
+                    == 1
+        }
+        Fragment::Base => stmt
+            .child_by_field_name("superclasses")
+            .is_some_and(|a| crate::python::children(a).len() == 1),
     }
 }
 
