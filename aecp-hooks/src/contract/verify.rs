@@ -568,6 +568,14 @@ impl<'t> Verifier<'t> {
                 // `object.__init__(self)`: declaring a constructor without parameters is
                 // kept by a class that defines none.
                 Found::Missing if member.name == "__init__" && member.params.len() <= 1 => {}
+                // Every class has these from `object` (a dataclass generates some of them):
+                // the name exists, whether it behaves as declared is not a static question.
+                Found::Missing if OBJECT_DUNDERS.contains(&member.name.as_str()) => {
+                    o.notes.push(format!(
+                        "{mpath}: not defined in the class; `{}` is inherited from `object`",
+                        member.name
+                    ));
+                }
                 Found::Missing => o.violations.push(violation(
                     &mpath,
                     Constraint::Missing,
@@ -641,7 +649,10 @@ impl<'t> Verifier<'t> {
             }
         }
         if self.dynamic.classes.contains(&class.name) {
-            return Found::Unknown(format!("class `{}` is changed with `setattr`", class.name));
+            return Found::Unknown(format!(
+                "class `{}` is changed with `setattr` or `__dict__`",
+                class.name
+            ));
         }
         if class.scope.star_import {
             return Found::Unknown("the class body has `from … import *`".to_string());
@@ -700,6 +711,31 @@ impl<'t> Verifier<'t> {
         Found::Missing
     }
 }
+
+/// Methods every class has from `object`.
+const OBJECT_DUNDERS: &[&str] = &[
+    "__repr__",
+    "__str__",
+    "__eq__",
+    "__ne__",
+    "__hash__",
+    "__format__",
+    "__sizeof__",
+    "__reduce__",
+    "__reduce_ex__",
+    "__dir__",
+    "__init_subclass__",
+    "__subclasshook__",
+    "__getattribute__",
+    "__setattr__",
+    "__delattr__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__new__",
+    "__getstate__",
+];
 
 /// Builtin bases known to derive from another: every builtin exception from `Exception`
 /// (and `BaseException`), the `Enum` family from `Enum`, `IntFlag` from `Flag`.

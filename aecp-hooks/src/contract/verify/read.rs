@@ -193,7 +193,8 @@ impl<'t> Scope<'t> {
 pub(super) struct Dynamic {
     /// `globals()` or a `setattr` on something that is not `self`/`cls`/a class name.
     pub(super) module: Option<String>,
-    /// Class names with a `setattr(self|cls, …)` inside, or a `setattr(Name, …)` anywhere.
+    /// Class names with a `setattr(self|cls, …)` or a `__dict__` inside, or a
+    /// `setattr(Name, …)` anywhere.
     pub(super) classes: HashSet<String>,
 }
 
@@ -205,6 +206,14 @@ impl Dynamic {
         };
         let mut stack = vec![(m.root(), None::<String>)];
         while let Some((n, class)) = stack.pop() {
+            // `self.__dict__.update(…)` defines attributes no one can list statically.
+            if n.kind() == "attribute"
+                && n.child_by_field_name("attribute")
+                    .is_some_and(|a| m.text(a) == "__dict__")
+                && let Some(c) = &class
+            {
+                d.classes.insert(c.clone());
+            }
             if n.kind() == "call" {
                 let callee = n.child_by_field_name("function").map_or("", |f| m.text(f));
                 let first = n
