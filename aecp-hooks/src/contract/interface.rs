@@ -11,12 +11,12 @@
 //! * `NAME: T`, `NAME: T = value`, `NAME = value` → `constant` at module level, `attribute`
 //!   in a class. `__all__`, `__slots__` and `TypeVar`/`ParamSpec`/`TypeVarTuple` assignments
 //!   declare nothing.
-//! * imports, docstrings, `...`, `pass`, comments, and `if TYPE_CHECKING:` blocks (read
-//!   as if unconditional) are allowed and declare nothing.
+//! * imports, docstrings, `...`, `pass` and comments declare nothing; of an `if` (`if
+//!   TYPE_CHECKING:`, `if sys.version_info >= …:`) the first branch is read as if
+//!   unconditional and `elif`/`else` are ignored.
 //!
 //! Bodies are `...` (a docstring, `pass` or `raise NotImplementedError` are accepted too).
-//! Anything else — a body with behaviour, a loop, a conditional other than `TYPE_CHECKING`,
-//! a name declared twice — is refused with its line and column, so the producer learns at
+//! Anything else — a body with behaviour, a loop, a `try`, a name declared twice — is refused with its line and column, so the producer learns at
 //! declaration time, not when a consumer is surprised.
 
 use std::collections::HashMap;
@@ -105,24 +105,13 @@ impl Scope {
                 let name = name.split('[').next().unwrap_or("").trim().to_string();
                 self.data(m, stmt, name, None)
             }
-            "if_statement" => {
-                let cond = stmt
-                    .child_by_field_name("condition")
-                    .map(|c| m.text(c).trim());
-                let type_checking = matches!(cond, Some("TYPE_CHECKING" | "typing.TYPE_CHECKING"));
-                let plain = python::children(stmt)
-                    .iter()
-                    .all(|c| !matches!(c.kind(), "elif_clause" | "else_clause"));
-                match stmt.child_by_field_name("consequence") {
-                    Some(body) if type_checking && plain => self.statements(m, body),
-                    _ => Err(refuse(
-                        m,
-                        stmt,
-                        "an interface declares one signature per name: only `if TYPE_CHECKING:` \
-                         blocks (without else) are allowed",
-                    )),
-                }
-            }
+            // `if TYPE_CHECKING:`, `if sys.version_info >= (3, 11):`: the first branch is
+            // read, as if unconditional; `elif`/`else` branches are alternatives an interface
+            // does not need (one signature per name).
+            "if_statement" => match stmt.child_by_field_name("consequence") {
+                Some(body) => self.statements(m, body),
+                None => Ok(()),
+            },
             other => Err(refuse(
                 m,
                 stmt,
@@ -181,7 +170,20 @@ impl Scope {
         }
         for n in names {
             let name = m.text(n).to_string();
-            if name == "__all__" || name == "__slots__" {
+            // Bookkeeping names, not part of what a caller uses (a dataclass or the
+            // interpreter provides the class-level ones).
+            let class_dunder = self.in_class
+                && matches!(
+                    name.as_str(),
+                    "__match_args__"
+                        | "__hash__"
+                        | "__doc__"
+                        | "__module__"
+                        | "__dict__"
+                        | "__annotations__"
+                        | "__dataclass_fields__"
+                );
+            if name == "__all__" || name == "__slots__" || class_dunder {
                 continue;
             }
             self.data(m, n, name, annotation.clone())?;
@@ -464,6 +466,15 @@ def parse(x: str) -> str: ...
         assert!(acct.members[3].setter);
         assert!(c.symbols[4].is_async);
         assert!(c.symbols[5].overloaded);
+    }
+
+    #[test]
+    fn an_if_reads_its_first_branch() {
+        let text = "import sys\nif sys.version_info >= (3, 11):\n    def f(x: int) -> int: ...\nelse:\n    def f(x): ...\nclass P:\n    __match_args__ = ('x',)\n    x: int\n";
+        let c = parse("a.py", text).unwrap();
+        assert_eq!(c.symbols.len(), 2);
+        assert_eq!(c.symbols[0].returns.as_deref(), Some("int"));
+        assert_eq!(c.symbols[1].members.len(), 1, "{:?}", c.symbols[1].members);
     }
 
     #[test]
