@@ -64,19 +64,25 @@ impl Module {
     /// missing nodes, Python 2 `print x` and `exec x` statements count: Python 3 refuses
     /// them.
     pub fn syntax_error(&self) -> Option<SyntaxError> {
-        fn find<'t>(node: Node<'t>) -> Option<(Node<'t>, &'static str)> {
-            if node.is_missing() {
-                return Some((node, "missing token"));
+        // Depth-first in source order, with an explicit stack: a deeply nested file must
+        // not exhaust the thread's stack.
+        fn find(root: Node<'_>) -> Option<(Node<'_>, &'static str)> {
+            let mut stack = vec![root];
+            while let Some(node) = stack.pop() {
+                if node.is_missing() {
+                    return Some((node, "missing token"));
+                }
+                if node.is_error() {
+                    return Some((node, "unexpected input"));
+                }
+                if node.kind() == "print_statement" || node.kind() == "exec_statement" {
+                    return Some((node, "Python 2 statement"));
+                }
+                let mut cursor = node.walk();
+                let kids: Vec<_> = node.children(&mut cursor).collect();
+                stack.extend(kids.into_iter().rev());
             }
-            if node.is_error() {
-                return Some((node, "unexpected input"));
-            }
-            if node.kind() == "print_statement" || node.kind() == "exec_statement" {
-                return Some((node, "Python 2 statement"));
-            }
-            let mut cursor = node.walk();
-            let kids: Vec<_> = node.children(&mut cursor).collect();
-            kids.into_iter().find_map(find)
+            None
         }
         let (node, what) = find(self.root())?;
         let what = if node.is_missing() {

@@ -188,3 +188,45 @@ proptest! {
         }
     }
 }
+
+/// Deeply nested input (which tree-sitter accepts and Python would refuse) gives a verdict or
+/// an error, never a stack overflow.
+#[test]
+fn deep_nesting_does_not_exhaust_the_stack() {
+    let contract = interface::parse("m.py", "def f(x: int) -> int: ...\n").unwrap();
+    let mut deep_ifs = String::new();
+    for i in 0..3000 {
+        deep_ifs.push_str(&" ".repeat(i));
+        deep_ifs.push_str("if x:\n");
+    }
+    deep_ifs.push_str(&" ".repeat(3000));
+    deep_ifs.push_str("pass\n");
+    let deep_expr = format!("y = {}1{}\n", "(".repeat(20_000), ")".repeat(20_000));
+    let deep_ann = format!(
+        "def f(x: int) -> {}int{}:\n    return x\n",
+        "list[".repeat(20_000),
+        "]".repeat(20_000)
+    );
+    for module in [&deep_ifs, &deep_expr, &deep_ann] {
+        let run = {
+            let contract = contract.clone();
+            let module = module.clone();
+            // A thread with a small stack makes an unbounded recursion fail here for sure.
+            std::thread::Builder::new()
+                .stack_size(256 * 1024)
+                .spawn(move || verify(&contract, &module).verdict)
+                .unwrap()
+        };
+        let verdict = run.join().expect("no stack overflow");
+        let v = serde_json::to_value(verdict).unwrap();
+        assert!(v == "mismatch" || v == "ok" || v == "syntax", "{v}");
+    }
+    let deep_iface = deep_ifs.replace("pass", "def g(): ...");
+    let e = std::thread::Builder::new()
+        .stack_size(256 * 1024)
+        .spawn(move || interface::parse("m.py", &deep_iface).map(|_| ()))
+        .unwrap()
+        .join()
+        .expect("no stack overflow");
+    assert!(e.is_err());
+}

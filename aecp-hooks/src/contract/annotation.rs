@@ -130,10 +130,19 @@ impl Parser<'_> {
         }
     }
 
+    /// Nesting (brackets, quoted annotations) is bounded: a pathological annotation falls
+    /// back to text comparison instead of exhausting the stack.
     fn expr(&mut self) -> Option<Term> {
-        if self.depth > 32 {
+        if self.depth > 64 {
             return None;
         }
+        self.depth += 1;
+        let t = self.union_expr();
+        self.depth -= 1;
+        t
+    }
+
+    fn union_expr(&mut self) -> Option<Term> {
         let mut parts = vec![self.postfix()?];
         while self.eat(b'|') {
             parts.push(self.postfix()?);

@@ -36,7 +36,7 @@ pub fn parse(module: &str, text: &str) -> Result<Contract, ContractError> {
             what: e.what,
         });
     }
-    let symbols = Scope::read(&m, m.root(), false)?;
+    let symbols = Scope::read(&m, m.root(), false, 0)?;
     let c = Contract {
         version: FORMAT_VERSION,
         module: module.to_string(),
@@ -52,6 +52,10 @@ struct Scope {
     /// name → (index in `symbols`, line first declared, only `@overload`s so far)
     index: HashMap<String, (usize, u32, bool)>,
     in_class: bool,
+    /// Class nesting.
+    depth: u32,
+    /// `if` nesting within this scope.
+    ifs: u32,
 }
 
 fn refuse(m: &Module, node: Node<'_>, reason: impl Into<String>) -> ContractError {
@@ -64,11 +68,22 @@ fn refuse(m: &Module, node: Node<'_>, reason: impl Into<String>) -> ContractErro
 }
 
 impl Scope {
-    fn read(m: &Module, block: Node<'_>, in_class: bool) -> Result<Vec<Symbol>, ContractError> {
+    fn read(
+        m: &Module,
+        block: Node<'_>,
+        in_class: bool,
+        depth: u32,
+    ) -> Result<Vec<Symbol>, ContractError> {
+        // Python refuses more than 100 levels of indentation.
+        if depth > 100 {
+            return Err(refuse(m, block, "classes nested more than 100 deep"));
+        }
         let mut s = Scope {
             symbols: Vec::new(),
             index: HashMap::new(),
             in_class,
+            depth,
+            ifs: 0,
         };
         s.statements(m, block)?;
         Ok(s.symbols)
@@ -109,7 +124,15 @@ impl Scope {
             // read, as if unconditional; `elif`/`else` branches are alternatives an interface
             // does not need (one signature per name).
             "if_statement" => match stmt.child_by_field_name("consequence") {
-                Some(body) => self.statements(m, body),
+                Some(_) if self.ifs > 100 => {
+                    Err(refuse(m, stmt, "`if` blocks nested more than 100 deep"))
+                }
+                Some(body) => {
+                    self.ifs += 1;
+                    let r = self.statements(m, body);
+                    self.ifs -= 1;
+                    r
+                }
                 None => Ok(()),
             },
             other => Err(refuse(
@@ -340,7 +363,7 @@ impl Scope {
             })
             .unwrap_or_default();
         let members = match def.body() {
-            Some(body) => Scope::read(m, body, true)?,
+            Some(body) => Scope::read(m, body, true, self.depth + 1)?,
             None => Vec::new(),
         };
         let sym = Symbol {

@@ -32,7 +32,11 @@ pub(super) struct Scope<'t> {
     /// `@x.setter` definitions by property name.
     pub(super) setters: HashSet<String>,
     pub(super) star_import: bool,
+    depth: u32,
 }
+
+/// Deepest block nesting read (Python's own limit is 100 levels of indentation).
+const MAX_NESTING: u32 = 100;
 
 impl<'t> Scope<'t> {
     pub(super) fn read(m: &Module, block: Node<'t>) -> Scope<'t> {
@@ -50,9 +54,16 @@ impl<'t> Scope<'t> {
     }
 
     fn block(&mut self, m: &Module, block: Node<'t>, conditional: bool) {
+        // Python refuses more than 100 levels of indentation; deeper nesting (which
+        // tree-sitter accepts) binds nothing here rather than exhausting the stack.
+        if self.depth > MAX_NESTING {
+            return;
+        }
+        self.depth += 1;
         for stmt in python::children(block) {
             self.statement(m, stmt, conditional);
         }
+        self.depth -= 1;
     }
 
     fn statement(&mut self, m: &Module, stmt: Node<'t>, conditional: bool) {
@@ -429,16 +440,17 @@ fn collect_self_attrs(
 }
 
 fn collect_strings(m: &Module, node: Node<'_>, out: &mut HashSet<String>) {
-    if node.kind() == "string" {
-        for c in python::children(node) {
-            if c.kind() == "string_content" {
-                out.insert(m.text(c).to_string());
+    let mut stack = vec![node];
+    while let Some(n) = stack.pop() {
+        if n.kind() == "string" {
+            for c in python::children(n) {
+                if c.kind() == "string_content" {
+                    out.insert(m.text(c).to_string());
+                }
             }
+        } else {
+            stack.extend(python::children(n));
         }
-        return;
-    }
-    for c in python::children(node) {
-        collect_strings(m, c, out);
     }
 }
 
