@@ -3,6 +3,7 @@
 //! 2 usage error (clap), 3 the delegation was cancelled or revoked, 4 its lease expired,
 //! 5 it failed.
 
+mod aecp;
 mod aglx;
 mod bars;
 
@@ -179,6 +180,12 @@ enum Command {
         /// Snapshot id; default the newest pending one.
         #[arg(long)]
         snapshot: Option<String>,
+    },
+    /// AECP artifacts: check a module against a contract (`verify`), print a contract's stub
+    /// module (`stub`).
+    Aecp {
+        #[command(subcommand)]
+        command: aecp::AecpCommand,
     },
     /// Drop a kept snapshot.
     Discard {
@@ -613,6 +620,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             running.stop().await;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Aecp { command } => aecp::run(command, cli.json),
         Command::Delegate(a) => {
             let dir = std::path::absolute(&a.dir)
                 .with_context(|| format!("resolving {}", a.dir.display()))?;
