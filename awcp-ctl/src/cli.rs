@@ -620,7 +620,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             running.stop().await;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Aecp { command } => aecp::run(command, cli.json),
+        Command::Aecp { command } => aecp::run(command, cli.json, &client).await,
         Command::Delegate(a) => {
             let dir = std::path::absolute(&a.dir)
                 .with_context(|| format!("resolving {}", a.dir.display()))?;

@@ -1,7 +1,8 @@
 //! `awcp-ctl aecp …`: AECP artifacts from the command line. `verify` and `stub` work on
 //! files alone, without a daemon: a contract given as an interface (`--interface acct.pyi`)
-//! or as JSON (`--contract contract.json`). Checking against a contract stored in the
-//! daemon (`--module pkg/acct.py`) is not offered yet: the store does not exist.
+//! or as JSON (`--contract contract.json`). `verify --module pkg/acct.py` checks against the
+//! contract stored in the daemon; `contract declare|revise|show`, `depend` and `ack` use the
+//! daemon too (`--worker`, default `$AWCP_DELEGATION_ID`).
 //!
 //! Exit codes of `verify`: 0 `ok`, 3 `mismatch`, 4 `stub`, 5 `syntax`; 1 when the contract
 //! or the file cannot be read (a contract that does not validate says where), 2 usage.
@@ -15,6 +16,9 @@ use clap::{ArgGroup, Args, Subcommand};
 use aecp_hooks::contract::verify::{Report, Verdict, verify};
 use aecp_hooks::contract::{Contract, interface, stub};
 
+use awcp_ctl::client::DaemonClient;
+use awcp_ctl::daemon::aecp::{ConsumerRequest, DeclareRequest, StubOutcome, VerifyRequest};
+
 #[derive(Debug, Subcommand)]
 pub(super) enum AecpCommand {
     /// Check a Python module against a contract without running it (tree-sitter): symbols,
@@ -24,6 +28,55 @@ pub(super) enum AecpCommand {
     /// Print the stub module of a contract: the declared symbols and signatures, no
     /// behaviour, marked `__aecp_stub__`, importable while the producer works.
     Stub(StubArgs),
+    /// Declare, revise or show a module's contract in the daemon (declaring or revising
+    /// writes the stub module at the module's path in the workspace, never over an
+    /// implementation).
+    Contract {
+        #[command(subcommand)]
+        command: ContractCommand,
+    },
+    /// Register this worker as a consumer of a contracted module (a revision marks it stale).
+    Depend(DependArgs),
+    /// Acknowledge the newest revision of a contracted module (clears the stale flag).
+    Ack(ModuleArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub(super) enum ContractCommand {
+    /// Declare a module's contract (refused if it has one: revise it).
+    Declare(DeclareArgs),
+    /// Revise a module's contract: consumers become stale until they acknowledge.
+    Revise(DeclareArgs),
+    /// Print the newest revision and its consumers.
+    Show(ModuleArgs),
+}
+
+/// The worker and the module.
+#[derive(Debug, Args)]
+pub(super) struct ModuleArgs {
+    /// The module path in the workspace (`pkg/acct.py`).
+    #[arg(long)]
+    module: String,
+    /// The worker (delegation id).
+    #[arg(long, env = "AWCP_DELEGATION_ID")]
+    worker: String,
+}
+
+#[derive(Debug, Args)]
+pub(super) struct DeclareArgs {
+    #[command(flatten)]
+    target: ModuleArgs,
+    #[command(flatten)]
+    source: ContractSource,
+}
+
+#[derive(Debug, Args)]
+pub(super) struct DependArgs {
+    #[command(flatten)]
+    target: ModuleArgs,
+    /// A symbol depended on (repeatable; none: the whole module).
+    #[arg(long = "symbol")]
+    symbols: Vec<String>,
 }
 
 /// Where the contract comes from.
@@ -38,10 +91,28 @@ pub(super) struct ContractSource {
     contract: Option<PathBuf>,
 }
 
+/// Where `verify` takes the contract from: a file, or the daemon (`--module`).
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("vsource").required(true).args(["interface", "contract", "module"])))]
+pub(super) struct VerifySource {
+    /// The contract as a Python interface in stub syntax (`.pyi`, bodies `...`).
+    #[arg(long, value_name = "PYI")]
+    interface: Option<PathBuf>,
+    /// The contract in its JSON form (see docs/AECP.md).
+    #[arg(long, value_name = "JSON")]
+    contract: Option<PathBuf>,
+    /// The contracted module in the daemon's store (`pkg/acct.py`).
+    #[arg(long)]
+    module: Option<String>,
+    /// The worker asking, with `--module` (delegation id).
+    #[arg(long, env = "AWCP_DELEGATION_ID")]
+    worker: Option<String>,
+}
+
 #[derive(Debug, Args)]
 pub(super) struct VerifyArgs {
     #[command(flatten)]
-    source: ContractSource,
+    source: VerifySource,
     /// The Python module to check.
     file: PathBuf,
 }
@@ -86,13 +157,70 @@ impl ContractSource {
     }
 }
 
-pub(super) fn run(cmd: AecpCommand, json: bool) -> anyhow::Result<ExitCode> {
+impl ContractSource {
+    /// The contract's body for the daemon: the interface text or the JSON value.
+    fn request(&self, worker: &str, module: &str) -> anyhow::Result<DeclareRequest> {
+        let (interface, contract) = match (&self.interface, &self.contract) {
+            (Some(p), _) => (
+                Some(
+                    std::fs::read_to_string(p)
+                        .with_context(|| format!("reading the interface {}", p.display()))?,
+                ),
+                None,
+            ),
+            (None, Some(p)) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("reading the contract {}", p.display()))?;
+                let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+                    format!("{} is not JSON; fix it and run again", p.display())
+                })?;
+                (None, Some(v))
+            }
+            (None, None) => anyhow::bail!("give --interface FILE.pyi or --contract FILE.json"),
+        };
+        Ok(DeclareRequest {
+            worker: worker.to_owned(),
+            module: module.to_owned(),
+            interface,
+            contract,
+        })
+    }
+}
+
+pub(super) async fn run(
+    cmd: AecpCommand,
+    json: bool,
+    client: &DaemonClient,
+) -> anyhow::Result<ExitCode> {
     match cmd {
         AecpCommand::Verify(a) => {
             let source =
                 std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
-            let contract = a.source.load(&module_for(&a.file))?;
-            let report = verify(&contract, &String::from_utf8_lossy(&source));
+            let source = String::from_utf8_lossy(&source).into_owned();
+            let report = match (&a.source.module, &a.source.interface, &a.source.contract) {
+                (Some(module), _, _) => {
+                    let Some(worker) = a.source.worker.clone() else {
+                        anyhow::bail!(
+                            "--module asks the daemon on behalf of a worker: give --worker ID (or set AWCP_DELEGATION_ID)"
+                        );
+                    };
+                    client
+                        .aecp_verify(&VerifyRequest {
+                            worker,
+                            module: module.clone(),
+                            source,
+                        })
+                        .await?
+                }
+                _ => {
+                    let file_source = ContractSource {
+                        interface: a.source.interface.clone(),
+                        contract: a.source.contract.clone(),
+                    };
+                    let contract = file_source.load(&module_for(&a.file))?;
+                    verify(&contract, &source)
+                }
+            };
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
@@ -110,7 +238,102 @@ pub(super) fn run(cmd: AecpCommand, json: bool) -> anyhow::Result<ExitCode> {
             print!("{}", stub::generate(&contract));
             Ok(ExitCode::SUCCESS)
         }
+        AecpCommand::Contract { command } => match command {
+            ContractCommand::Declare(a) => declare(client, a, false, json).await,
+            ContractCommand::Revise(a) => declare(client, a, true, json).await,
+            ContractCommand::Show(a) => {
+                let shown = client.aecp_contract(&a.worker, &a.module).await?;
+                if json {
+                    println!("{}", serde_json::to_string(&shown)?);
+                } else {
+                    let c = &shown.contract;
+                    println!("{}: revision {} by {}", c.module, c.revision, c.by);
+                    match serde_json::from_value::<Contract>(c.body.clone()) {
+                        Ok(contract) => print!("{}", stub::generate(&contract)),
+                        Err(_) => println!("{}", c.body),
+                    }
+                    for k in &shown.consumers {
+                        println!(
+                            "consumer {}: acknowledged revision {}{}",
+                            k.worker,
+                            k.acked_revision,
+                            if k.stale { " (stale)" } else { "" }
+                        );
+                    }
+                }
+                Ok(ExitCode::SUCCESS)
+            }
+        },
+        AecpCommand::Depend(a) => {
+            client
+                .aecp_depend(&ConsumerRequest {
+                    worker: a.target.worker.clone(),
+                    module: a.target.module.clone(),
+                    symbols: a.symbols,
+                })
+                .await?;
+            if json {
+                println!("{}", serde_json::json!({"ok": true}));
+            } else {
+                println!(
+                    "{} is a consumer of {}: a revision marks it stale until `awcp-ctl aecp ack`",
+                    a.target.worker, a.target.module
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        AecpCommand::Ack(a) => {
+            let revision = client
+                .aecp_ack(&ConsumerRequest {
+                    worker: a.worker.clone(),
+                    module: a.module.clone(),
+                    symbols: Vec::new(),
+                })
+                .await?;
+            if json {
+                println!("{}", serde_json::json!({"ok": true, "revision": revision}));
+            } else {
+                println!("{}: acknowledged revision {revision}", a.module);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
+}
+
+async fn declare(
+    client: &DaemonClient,
+    a: DeclareArgs,
+    revise: bool,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let req = a.source.request(&a.target.worker, &a.target.module)?;
+    let r = client.aecp_declare(&req, revise).await?;
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "{}: revision {} {}",
+            r.module,
+            r.revision,
+            if revise { "revised" } else { "declared" }
+        );
+        match r.stub {
+            StubOutcome::Written => {
+                println!("stub module written at {} in the workspace", r.module)
+            }
+            StubOutcome::KeptImplementation => println!(
+                "{} already holds an implementation: no stub written (it is verified against this contract when written back)",
+                r.module
+            ),
+        }
+        if !r.stale.is_empty() {
+            println!(
+                "stale consumers (until they run `awcp-ctl aecp ack`): {}",
+                r.stale.join(", ")
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn exit_for(v: Verdict) -> ExitCode {
