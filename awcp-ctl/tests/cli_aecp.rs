@@ -269,3 +269,57 @@ fn stub_prints_a_module_the_verifier_calls_a_stub() {
         "{v}"
     );
 }
+
+#[test]
+fn daemon_commands_say_what_is_missing() {
+    let dir = setup();
+    let d = dir.path();
+    // --module asks the daemon for a worker: without one, say how to give it.
+    let out = Command::new(BIN)
+        .args([
+            "--daemon",
+            "http://127.0.0.1:9",
+            "aecp",
+            "verify",
+            "--module",
+            "pkg/acct.py",
+            "good.py",
+        ])
+        .env_remove("AWCP_DELEGATION_ID")
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--worker"));
+    // With a worker, an unreachable daemon is an error (exit 1), not a verdict.
+    let out = Command::new(BIN)
+        .args([
+            "--daemon",
+            "http://127.0.0.1:9",
+            "aecp",
+            "verify",
+            "--module",
+            "pkg/acct.py",
+            "--worker",
+            "dlg_x",
+            "good.py",
+        ])
+        .current_dir(d)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    // declare needs a source.
+    let out = run(
+        d,
+        &[
+            "aecp",
+            "contract",
+            "declare",
+            "--module",
+            "pkg/acct.py",
+            "--worker",
+            "dlg_x",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+}
