@@ -126,6 +126,17 @@ async fn declare_writes_a_stub_the_mount_imports_and_revise_marks_consumers_stal
     assert_eq!(r.revision, 2);
     assert_eq!(r.stale, vec![id.clone()]);
     assert_eq!(r.stub, StubOutcome::Written, "an earlier stub is replaced");
+    let diff = r.diff.expect("a revision carries the diff");
+    assert!(
+        diff.lines()
+            .any(|l| l.starts_with('+') && l.contains("limit: int = ...")),
+        "{diff}"
+    );
+    assert!(
+        diff.lines()
+            .any(|l| l.starts_with('-') && l.contains("def open_account(owner: str)")),
+        "{diff}"
+    );
     assert!(
         std::fs::read_to_string(repo.join("pkg/acct.py"))
             .unwrap()

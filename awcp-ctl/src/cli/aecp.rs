@@ -326,6 +326,9 @@ async fn declare(
                 r.module
             ),
         }
+        if let Some(diff) = &r.diff {
+            print!("{diff}");
+        }
         if !r.stale.is_empty() {
             println!(
                 "stale consumers (until they run `awcp-ctl aecp ack`): {}",

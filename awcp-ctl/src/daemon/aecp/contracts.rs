@@ -71,6 +71,10 @@ pub struct DeclareResponse {
     pub stub: StubOutcome,
     /// Consumers this revision made stale.
     pub stale: Vec<String>,
+    /// For a revision: a unified diff of the previous revision's interface (as its stub
+    /// text) against this one's — what a stale consumer must look at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diff: Option<String>,
 }
 
 /// `GET /aecp/contracts?worker=&module=` answer.
@@ -262,6 +266,19 @@ impl Daemon {
             }
             _ => {}
         }
+        let diff = existing.as_ref().map(|old| {
+            let before = serde_json::from_value::<Contract>(old.body.clone())
+                .map(|c| stub::generate(&c))
+                .unwrap_or_default();
+            let after = stub::generate(&contract);
+            similar::TextDiff::from_lines(&before, &after)
+                .unified_diff()
+                .header(
+                    &format!("{module} (revision {})", old.revision),
+                    &format!("{module} (revision {})", old.revision + 1),
+                )
+                .to_string()
+        });
         let body = serde_json::to_value(&contract).unwrap_or_default();
         let (revision, stale) = self
             .aecp
@@ -281,6 +298,7 @@ impl Daemon {
             revision,
             stub,
             stale,
+            diff,
         })
     }
 
