@@ -1,5 +1,4 @@
-//! AECP on the mount: knowledge artifacts delivered at the point of use (DESIGN.md §6,
-//! `docs/AECP.md`).
+//! AECP on the mount: knowledge and contract artifacts (DESIGN.md §6, `docs/AECP.md`).
 //!
 //! * [`knowledge`] — the artifact model and the fixed delivery template.
 //! * [`policy`] — the one policy struct (limits, order, forwarding) and ownership globs.
@@ -8,11 +7,16 @@
 //! * [`witness`] — the witness runner (timeout, process group, network namespace).
 //! * [`store`] — the SQLite store and its append-only audit log (on the Delegator).
 //! * [`hook`] — the narrow interface the mount calls on each access.
+//! * [`contract`] — contract artifacts: the model and its JSON form, `.pyi` interfaces, the
+//!   stub generator and the static verifier (tree-sitter, never running code).
+//! * [`python`] — the tree-sitter-python helpers.
 
+pub mod contract;
 pub mod hook;
 pub mod index;
 pub mod knowledge;
 pub mod policy;
+pub mod python;
 pub mod scope;
 pub mod store;
 pub mod witness;

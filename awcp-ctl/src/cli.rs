@@ -59,7 +59,8 @@ enum Command {
     Executor(ExecutorArgs),
     /// Delegate a directory to an Executor.
     Delegate(DelegateArgs),
-    /// AECP: knowledge artifacts between the workers of a workspace (docs/AECP.md).
+    /// AECP: knowledge and contract artifacts between the workers of a workspace
+    /// (docs/AECP.md): publish/flag/lookup findings, declare/revise contracts, verify modules.
     Aecp {
         #[command(subcommand)]
         cmd: aecp::AecpCommand,
@@ -668,10 +669,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             running.stop().await;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Aecp { cmd } => {
-            aecp::run(&client, cli.json, cmd).await?;
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Aecp { cmd } => aecp::run(cmd, cli.json, &client).await,
         Command::Delegate(a) => {
             let dir = std::path::absolute(&a.dir)
                 .with_context(|| format!("resolving {}", a.dir.display()))?;

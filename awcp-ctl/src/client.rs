@@ -12,6 +12,8 @@ use crate::daemon::api::{DelegationView, RenewRequest, RenewResponse, RevokeRequ
 use crate::sse::SseReader;
 use crate::watch::WatchEvent;
 
+mod contracts;
+
 /// Why a daemon call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {

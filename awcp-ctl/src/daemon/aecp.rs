@@ -31,6 +31,12 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{Query, State};
 use axum::routing::{get, post};
 
+mod contracts;
+
+pub use contracts::{
+    ConsumerRequest, DeclareRequest, DeclareResponse, ShowResponse, StubOutcome, VerifyRequest,
+};
+
 use super::Daemon;
 use super::api::{ApiFailure, bad_json};
 use super::flow::{Refusal, awcp_base, with_token};
@@ -536,6 +542,7 @@ pub(crate) fn routes() -> Router<Arc<Daemon>> {
         .route("/aecp/inbox", get(inbox))
         .route("/aecp/lookup", get(lookup))
         .route("/aecp/audit", get(audit))
+        .merge(contracts::routes())
 }
 
 async fn publish(

@@ -1,0 +1,6 @@
+def fetch(url: str) -> bytes:
+    return b""
+
+
+async def parse(data: bytes) -> dict:
+    return {}

@@ -1,0 +1,2 @@
+class InsufficientFunds(Exception):
+    amount: int

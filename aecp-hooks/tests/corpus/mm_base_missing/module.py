@@ -1,0 +1,3 @@
+class InsufficientFunds:
+    def __init__(self, amount: int):
+        self.amount = amount

@@ -1,0 +1,3 @@
+class Config:
+    @classmethod
+    def load(cls, path: str) -> "Config": ...

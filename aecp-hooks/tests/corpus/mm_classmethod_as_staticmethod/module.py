@@ -1,0 +1,4 @@
+class Config:
+    @staticmethod
+    def load(path: str) -> "Config":
+        return Config()

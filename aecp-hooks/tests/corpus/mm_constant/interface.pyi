@@ -1,0 +1,2 @@
+TIMEOUT: float
+NAME: str

@@ -1,0 +1,3 @@
+class Point:
+    x: int
+    y: int

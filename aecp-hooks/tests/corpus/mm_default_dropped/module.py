@@ -1,0 +1,2 @@
+def connect(host: str, port: int) -> None:
+    pass

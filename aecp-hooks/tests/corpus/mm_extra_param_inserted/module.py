@@ -1,0 +1,2 @@
+def move(src: str, force: bool = False, dst: str = "") -> None:
+    pass

@@ -1,0 +1,2 @@
+def render(template: str, *, strict: bool = False, context: dict) -> str:
+    return template

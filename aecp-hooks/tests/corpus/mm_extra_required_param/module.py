@@ -1,0 +1,2 @@
+def greet(name: str, greeting: str) -> str:
+    return f"{greeting}, {name}"

@@ -1,0 +1,3 @@
+class Point:
+    x = 0
+    y = 0

@@ -1,0 +1,2 @@
+def resize(image: bytes, *, width: int, height: int) -> bytes:
+    return image

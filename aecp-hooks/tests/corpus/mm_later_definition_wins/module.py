@@ -1,0 +1,6 @@
+def parse(text: str) -> list:
+    return text.split()
+
+
+def parse(text: str, sep: str) -> list:
+    return text.split(sep)

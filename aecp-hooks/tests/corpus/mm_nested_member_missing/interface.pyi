@@ -1,0 +1,4 @@
+class Model:
+    class Meta:
+        table: str
+        ordering: list[str]

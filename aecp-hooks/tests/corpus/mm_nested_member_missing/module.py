@@ -1,0 +1,3 @@
+class Model:
+    class Meta:
+        table = "models"

@@ -1,0 +1,3 @@
+class Ledger:
+    def move(self, dst: str, src: str) -> None:
+        pass

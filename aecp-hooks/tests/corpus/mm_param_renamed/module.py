@@ -1,0 +1,2 @@
+def transfer(src: str, dst: str, amt: int) -> None:
+    pass

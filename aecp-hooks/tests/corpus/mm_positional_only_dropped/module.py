@@ -1,0 +1,2 @@
+def head(seq: list, n: int = 1) -> list:
+    return seq[:n]

@@ -1,0 +1,3 @@
+class User:
+    @property
+    def email(self) -> str: ...

@@ -1,0 +1,3 @@
+class User:
+    def email(self) -> str:
+        return "a@b.c"

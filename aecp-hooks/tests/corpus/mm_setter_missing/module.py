@@ -1,0 +1,4 @@
+class Box:
+    @property
+    def size(self) -> int:
+        return 1

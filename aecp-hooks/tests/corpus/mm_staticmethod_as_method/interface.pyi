@@ -1,0 +1,3 @@
+class Codec:
+    @staticmethod
+    def encode(data: bytes) -> str: ...

@@ -1,0 +1,3 @@
+class Codec:
+    def encode(self, data: bytes) -> str:
+        return data.hex()

@@ -1,0 +1,2 @@
+def call(fn) -> object:
+    return fn()

@@ -1,0 +1,6 @@
+def a(x: int) -> int:
+    ...
+
+
+def b(y: int) -> int:
+    return y

@@ -1,0 +1,19 @@
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+
+class Store(ABC):
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        ...
+
+    def has(self, key: str) -> bool:
+        try:
+            self.get(key)
+            return True
+        except KeyError:
+            return False
+
+
+class Reader(Protocol):
+    def read(self, n: int) -> bytes: ...

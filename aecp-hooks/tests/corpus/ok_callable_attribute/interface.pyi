@@ -1,0 +1,4 @@
+from typing import Callable
+
+class Button:
+    on_click: Callable[[int], None]

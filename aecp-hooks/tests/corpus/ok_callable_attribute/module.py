@@ -1,0 +1,3 @@
+class Button:
+    def on_click(self, n: int) -> None:
+        print(n)

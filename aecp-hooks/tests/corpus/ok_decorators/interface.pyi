@@ -1,0 +1,6 @@
+import functools
+
+@functools.lru_cache(maxsize=None)
+def rate(currency: str) -> float: ...
+
+def convert(amount: float, currency: str) -> float: ...

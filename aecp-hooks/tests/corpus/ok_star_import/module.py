@@ -1,0 +1,5 @@
+from ._impl import *
+
+
+def local(x: int) -> int:
+    return x

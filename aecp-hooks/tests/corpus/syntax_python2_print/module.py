@@ -1,0 +1,3 @@
+def f(x: int) -> int:
+    print "x is", x
+    return x
