@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Longer runs of the random-operation exerciser (tests/tests/exerciser.rs) and of the crash
-# recovery tests, each with a fresh seed, until a time budget is used up. Prints the seeds,
+# Longer runs of the random-operation exerciser (tests/tests/exerciser.rs), of the crash
+# recovery tests and of fsx with every operation (awcpfs/tests/posix_suites.rs, 100,000
+# operations), each with a fresh seed, until a time budget is used up. Prints the seeds,
 # the operations done and the failures; a failure's seed reproduces it:
 #   AWCP_SEED=<seed> AWCP_EXERCISER_OPS=<n> cargo test -p awcp-tests --test exerciser
+#   AWCP_FSX_SEED=<seed> AWCP_FSX_OPS=100000 cargo test -p awcpfs --test posix_suites fsx
 # Usage: scripts/soak.sh [minutes (default 10)] [ops per exerciser run (default 10000)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +13,7 @@ ops=${2:-10000}
 deadline=$(( $(date +%s) + minutes * 60 ))
 cargo test -q -p awcp-tests --test exerciser --no-run
 cargo test -q -p awcpfs --test crash_recovery --no-run
+cargo test -q -p awcpfs --test posix_suites --no-run
 runs=0; failures=0; total_ops=0
 while [ "$(date +%s)" -lt "$deadline" ]; do
   seed=$(python3 -c 'import random; print(random.getrandbits(63))')
@@ -24,6 +27,12 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
     echo "kill -9 + recover: ok (no acknowledged write lost)"
   else
     failures=$((failures + 1)); echo "kill -9 + recover: FAILED"; cp /tmp/awcp-soak.log "/tmp/awcp-soak.crash.$runs.log"
+  fi
+  if AWCP_FSX_SEED=$seed AWCP_FSX_OPS=100000 cargo test -q -p awcpfs --test posix_suites fsx >/tmp/awcp-soak.log 2>&1; then
+    echo "fsx seed $seed: ok (100000 ops, every operation)"
+  else
+    failures=$((failures + 1)); echo "fsx seed $seed: FAILED (log: /tmp/awcp-soak.fsx.$seed.log)"
+    cp /tmp/awcp-soak.log "/tmp/awcp-soak.fsx.$seed.log"
   fi
   runs=$((runs + 1)); total_ops=$((total_ops + ops))
 done
