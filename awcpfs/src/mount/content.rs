@@ -750,8 +750,7 @@ impl AwcpFs {
                 &table,
                 caller,
                 ino,
-                parent,
-                name,
+                (parent, name),
                 Kind::File,
                 (mode & 0o7777) as u16,
             );

@@ -438,17 +438,15 @@ impl AwcpFs {
         }
     }
 
-    /// A new node made by `caller` in `parent` (which `table` holds): owned by the
+    /// A new node `ino` made by `caller` as `name` in `parent` (which `table` holds): owned by the
     /// caller's uid, and by its gid or, in a set-group-ID directory, by the directory's
     /// group (a new directory there is set-group-ID too), as on a local filesystem.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn new_node(
         &self,
         table: &InodeTable,
         caller: Caller,
         ino: Ino,
-        parent: Ino,
-        name: &str,
+        (parent, name): (Ino, &str),
         kind: Kind,
         perm: u16,
     ) -> Node {
@@ -583,8 +581,7 @@ impl AwcpFs {
             &table,
             caller,
             ino,
-            parent,
-            name,
+            (parent, name),
             Kind::Dir,
             (mode & 0o7777) as u16,
         );
@@ -614,7 +611,7 @@ impl AwcpFs {
             return Err(FsError::Exists);
         }
         let ino = table.alloc_ino();
-        let mut node = self.new_node(&table, caller, ino, parent, name, Kind::Symlink, 0o777);
+        let mut node = self.new_node(&table, caller, ino, (parent, name), Kind::Symlink, 0o777);
         node.size = rawname::to_bytes(&target).len() as u64;
         node.target = Some(target.into_owned());
         self.add_node(&mut table, node)

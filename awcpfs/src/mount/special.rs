@@ -74,8 +74,7 @@ impl AwcpFs {
             &table,
             caller,
             ino,
-            parent,
-            name,
+            (parent, name),
             kind,
             (mode & 0o7777) as u16,
         );
