@@ -7,7 +7,7 @@
 //! passes its uid and gid with each request), or to the directory's group in a
 //! set-group-ID directory; and because the mount takes `FUSE_HANDLE_KILLPRIV_V2`, the
 //! clearing of set-user-ID and set-group-ID on write, truncate and chown is done here
-//! ([`kill_on_chown`], [`kill_on_truncate`], [`AwcpFs::drop_suidgid`]). Owners are local to
+//! (`kill_on_chown`, `kill_on_truncate`, [`AwcpFs::drop_suidgid`]). Owners are local to
 //! the Executor: they are never written back (see `docs/SEMANTICS.md`).
 //!
 //! Extended attributes live in the inode table (`Node::xattrs`) and in the journal, so they
