@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Longer runs of the random-operation exerciser (tests/tests/exerciser.rs), of the crash
-# recovery tests and of the network fault matrix (awcpfs/tests/fault_matrix.rs: one reset,
-# seconds of resets, a blackhole, kill -9 with a commit's answer in flight), each with a
-# fresh seed, until a time budget is used up. Prints the seeds, the operations done and the
+# recovery tests, of the network fault matrix (awcpfs/tests/fault_matrix.rs: one reset,
+# seconds of resets, a blackhole, kill -9 with a commit's answer in flight) and of fsx with
+# every operation (awcpfs/tests/posix_suites.rs, 100,000 operations), each with a fresh
+# seed, until a time budget is used up. Prints the seeds, the operations done and the
 # failures; a failure's seed reproduces it:
 #   AWCP_SEED=<seed> AWCP_EXERCISER_OPS=<n> cargo test -p awcp-tests --test exerciser
 #   AWCP_SEED=<seed> AWCP_FAULT_SEEDS=1 AWCP_FAULT_SECS=<s> cargo test -p awcpfs --test fault_matrix
+#   AWCP_FSX_SEED=<seed> AWCP_FSX_OPS=100000 cargo test -p awcpfs --test posix_suites fsx
 # Usage: scripts/soak.sh [minutes (default 10)] [ops per exerciser run (default 10000)]
 #        [seconds of workload per fault run (default 20)]
 set -euo pipefail
@@ -17,6 +19,7 @@ deadline=$(( $(date +%s) + minutes * 60 ))
 cargo test -q -p awcp-tests --test exerciser --no-run
 cargo test -q -p awcpfs --test crash_recovery --no-run
 cargo test -q -p awcpfs --test fault_matrix --no-run
+cargo test -q -p awcpfs --test posix_suites --no-run
 runs=0; failures=0; total_ops=0
 while [ "$(date +%s)" -lt "$deadline" ]; do
   seed=$(python3 -c 'import random; print(random.getrandbits(63))')
@@ -39,6 +42,12 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
   else
     failures=$((failures + 1)); echo "fault matrix seed $seed: FAILED (log: /tmp/awcp-soak.faults.$seed.log)"
     cp /tmp/awcp-soak.log "/tmp/awcp-soak.faults.$seed.log"
+  fi
+  if AWCP_FSX_SEED=$seed AWCP_FSX_OPS=100000 cargo test -q -p awcpfs --test posix_suites fsx >/tmp/awcp-soak.log 2>&1; then
+    echo "fsx seed $seed: ok (100000 ops, every operation)"
+  else
+    failures=$((failures + 1)); echo "fsx seed $seed: FAILED (log: /tmp/awcp-soak.fsx.$seed.log)"
+    cp /tmp/awcp-soak.log "/tmp/awcp-soak.fsx.$seed.log"
   fi
   runs=$((runs + 1)); total_ops=$((total_ops + ops))
 done

@@ -23,6 +23,7 @@ pub mod posix;
 pub mod recover;
 pub mod remote;
 pub mod session;
+pub mod special;
 pub mod stats;
 pub mod sync;
 pub mod upstream;

@@ -54,6 +54,9 @@ pub struct SetAttr {
     pub mtime: Option<SystemTime>,
     /// The handle the change came through, if any.
     pub fh: Option<u64>,
+    /// Who asks (`None`: the mount itself): set-user-ID and set-group-ID are cleared on
+    /// chown, and on truncation by someone other than root.
+    pub caller: Option<super::posix::Caller>,
 }
 
 /// How `open` was asked to open a file.
@@ -678,6 +681,12 @@ impl AwcpFs {
         }
         if let Some(mode) = set.mode {
             node.perm = (mode & 0o7777) as u16;
+        } else if let Some(caller) = set.caller {
+            if set.uid.is_some() || set.gid.is_some() {
+                node.perm = super::posix::kill_on_chown(node.perm, node.kind, caller);
+            } else if set.size.is_some() {
+                node.perm = super::posix::kill_on_truncate(node.perm, caller);
+            }
         }
         if let Some(uid) = set.uid {
             node.uid = uid;
@@ -781,10 +790,22 @@ impl AwcpFs {
         }
     }
 
-    /// `create`: a new, empty, local file, opened (handle 0 once the kernel opens files
-    /// itself).
+    /// `create`, owned by the mount's owner.
     pub fn create(
         &self,
+        parent: Ino,
+        name: &OsStr,
+        mode: u32,
+        flags: i32,
+    ) -> Result<(FileAttr, u64), FsError> {
+        self.create_as(self.owner(), parent, name, mode, flags)
+    }
+
+    /// `create` by `caller`: a new, empty, local file, opened (handle 0 once the kernel
+    /// opens files itself).
+    pub fn create_as(
+        &self,
+        caller: super::posix::Caller,
         parent: Ino,
         name: &OsStr,
         mode: u32,
@@ -804,7 +825,14 @@ impl AwcpFs {
             }
             let ino = table.alloc_ino();
             std::fs::File::create(self.upper_path(ino))?;
-            let node = self.new_file_node(ino, parent, name, (mode & 0o7777) as u16);
+            let node = self.new_node(
+                &table,
+                caller,
+                ino,
+                (parent, name),
+                Kind::File,
+                (mode & 0o7777) as u16,
+            );
             if self.no_open() {
                 // Before the syncer can see the node (we hold the table's lock): it must
                 // not take the empty file its writer is about to fill.
@@ -833,26 +861,6 @@ impl AwcpFs {
         self.mark_wrote(fh);
         let attr = self.getattr(ino)?;
         Ok((attr, fh))
-    }
-
-    /// `mknod` of a regular file (other node types are not supported).
-    pub fn mknod(&self, parent: Ino, name: &OsStr, mode: u32) -> Result<FileAttr, FsError> {
-        self.check_write()?;
-        if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
-            return Err(FsError::Unsupported {
-                op: "special files",
-            });
-        }
-        let name = name_str(name)?;
-        let name = &*name;
-        let mut table = self.table.lock();
-        if table.child(parent, name).is_some() {
-            return Err(FsError::Exists);
-        }
-        let ino = table.alloc_ino();
-        std::fs::File::create(self.upper_path(ino))?;
-        let node = self.new_file_node(ino, parent, name, (mode & 0o7777) as u16);
-        self.add_child_node(&mut table, node)
     }
 
     /// The open file behind `fh` (the FUSE adapter hands its upper file to the kernel for

@@ -27,6 +27,7 @@ use parking_lot::{Mutex, RwLock};
 use super::error::{EndReason, FsError};
 use super::inode::{Data, Ino, InodeTable, Kind, Node, ROOT_INO};
 use super::journal::{Journal, Record};
+pub use super::posix::Caller;
 use super::remote::Remote;
 use super::stats::Stats;
 use super::sync::SyncSignal;
@@ -167,8 +168,15 @@ pub(super) fn kind_to_fuse(k: Kind) -> FileType {
         Kind::File => FileType::RegularFile,
         Kind::Dir => FileType::Directory,
         Kind::Symlink => FileType::Symlink,
+        Kind::Fifo => FileType::NamedPipe,
+        Kind::Socket => FileType::Socket,
+        Kind::CharDev(_) => FileType::CharDevice,
+        Kind::BlockDev(_) => FileType::BlockDevice,
     }
 }
+
+/// Longest name in bytes (`NAME_MAX`, what `statfs` reports).
+pub const MAX_NAME: usize = 255;
 
 /// Names the export reserves for its own temporary files; it never shows or accepts them.
 pub const RESERVED_PREFIX: &str = ".awcp-tmp-";
@@ -176,7 +184,7 @@ pub const RESERVED_PREFIX: &str = ".awcp-tmp-";
 /// Validate a name from the kernel for a new entry and make it a `String` (a name that is
 /// not UTF-8 in its escaped form: see [`awcp_protocol::rawname`]).
 pub(super) fn name_str(name: &OsStr) -> Result<Cow<'_, str>, FsError> {
-    if name.len() > 255 {
+    if name.len() > MAX_NAME {
         return Err(FsError::NameTooLong);
     }
     let name = rawname::from_os(name);
@@ -408,7 +416,10 @@ impl AwcpFs {
             nlink: node.nlink(),
             uid: node.uid,
             gid: node.gid,
-            rdev: 0,
+            rdev: match node.kind {
+                Kind::CharDev(rdev) | Kind::BlockDev(rdev) => rdev,
+                _ => 0,
+            },
             blksize: BLKSIZE,
             flags: 0,
         }
@@ -430,7 +441,29 @@ impl AwcpFs {
         Ok(n)
     }
 
-    fn new_node(&self, ino: Ino, parent: Ino, name: &str, kind: Kind, perm: u16) -> Node {
+    /// The mount's own owner (who started it, or `--uid`/`--gid`): what nodes from the
+    /// manifest belong to, and new nodes made without a caller (tests).
+    pub(super) fn owner(&self) -> Caller {
+        Caller {
+            uid: self.opts.uid,
+            gid: self.opts.gid,
+        }
+    }
+
+    /// A new node `ino` made by `caller` as `name` in `parent` (which `table` holds): owned by the
+    /// caller's uid, and by its gid or, in a set-group-ID directory, by the directory's
+    /// group (a new directory there is set-group-ID too), as on a local filesystem.
+    pub(super) fn new_node(
+        &self,
+        table: &InodeTable,
+        caller: Caller,
+        ino: Ino,
+        (parent, name): (Ino, &str),
+        kind: Kind,
+        perm: u16,
+    ) -> Node {
+        let dir = table.get(parent).map(|d| (d.perm, d.gid));
+        let (gid, perm) = super::posix::new_owner(caller, dir, kind, perm);
         let now = SystemTime::now();
         Node {
             ino,
@@ -438,8 +471,8 @@ impl AwcpFs {
             name: name.to_string(),
             kind,
             perm,
-            uid: self.opts.uid,
-            gid: self.opts.gid,
+            uid: caller.uid,
+            gid,
             size: 0,
             atime: now,
             mtime: now,
@@ -461,10 +494,6 @@ impl AwcpFs {
             links: Vec::new(),
             xattrs: Default::default(),
         }
-    }
-
-    pub(super) fn new_file_node(&self, ino: Ino, parent: Ino, name: &str, perm: u16) -> Node {
-        self.new_node(ino, parent, name, Kind::File, perm)
     }
 
     pub(super) fn add_child_node(
@@ -494,6 +523,11 @@ impl AwcpFs {
     /// `lookup`: the attributes of `name` in `parent`.
     pub fn lookup(&self, parent: Ino, name: &OsStr) -> Result<FileAttr, FsError> {
         self.check()?;
+        // Every operation on a name starts with its lookup: an over-long one fails here,
+        // as on a local filesystem, not with "no such file".
+        if name.len() > MAX_NAME {
+            return Err(FsError::NameTooLong);
+        }
         let name = rawname::from_os(name);
         let table = self.table.lock();
         if let Some(r) = self.aecp.lookup(&table, parent, &name) {
@@ -540,8 +574,19 @@ impl AwcpFs {
         })
     }
 
-    /// `mkdir`.
+    /// `mkdir`, owned by the mount's owner.
     pub fn mkdir(&self, parent: Ino, name: &OsStr, mode: u32) -> Result<FileAttr, FsError> {
+        self.mkdir_as(self.owner(), parent, name, mode)
+    }
+
+    /// `mkdir` by `caller`.
+    pub fn mkdir_as(
+        &self,
+        caller: Caller,
+        parent: Ino,
+        name: &OsStr,
+        mode: u32,
+    ) -> Result<FileAttr, FsError> {
         self.check_write()?;
         let name = name_str(name)?;
         let name = &*name;
@@ -551,12 +596,30 @@ impl AwcpFs {
             return Err(FsError::Exists);
         }
         let ino = table.alloc_ino();
-        let node = self.new_node(ino, parent, name, Kind::Dir, (mode & 0o7777) as u16);
+        let node = self.new_node(
+            &table,
+            caller,
+            ino,
+            (parent, name),
+            Kind::Dir,
+            (mode & 0o7777) as u16,
+        );
         self.add_node(&mut table, node)
     }
 
-    /// `symlink`.
+    /// `symlink`, owned by the mount's owner.
     pub fn symlink(&self, parent: Ino, name: &OsStr, target: &OsStr) -> Result<FileAttr, FsError> {
+        self.symlink_as(self.owner(), parent, name, target)
+    }
+
+    /// `symlink` by `caller`.
+    pub fn symlink_as(
+        &self,
+        caller: Caller,
+        parent: Ino,
+        name: &OsStr,
+        target: &OsStr,
+    ) -> Result<FileAttr, FsError> {
         self.check_write()?;
         let name = name_str(name)?;
         let name = &*name;
@@ -567,7 +630,7 @@ impl AwcpFs {
             return Err(FsError::Exists);
         }
         let ino = table.alloc_ino();
-        let mut node = self.new_node(ino, parent, name, Kind::Symlink, 0o777);
+        let mut node = self.new_node(&table, caller, ino, (parent, name), Kind::Symlink, 0o777);
         node.size = rawname::to_bytes(&target).len() as u64;
         node.target = Some(target.into_owned());
         self.add_node(&mut table, node)

@@ -208,6 +208,15 @@ impl FuseAdapter {
     }
 }
 
+/// Who sent a request: new nodes belong to it, and chown and truncate clear set-user-ID
+/// and set-group-ID by its rights (see `posix.rs`).
+fn caller(req: &Request) -> super::posix::Caller {
+    super::posix::Caller {
+        uid: req.uid(),
+        gid: req.gid(),
+    }
+}
+
 fn time(t: TimeOrNow) -> SystemTime {
     match t {
         TimeOrNow::SpecificTime(t) => t,
@@ -322,7 +331,7 @@ impl Filesystem for FuseAdapter {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -347,6 +356,7 @@ impl Filesystem for FuseAdapter {
             atime: atime.map(time),
             mtime: mtime.map(time),
             fh: fh.map(|f| f.0),
+            caller: Some(caller(req)),
         };
         match self.fs.setattr(ino.0, set) {
             Ok(attr) => reply.attr(&self.ttl, &attr),
@@ -364,16 +374,19 @@ impl Filesystem for FuseAdapter {
 
     fn mknod(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
         umask: u32,
-        _rdev: u32,
+        rdev: u32,
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("mknod");
-        match self.fs.mknod(parent.0, name, mode & !umask) {
+        match self
+            .fs
+            .mknod_as(caller(req), parent.0, name, mode & !umask, rdev)
+        {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "mknod", e),
         }
@@ -381,7 +394,7 @@ impl Filesystem for FuseAdapter {
 
     fn mkdir(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -389,7 +402,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("mkdir");
-        match self.fs.mkdir(parent.0, name, mode & !umask) {
+        match self.fs.mkdir_as(caller(req), parent.0, name, mode & !umask) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "mkdir", e),
         }
@@ -413,14 +426,17 @@ impl Filesystem for FuseAdapter {
 
     fn symlink(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         link_name: &OsStr,
         target: &Path,
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("symlink");
-        match self.fs.symlink(parent.0, link_name, target.as_os_str()) {
+        match self
+            .fs
+            .symlink_as(caller(req), parent.0, link_name, target.as_os_str())
+        {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "symlink", e),
         }
@@ -750,7 +766,7 @@ impl Filesystem for FuseAdapter {
 
     fn create(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         mode: u32,
@@ -759,7 +775,10 @@ impl Filesystem for FuseAdapter {
         reply: ReplyCreate,
     ) {
         self.fs.stats().count_op("create");
-        match self.fs.create(parent.0, name, mode & !umask, flags) {
+        match self
+            .fs
+            .create_as(caller(req), parent.0, name, mode & !umask, flags)
+        {
             Ok((attr, fh)) => reply.created(
                 &self.ttl,
                 &attr,

@@ -44,6 +44,25 @@ pub enum Kind {
     Dir,
     /// Symbolic link.
     Symlink,
+    /// A FIFO (named pipe): the kernel runs the pipe itself, the node only names it.
+    Fifo,
+    /// A Unix domain socket's name (`bind`): the socket itself is process state.
+    Socket,
+    /// A character device node, with its device number (`st_rdev`).
+    CharDev(u32),
+    /// A block device node, with its device number.
+    BlockDev(u32),
+}
+
+impl Kind {
+    /// A FIFO, socket or device node: lives only on the mount, never written back (see
+    /// `special.rs`).
+    pub fn is_special(self) -> bool {
+        matches!(
+            self,
+            Kind::Fifo | Kind::Socket | Kind::CharDev(_) | Kind::BlockDev(_)
+        )
+    }
 }
 
 impl From<EntryKind> for Kind {

@@ -1,4 +1,14 @@
-//! The less common POSIX operations: extended attributes and `fallocate`.
+//! The less common POSIX operations: extended attributes and `fallocate`, and the
+//! ownership rules of a local filesystem.
+//!
+//! Ownership: permission checks are the kernel's (`default_permissions`): it decides who
+//! may chmod, chown, truncate, or remove and rename in a sticky directory, from the
+//! owners this layer reports. So a new node belongs to the process that made it (FUSE
+//! passes its uid and gid with each request), or to the directory's group in a
+//! set-group-ID directory; and because the mount takes `FUSE_HANDLE_KILLPRIV_V2`, the
+//! clearing of set-user-ID and set-group-ID on write, truncate and chown is done here
+//! (`kill_on_chown`, `kill_on_truncate`, [`AwcpFs::drop_suidgid`]). Owners are local to
+//! the Executor: they are never written back (see `docs/SEMANTICS.md`).
 //!
 //! Extended attributes live in the inode table (`Node::xattrs`) and in the journal, so they
 //! survive a crash of the process like any other namespace change. Only the `user.*`
@@ -19,6 +29,73 @@ use super::error::FsError;
 use super::fs::AwcpFs;
 use super::inode::{Ino, Kind};
 use super::journal::Record;
+
+/// Who makes a request: the calling process's uid and gid, as FUSE passes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    /// Effective (filesystem) user id.
+    pub uid: u32,
+    /// Effective (filesystem) group id.
+    pub gid: u32,
+}
+
+/// `S_ISUID`.
+const SUID: u16 = 0o4000;
+/// `S_ISGID`.
+const SGID: u16 = 0o2000;
+/// `S_IXGRP`.
+const XGRP: u16 = 0o0010;
+
+/// The group and permission bits of a node `caller` makes with `perm` in a directory of
+/// mode and group `dir` (`None` if unknown): the caller's group, or in a set-group-ID
+/// directory the directory's, a new directory there being set-group-ID too (what ext4
+/// does; the kernel has already removed set-group-ID from a file's `perm` when the caller
+/// is not in the group it would get).
+pub(super) fn new_owner(
+    caller: Caller,
+    dir: Option<(u16, u32)>,
+    kind: Kind,
+    perm: u16,
+) -> (u32, u16) {
+    match dir {
+        Some((dir_perm, dir_gid)) if dir_perm & SGID != 0 => {
+            let perm = if kind == Kind::Dir { perm | SGID } else { perm };
+            (dir_gid, perm)
+        }
+        _ => (caller.gid, perm),
+    }
+}
+
+/// The permission bits after a chown (`uid`/`gid` given) of a node of `kind` by `caller`.
+/// As the kernel does on a local filesystem (`chown_common`, `setattr_should_drop_sgid`):
+/// set-user-ID goes on any chown of a non-directory; set-group-ID too when the group may
+/// execute (without that bit it marks mandatory locking, kept), or when the caller is not
+/// root (a non-root caller may only give the file to one of its own groups, so the
+/// kernel's "not in the group" case reduces to that).
+pub(super) fn kill_on_chown(perm: u16, kind: Kind, caller: Caller) -> u16 {
+    if kind == Kind::Dir {
+        return perm;
+    }
+    let mut perm = perm & !SUID;
+    if perm & SGID != 0 && (perm & XGRP != 0 || caller.uid != 0) {
+        perm &= !SGID;
+    }
+    perm
+}
+
+/// The permission bits after `caller` truncates a file (the kernel leaves this to us with
+/// `FUSE_HANDLE_KILLPRIV_V2`): a caller without `CAP_FSETID` (taken as: not root) clears
+/// set-user-ID, and set-group-ID when the group may execute.
+pub(super) fn kill_on_truncate(perm: u16, caller: Caller) -> u16 {
+    if caller.uid == 0 {
+        return perm;
+    }
+    let mut perm = perm & !SUID;
+    if perm & XGRP != 0 {
+        perm &= !SGID;
+    }
+    perm
+}
 
 /// The one namespace stored.
 const USER_PREFIX: &str = "user.";
@@ -243,6 +320,53 @@ impl AwcpFs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const ROOT: Caller = Caller { uid: 0, gid: 0 };
+    const USER: Caller = Caller {
+        uid: 1000,
+        gid: 1000,
+    };
+
+    #[test]
+    fn new_nodes_take_the_callers_group_or_a_setgid_directorys() {
+        assert_eq!(
+            new_owner(USER, Some((0o755, 50)), Kind::File, 0o644),
+            (1000, 0o644)
+        );
+        assert_eq!(new_owner(USER, None, Kind::File, 0o644), (1000, 0o644));
+        // Set-group-ID directory: its group; a subdirectory inherits the bit, a file not.
+        assert_eq!(
+            new_owner(USER, Some((0o2775, 50)), Kind::File, 0o644),
+            (50, 0o644)
+        );
+        assert_eq!(
+            new_owner(USER, Some((0o2775, 50)), Kind::Dir, 0o755),
+            (50, 0o2755)
+        );
+        assert_eq!(
+            new_owner(ROOT, Some((0o2775, 50)), Kind::Fifo, 0o600),
+            (50, 0o600)
+        );
+    }
+
+    #[test]
+    fn chown_clears_setuid_and_setgid_like_ext4() {
+        // Symptom (pjdfstest chown/00.t): a non-root owner's chown kept set-user-ID.
+        assert_eq!(kill_on_chown(0o6555, Kind::File, USER), 0o0555);
+        assert_eq!(kill_on_chown(0o6555, Kind::File, ROOT), 0o0555);
+        // Set-group-ID without group execute is kept for root.
+        assert_eq!(kill_on_chown(0o6545, Kind::File, ROOT), 0o2545);
+        assert_eq!(kill_on_chown(0o6545, Kind::File, USER), 0o0545);
+        // Directories keep both.
+        assert_eq!(kill_on_chown(0o6755, Kind::Dir, USER), 0o6755);
+    }
+
+    #[test]
+    fn truncate_by_non_root_clears_setuid() {
+        assert_eq!(kill_on_truncate(0o6755, USER), 0o0755);
+        assert_eq!(kill_on_truncate(0o6745, USER), 0o2745);
+        assert_eq!(kill_on_truncate(0o6755, ROOT), 0o6755);
+    }
 
     #[test]
     fn size_probe_and_range() {

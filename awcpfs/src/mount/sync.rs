@@ -403,6 +403,9 @@ enum Cur {
     File(CurFile),
     /// Open for writing; left alone this round.
     Skip,
+    /// A FIFO, socket or device node: never written back (`special.rs`); the Delegator
+    /// loses whatever it had at this path.
+    MountOnly,
 }
 
 struct CurFile {
@@ -453,6 +456,7 @@ fn covered(roots: &HashSet<String>, path: &str) -> bool {
 /// A node's state as a round compares it.
 fn cur_of(n: &Node, include_open: bool, busy: &HashSet<Ino>) -> Cur {
     match n.kind {
+        Kind::Fifo | Kind::Socket | Kind::CharDev(_) | Kind::BlockDev(_) => Cur::MountOnly,
         Kind::Dir => Cur::Dir {
             mode: u32::from(n.perm),
             xattrs: hex_xattrs(n),
@@ -833,6 +837,12 @@ impl Syncer {
                 Cur::Skip => {
                     report.pending_open += 1;
                     again.push(path.clone());
+                }
+                Cur::MountOnly => {
+                    if let Some(old) = old {
+                        remove_old(path, old, &mut deletes, &mut rmdirs);
+                        next.push((path.clone(), None));
+                    }
                 }
                 Cur::Dir { mode, xattrs } => match old {
                     Some(Synced::Dir { mode: m, xattrs: x }) if m == mode && x == xattrs => {}

@@ -93,6 +93,8 @@ fn state_of(n: &Node) -> Option<Synced> {
         Kind::Symlink => Some(Synced::Symlink {
             target: n.target.clone().unwrap_or_default(),
         }),
+        // Never written back: as a change of the mount's own at that path.
+        Kind::Fifo | Kind::Socket | Kind::CharDev(_) | Kind::BlockDev(_) => None,
         Kind::File => {
             let hash = match &n.data {
                 Data::Remote { hash, .. } => *hash,
@@ -488,7 +490,7 @@ fn update(
             n.size = e.target.as_ref().map_or(0, |t| t.len() as u64);
             n.mtime = t;
         }
-        Kind::Dir => {}
+        Kind::Dir | Kind::Fifo | Kind::Socket | Kind::CharDev(_) | Kind::BlockDev(_) => {}
     }
     records.push(Record::upstream(n));
 }
