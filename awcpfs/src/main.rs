@@ -91,6 +91,11 @@ enum Command {
         /// it for 50 ms. Implied by --passthrough.
         #[arg(long)]
         track_opens: bool,
+        /// Let every user of this machine into the mount (FUSE allow_other, with the
+        /// kernel checking mode bits): they can then read the workspace wherever its
+        /// files' modes allow. Default: only the user who mounts it.
+        #[arg(long)]
+        allow_other: bool,
     },
 }
 
@@ -172,7 +177,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ));
             // A standalone export lives exactly --ttl-secs: renewals cannot extend it.
             lease.limit_renewals(Duration::from_secs(ttl_secs));
-            std::fs::create_dir_all(&state_dir)?;
+            awcpfs::private::create_dir_all(&state_dir)?;
             let registry = ExportRegistry::with_hash_cache(std::sync::Arc::new(
                 awcpfs::export::hashcache::HashCache::open(&state_dir.join("hashes.bin")),
             ));
@@ -268,6 +273,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cache_size,
             passthrough,
             track_opens,
+            allow_other,
         } => {
             let h = read_handle(&handle)?;
             let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
@@ -284,6 +290,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             cfg.kernel.passthrough = passthrough;
             cfg.kernel.no_open = !track_opens;
+            cfg.allow_other = allow_other;
             let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
             eprintln!(
                 "awcpfs: mounted at {}; Ctrl-C unmounts (after writing changes back)",

@@ -126,7 +126,8 @@ impl Harness {
         ecfg.listen = "127.0.0.1:0".parse().unwrap();
         adjust(&mut ecfg);
         let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
-        let client = DaemonClient::new(&daemon.url());
+        // The daemon drew its API token in its state dir; the client sends it.
+        let client = daemon.client();
         let _mounts = UnmountOnDrop(tmp.path().to_path_buf());
         Harness {
             tmp,

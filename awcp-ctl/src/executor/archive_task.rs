@@ -185,7 +185,7 @@ async fn run_rounds(
             Some("Ask the Delegator for a longer TTL".into()),
         )
     };
-    let cancelled = || End::Error(ErrorCode::Cancelled, "Delegation cancelled".into(), None);
+    let cancelled = || End::Error(ErrorCode::Cancelled, super::routes::cancel_reason(a), None);
     loop {
         let mut agent = match spawn_agent(ex, a, &a.work_path) {
             Ok(agent) => agent,
