@@ -986,6 +986,19 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             use awcp_ctl::doctor::{self, Status};
             let mut checks = doctor::local();
             checks.push(doctor::daemon(&cli.daemon, client_token.as_deref()).await);
+            checks.push(doctor::daemon_credential(&cli.daemon).await);
+            let daemon_state = std::env::var_os("AWCP_STATE_DIR")
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+                .unwrap_or_else(|| default_state_dir("delegator"));
+            let executor_dir = std::env::var_os("AWCP_EXECUTOR_DIR")
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+                .unwrap_or_else(|| default_state_dir("executor"));
+            checks.push(doctor::file_modes(&daemon_state, &executor_dir));
+            checks.push(doctor::mount_access(
+                &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
+            ));
             for e in &executor {
                 checks.push(doctor::executor(e, executor_token.as_deref()).await);
             }

@@ -789,7 +789,9 @@ async fn a_reinvite_cannot_take_over_a_running_delegation() {
     assert_eq!(b["code"], "DECLINED");
     let zip = zip_entries(&[("workspace/x", b"x")], zip::CompressionMethod::Deflated);
     let (s, _) = post(&awcp, &start(&id, &zip, &sha256_hex(&zip))).await;
-    assert_eq!(s, 500, "START for a running assignment is refused");
+    // Refused before its state is even looked at: the running delegation has a proof
+    // (our daemon's START token), and this START does not carry it.
+    assert_eq!(s, 401, "START for a running assignment is refused");
     std::fs::write(&flag, "").unwrap();
     assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Completed);
     assert_eq!(
