@@ -143,6 +143,33 @@ impl Harness {
         self.tmp.path().join(rel)
     }
 
+    /// The Delegator's proof for `awcpfs` delegation `id` (its START's capability token),
+    /// which the Executor's routes of that delegation require; read from the handle the
+    /// Executor saved (waits up to 30 s for it).
+    pub async fn proof(&self, id: &str) -> String {
+        let path = self
+            .tmp
+            .path()
+            .join("executor/state")
+            .join(id)
+            .join("handle.json");
+        let start = Instant::now();
+        loop {
+            if let Ok(bytes) = std::fs::read(&path)
+                && let Ok(h) =
+                    serde_json::from_slice::<awcp_protocol::transport::AwcpfsHandle>(&bytes)
+            {
+                return h.token;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no handle at {}",
+                path.display()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Where the Executor mounts delegation `id`.
     pub fn mountpoint(&self, id: &str) -> PathBuf {
         self.tmp.path().join("executor/work").join(id)

@@ -557,9 +557,14 @@ async fn events(
     // yet: once START has given the delegation one, only a stream opened with it (or the
     // Executor's token) goes on.
     let given = crate::bearer(&headers).map(str::to_owned);
-    let (ex2, a2) = (ex.clone(), a.clone());
+    // Weak: the stream must not keep the assignment (and its event sender) alive, or it
+    // would not end when the assignment is acked away.
+    let (ex2, a2) = (ex.clone(), Arc::downgrade(&a));
     let allowed = move || {
-        let proof = a2.proof.lock().clone();
+        let Some(a) = a2.upgrade() else {
+            return true;
+        };
+        let proof = a.proof.lock().clone();
         caller_of(&ex2, proof.as_deref(), given.as_deref()).is_ok()
     };
     let live = BroadcastStream::new(rx)
