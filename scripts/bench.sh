@@ -640,6 +640,7 @@ wl_delegate() {
             rc=0
             t0=${EPOCHREALTIME/./}
             timeout -k 10 "$STEP_TIMEOUT" "$AWCP_CTL" --daemon "http://127.0.0.1:$api_port" \
+                --api-token-file "$d/delegator/api-token" \
                 delegate "$dir" --to "http://127.0.0.1:$exec_port/awcp" --task bench --wait \
                 >>"$LOGS/ctl-delegate.log" 2>&1 || rc=$?
             if ((rc != 0)) || [[ ! -s $ts ]]; then

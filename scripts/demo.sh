@@ -37,6 +37,9 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 API_PORT=$(free_port); DATA_PORT=$(free_port); EXEC_PORT=$(free_port)
 export AWCP_DAEMON_URL="http://127.0.0.1:$API_PORT"
+# The daemon writes its API token (0600) into its state directory; the client commands
+# below find it there through AWCP_STATE_DIR.
+export AWCP_STATE_DIR="$WORK/delegator"
 
 say "Creating a sample workspace in $WORK/repo"
 mkdir -p "$WORK/repo/calc" "$WORK/repo/tests"

@@ -44,9 +44,14 @@ struct Cli {
     #[arg(long, global = true)]
     json: bool,
     /// The daemon API's token: `serve` requires it on every route but /health; client
-    /// commands send it.
+    /// commands send it. Default: `serve` uses (and at first start writes, 0600)
+    /// `<state-dir>/api-token`, and client commands of a daemon on this machine read that
+    /// file (`$AWCP_STATE_DIR/api-token`, else the default state directory's).
     #[arg(long, global = true, env = "AWCP_API_TOKEN", hide_env_values = true)]
     api_token: Option<String>,
+    /// Read the daemon API's token from this file instead (client commands and `serve`).
+    #[arg(long, global = true, env = "AWCP_API_TOKEN_FILE")]
+    api_token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -213,6 +218,11 @@ struct ServeArgs {
     /// `~/.local/state/awcp/delegator`.
     #[arg(long, env = "AWCP_STATE_DIR")]
     state_dir: Option<PathBuf>,
+    /// UNSAFE: serve the daemon API without any credential. Any process that can connect
+    /// to --listen (every user of this machine, on loopback) can then delegate any
+    /// directory this daemon can read to an Executor of its choosing.
+    #[arg(long, conflicts_with = "api_token")]
+    unsafe_no_auth: bool,
     /// Longest lease granted (and longest single renewal).
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_ttl: Duration,
@@ -338,6 +348,15 @@ struct ExecutorArgs {
     /// token on every other request.
     #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Let EVERY user of this machine into the mounted workspaces (FUSE allow_other, with
+    /// default_permissions: the files' mode bits decide, so a 0644 file, `.git` included,
+    /// is readable by all). Default: only the Executor's user (or --agent-user).
+    #[arg(long)]
+    allow_other: bool,
+    /// Run the agent as this non-root user (name or uid): the mounts' files are its own,
+    /// and it alone (besides root) can enter the work directory.
+    #[arg(long, value_name = "USER")]
+    agent_user: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -458,6 +477,47 @@ fn default_state_dir(what: &str) -> PathBuf {
     }
 }
 
+/// The token in `path` (trimmed); an error says which file could not be read.
+fn read_token_file(path: &std::path::Path) -> anyhow::Result<String> {
+    let t = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the API token file {}", path.display()))?;
+    let t = t.trim();
+    anyhow::ensure!(
+        !t.is_empty(),
+        "the API token file {} is empty",
+        path.display()
+    );
+    Ok(t.to_string())
+}
+
+/// The token a daemon on this machine wrote at its first start
+/// (`$AWCP_STATE_DIR/api-token`, else the default state directory's), when `--daemon`
+/// is a loopback URL and the file is readable by us (it is 0600: only the daemon's user
+/// can). A remote daemon's token is never guessed from a local file.
+fn local_daemon_token(daemon_url: &str) -> Option<String> {
+    let url = reqwest::Url::parse(daemon_url).ok()?;
+    if url.path().starts_with(awcp_ctl::daemon::api::TOKEN_PREFIX) {
+        return None; // the URL carries its token
+    }
+    let host = url
+        .host_str()?
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let local = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if !local {
+        return None;
+    }
+    let dir = std::env::var_os("AWCP_STATE_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| default_state_dir("delegator"));
+    let t = std::fs::read_to_string(dir.join(awcp_ctl::daemon::API_TOKEN_FILE)).ok()?;
+    Some(t.trim().to_string()).filter(|t| !t.is_empty())
+}
+
 /// `512`, `100K`, `100M`, `2G`, `4GiB` (powers of 1024): the one size parser.
 use awcpfs::cache::parse_size;
 
@@ -563,7 +623,15 @@ pub fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let client = DaemonClient::new(&cli.daemon).with_token(cli.api_token.clone());
+    let explicit_token = match (&cli.api_token, &cli.api_token_file) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(f)) => Some(read_token_file(f)?),
+        (None, None) => None,
+    };
+    let client_token = explicit_token
+        .clone()
+        .or_else(|| local_daemon_token(&cli.daemon));
+    let client = DaemonClient::new(&cli.daemon).with_token(client_token.clone());
     match cli.command {
         Command::Serve(a) => {
             let mut cfg = DaemonConfig::new(
@@ -576,7 +644,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.max_ttl = a.max_ttl;
             cfg.max_lease = a.max_lease;
             cfg.aglx = a.aglx.config()?;
-            cfg.api_token = cli.api_token.clone();
+            cfg.api_token = explicit_token.clone();
+            cfg.unsafe_no_auth = a.unsafe_no_auth;
             cfg.idle_timeout = a.idle_timeout;
             cfg.watch = !a.no_watch;
             cfg.default_transport = match a.default_transport {
@@ -638,6 +707,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
             cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
             cfg.token = a.token;
+            cfg.allow_other = a.allow_other;
+            cfg.agent_user = a
+                .agent_user
+                .as_deref()
+                .map(awcp_ctl::executor::AgentUser::lookup)
+                .transpose()?;
             let announce = a.aglx.config()?;
             let running = awcp_ctl::executor::start(cfg).await?;
             let announcing = match &announce {
@@ -989,7 +1064,20 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             use awcp_ctl::doctor::{self, Status};
             let mut checks = doctor::local();
-            checks.push(doctor::daemon(&cli.daemon, cli.api_token.as_deref()).await);
+            checks.push(doctor::daemon(&cli.daemon, client_token.as_deref()).await);
+            checks.push(doctor::daemon_credential(&cli.daemon).await);
+            let daemon_state = std::env::var_os("AWCP_STATE_DIR")
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+                .unwrap_or_else(|| default_state_dir("delegator"));
+            let executor_dir = std::env::var_os("AWCP_EXECUTOR_DIR")
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+                .unwrap_or_else(|| default_state_dir("executor"));
+            checks.push(doctor::file_modes(&daemon_state, &executor_dir));
+            checks.push(doctor::mount_access(
+                &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
+            ));
             for e in &executor {
                 checks.push(doctor::executor(e, executor_token.as_deref()).await);
             }

@@ -78,9 +78,14 @@ pub struct DaemonConfig {
     /// An idle multi-round session is closed after this long without CONTINUE (the
     /// reference's default: 5 minutes).
     pub idle_timeout: Duration,
-    /// When set, every daemon API route but `GET /health` requires
-    /// `Authorization: Bearer <token>` (401 otherwise).
+    /// The token every daemon API route but `GET /health` requires as
+    /// `Authorization: Bearer <token>` (401 otherwise). When `None` (and not
+    /// `unsafe_no_auth`), the daemon uses the one in `<state_dir>/api-token`, creating it
+    /// (0600) at first start: see [`API_TOKEN_FILE`].
     pub api_token: Option<String>,
+    /// Serve the API without any credential (`serve --unsafe-no-auth`): anyone who can
+    /// connect may delegate any directory the daemon can read.
+    pub unsafe_no_auth: bool,
     /// Watch delegated directories and show the Delegator's own changes on running mounts
     /// (`awcpfs` transport). Off: a mount sees the directory as it was when delegated.
     pub watch: bool,
@@ -123,6 +128,7 @@ impl DaemonConfig {
                 .map(|s| s.to_string())
                 .collect(),
             api_token: None,
+            unsafe_no_auth: false,
             watch: true,
             aecp_local_witness: None,
             idle_timeout: Duration::from_secs(300),
@@ -189,6 +195,27 @@ impl RunningDaemon {
         format!("http://{}", self.api_addr)
     }
 
+    /// The token the daemon API requires (`None` with `unsafe_no_auth`).
+    pub fn api_token(&self) -> Option<&str> {
+        self.daemon.cfg.api_token.as_deref()
+    }
+
+    /// The daemon API's base URL with its token in the path (`http://host:port/t/<token>`),
+    /// for clients that cannot send an `Authorization` header (the reference's
+    /// `DelegatorDaemonClient` and MCP server); the plain URL with `unsafe_no_auth`.
+    pub fn token_url(&self) -> String {
+        match self.api_token() {
+            Some(t) => format!("{}{}{t}", self.url(), api::TOKEN_PREFIX),
+            None => self.url(),
+        }
+    }
+
+    /// A client of this daemon, with its token.
+    pub fn client(&self) -> crate::client::DaemonClient {
+        crate::client::DaemonClient::new(&self.url())
+            .with_token(self.api_token().map(str::to_owned))
+    }
+
     /// Stop serving: end background tasks, close the listeners (open event streams are
     /// cut after a short grace).
     pub async fn stop(self) {
@@ -207,12 +234,59 @@ impl RunningDaemon {
     }
 }
 
+/// The file in the state directory holding the daemon API's token (0600): `awcp-ctl`
+/// run by the daemon's user reads it, so local use needs no flag.
+pub const API_TOKEN_FILE: &str = "api-token";
+
+/// The token in `<state_dir>/api-token`, or a fresh one written there (0600) if there is
+/// none yet. A token file readable by others is tightened and kept, with a warning.
+pub fn load_or_create_api_token(state_dir: &std::path::Path) -> anyhow::Result<String> {
+    use anyhow::Context as _;
+    use std::io::Write as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let path = state_dir.join(API_TOKEN_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(s) if !s.trim().is_empty() => {
+            let mode = std::fs::metadata(&path)?.permissions().mode();
+            if awcpfs::private::is_shared(mode) {
+                tracing::warn!(path = %path.display(), mode = format!("{:o}", mode & 0o777),
+                    "the API token file was readable by others: made it 0600 (consider \
+                     deleting it to draw a new token)");
+                awcpfs::private::restrict(&path, awcpfs::private::FILE_MODE)?;
+            }
+            return Ok(s.trim().to_string());
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(e).with_context(|| format!("reading the API token {}", path.display()));
+        }
+    }
+    let token = crate::random_token();
+    // Written under a temporary name and renamed, so a reader never sees half a token.
+    let tmp = state_dir.join(format!(".{API_TOKEN_FILE}.{}", std::process::id()));
+    let mut f = awcpfs::private::file_options()
+        .truncate(true)
+        .open(&tmp)
+        .with_context(|| format!("writing the API token {}", tmp.display()))?;
+    f.write_all(format!("{token}\n").as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path)
+        .with_context(|| format!("writing the API token {}", path.display()))?;
+    tracing::info!(path = %path.display(), "drew the daemon API token");
+    Ok(token)
+}
+
 /// Bind both listeners, restore persisted delegations, and serve in the background.
 pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     use anyhow::Context as _;
     cfg.state_dir = std::path::absolute(&cfg.state_dir)?;
-    std::fs::create_dir_all(&cfg.state_dir)
+    // Private (0700): the database holds every delegation's capability token in clear.
+    awcpfs::private::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating the state directory {}", cfg.state_dir.display()))?;
+    if cfg.api_token.is_none() && !cfg.unsafe_no_auth {
+        cfg.api_token = Some(load_or_create_api_token(&cfg.state_dir)?);
+    }
     let store = Store::open(&cfg.state_dir.join("delegator.db"))?;
     let aecp = aecp::Aecp {
         store: Arc::new(aecp_hooks::store::Store::open(
@@ -243,11 +317,11 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             )
         })?;
     let api_addr = api_listener.local_addr()?;
-    if !api_addr.ip().is_loopback() && cfg.api_token.is_none() {
+    if cfg.api_token.is_none() {
         tracing::warn!(
             %api_addr,
-            "the daemon API is reachable beyond this machine without a token: anyone who \
-             reaches it can delegate your files; set --api-token (AWCP_API_TOKEN)"
+            "--unsafe-no-auth: the daemon API takes no credential; any process that can \
+             connect to {api_addr} can delegate any directory this daemon can read"
         );
     }
     let export_addr = export_listener.local_addr()?;

@@ -228,6 +228,134 @@ pub async fn daemon(url: &str, token: Option<&str>) -> Check {
     }
 }
 
+/// Does the daemon refuse a request without its token (`--unsafe-no-auth` lets anyone in)?
+pub async fn daemon_credential(url: &str) -> Check {
+    const NAME: &str = "daemon credential";
+    let base = url.trim_end_matches('/');
+    // Asked without any token, and without one in the path.
+    let bare = match reqwest::Url::parse(base) {
+        Ok(mut u) => {
+            u.set_path("/delegations");
+            u.to_string()
+        }
+        Err(_) => format!("{base}/delegations"),
+    };
+    match reqwest::Client::new()
+        .get(&bare)
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+    {
+        Ok(r) if r.status().as_u16() == 401 => check(
+            NAME,
+            Status::Ok,
+            "the daemon API refuses requests without its token".into(),
+            None,
+        ),
+        Ok(r) if r.status().is_success() => check(
+            NAME,
+            Status::Warn,
+            "the daemon API takes no credential (`serve --unsafe-no-auth`): any process that \
+             can connect may delegate any directory the daemon can read"
+                .into(),
+            Some("restart `awcp-ctl serve` without --unsafe-no-auth"),
+        ),
+        Ok(r) => check(
+            NAME,
+            Status::Warn,
+            format!("{bare} answered {}", r.status()),
+            None,
+        ),
+        Err(e) => check(NAME, Status::Warn, format!("cannot ask {bare}: {e}"), None),
+    }
+}
+
+/// Are the daemon's and the Executor's state on this machine private (nothing readable by
+/// group or others)? Paths that do not exist are skipped.
+pub fn file_modes(daemon_state: &std::path::Path, executor_dir: &std::path::Path) -> Check {
+    use std::os::unix::fs::PermissionsExt as _;
+    const NAME: &str = "file modes";
+    let mut paths = vec![daemon_state.to_path_buf()];
+    for f in [
+        crate::daemon::API_TOKEN_FILE,
+        "delegator.db",
+        "delegator.db-wal",
+        "delegator.db-shm",
+        "staging",
+    ] {
+        paths.push(daemon_state.join(f));
+    }
+    for d in ["state", "work", "cache"] {
+        paths.push(executor_dir.join(d));
+    }
+    let mut checked = 0;
+    let mut open = Vec::new();
+    for p in &paths {
+        let Ok(m) = std::fs::metadata(p) else {
+            continue;
+        };
+        checked += 1;
+        let mode = m.permissions().mode() & 0o777;
+        if awcpfs::private::is_shared(mode) {
+            open.push(format!("{} ({mode:o})", p.display()));
+        }
+    }
+    if !open.is_empty() {
+        return check(
+            NAME,
+            Status::Warn,
+            format!("readable by other users: {}", open.join(", ")),
+            Some(
+                "chmod 0700 the directories and 0600 the files (the daemon and the Executor \
+                 tighten their own at start)",
+            ),
+        );
+    }
+    check(
+        NAME,
+        Status::Ok,
+        if checked == 0 {
+            format!(
+                "no state yet under {} or {}",
+                daemon_state.display(),
+                executor_dir.display()
+            )
+        } else {
+            format!("{checked} state paths, all private (0700/0600)")
+        },
+        None,
+    )
+}
+
+/// Are awcpfs mounts on this machine open to every user (`allow_other`)?
+pub fn mount_access(mountinfo: &str) -> Check {
+    const NAME: &str = "mount access";
+    let open: Vec<&str> = mountinfo
+        .lines()
+        .filter(|l| l.contains(" fuse.awcpfs ") && l.contains("allow_other"))
+        .filter_map(|l| l.split(' ').nth(4))
+        .collect();
+    if open.is_empty() {
+        check(
+            NAME,
+            Status::Ok,
+            "no awcpfs mount here lets other users in (no allow_other)".into(),
+            None,
+        )
+    } else {
+        check(
+            NAME,
+            Status::Warn,
+            format!(
+                "awcpfs mounts open to every user (allow_other): {} (with --agent-user that \
+                 is expected; the work directory keeps others out)",
+                open.join(", ")
+            ),
+            Some("run the Executor without --allow-other"),
+        )
+    }
+}
+
 /// Is this Executor's AWCP endpoint there?
 pub async fn executor(url: &str, token: Option<&str>) -> Check {
     let u = url.trim_end_matches('/');
@@ -267,6 +395,36 @@ pub async fn executor(url: &str, token: Option<&str>) -> Check {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loose_state_and_open_mounts_are_warnings() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let tmp = tempfile::tempdir().unwrap();
+        let (d, e) = (tmp.path().join("d"), tmp.path().join("e"));
+        assert_eq!(file_modes(&d, &e).status, Status::Ok, "nothing there yet");
+        awcpfs::private::create_dir_all(&d).unwrap();
+        awcpfs::private::write(&d.join("delegator.db"), b"").unwrap();
+        assert_eq!(file_modes(&d, &e).status, Status::Ok);
+        std::fs::set_permissions(
+            d.join("delegator.db"),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+        let loose = file_modes(&d, &e);
+        assert_eq!(loose.status, Status::Warn);
+        assert!(
+            loose.detail.contains("delegator.db (644)"),
+            "{}",
+            loose.detail
+        );
+
+        let closed = "36 25 0:50 / /x/work/dlg_1 rw,nosuid,nodev - fuse.awcpfs awcpfs:dlg_1 rw,user_id=0,group_id=0,default_permissions";
+        assert_eq!(mount_access(closed).status, Status::Ok);
+        let open = format!("{closed},allow_other");
+        let w = mount_access(&open);
+        assert_eq!(w.status, Status::Warn);
+        assert!(w.detail.contains("/x/work/dlg_1"), "{}", w.detail);
+    }
 
     #[test]
     fn a_low_inotify_limit_is_a_warning_with_a_fix() {

@@ -75,6 +75,79 @@ pub struct ExecutorConfig {
     /// When set, INVITE must carry it as `auth.credential` (else `AUTH_FAILED`), and every
     /// other request to `/awcp` as `Authorization: Bearer <token>` (else 401).
     pub token: Option<String>,
+    /// Let every user of this machine into the mounts (`executor --allow-other`: FUSE
+    /// `allow_other` with `default_permissions`). Off: only the Executor's user, or the
+    /// agent user, gets in.
+    pub allow_other: bool,
+    /// Run the agent as this (non-root) user; the mounts' files are then its own.
+    pub agent_user: Option<AgentUser>,
+}
+
+/// The user the agent runs as (`executor --agent-user`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentUser {
+    /// Login name.
+    pub name: String,
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+    /// Home directory (the agent's `HOME`).
+    pub home: PathBuf,
+}
+
+impl AgentUser {
+    /// Look `name` (or a numeric uid) up in the user database; refuses root, which is
+    /// what the option exists to avoid.
+    pub fn lookup(name: &str) -> anyhow::Result<AgentUser> {
+        use nix::unistd::{Uid, User};
+        let user = match name.parse::<u32>() {
+            Ok(uid) => User::from_uid(Uid::from_raw(uid))?,
+            Err(_) => User::from_name(name)?,
+        }
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "no user {name:?} on this machine: create it (`useradd --create-home \
+                 {name}`) or name an existing one"
+            )
+        })?;
+        anyhow::ensure!(
+            !user.uid.is_root(),
+            "--agent-user must not be root: it exists to run the agent without root's rights"
+        );
+        Ok(AgentUser {
+            name: user.name,
+            uid: user.uid.as_raw(),
+            gid: user.gid.as_raw(),
+            home: user.dir,
+        })
+    }
+}
+
+impl AgentUser {
+    /// The first directory on the way to `path` (its ancestors, then itself) that this
+    /// user may not search, judged by owner, group and mode bits; `None` if it can get
+    /// there.
+    pub fn blocked_at(&self, path: &std::path::Path) -> Option<PathBuf> {
+        use std::os::unix::fs::MetadataExt as _;
+        let mut dirs: Vec<&std::path::Path> = path.ancestors().collect();
+        dirs.reverse();
+        dirs.into_iter()
+            .find(|d| {
+                let Ok(m) = std::fs::metadata(d) else {
+                    return false; // not made yet: judged when it is
+                };
+                let bits = if m.uid() == self.uid {
+                    m.mode() >> 6
+                } else if m.gid() == self.gid {
+                    m.mode() >> 3
+                } else {
+                    m.mode()
+                };
+                bits & 0o1 == 0
+            })
+            .map(std::path::Path::to_path_buf)
+    }
 }
 
 impl ExecutorConfig {
@@ -103,6 +176,8 @@ impl ExecutorConfig {
             },
             max_body_bytes: 512 << 20,
             token: None,
+            allow_other: false,
+            agent_user: None,
         }
     }
 }
@@ -126,6 +201,13 @@ pub(crate) struct Assignment {
     pub(crate) round: std::sync::atomic::AtomicU32,
     /// The current round's task (INVITE's, then each CONTINUE's).
     pub(crate) task: Mutex<awcp_protocol::messages::TaskSpec>,
+    /// The Delegator's proof for this delegation: the capability token its START carried
+    /// (`awcpfs`); `None` before START and for delegations whose START carries none (a
+    /// reference Delegator's `archive`). Once set, the routes that touch the delegation
+    /// require it (or the Executor's own token) as `Authorization: Bearer`.
+    pub(crate) proof: Mutex<Option<String>>,
+    /// Who asked for the cancel that ended the task, for its recorded reason.
+    pub(crate) cancelled_by: Mutex<Option<routes::Caller>>,
     /// CONTINUE and CLOSE, to the task's runner.
     pub(crate) rounds_tx: tokio::sync::mpsc::UnboundedSender<task::RoundCmd>,
     pub(crate) rounds_rx: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<task::RoundCmd>>>,
@@ -210,8 +292,42 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
     // Absolute, so ACCEPT's executorWorkDir and the agent's AWCP_WORKSPACE are usable anywhere.
     cfg.work_dir = std::path::absolute(&cfg.work_dir)?;
     cfg.state_dir = std::path::absolute(&cfg.state_dir)?;
+    // Private (0700): mount state holds handles (tokens), journals and workspace content;
+    // the work directory leads into the mounts.
     for dir in [&cfg.work_dir, &cfg.state_dir] {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        awcpfs::private::create_dir_all(dir)
+            .with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if let Some(u) = &cfg.agent_user {
+        // The agent user must reach its workspace, and it alone besides root: the work
+        // directory is its own, still 0700 (see docs/SECURITY.md).
+        nix::unistd::chown(
+            &cfg.work_dir,
+            Some(nix::unistd::Uid::from_raw(u.uid)),
+            Some(nix::unistd::Gid::from_raw(u.gid)),
+        )
+        .with_context(|| {
+            format!(
+                "giving {} to --agent-user {} (the Executor must run as root for it)",
+                cfg.work_dir.display(),
+                u.name
+            )
+        })?;
+        // Its parent (the Executor's base directory, 0700 when made here) lets it pass
+        // through, without listing: 0711. state/ and cache/ beside stay 0700.
+        if let Some(parent) = cfg.work_dir.parent()
+            && u.blocked_at(parent).as_deref() == Some(parent)
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            let mode = std::fs::metadata(parent)?.permissions().mode() & 0o7777;
+            std::fs::set_permissions(parent, std::fs::Permissions::from_mode(mode | 0o011))
+                .with_context(|| format!("letting --agent-user through {}", parent.display()))?;
+        }
+        if let Some(d) = u.blocked_at(&cfg.work_dir) {
+            tracing::warn!(dir = %d.display(), user = %u.name,
+                "--agent-user cannot pass through this directory to its workspace: its \
+                 agents will fail to start; use a --dir it can reach (e.g. under /var/lib)");
+        }
     }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await

@@ -63,6 +63,17 @@ pub struct StoredResource {
 }
 
 impl StoredDelegation {
+    /// What the daemon sends as `Authorization: Bearer` on every request that touches
+    /// this delegation on its Executor (all but INVITE): the Executor's token when the
+    /// delegation was given one, else, for `awcpfs`, the capability token START carries —
+    /// the proof the Executor asks for before it serves, cancels or deletes anything of
+    /// the delegation.
+    pub fn executor_credential(&self) -> Option<String> {
+        self.executor_token
+            .clone()
+            .or_else(|| (self.transport == TransportType::Awcpfs).then(|| self.token.clone()))
+    }
+
     /// The delegation's resources with their exports (one, for rows stored before
     /// `resources` existed).
     pub fn exported_resources(&self) -> Vec<StoredResource> {
@@ -100,6 +111,15 @@ pub enum StoreError {
         #[source]
         source: rusqlite::Error,
     },
+    /// The database file could not be created private (0600).
+    #[error("cannot create the state database {path} with mode 0600")]
+    Io {
+        /// Which database.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// A stored row does not parse.
     #[error("a stored delegation is unreadable")]
     Corrupt {
@@ -123,6 +143,25 @@ impl Store {
             path: path.to_path_buf(),
             source,
         };
+        // 0600 before SQLite opens it: SQLite gives the WAL and SHM files the database's
+        // mode, and all three hold capability tokens. Files of older versions are tightened.
+        let private = |p: &Path| {
+            awcpfs::private::file_options()
+                .open(p)
+                .and_then(|_| awcpfs::private::restrict(p, awcpfs::private::FILE_MODE))
+        };
+        private(path).map_err(|source| StoreError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        for suffix in ["-wal", "-shm"] {
+            let mut side = path.as_os_str().to_owned();
+            side.push(suffix);
+            let side = PathBuf::from(side);
+            if side.exists() {
+                let _ = private(&side);
+            }
+        }
         let conn = Connection::open(path).map_err(err)?;
         conn.execute_batch(
             "PRAGMA journal_mode=WAL;

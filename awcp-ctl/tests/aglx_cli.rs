@@ -76,6 +76,8 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
 
     let (api, export, exec) = (free_port(), free_port(), free_port());
     let daemon = format!("http://127.0.0.1:{api}");
+    // The daemon writes its API token there at start.
+    let token_file = tmp.path().join("delegator/api-token");
     let _serve = Proc(
         Command::new(BIN)
             .args(["serve", "--listen", &format!("127.0.0.1:{api}")])
@@ -141,6 +143,8 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
     let out = run(&[
         "--daemon",
         &daemon,
+        "--api-token-file",
+        token_file.to_str().unwrap(),
         "delegate",
         repo.to_str().unwrap(),
         "--to",
@@ -185,6 +189,8 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
     let out = run(&[
         "--daemon",
         &daemon,
+        "--api-token-file",
+        token_file.to_str().unwrap(),
         "delegate",
         repo.to_str().unwrap(),
         "--to",

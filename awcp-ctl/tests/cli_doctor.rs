@@ -58,7 +58,9 @@ async fn doctor_reports_an_unreachable_daemon_with_a_fix_and_a_reachable_one_as_
         async move {
             let mut c = tokio::process::Command::new(BIN);
             c.args(["--daemon", &url, "--json", "doctor"])
-                .env_remove("AWCP_API_TOKEN");
+                .env_remove("AWCP_API_TOKEN")
+                // No token file of another daemon on this machine is found instead.
+                .env("AWCP_STATE_DIR", "/nonexistent/awcp-doctor-test");
             if let Some(t) = token {
                 c.env("AWCP_API_TOKEN", t);
             }
@@ -79,6 +81,76 @@ async fn doctor_reports_an_unreachable_daemon_with_a_fix_and_a_reachable_one_as_
     let with = run(Some("tok")).await;
     assert_eq!(with["status"], "ok", "{with}");
     d.stop().await;
+}
+
+/// Run `doctor --json` against `url` with `env`, return its checks by name.
+async fn doctor_checks(url: &str, env: &[(&str, &std::path::Path)]) -> serde_json::Value {
+    let mut c = tokio::process::Command::new(BIN);
+    c.args(["--daemon", url, "--json", "doctor"])
+        .env_remove("AWCP_API_TOKEN");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().await.unwrap();
+    let mut by_name = serde_json::Map::new();
+    for l in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        by_name.insert(v["check"].as_str().unwrap().to_string(), v);
+    }
+    serde_json::Value::Object(by_name)
+}
+
+// Issue 18: doctor said nothing of an open daemon API or world-readable state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_reports_the_credential_mode_and_the_state_file_modes() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("d");
+    let mut cfg = awcp_ctl::daemon::DaemonConfig::new(state.clone());
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    let d = awcp_ctl::daemon::start(cfg).await.unwrap();
+    let exec = tmp.path().join("e");
+    let env = [
+        ("AWCP_STATE_DIR", state.as_path()),
+        ("AWCP_EXECUTOR_DIR", exec.as_path()),
+    ];
+    let checks = doctor_checks(&d.url(), &env).await;
+    // It found the token file by itself, through AWCP_STATE_DIR.
+    assert_eq!(checks["daemon"]["status"], "ok", "{checks}");
+    assert_eq!(checks["daemon credential"]["status"], "ok", "{checks}");
+    assert_eq!(checks["file modes"]["status"], "ok", "{checks}");
+    assert!(checks["mount access"]["status"].is_string(), "{checks}");
+    // A state directory someone opened up is a warning that names it.
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let checks = doctor_checks(&d.url(), &env).await;
+    assert_eq!(checks["file modes"]["status"], "warn", "{checks}");
+    assert!(
+        checks["file modes"]["detail"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("{} (755)", state.display())),
+        "{checks}"
+    );
+    d.stop().await;
+
+    // A daemon without any credential is a warning.
+    let mut cfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("open"));
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    cfg.unsafe_no_auth = true;
+    let open = awcp_ctl::daemon::start(cfg).await.unwrap();
+    assert!(open.api_token().is_none());
+    let checks = doctor_checks(&open.url(), &env).await;
+    assert_eq!(checks["daemon credential"]["status"], "warn", "{checks}");
+    assert!(
+        checks["daemon credential"]["fix"]
+            .as_str()
+            .unwrap()
+            .contains("--unsafe-no-auth"),
+        "{checks}"
+    );
+    open.stop().await;
 }
 
 #[test]

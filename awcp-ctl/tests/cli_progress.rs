@@ -63,7 +63,7 @@ async fn json_and_piped_output_carry_no_progress_noise() {
     std::fs::create_dir_all(&src).unwrap();
     std::fs::create_dir_all(&data).unwrap();
     std::fs::write(data.join("in.txt"), "input\n").unwrap();
-    let (url, to) = (daemon.url(), executor.awcp_url());
+    let (url, to) = (daemon.token_url(), executor.awcp_url());
     let data_arg = format!("data={}:ro", data.display());
     let args = [
         "delegate",
@@ -166,7 +166,7 @@ async fn a_terminal_gets_the_setup_bar() {
     });
     let command = format!(
         "{BIN} --daemon {} delegate {} --to {to} --task t",
-        daemon.url(),
+        daemon.token_url(),
         ws.display()
     );
     let mut child = std::process::Command::new("/usr/bin/script")

@@ -41,7 +41,8 @@ async fn staged_snapshots_are_listed_diffed_applied_and_discarded_from_the_cli()
     std::fs::create_dir_all(&ws).unwrap();
     std::fs::write(ws.join("a.txt"), "original\n").unwrap();
     std::fs::write(ws.join("gone.txt"), "bye\n").unwrap();
-    let url = daemon.url();
+    // Its token in the path, as a client that sends no headers would have it.
+    let url = daemon.token_url();
     let to = executor.awcp_url();
     let mut ids = Vec::new();
     for _ in 0..2 {
@@ -130,7 +131,8 @@ async fn an_awcpfs_change_set_is_diffed_as_patches_from_the_cli() {
     std::fs::write(ws.join("run.sh"), "#!/bin/sh\n").unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(ws.join("run.sh"), std::fs::Permissions::from_mode(0o644)).unwrap();
-    let url = daemon.url();
+    // Its token in the path, as a client that sends no headers would have it.
+    let url = daemon.token_url();
     let out = cli(
         &url,
         &[

@@ -125,6 +125,8 @@ fn crash_and_recover(several: bool) {
     });
     let st = Command::new(BIN)
         .args(["--daemon", &daemon, "delegate"])
+        // Where the daemon wrote its API token: the CLI finds it there by itself.
+        .env("AWCP_STATE_DIR", tmp.path().join("delegator"))
         .arg(&repo)
         .args([
             "--to",

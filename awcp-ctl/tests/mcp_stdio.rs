@@ -83,7 +83,8 @@ async fn an_mcp_client_delegates_and_reads_the_result_over_stdio() {
     std::fs::write(ws.join("a.txt"), "a").unwrap();
 
     let mut child = tokio::process::Command::new(BIN)
-        .args(["--daemon", &daemon.url(), "mcp"])
+        // The token in the daemon URL: how the reference's MCP server passes it too.
+        .args(["--daemon", &daemon.token_url(), "mcp"])
         .env("AWCP_LOG", "debug")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

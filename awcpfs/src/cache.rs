@@ -225,7 +225,11 @@ impl BlockCache {
                 path: root.clone(),
                 source,
             };
-            std::fs::create_dir_all(root.join("tmp")).map_err(err)?;
+            // Private: the blocks are Delegator content kept after the lease.
+            if let Some(dir) = &cfg.dir {
+                crate::private::create_dir_all(dir).map_err(err)?;
+            }
+            crate::private::create_dir_all(&root.join("tmp")).map_err(err)?;
             for e in std::fs::read_dir(root.join("tmp")).map_err(err)?.flatten() {
                 let _ = std::fs::remove_file(e.path());
             }
@@ -472,11 +476,11 @@ fn store(root: &Path, hash: &BlockHash, data: &[u8]) -> std::io::Result<u64> {
         std::process::id(),
         rand::random::<u32>()
     ));
-    let mut f = std::fs::File::create(&tmp)?;
+    let mut f = crate::private::file_options().truncate(true).open(&tmp)?;
     f.write_all(&bytes)?;
     drop(f);
     if let Some(parent) = final_path.parent() {
-        std::fs::create_dir_all(parent)?;
+        crate::private::create_dir_all(parent)?;
     }
     if let Err(e) = std::fs::rename(&tmp, &final_path) {
         let _ = std::fs::remove_file(&tmp);

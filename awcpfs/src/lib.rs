@@ -6,6 +6,7 @@
 pub mod cache;
 pub mod export;
 pub mod mount;
+pub mod private;
 
 /// Support for this workspace's tests (not part of the API).
 #[doc(hidden)]

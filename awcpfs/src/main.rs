@@ -95,6 +95,11 @@ enum Command {
         /// when the export does not answer; also the bound on each data-plane request.
         #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
         read_timeout_secs: u64,
+        /// Let every user of this machine into the mount (FUSE allow_other, with the
+        /// kernel checking mode bits): they can then read the workspace wherever its
+        /// files' modes allow. Default: only the user who mounts it.
+        #[arg(long)]
+        allow_other: bool,
     },
 }
 
@@ -208,6 +213,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ));
             // A standalone export lives exactly --ttl-secs: renewals cannot extend it.
             lease.limit_renewals(ttl);
+            awcpfs::private::create_dir_all(&state_dir)?;
             let registry = ExportRegistry::with_hash_cache(std::sync::Arc::new(
                 awcpfs::export::hashcache::HashCache::open(&state_dir.join("hashes.bin")),
             ));
@@ -304,6 +310,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             passthrough,
             track_opens,
             read_timeout_secs,
+            allow_other,
         } => {
             let h = read_handle(&handle)?;
             let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
@@ -321,6 +328,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             cfg.kernel.passthrough = passthrough;
             cfg.kernel.no_open = !track_opens;
+            cfg.allow_other = allow_other;
             let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
             eprintln!(
                 "awcpfs: mounted at {}; Ctrl-C unmounts (after writing changes back)",

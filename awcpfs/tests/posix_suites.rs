@@ -87,6 +87,8 @@ impl Standalone {
                 .arg("mount")
                 .arg(&handle)
                 .arg(&s.mnt)
+                // The suites switch to other users (`nobody`, `daemon`) on the mount.
+                .arg("--allow-other")
                 .arg("--state-dir")
                 .arg(s.tmp.path().join("mount-state"))
                 .spawn()

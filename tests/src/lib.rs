@@ -126,7 +126,8 @@ impl Harness {
         ecfg.listen = "127.0.0.1:0".parse().unwrap();
         adjust(&mut ecfg);
         let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
-        let client = DaemonClient::new(&daemon.url());
+        // The daemon drew its API token in its state dir; the client sends it.
+        let client = daemon.client();
         let _mounts = UnmountOnDrop(tmp.path().to_path_buf());
         Harness {
             tmp,
@@ -140,6 +141,33 @@ impl Harness {
     /// A path in the temp dir.
     pub fn path(&self, rel: &str) -> PathBuf {
         self.tmp.path().join(rel)
+    }
+
+    /// The Delegator's proof for `awcpfs` delegation `id` (its START's capability token),
+    /// which the Executor's routes of that delegation require; read from the handle the
+    /// Executor saved (waits up to 30 s for it).
+    pub async fn proof(&self, id: &str) -> String {
+        let path = self
+            .tmp
+            .path()
+            .join("executor/state")
+            .join(id)
+            .join("handle.json");
+        let start = Instant::now();
+        loop {
+            if let Ok(bytes) = std::fs::read(&path)
+                && let Ok(h) =
+                    serde_json::from_slice::<awcp_protocol::transport::AwcpfsHandle>(&bytes)
+            {
+                return h.token;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "no handle at {}",
+                path.display()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Where the Executor mounts delegation `id`.

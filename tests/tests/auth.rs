@@ -184,7 +184,7 @@ async fn a_daemon_with_an_api_token_requires_it() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 401);
     assert!(matches!(
-        h.client.list().await,
+        DaemonClient::new(&api).list().await,
         Err(ClientError::Refused { status: 401, .. })
     ));
     let client = DaemonClient::new(&api).with_token(Some("api-tok".into()));

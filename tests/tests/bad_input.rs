@@ -130,7 +130,7 @@ async fn executor_and_daemon_answer_malformed_and_unknown_input_clearly() {
         assert_eq!(status, 404, "{method} {path}");
     }
     // The daemon API.
-    let api = h.daemon.url();
+    let api = h.daemon.token_url();
     let (s, b) = post_raw(&format!("{api}/delegate"), "[1,2").await;
     assert_eq!(s, 400);
     assert!(b["error"].as_str().unwrap().contains("executorUrl"), "{b}");

@@ -96,7 +96,14 @@ async fn a_dropped_event_stream_resumes_with_last_event_id() {
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
     let url = format!("{}/tasks/{id}/events", h.executor.awcp_url());
     // Read until the first line shows up, note the last id, drop the connection.
-    let resp = reqwest::Client::new().get(&url).send().await.unwrap();
+    // The Delegator's proof: the Executor serves the stream of this delegation to no one else.
+    let proof = h.proof(&id).await;
+    let resp = reqwest::Client::new()
+        .get(&url)
+        .bearer_auth(&proof)
+        .send()
+        .await
+        .unwrap();
     let mut body = resp.bytes_stream();
     let mut text = String::new();
     while !text.contains("first-line") {
@@ -116,6 +123,7 @@ async fn a_dropped_event_stream_resumes_with_last_event_id() {
         .unwrap();
     let resumed = reqwest::Client::new()
         .get(&url)
+        .bearer_auth(&proof)
         .header("Last-Event-ID", last_id.to_string())
         .send()
         .await

@@ -281,7 +281,7 @@ async fn replay(path: &Path) -> Result<(), String> {
         format!("http://{}", h.executor.addr)
     } else {
         daemon_setup(&h, setup, &mut vars).await;
-        h.daemon.url()
+        h.daemon.token_url()
     };
     let rq = substitute(&fixture["request"], &vars);
     let url = format!("{base}{}", rq["path"].as_str().unwrap());

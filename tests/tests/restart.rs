@@ -5,7 +5,6 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use awcp_ctl::client::DaemonClient;
 use awcp_ctl::daemon::DaemonConfig;
 use awcp_ctl::executor::ExecutorConfig;
 use awcp_protocol::DelegationState;
@@ -74,7 +73,7 @@ async fn restart(several: bool) {
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     let daemon = awcp_ctl::daemon::start(dcfg.clone()).await.unwrap();
-    let client = DaemonClient::new(&daemon.url());
+    let client = daemon.client();
     let req = DelegateRequest {
         executor_url: executor.awcp_url(),
         environment: EnvironmentSpec {

@@ -187,7 +187,9 @@ async fn special_files_owners_and_long_names_match_a_native_directory() {
         "python3 {s} . > ../../../mount.out 2>&1; python3 {s} ../../../native > ../../../native.out 2>&1",
         s = script.display()
     );
-    let h = Harness::start(&agent).await;
+    // The script acts as other users on the mount too (chown/chmod rules, sticky
+    // directories), which needs the mount opened to them.
+    let h = Harness::start_with(&agent, |c| c.allow_other = true).await;
     let repo = h.path("repo");
     std::fs::create_dir_all(&repo).unwrap();
     // A Delegator file that the mount replaces with a FIFO.

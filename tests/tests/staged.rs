@@ -152,13 +152,15 @@ async fn staged_awcpfs_changes_are_listed_diffed_and_applied_file_by_file() {
             "run.sh"
         ]
     );
-    let raw: serde_json::Value =
-        reqwest::get(format!("{}/delegation/{id}/snapshots", h.daemon.url()))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+    let raw: serde_json::Value = reqwest::get(format!(
+        "{}/delegation/{id}/snapshots",
+        h.daemon.token_url()
+    ))
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
     assert_eq!(raw["snapshots"][0]["status"], "pending", "{raw}");
     assert!(raw["snapshots"][0]["createdAt"].is_string(), "{raw}");
 
@@ -461,7 +463,7 @@ async fn a_change_set_survives_a_daemon_restart() {
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     let daemon = awcp_ctl::daemon::start(dcfg.clone()).await.unwrap();
-    let client = DaemonClient::new(&daemon.url());
+    let client = daemon.client();
     let id = client
         .delegate(&request(
             executor.awcp_url(),

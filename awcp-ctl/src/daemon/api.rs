@@ -137,30 +137,86 @@ fn not_found(d: &Daemon, id: &str) -> ApiFailure {
     ApiFailure(StatusCode::NOT_FOUND, e)
 }
 
-/// With `api_token` set, every route but `/health` needs it as a bearer token.
+/// Every request but `GET /health` needs the daemon's API token as a bearer token (unless
+/// the daemon runs with `--unsafe-no-auth`). A layer over the whole router, so a route
+/// added later is covered without a check of its own.
 async fn require_token(
     State(d): State<Arc<Daemon>>,
-    req: axum::extract::Request,
+    mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let ok = match &d.cfg.api_token {
-        None => true,
-        Some(t) => crate::bearer(req.headers()).is_some_and(|b| crate::same_secret(b, t)),
+    // A client that cannot send headers (the reference's `DelegatorDaemonClient`, hence its
+    // MCP server) is given the daemon URL `http://host:port/t/<token>` instead: the token
+    // is taken out of the path before the request is routed.
+    let in_path = match strip_token(req.uri()) {
+        Some((token, uri)) => {
+            *req.uri_mut() = uri;
+            Some(token)
+        }
+        None => None,
     };
+    let path = req.uri().path();
+    let open = in_path.is_none() && req.method() == axum::http::Method::GET && path == "/health";
+    let header = crate::bearer(req.headers());
+    let ok = open
+        || match &d.cfg.api_token {
+            None => true,
+            Some(t) => [header, in_path.as_deref()]
+                .into_iter()
+                .flatten()
+                .any(|b| crate::same_secret(b, t)),
+        };
+    let given = header.or(in_path.as_deref());
     if ok {
         return next.run(req).await;
     }
-    let mut e = ApiError::new("Unauthorized: this daemon requires a token");
-    e.hint = Some(
-        "Send `Authorization: Bearer <token>` (awcp-ctl --api-token or AWCP_API_TOKEN)".into(),
-    );
+    let mut e = ApiError::new(if given.is_some() {
+        "Unauthorized: the API token sent is not this daemon's"
+    } else {
+        "Unauthorized: this daemon requires its API token"
+    });
+    e.hint = Some(format!(
+        "awcp-ctl reads it from {} when run as the daemon's user; elsewhere send \
+         `Authorization: Bearer <token>` (awcp-ctl --api-token or AWCP_API_TOKEN)",
+        d.cfg.state_dir.join(super::API_TOKEN_FILE).display()
+    ));
     ApiFailure(StatusCode::UNAUTHORIZED, e).into_response()
 }
 
 /// The largest request body the daemon API reads (larger: 413).
 const MAX_BODY_BYTES: usize = 16 << 20;
 
+/// Path prefix carrying the API token, for clients that cannot send an `Authorization`
+/// header: `/t/<token>/delegate` is `/delegate` with that token.
+pub const TOKEN_PREFIX: &str = "/t/";
+
+/// `/t/<token>/rest?query` → (`<token>`, `/rest?query`).
+fn strip_token(uri: &axum::http::Uri) -> Option<(String, axum::http::Uri)> {
+    let rest = uri.path().strip_prefix(TOKEN_PREFIX)?;
+    let (token, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let pq = match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_owned(),
+    };
+    Some((token.to_owned(), pq.parse().ok()?))
+}
+
 pub(crate) fn router(d: Arc<Daemon>) -> Router {
+    use tower_layer::Layer as _;
+    let routes = routes()
+        .with_state(d.clone())
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES));
+    // The token check wraps the whole router, before routing: every route and the
+    // fallback are behind it, so a route added to `routes` needs no check of its own, and
+    // a token in the path is removed before the route is chosen.
+    let guarded = axum::middleware::from_fn_with_state(d, require_token).layer(routes);
+    Router::new().fallback_service(guarded)
+}
+
+fn routes() -> Router<Arc<Daemon>> {
     Router::new()
         .route("/delegate", post(delegate))
         .route("/delegate/progress/{key}", get(setup_progress))
@@ -184,14 +240,8 @@ pub(crate) fn router(d: Arc<Daemon>) -> Router {
         .route("/delegation/{id}/events", get(events))
         .route("/delegation/{id}/collect", post(collect))
         .merge(super::aecp::routes())
-        .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
-        .layer(axum::middleware::from_fn_with_state(
-            d.clone(),
-            require_token,
-        ))
         .route("/health", get(|| async { Json(HealthResponse::ok()) }))
-        .with_state(d)
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
 }
 
 async fn delegate(

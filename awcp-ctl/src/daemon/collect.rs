@@ -35,7 +35,7 @@ impl Daemon {
                 d.record.state,
                 d.record.peer_url.clone(),
                 d.exported_resources(),
-                d.executor_token.clone(),
+                d.executor_credential(),
             )
         };
         if !state.is_terminal() {

@@ -435,7 +435,7 @@ impl Daemon {
             awcp_base(&req.executor_url),
             id.as_str()
         );
-        let token = live.d.lock().executor_token.clone();
+        let token = live.d.lock().executor_credential();
         let resp = with_token(self.http.get(&events_url), token.as_deref())
             .timeout(Duration::from_secs(24 * 3600 * 365))
             .send()
@@ -564,7 +564,7 @@ impl Daemon {
             let r = match resp.take() {
                 Some(r) => r,
                 None => {
-                    let token = live.d.lock().executor_token.clone();
+                    let token = live.d.lock().executor_credential();
                     let mut rq = with_token(self.http.get(&url), token.as_deref())
                         .timeout(Duration::from_secs(24 * 3600 * 365));
                     if let Some(last) = live.d.lock().last_event_id.clone() {
@@ -665,7 +665,7 @@ impl Daemon {
                 }
                 self.fetch_missed_snapshot(live, &done).await;
                 let id = live.d.lock().record.id.as_str().to_string();
-                let token = live.d.lock().executor_token.clone();
+                let token = live.d.lock().executor_credential();
                 let ack = self
                     .http
                     .post(format!("{}/tasks/{id}/ack", awcp_base(executor_url)));
@@ -745,7 +745,7 @@ impl Daemon {
         );
         let (executor_url, token) = {
             let d = live.d.lock();
-            (d.record.peer_url.clone(), d.executor_token.clone())
+            (d.record.peer_url.clone(), d.executor_credential())
         };
         let url = format!("{}/cancel/{id}", executor_url.trim_end_matches('/'));
         if let Err(e) = with_token(self.http.post(&url), token.as_deref())
@@ -886,7 +886,7 @@ impl Daemon {
                     hint: Some("Renew with `awcp-ctl renew` before the lease ends".into()),
                 });
                 self.transition(&live, DelegationEvent::Expire, Some("lease expired".into()));
-                let token = live.d.lock().executor_token.clone();
+                let token = live.d.lock().executor_credential();
                 let cancel = self.http.post(format!(
                     "{}/cancel/{id}",
                     executor_url.trim_end_matches('/')

@@ -53,7 +53,7 @@ impl Daemon {
                 d.record.state,
                 lost,
                 d.record.peer_url.clone(),
-                d.executor_token.clone(),
+                d.executor_credential(),
                 d.record.snapshots.as_ref().is_some_and(|s| !s.is_empty()),
             )
         };
@@ -197,7 +197,7 @@ impl Daemon {
             (
                 missed,
                 d.record.peer_url.clone(),
-                d.executor_token.clone(),
+                d.executor_credential(),
                 d.record.id.clone(),
                 d.transport,
             )

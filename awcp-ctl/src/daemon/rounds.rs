@@ -113,7 +113,7 @@ impl Daemon {
     async fn send(&self, live: &Live, msg: &AwcpMessage) -> Result<(), Refusal> {
         let (url, token) = {
             let d = live.d.lock();
-            (d.record.peer_url.clone(), d.executor_token.clone())
+            (d.record.peer_url.clone(), d.executor_credential())
         };
         let resp = with_token(self.http.post(&url), token.as_deref())
             .json(msg)

@@ -84,7 +84,7 @@ fn unpack(
             )
         })?;
     }
-    archive::extract(&zip, &a.work_path, &ex.cfg.archive_limits).map_err(|e| {
+    let stats = archive::extract(&zip, &a.work_path, &ex.cfg.archive_limits).map_err(|e| {
         let _ = std::fs::remove_dir_all(&a.work_path);
         match e {
             archive::ArchiveError::TooLarge { .. } => (
@@ -99,7 +99,36 @@ fn unpack(
                 Some("The archive must hold <resource>/<path> entries, no links".into()),
             ),
         }
-    })
+    })?;
+    give_tree_to_agent(ex, &a.work_path).map_err(|e| {
+        (
+            ErrorCode::WorkdirDenied,
+            format!(
+                "cannot give {} to the agent user: {e}",
+                a.work_path.display()
+            ),
+            None,
+        )
+    })?;
+    Ok(stats)
+}
+
+/// With `--agent-user`, the unpacked workspace is the agent's to change (unpacked by root,
+/// it would be read-only to it). Links are not followed: extraction refuses them anyway.
+fn give_tree_to_agent(ex: &Executor, dir: &std::path::Path) -> std::io::Result<()> {
+    if ex.cfg.agent_user.is_none() {
+        return Ok(());
+    }
+    super::task::give_to_agent(ex, dir)?;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            give_tree_to_agent(ex, &entry.path())?;
+        } else {
+            super::task::give_to_agent(ex, &entry.path())?;
+        }
+    }
+    Ok(())
 }
 
 /// Run an `archive` task to its end.
@@ -213,7 +242,7 @@ async fn run_rounds(
             Some("Ask the Delegator for a longer TTL".into()),
         )
     };
-    let cancelled = || End::Error(ErrorCode::Cancelled, "Delegation cancelled".into(), None);
+    let cancelled = || End::Error(ErrorCode::Cancelled, super::routes::cancel_reason(a), None);
     let cwd = agent_dir(a);
     loop {
         let mut agent = match spawn_agent(ex, a, &cwd) {

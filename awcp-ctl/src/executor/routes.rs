@@ -66,9 +66,140 @@ fn unauthorized() -> Response {
     )
 }
 
+/// Who is asking to touch a delegation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Caller {
+    /// Sent the delegation's proof: the capability token of its START, which only the
+    /// Delegator that issued it holds.
+    Delegator,
+    /// Sent this Executor's own token (`executor --token`).
+    TokenHolder,
+    /// Sent neither; let in because the delegation has no proof (its START carried none,
+    /// as a reference Delegator's) and this Executor has no token.
+    Unauthenticated,
+}
+
+impl Caller {
+    /// For recorded reasons: who it was.
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Caller::Delegator => "the Delegator (it sent the delegation's proof)",
+            Caller::TokenHolder => "a holder of this Executor's token",
+            Caller::Unauthenticated => {
+                "an unauthenticated request (the delegation carries no proof: its \
+                 Delegator sends none)"
+            }
+        }
+    }
+}
+
+/// Whether a request bearing `given` may touch a delegation whose proof is `proof`: the
+/// proof itself, or the Executor's token, or — when there is neither — anyone.
+fn caller_of(
+    ex: &Executor,
+    proof: Option<&str>,
+    given: Option<&str>,
+) -> Result<Caller, Box<Response>> {
+    if let (Some(p), Some(g)) = (proof, given)
+        && crate::same_secret(g, p)
+    {
+        return Ok(Caller::Delegator);
+    }
+    if let (Some(t), Some(g)) = (&ex.cfg.token, given)
+        && crate::same_secret(g, t)
+    {
+        return Ok(Caller::TokenHolder);
+    }
+    if proof.is_none() && ex.cfg.token.is_none() {
+        return Ok(Caller::Unauthenticated);
+    }
+    if proof.is_none() {
+        return Err(Box::new(unauthorized()));
+    }
+    let (status, what) = if given.is_some() {
+        (
+            StatusCode::FORBIDDEN,
+            "the token sent is not this delegation's proof",
+        )
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            "this delegation requires its Delegator's proof",
+        )
+    };
+    Err(Box::new(fail(
+        status,
+        format!(
+            "{what}: send `Authorization: Bearer <token>` with the capability token of its \
+             START (the Delegator's awcp-ctl daemon does)"
+        ),
+    )))
+}
+
+/// The proof of delegation `id`: its START's token, from the assignment while it is
+/// held, else from a handle a mount kept on disk (its kept changes outlive the
+/// assignment: `collect` fetches them later).
+fn proof_of(ex: &Executor, id: &str) -> Option<String> {
+    if let Some(a) = ex.tasks.lock().get(id) {
+        let p = a.proof.lock().clone();
+        if p.is_some() {
+            return p;
+        }
+    }
+    awcp_protocol::DelegationId::parse(id).ok()?;
+    let dir = ex.cfg.state_dir.join(id);
+    let nested = std::fs::read_dir(dir.join(super::mounts::RESOURCES_DIR))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path());
+    std::iter::once(dir.clone()).chain(nested).find_map(|d| {
+        let bytes = std::fs::read(d.join(super::task::HANDLE_FILE)).ok()?;
+        serde_json::from_slice::<awcp_protocol::transport::AwcpfsHandle>(&bytes)
+            .ok()
+            .map(|h| h.token)
+    })
+}
+
+/// The routes under `/awcp/tasks/{id}/…` and `/awcp/cancel/{id}` touch one delegation:
+/// they need its proof (see [`caller_of`]). The caller is left in the request's
+/// extensions for the handler.
+async fn require_proof(
+    State(ex): State<Arc<Executor>>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = req.uri().path().to_owned();
+    let id = path
+        .strip_prefix("/awcp/tasks/")
+        .or_else(|| path.strip_prefix("/awcp/cancel/"))
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_default()
+        .to_owned();
+    let proof = proof_of(&ex, &id);
+    match caller_of(&ex, proof.as_deref(), crate::bearer(req.headers())) {
+        Ok(c) => {
+            req.extensions_mut().insert(c);
+            next.run(req).await
+        }
+        Err(r) => {
+            tracing::warn!(%id, path, "refused a request without the delegation's proof");
+            *r
+        }
+    }
+}
+
+/// Why a cancelled task ended, naming who cancelled it.
+pub(super) fn cancel_reason(a: &Assignment) -> String {
+    match *a.cancelled_by.lock() {
+        Some(c) => format!("Delegation cancelled by {}", c.describe()),
+        None => "Delegation cancelled".into(),
+    }
+}
+
 pub(super) fn router(ex: Arc<Executor>) -> Router {
     let limit = ex.cfg.max_body_bytes;
-    let guarded = Router::new()
+    let per_delegation = Router::new()
         .route("/awcp/tasks/{id}/events", get(events))
         .route("/awcp/tasks/{id}/result", get(result))
         .route("/awcp/tasks/{id}/ack", post(ack))
@@ -77,6 +208,11 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
             get(bundle).delete(discard_bundle),
         )
         .route("/awcp/cancel/{id}", post(cancel))
+        .route_layer(axum::middleware::from_fn_with_state(
+            ex.clone(),
+            require_proof,
+        ));
+    let guarded = Router::new()
         .route("/awcp/status", get(status))
         .route("/awcp/tasks/{id}/aecp/witness", post(super::aecp::witness))
         .route_layer(axum::middleware::from_fn_with_state(
@@ -87,6 +223,7 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
         .route("/awcp", post(message))
         .route("/awcp/", post(message))
         .merge(guarded)
+        .merge(per_delegation)
         .with_state(ex)
         .fallback(|| async {
             fail(
@@ -120,9 +257,21 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
         }
     };
     let id = msg.delegation_id().as_str().to_string();
-    if !matches!(msg, AwcpMessage::Invite(_)) && !authorized(&ex, &headers) {
-        return unauthorized();
-    }
+    // INVITE checks its `auth` itself; START, CONTINUE, CLOSE and ERROR touch a
+    // delegation: once its START has given it a proof, they need it.
+    let caller = if matches!(msg, AwcpMessage::Invite(_)) {
+        None
+    } else {
+        let proof = ex
+            .tasks
+            .lock()
+            .get(&id)
+            .and_then(|a| a.proof.lock().clone());
+        match caller_of(&ex, proof.as_deref(), crate::bearer(&headers)) {
+            Ok(c) => Some(c),
+            Err(r) => return *r,
+        }
+    };
     match msg {
         AwcpMessage::Invite(inv) => Json(invite(&ex, inv, &headers)).into_response(),
         AwcpMessage::Start(start) => {
@@ -145,6 +294,10 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
                     ),
                 );
             }
+            // From now on the routes of this delegation need START's token.
+            if let awcp_protocol::TransportHandle::Awcpfs(h) = &start.transport_handle {
+                *a.proof.lock() = Some(h.token.clone());
+            }
             tokio::spawn(super::task::run(ex.clone(), a, start));
             Json(OkResponse::OK).into_response()
         }
@@ -163,6 +316,7 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
                 );
             } else {
                 // A running task: its runner ends the mount and reports.
+                *a.cancelled_by.lock() = caller;
                 a.cancel.notify_one();
             }
             Json(OkResponse::OK).into_response()
@@ -324,6 +478,8 @@ fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage
         result: parking_lot::Mutex::new(None),
         cancel: tokio::sync::Notify::new(),
         mount: parking_lot::Mutex::new(None),
+        proof: parking_lot::Mutex::new(None),
+        cancelled_by: parking_lot::Mutex::new(None),
     });
     ex.tasks.lock().insert(id.as_str().to_string(), a);
     AwcpMessage::Accept(AcceptMessage {
@@ -395,19 +551,41 @@ async fn events(
         (rx, backlog, done)
     };
     let last = backlog.last().map(|(i, _)| *i).unwrap_or(after);
+    // A stream opened before START (the Delegator opens it first) had no proof to show
+    // yet: once START has given the delegation one, only a stream opened with it (or the
+    // Executor's token) goes on.
+    let given = crate::bearer(&headers).map(str::to_owned);
+    // Weak: the stream must not keep the assignment (and its event sender) alive, or it
+    // would not end when the assignment is acked away.
+    let (ex2, a2) = (ex.clone(), Arc::downgrade(&a));
+    let allowed = move || {
+        let Some(a) = a2.upgrade() else {
+            return true;
+        };
+        let proof = a.proof.lock().clone();
+        caller_of(&ex2, proof.as_deref(), given.as_deref()).is_ok()
+    };
     let live = BroadcastStream::new(rx)
         .filter_map(move |r| std::future::ready(r.ok().filter(|(i, _)| *i > last)))
         .take(if done { 0 } else { usize::MAX });
     // End right after `done`/`error`, without waiting for another item: the live part has
     // no next item until the ack drops the assignment, which kept the stream open until then.
+    // Each item is let through only while the caller may see it (`allowed`, above).
     let events = futures::stream::iter(backlog).chain(live).boxed();
-    let stream = futures::stream::unfold((events, false), |(mut events, ended)| async move {
-        if ended {
-            return None;
+    let allowed = std::sync::Arc::new(allowed);
+    let stream = futures::stream::unfold((events, false), move |(mut events, ended)| {
+        let allowed = allowed.clone();
+        async move {
+            if ended {
+                return None;
+            }
+            let item = events.next().await?;
+            if !allowed() {
+                return None;
+            }
+            let end = item.1.is_terminal();
+            Some((item, (events, end)))
         }
-        let item = events.next().await?;
-        let end = item.1.is_terminal();
-        Some((item, (events, end)))
     })
     .map(|(i, ev)| {
         Ok(Event::default()
@@ -560,7 +738,11 @@ async fn ack(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Json<Ok
     Json(OkResponse::OK)
 }
 
-async fn cancel(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
+async fn cancel(
+    State(ex): State<Arc<Executor>>,
+    Path(id): Path<String>,
+    axum::Extension(caller): axum::Extension<Caller>,
+) -> Response {
     let a = match lookup(&ex, &id) {
         Ok(a) => a,
         Err(r) => return *r,
@@ -575,13 +757,15 @@ async fn cancel(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Resp
             ),
         );
     }
+    tracing::info!(%id, by = caller.describe(), "cancel");
+    *a.cancelled_by.lock() = Some(caller);
     a.cancel.notify_one();
     if *a.state.lock() == AssignmentState::Pending {
         // Never started: nothing to unmount; end it here so streams and /result say so.
         super::task::finish_error(
             &a,
             ErrorCode::Cancelled,
-            "Delegation cancelled before it started".into(),
+            format!("{} before it started", cancel_reason(&a)),
             None,
         );
     }

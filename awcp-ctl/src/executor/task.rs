@@ -231,6 +231,24 @@ pub(super) fn spawn_agent(
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
+    if let Some(u) = &ex.cfg.agent_user {
+        // Run as the agent user (std drops root's supplementary groups when it sets the uid).
+        cmd.uid(u.uid)
+            .gid(u.gid)
+            .env("HOME", &u.home)
+            .env("USER", &u.name)
+            .env("LOGNAME", &u.name);
+    }
+    if let Some(d) = ex.cfg.agent_user.as_ref().and_then(|u| u.blocked_at(cwd)) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the agent user cannot pass through {} to its workspace: start the \
+                 Executor with a --dir it can reach (e.g. under /var/lib)",
+                d.display()
+            ),
+        ));
+    }
     let mut child = cmd.spawn()?;
     let pid = child.id();
     let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
@@ -487,7 +505,8 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     };
     for p in &plans {
         if let Err(e) = std::fs::create_dir_all(&a.work_path)
-            .and_then(|_| std::fs::create_dir_all(&p.state_dir))
+            .and_then(|_| give_to_agent(&ex, &a.work_path))
+            .and_then(|_| awcpfs::private::create_dir_all(&p.state_dir))
         {
             finish_error(
                 &a,
@@ -616,7 +635,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                             m.end(EndReason::Revoked, Some(Duration::from_secs(5)))
                         })
                         .await;
-                        finish_error(&a, ErrorCode::Cancelled, "Delegation cancelled".into(), None);
+                        finish_error(&a, ErrorCode::Cancelled, super::routes::cancel_reason(&a), None);
                         None
                     }
                 };
@@ -655,7 +674,13 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                 })
                 .await;
                 agent.kill().await;
-                let (code, msg, hint) = lease_error(&mount.ended().unwrap_or(EndReason::Revoked));
+                let (code, msg, hint) = match mount.ended().unwrap_or(EndReason::Revoked) {
+                    // Ended by the cancel itself: say who asked for it.
+                    EndReason::Revoked if a.cancelled_by.lock().is_some() => {
+                        (ErrorCode::Cancelled, super::routes::cancel_reason(&a), None)
+                    }
+                    other => lease_error(&other),
+                };
                 finish_error(&a, code, msg, hint);
             }
         }
@@ -664,6 +689,19 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     *a.mount.lock() = None;
     // What was written back needs its handle (a credential) no longer.
     mount.clean_up(&a.work_path, HANDLE_FILE);
+}
+
+/// Make `path` the agent user's (if there is one), so that it can work there.
+pub(super) fn give_to_agent(ex: &Executor, path: &std::path::Path) -> std::io::Result<()> {
+    match &ex.cfg.agent_user {
+        Some(u) => nix::unistd::chown(
+            path,
+            Some(nix::unistd::Uid::from_raw(u.uid)),
+            Some(nix::unistd::Gid::from_raw(u.gid)),
+        )
+        .map_err(std::io::Error::from),
+        None => Ok(()),
+    }
 }
 
 /// The mount config of one resource.
@@ -690,5 +728,9 @@ fn mount_config(ex: &Executor, p: &MountPlan, received: std::time::Instant) -> M
     mcfg.request_timeout = ex.cfg.read_timeout;
     mcfg.sync_debounce = ex.cfg.sync_debounce;
     mcfg.block_cache = ex.block_cache.clone();
+    // The kernel lets only the mounting uid (root) in without allow_other: an agent user
+    // needs it, and is kept the only other user by the 0700 work directory it owns.
+    mcfg.allow_other = ex.cfg.allow_other || ex.cfg.agent_user.is_some();
+    mcfg.owner = ex.cfg.agent_user.as_ref().map(|u| (u.uid, u.gid));
     mcfg
 }

@@ -203,7 +203,7 @@ impl HashCache {
         };
         let written = bytes.and_then(|bytes| {
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            let mut f = std::fs::File::create(&tmp)?;
+            let mut f = crate::private::file_options().truncate(true).open(&tmp)?;
             f.write_all(&bytes)?;
             f.sync_data()?;
             drop(f);

@@ -185,7 +185,7 @@ impl ChangeStage {
                 source,
             }
         };
-        std::fs::create_dir_all(dir).map_err(io_err("creating the stage directory"))?;
+        crate::private::create_dir_all(dir).map_err(io_err("creating the stage directory"))?;
         let blocks = Staging::open(blocks_dir).map_err(io_err("creating the block store"))?;
         let state = match std::fs::read(dir.join(CHANGES_FILE)) {
             Ok(bytes) => serde_json::from_slice(&bytes)

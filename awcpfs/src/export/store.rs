@@ -146,7 +146,7 @@ pub(crate) struct Staging {
 impl Staging {
     /// Use (and create) `dir`.
     pub(crate) fn open(dir: &Path) -> io::Result<Staging> {
-        fs::create_dir_all(dir)?;
+        crate::private::create_dir_all(dir)?;
         Ok(Staging {
             dir: dir.to_owned(),
         })

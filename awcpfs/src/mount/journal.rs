@@ -10,7 +10,7 @@
 //! Records describe resulting state, not operations, so replaying a journal over the
 //! manifest it started from is idempotent: applying a record twice gives the same tree.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
@@ -168,7 +168,7 @@ pub struct Journal {
 impl Journal {
     /// Open (or create) the journal at `path`, appending.
     pub fn open(path: &Path) -> std::io::Result<Journal> {
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        let file = crate::private::file_options().append(true).open(path)?;
         Ok(Journal {
             path: path.to_path_buf(),
             file: Mutex::new(file),
@@ -426,7 +426,7 @@ mod tests {
         }])
         .unwrap();
         drop(j);
-        let mut f = OpenOptions::new().append(true).open(&p).unwrap();
+        let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
         f.write_all(b"{\"r\":\"unl").unwrap();
         let recs = Journal::read_all(&p).unwrap();
         assert_eq!(recs.len(), 1);

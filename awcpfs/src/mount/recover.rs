@@ -140,7 +140,7 @@ impl SavedMount {
         let records = Journal::read_all(&state_dir.join(JOURNAL_FILE)).map_err(state_err)?;
         journal::replay(&mut table, &records, uid, gid);
         let logged = SyncedLog::read(&state_dir.join(SYNCED_FILE)).map_err(state_err)?;
-        std::fs::create_dir_all(state_dir.join("upper")).map_err(state_err)?;
+        crate::private::create_dir_all(&state_dir.join("upper")).map_err(state_err)?;
         Ok(Some(SavedMount {
             manifest,
             table,

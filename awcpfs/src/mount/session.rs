@@ -78,6 +78,13 @@ pub struct MountConfig {
     /// Renew the lease with the export when less than this is left (`None`: never; the
     /// Delegator then decides alone, with `awcp-ctl renew`).
     pub renew_margin: Option<Duration>,
+    /// Let every user of this machine use the mount (FUSE `allow_other`; the kernel then
+    /// checks the mode bits, `default_permissions`). Off: only the mounting user (and
+    /// with `owner`, the mount's owner through a private parent directory) gets in.
+    pub allow_other: bool,
+    /// Who owns every file and directory of the mount (uid, gid); default the mounting
+    /// process's effective ids.
+    pub owner: Option<(u32, u32)>,
 }
 
 impl MountConfig {
@@ -110,6 +117,8 @@ impl MountConfig {
             kernel: KernelOptions::default(),
             hydrate_max_size: 256 << 10,
             renew_margin: None,
+            allow_other: false,
+            owner: None,
         }
     }
 }
@@ -322,7 +331,10 @@ impl Mount {
                 path: cfg.state_dir.clone(),
             });
         }
-        std::fs::create_dir_all(&upper_dir).map_err(state_err)?;
+        // Private: upper files are workspace content, the journal names every change.
+        crate::private::create_dir_all(&cfg.state_dir)
+            .and_then(|()| crate::private::create_dir_all(&upper_dir))
+            .map_err(state_err)?;
         // Phase times, logged once mounted: where a slow start goes.
         let t0 = Instant::now();
         let manifest_err = |source| MountError::Manifest {
@@ -341,8 +353,10 @@ impl Mount {
                 got: digest,
             });
         }
-        let uid = nix::unistd::geteuid().as_raw();
-        let gid = nix::unistd::getegid().as_raw();
+        let (uid, gid) = cfg.owner.unwrap_or((
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        ));
         let t_manifest = t0.elapsed();
         // Three things that need only the manifest, on two CPUs: the inode table here; the
         // syncer's starting point and the saved manifest beside it.
@@ -412,7 +426,13 @@ impl Mount {
         }
         let mut fcfg = fuser::Config::default();
         fcfg.mount_options = options;
-        fcfg.acl = fuser::SessionACL::All;
+        // Without allow_other the kernel (and fuser) let only the mounting uid in: the
+        // workspace is not every local user's to read.
+        fcfg.acl = if cfg.allow_other {
+            fuser::SessionACL::All
+        } else {
+            fuser::SessionACL::Owner
+        };
         fcfg.n_threads = Some(cfg.fuse_threads.max(1));
         fcfg.clone_fd = cfg.fuse_threads > 1;
         let t_state = t0.elapsed();
