@@ -66,7 +66,7 @@ async fn status_says_not_synced_while_write_back_fails() {
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     let ws = tmp.path().join("ws");
     std::fs::create_dir_all(&ws).unwrap();
-    let url = daemon.url();
+    let url = daemon.token_url();
     let out = cli(
         &url,
         &[

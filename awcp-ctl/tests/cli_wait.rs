@@ -147,7 +147,7 @@ async fn wait_follows_a_single_round_delegation_through_idle_to_its_end() {
     std::fs::write(ws.join("a.txt"), "a\n").unwrap();
 
     let out = cli(
-        &daemon.url(),
+        &daemon.token_url(),
         &[
             "delegate",
             ws.to_str().unwrap(),
@@ -171,7 +171,7 @@ async fn wait_follows_a_single_round_delegation_through_idle_to_its_end() {
         .split_whitespace()
         .find(|w| w.starts_with("dlg_"))
         .expect("the delegation id");
-    let client = awcp_ctl::client::DaemonClient::new(&daemon.url());
+    let client = daemon.client();
     let v = client.get(id).await.unwrap();
     assert_eq!(
         v.record.state,

@@ -162,7 +162,7 @@ async fn declare_writes_a_stub_the_mount_imports_and_revise_marks_consumers_stal
 
     // The audit log has every step.
     let audit: serde_json::Value =
-        reqwest::get(format!("{}/aecp/audit?worker={id}", h.daemon.url()))
+        reqwest::get(format!("{}/aecp/audit?worker={id}", h.daemon.token_url()))
             .await
             .unwrap()
             .json()
