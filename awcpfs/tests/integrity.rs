@@ -59,6 +59,8 @@ struct ProxyState {
     commits_answered: usize,
     /// The request line of every event-stream connect.
     event_requests: Vec<String>,
+    /// Everything the event streams passed on to the mount.
+    event_data: Vec<u8>,
     /// Live connections: the request kind, and both sockets (to reset them).
     conns: Vec<(Arc<Mutex<Req>>, TcpStream, TcpStream)>,
 }
@@ -188,6 +190,10 @@ impl Proxy {
                                 ctl.0.lock().commits_answered += 1;
                                 ctl.1.notify_all();
                             }
+                            if *kind.lock() == Req::Events {
+                                ctl.0.lock().event_data.extend_from_slice(chunk);
+                                ctl.1.notify_all();
+                            }
                         }
                     }
                     Err(e)
@@ -262,6 +268,18 @@ impl Proxy {
             );
         }
         st.event_requests.clone()
+    }
+
+    /// Wait until what the event streams passed on to the mount contains `needle`.
+    fn wait_event_data(&self, needle: &str) {
+        let deadline = Instant::now() + PATIENCE;
+        let mut st = self.ctl.0.lock();
+        while !String::from_utf8_lossy(&st.event_data).contains(needle) {
+            assert!(
+                !self.ctl.1.wait_until(&mut st, deadline).timed_out(),
+                "timed out waiting for an event mentioning {needle}"
+            );
+        }
     }
 
     /// Hold the next answer to a request of this kind.
@@ -669,6 +687,48 @@ fn a_commit_answer_lost_to_kill_9_is_recovered_without_conflict_then_rewrite() {
 #[test]
 fn a_commit_answer_lost_to_kill_9_is_recovered_without_conflict_then_delete() {
     commit_answer_lost(Then::Delete, Lost::Kill);
+}
+
+// The fault matrix's "came back after its acknowledged removal": a file created on the
+// mount goes out in a commit the export applies but whose answer is lost (held, then
+// reset); the application removes the file meanwhile. The catch-up of a reconnected event
+// stream, listing that commit's change, reached the mount while the commit was still
+// pending, and because the file was
+// neither on the mount nor in what the syncer knew the export to have, the mount took it
+// for a Delegator-side creation and brought the file back, on the mount and (the retry then
+// finding nothing to remove) at the Delegator.
+#[test]
+fn an_event_of_a_pending_commit_does_not_bring_back_a_file_removed_since() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup(&[("README", "hello\n")]);
+    assert_eq!(s.proxy.wait_event_requests(1).len(), 1);
+    s.proxy.arm(Req::Commit);
+    write_file(&s.mnt.join("born"), "v1\n");
+    // Applied at the export, its answer held.
+    s.proxy
+        .wait_held("the commit's answer", |b| b.ends_with(b"}"));
+    assert_eq!(s.at_delegator("born").as_deref(), Some("v1\n"));
+    // Removed on the mount (acknowledged). The event stream is reset: its reconnect's
+    // catch-up lists the commit's change (a live stream does not hand a mount its own
+    // commits back; a catch-up does) while the commit is still pending.
+    std::fs::remove_file(s.mnt.join("born")).unwrap();
+    s.proxy.reset_event_streams();
+    s.proxy.wait_event_data("\"born\"");
+    // The answer is lost; the syncer sends the commit again, then the removal.
+    s.proxy.release(Release::Reset);
+    // Written after the removal: once it lands, the removal was sent before it or with it.
+    write_file(&s.mnt.join("after"), "after\n");
+    wait_for("a later commit", || {
+        s.at_delegator("after").as_deref() == Some("after\n")
+    });
+    assert!(
+        !s.mnt.join("born").exists(),
+        "the removed file came back on the mount"
+    );
+    assert_eq!(s.at_delegator("born"), None);
+    assert!(s.conflict_copies().is_empty(), "{:?}", s.conflict_copies());
 }
 
 // A reconnect of the event stream used to replay every change since the export started

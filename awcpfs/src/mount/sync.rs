@@ -30,7 +30,7 @@
 //! A file still open for writing is left for a later round (live mode syncs on close and
 //! fsync) unless the round is a final flush.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
 use std::ops::Bound;
 use std::sync::Arc;
@@ -584,6 +584,23 @@ impl Syncer {
     /// The commit sent whose answer has not come, if any.
     pub fn pending(&self) -> Option<PendingCommit> {
         self.pending.lock().clone()
+    }
+
+    /// The paths the commit whose answer has not come changes (empty when there is none):
+    /// the export may already have applied them without the mount knowing at which
+    /// sequence, so an event there cannot be told from the commit's own echo.
+    pub(super) fn pending_paths(&self) -> BTreeSet<String> {
+        self.pending
+            .lock()
+            .as_ref()
+            .map_or_else(BTreeSet::new, |p| {
+                p.set
+                    .changes
+                    .iter()
+                    .map(|c| c.path().to_owned())
+                    .chain(p.next.iter().map(|r| r.path.clone()))
+                    .collect()
+            })
     }
 
     /// A syncer whose starting point is the manifest the mount was built from.

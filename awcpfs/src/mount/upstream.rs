@@ -19,13 +19,20 @@
 //! answer of a reconnect that arrives late — and is ignored for that path
 //! ([`UpstreamReport::stale`]).
 //!
+//! A path that the commit whose answer never came (the syncer's pending commit) changes, at
+//! or below it, is the mount's own too: the export may have applied that commit without the
+//! mount learning its sequence, so an event there — possibly that commit's own change,
+//! handed back by a reconnect's catch-up — is left alone ([`UpstreamReport::kept_local`])
+//! whatever the mount has there now, a file removed since included (it would come back,
+//! and the retry would find nothing to remove). The retry learns the commit's sequence.
+//!
 //! Every applied change is journaled ([`Record::Upstream`], [`Record::Unlink`]) and logged
 //! to `synced.log`, so crash recovery rebuilds the same tree and does not mistake the
 //! Delegator's change for one of ours. The kernel is told after the tables are unlocked
 //! ([`Inval`]): cached attributes and pages of changed files, and cached names, including
 //! negative ones, of new and removed entries.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
 use awcp_protocol::dataplane::{EntryKind, ManifestEntry};
@@ -74,6 +81,23 @@ pub(super) fn is_stale(seen: &BTreeMap<String, u64>, path: &str, seq: u64) -> bo
     ))
     .take_while(|(p, _)| p.starts_with(&prefix))
     .any(|(_, s)| *s >= seq)
+}
+
+/// Whether the mount has a change at `path` or below it that the export may have applied
+/// without the mount learning its outcome: one of `pending` (the paths of the commit whose
+/// answer has not come) is `path` or lies below it.
+pub(super) fn is_pending(pending: &BTreeSet<String>, path: &str) -> bool {
+    if pending.contains(path) {
+        return true;
+    }
+    let prefix = format!("{path}/");
+    pending
+        .range::<str, _>((
+            std::ops::Bound::Included(prefix.as_str()),
+            std::ops::Bound::Unbounded,
+        ))
+        .next()
+        .is_some_and(|p| p.starts_with(&prefix))
 }
 
 /// Record that the mount knows `path` as of sequence `seq`.
@@ -208,6 +232,9 @@ impl Syncer {
         removed: &[String],
     ) -> (Vec<Inval>, UpstreamReport) {
         let mut synced = self.synced.lock();
+        // Taken under `synced`: a round holds it while it sends, so the pending commit
+        // cannot change until this event is judged.
+        let pending = self.pending_paths();
         let mut seen = self.seen.lock();
         // Paths this event is news for: marked seen once the whole event is judged, so a
         // path does not make its own event stale for its parent or children.
@@ -228,6 +255,10 @@ impl Syncer {
                 continue;
             }
             fresh.push(path);
+            if is_pending(&pending, path) {
+                report.kept_local += 1;
+                continue;
+            }
             match table.resolve(path) {
                 None => {
                     // Gone here too (removed or moved away locally): the syncer must not
@@ -261,6 +292,13 @@ impl Syncer {
                 continue;
             }
             fresh.push(&e.path);
+            if is_pending(&pending, &e.path) {
+                // Ours, changed in a commit whose answer never came: the event may be that
+                // commit's own echo (a file removed here since would come back) or older.
+                // The retry learns what the export has there.
+                report.kept_local += 1;
+                continue;
+            }
             let (parent_path, name) = match e.path.rsplit_once('/') {
                 Some((p, n)) => (Some(p), n),
                 None => (None, e.path.as_str()),
@@ -519,5 +557,20 @@ mod tests {
         // Never lowered.
         note_seen(&mut seen, "d/x", 3);
         assert!(is_stale(&seen, "d/x", 10));
+    }
+
+    // An event at a path the unanswered commit changed (or below it) cannot be told from
+    // that commit's echo: it is the mount's own.
+    #[test]
+    fn paths_of_the_unanswered_commit_are_the_mounts_own() {
+        let pending: BTreeSet<String> = ["d/x".to_owned(), "e".to_owned()].into();
+        assert!(is_pending(&pending, "d/x"));
+        assert!(is_pending(&pending, "d"));
+        assert!(is_pending(&pending, "e"));
+        assert!(!is_pending(&pending, "d/x/y"));
+        assert!(!is_pending(&pending, "d/xy"));
+        assert!(!is_pending(&pending, "d/w"));
+        assert!(!is_pending(&pending, "f"));
+        assert!(!is_pending(&BTreeSet::new(), "d/x"));
     }
 }
