@@ -95,7 +95,11 @@ fn print_deliveries(list: &[Delivery], json: bool) {
 }
 
 /// Runs one `aecp` command.
-pub(super) async fn run(client: &DaemonClient, json: bool, cmd: KnowledgeCommand) -> anyhow::Result<()> {
+pub(super) async fn run(
+    client: &DaemonClient,
+    json: bool,
+    cmd: KnowledgeCommand,
+) -> anyhow::Result<()> {
     match cmd {
         KnowledgeCommand::Publish {
             worker,
