@@ -55,7 +55,13 @@ async fn operations_match(passthrough: bool) {
         "python3 {s} . > ../../../mount.out 2>&1; python3 {s} ../../../native > ../../../native.out 2>&1",
         s = script.display()
     );
-    let h = Harness::start_with(&agent, |c| c.passthrough = passthrough).await;
+    // Some checks act as another user (a non-owner's write clearing set-user-ID), which
+    // needs the mount opened to other users, as a native directory is.
+    let h = Harness::start_with(&agent, |c| {
+        c.passthrough = passthrough;
+        c.allow_other = true;
+    })
+    .await;
     let repo = h.path("repo");
     std::fs::create_dir_all(&repo).unwrap();
     std::fs::write(repo.join("README"), "semantics\n").unwrap();
