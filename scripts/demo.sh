@@ -21,7 +21,8 @@ done
 
 say "Building awcp-ctl (release)"
 cargo build --release -q -p awcp-ctl
-CTL="$ROOT/target/release/awcp-ctl"
+# Where cargo put the binary (CARGO_TARGET_DIR moves it).
+CTL="${CARGO_TARGET_DIR:-$ROOT/target}/release/awcp-ctl"
 
 WORK=$(mktemp -d /tmp/awcp-demo.XXXXXX)
 PIDS=()
