@@ -151,6 +151,8 @@ async fn another_local_user_gets_nothing_from_the_daemon_the_executor_the_disk_o
         ("GET", format!("{awcp}/tasks/{id}/events")),
         ("POST", format!("{awcp}/tasks/{id}/ack")),
         ("POST", format!("{awcp}/cancel/{id}")),
+        // Symptom: the AECP witness route ran any command in the mount for anyone.
+        ("POST", format!("{awcp}/tasks/{id}/aecp/witness")),
     ] {
         let rb = match method {
             "GET" => http.get(&path),

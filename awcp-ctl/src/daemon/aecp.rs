@@ -178,7 +178,9 @@ impl Daemon {
             workspace: root.display().to_string(),
             root,
             executor_url: d.record.peer_url.clone(),
-            executor_token: d.executor_token.clone(),
+            // The Executor's token, else the delegation's proof (its START capability):
+            // the witness route runs commands in the worker's mount, so it needs one.
+            executor_token: d.executor_credential(),
         })
     }
 

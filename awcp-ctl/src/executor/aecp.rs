@@ -1,6 +1,6 @@
 //! AECP on the Executor: witnesses run here, inside the worker's mount.
 //!
-//! `POST /awcp/tasks/{id}/aecp/witness` (behind the Executor's token, like every task route)
+//! `POST /awcp/tasks/{id}/aecp/witness` (behind the delegation's proof, like every task route)
 //! runs a witness in the task's mount directory with a timeout, in its own process group
 //! and — where the machine allows — a new network namespace, and answers the run. The
 //! Delegator's daemon calls it on publication and on a flag; nothing runs on the Delegator's

@@ -208,13 +208,13 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
             get(bundle).delete(discard_bundle),
         )
         .route("/awcp/cancel/{id}", post(cancel))
+        .route("/awcp/tasks/{id}/aecp/witness", post(super::aecp::witness))
         .route_layer(axum::middleware::from_fn_with_state(
             ex.clone(),
             require_proof,
         ));
     let guarded = Router::new()
         .route("/awcp/status", get(status))
-        .route("/awcp/tasks/{id}/aecp/witness", post(super::aecp::witness))
         .route_layer(axum::middleware::from_fn_with_state(
             ex.clone(),
             require_token,
