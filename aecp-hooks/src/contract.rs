@@ -392,6 +392,15 @@ impl Contract {
                         format!("base `{b}`: write one Python expression on one line"),
                     ));
                 }
+                // A base the verifier can check is a class named by a (dotted) name,
+                // optionally subscripted (`Generic[T]`); `A @ B` or a call is not.
+                let head = b.split('[').next().unwrap_or(b).trim();
+                if !head.split('.').all(|part| is_identifier(part.trim())) {
+                    return Err(self.invalid(
+                        &path,
+                        format!("base `{b}`: name the class (`Base`, `mod.Base`, `Generic[T]`)"),
+                    ));
+                }
             }
             if s.kind.is_callable() && !s.overloaded {
                 check_params(&s.params).map_err(|r| self.invalid(&path, r))?;

@@ -230,3 +230,12 @@ fn deep_nesting_does_not_exhaust_the_stack() {
         .expect("no stack overflow");
     assert!(e.is_err());
 }
+
+/// Symptom: `class E(E@xception)` was accepted as an interface, and the stub generated from
+/// it (which leaves such a base out) then verified as a mismatch instead of a stub.
+#[test]
+fn a_base_that_is_not_a_class_name_is_refused() {
+    assert!(interface::parse("m.py", "class E(E@xception): ...\n").is_err());
+    assert!(interface::parse("m.py", "class E(f()): ...\n").is_err());
+    assert!(interface::parse("m.py", "class E(mod.Base, Generic[T]): ...\n").is_ok());
+}
