@@ -371,6 +371,15 @@ impl Contract {
                         ),
                     ));
                 }
+                // A decorator the verifier can match is a (dotted) name, optionally called
+                // (`property`, `functools.lru_cache(maxsize=None)`); `a @ b` is not.
+                let head = d.split('(').next().unwrap_or(d).trim();
+                if !head.split('.').all(|part| is_identifier(part.trim())) {
+                    return Err(self.invalid(
+                        &path,
+                        format!("decorator `{d}`: name it (`name`, `mod.name`, `mod.name(…)`)"),
+                    ));
+                }
             }
             let annotations = s
                 .returns

@@ -238,4 +238,14 @@ fn a_base_that_is_not_a_class_name_is_refused() {
     assert!(interface::parse("m.py", "class E(E@xception): ...\n").is_err());
     assert!(interface::parse("m.py", "class E(f()): ...\n").is_err());
     assert!(interface::parse("m.py", "class E(mod.Base, Generic[T]): ...\n").is_ok());
+    // The same for decorators: `@f@unctools.lru_cache()` was accepted, then its stub
+    // judged a mismatch.
+    assert!(interface::parse("m.py", "@f@unctools.lru_cache()\ndef g() -> int: ...\n").is_err());
+    assert!(
+        interface::parse(
+            "m.py",
+            "@functools.lru_cache(maxsize=None)\ndef g() -> int: ...\n"
+        )
+        .is_ok()
+    );
 }
