@@ -572,12 +572,17 @@ mod tests {
         );
         hook.on_use("pkg/acct.py");
         assert!(notes.try_recv().is_err(), "once");
-        assert!(!hook.active(), "nothing left to watch: back to one atomic load");
+        assert!(
+            !hook.active(),
+            "nothing left to watch: back to one atomic load"
+        );
 
         // Python opening only the compiled copy is an import too.
         hook.apply(contract_event("lib/db.py", 1));
         hook.on_use("lib/__pycache__/db.cpython-312.pyc");
-        assert!(matches!(notes.try_recv().unwrap(), Note::Uses { module, .. } if module == "lib/db.py"));
+        assert!(
+            matches!(notes.try_recv().unwrap(), Note::Uses { module, .. } if module == "lib/db.py")
+        );
 
         // A worker the daemon already knows as a consumer is not watched for.
         hook.apply(contract_event("lib/net.py", 1));
@@ -608,12 +613,21 @@ mod tests {
         hook.apply(standing(1, 1, false, None));
         assert!(hook.inbox().is_empty(), "registration is not a revision");
         hook.apply(contract_event("pkg/acct.py", 2));
-        hook.apply(standing(2, 1, true, Some("-def f(): ...\n+def f(x): ...\n")));
+        hook.apply(standing(
+            2,
+            1,
+            true,
+            Some("-def f(): ...\n+def f(x): ...\n"),
+        ));
         let Note::Revision(notice) = notes.try_recv().unwrap() else {
             panic!("a revision note")
         };
         assert_eq!(
-            (notice.module.as_str(), notice.revision, notice.acked_revision),
+            (
+                notice.module.as_str(),
+                notice.revision,
+                notice.acked_revision
+            ),
             ("pkg/acct.py", 2, 1)
         );
         assert!(notice.diff.contains("+def f(x)"));

@@ -1146,7 +1146,10 @@ mod tests {
             .unwrap();
         assert!(!s.add_consumer_auto("/ws", "pkg/acct.py", "w2", 1).unwrap());
         assert_eq!(
-            s.consumer("/ws", "pkg/acct.py", "w2").unwrap().unwrap().symbols,
+            s.consumer("/ws", "pkg/acct.py", "w2")
+                .unwrap()
+                .unwrap()
+                .symbols,
             ["f"]
         );
         // A worker whose mount saw revision 1 after revision 2 was stored is stale at once.
@@ -1158,7 +1161,10 @@ mod tests {
         assert_eq!(s.contracts("/ws").unwrap().len(), 1);
         assert_eq!(s.contracts("/ws").unwrap()[0].revision, 2);
         assert_eq!(
-            s.contract_at("/ws", "pkg/acct.py", 1).unwrap().unwrap().revision,
+            s.contract_at("/ws", "pkg/acct.py", 1)
+                .unwrap()
+                .unwrap()
+                .revision,
             1
         );
         let autos: Vec<bool> = s
