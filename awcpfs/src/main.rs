@@ -405,3 +405,27 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::read_aecp_events;
+
+    #[test]
+    fn aecp_events_are_json_objects_one_a_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("events.ndjson");
+        std::fs::write(
+            &f,
+            "{\"type\":\"forward\",\"id\":1}\n\n{\"type\":\"delivered\",\"id\":1,\"revision\":1}\n",
+        )
+        .unwrap();
+        assert_eq!(read_aecp_events(&f).unwrap().len(), 2);
+        std::fs::write(&f, "{\"type\":\"forward\",\"id\":1}\n[1]\n").unwrap();
+        let e = format!("{:#}", read_aecp_events(&f).unwrap_err());
+        assert!(e.contains("line 2"), "{e}");
+        std::fs::write(&f, "{\"type\":\n").unwrap();
+        let e = format!("{:#}", read_aecp_events(&f).unwrap_err());
+        assert!(e.contains("line 1") && e.contains("not JSON"), "{e}");
+        assert!(read_aecp_events(&dir.path().join("absent")).is_err());
+    }
+}

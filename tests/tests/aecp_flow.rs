@@ -392,7 +392,7 @@ async fn two_workers_share_a_finding_a_contract_and_its_revision() {
         .await
         .expect("revise");
     assert_eq!(r.revision, 2);
-    assert_eq!(r.stale, [b.clone()]);
+    assert_eq!(r.stale, std::slice::from_ref(&b));
     assert!(
         eventually(WAIT, || !notices(&inbox_b).is_empty()).await,
         "no revision notice in B's inbox"
