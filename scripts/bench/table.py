@@ -224,6 +224,8 @@ def main():
                 fmt_val(max(vs), u) if vs else "—"]) + " |")
     out.append("")
     out.append("</details>")
+    if not any(k in data for k in order):
+        out = []   # an `--only aecp` run: its own table alone
     out.extend(aecp_table(data, files, runs))
     print("\n".join(out))
 
