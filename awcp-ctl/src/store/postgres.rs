@@ -331,14 +331,25 @@ pub mod testing {
         }
     }
 
+    /// Run `f` on a thread of its own: the synchronous client must not run on a tokio
+    /// thread, and these helpers are called from async tests too.
+    pub fn off_runtime<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+        std::thread::spawn(f)
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    }
+
     /// A fresh, empty database on the test server (see [`server_url`] for `None`).
     pub fn fresh_database() -> Option<TestDatabase> {
         let admin = server_url()?;
         let name = format!("awcp_test_{}", hex::encode(rand::random::<[u8; 6]>()));
-        let mut c = Client::connect(&admin, NoTls)
-            .unwrap_or_else(|e| panic!("{URL_VAR}={} is unreachable: {e}", redact(&admin)));
-        c.batch_execute(&format!("CREATE DATABASE {name}"))
-            .expect("creating a test database");
+        let (a, n) = (admin.clone(), name.clone());
+        off_runtime(move || {
+            let mut c = Client::connect(&a, NoTls)
+                .unwrap_or_else(|e| panic!("{URL_VAR}={} is unreachable: {e}", redact(&a)));
+            c.batch_execute(&format!("CREATE DATABASE {n}"))
+                .expect("creating a test database");
+        });
         let url = with_dbname(&admin, &name);
         Some(TestDatabase { admin, name, url })
     }
@@ -353,12 +364,13 @@ pub mod testing {
 
     impl Drop for TestDatabase {
         fn drop(&mut self) {
-            if let Ok(mut c) = Client::connect(&self.admin, NoTls) {
-                let _ = c.batch_execute(&format!(
-                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                    self.name
-                ));
-            }
+            let (admin, name) = (self.admin.clone(), self.name.clone());
+            off_runtime(move || {
+                if let Ok(mut c) = Client::connect(&admin, NoTls) {
+                    let _ =
+                        c.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"));
+                }
+            });
         }
     }
 
