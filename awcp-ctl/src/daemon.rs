@@ -175,6 +175,9 @@ pub struct Daemon {
     pub(crate) seen_version: std::sync::atomic::AtomicI64,
     /// Where the daemon API listens (the heartbeat names it).
     pub(crate) api_addr: SocketAddr,
+    /// Since when this daemon's heartbeats have all reached the shared database (`None`
+    /// while they fail): it claims nothing until that is `failover_after` ago.
+    pub(crate) beating_since: Mutex<Option<std::time::Instant>>,
     pub(crate) exports: ExportRegistry,
     pub(crate) live: Mutex<HashMap<String, Arc<Live>>>,
     /// Delegations being set up, by the progress key their client chose.
@@ -379,6 +382,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         daemon_id,
         seen_version: Default::default(),
         api_addr,
+        beating_since: Mutex::new(None),
         exports,
         live: Mutex::new(HashMap::new()),
         preparing: Mutex::new(HashMap::new()),

@@ -9,7 +9,8 @@
 //! address.
 //!
 //! Each daemon writes a heartbeat every tick (a fifth of `--failover-after`). When a daemon
-//! has not beaten for `--failover-after`, the first live daemon to notice claims its running
+//! has not beaten for `--failover-after`, the first live daemon to notice (one whose own
+//! heartbeats have reached the database for at least that long) claims its running
 //! delegations in one atomic update ([`crate::store::StateStore::claim_orphans`]) and takes
 //! them over: it rebuilds each lease from the stored expiry and enforces it, reopens the
 //! Executor's event stream where the record left off (`Last-Event-ID`), and records an
@@ -22,7 +23,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
@@ -202,8 +203,17 @@ impl Daemon {
     /// One tick: beat, refresh the copies of other daemons' delegations, and take over
     /// those whose daemon has lapsed. Blocking (database calls).
     pub(crate) fn sync_once(self: &Arc<Self>, full: bool) -> Result<(), StoreError> {
-        self.store
-            .heartbeat(&self.daemon_id, &format!("http://{}", self.api_addr))?;
+        let beat = self
+            .store
+            .heartbeat(&self.daemon_id, &format!("http://{}", self.api_addr));
+        let beating_for = {
+            let mut since = self.beating_since.lock();
+            if beat.is_err() {
+                *since = None;
+            }
+            since.get_or_insert_with(Instant::now).elapsed()
+        };
+        beat?;
         let since = if full {
             0
         } else {
@@ -225,6 +235,12 @@ impl Daemon {
             if !unchanged {
                 self.refresh_foreign(row);
             }
+        }
+        // After an outage of the database every daemon's heartbeat is stale: a daemon that
+        // has just reached it again gives the others a full lapse to beat before it takes
+        // anything (and so does a daemon that has just started).
+        if beating_for < self.cfg.failover_after {
+            return Ok(());
         }
         for row in self
             .store
