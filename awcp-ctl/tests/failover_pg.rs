@@ -43,6 +43,7 @@ fn free_port() -> u16 {
 struct Daemon {
     proc: Proc,
     url: String,
+    data_url: String,
     state_dir: PathBuf,
 }
 
@@ -64,6 +65,7 @@ impl Daemon {
         Daemon {
             proc: Proc(child),
             url: format!("http://127.0.0.1:{api}"),
+            data_url: format!("http://127.0.0.1:{data}"),
             state_dir: state_dir.to_path_buf(),
         }
     }
@@ -380,5 +382,144 @@ async fn daemon_b_takes_over_when_daemon_a_is_killed() {
     });
     assert_eq!(owner.as_deref(), Some(b_id.as_str()));
     assert!(terminal);
+    e1.stop().await;
+}
+
+/// The export's identity of a delegation, as stored (what any daemon reads).
+fn stored_export(db: &str, id: &str) -> (String, String) {
+    let (url, id) = (db.to_string(), id.to_string());
+    off_runtime(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        let body: String = c
+            .query_one("SELECT body FROM delegations WHERE id = $1", &[&id])
+            .unwrap()
+            .get(0);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        (
+            v["exportId"].as_str().unwrap().to_string(),
+            v["token"].as_str().unwrap().to_string(),
+        )
+    })
+}
+
+/// Daemon A stalls (SIGSTOP) past the lapse and B takes its delegation over. When A wakes
+/// up (SIGCONT) it must not go on running it: its copy turns read-only (a revoke there is
+/// refused, naming B) and its export refuses the delegation's token — B could not revoke
+/// access through A's data plane, so A must not serve it. B then ends the delegation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_daemon_that_wakes_up_stops_serving_what_was_taken_over() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let Some(db) = fresh_database() else { return };
+    if !awcpfs::testing::fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = tmp.path().join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    std::fs::write(repo.join("README.md"), "# stall\n").unwrap();
+    let mut ecfg = ExecutorConfig::new("sleep 120".into(), tmp.path().join("e1"));
+    ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    let e1 = awcp_ctl::executor::start(ecfg).await.unwrap();
+
+    let a = Daemon::start(&tmp.path().join("a"), &db.url);
+    let b = Daemon::start(&tmp.path().join("b"), &db.url);
+    let (ca, cb) = (a.client().await, b.client().await);
+    let b_id = b.id();
+    let (a_log, b_log) = (a.log_path(), b.log_path());
+    let logs = || {
+        let read = |p: &PathBuf| std::fs::read_to_string(p).unwrap_or_default();
+        format!(
+            "--- daemon A ---\n{}\n--- daemon B ---\n{}",
+            read(&a_log),
+            read(&b_log)
+        )
+    };
+    let d = ca
+        .delegate(&request(&e1.awcp_url(), &repo, 600, TransportType::Awcpfs))
+        .await
+        .unwrap()
+        .delegation_id
+        .as_str()
+        .to_string();
+    until(
+        "the delegation to run on A",
+        Duration::from_secs(30),
+        async || (ca.get(&d).await.ok()?.record.state == DelegationState::Running).then_some(()),
+        &logs,
+    )
+    .await;
+    let (export_id, token) = stored_export(&db.url, &d);
+    let a_export = format!("{}/v1/exports/{export_id}/manifest", a.data_url);
+    let http = reqwest::Client::new();
+    let manifest = async || {
+        http.get(&a_export)
+            .bearer_auth(&token)
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
+    assert_eq!(manifest().await, 200, "A's export serves the delegation");
+
+    let pid = Pid::from_raw(a.proc.0.id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    until(
+        "B to take over from the stalled A",
+        Duration::from_secs(15),
+        async || (cb.get(&d).await.ok()?.owner.as_deref() == Some(b_id.as_str())).then_some(()),
+        &logs,
+    )
+    .await;
+    kill(pid, Signal::SIGCONT).unwrap();
+
+    until(
+        "A to see that B runs the delegation now",
+        Duration::from_secs(10),
+        async || (ca.get(&d).await.ok()?.owner.as_deref() == Some(b_id.as_str())).then_some(()),
+        &logs,
+    )
+    .await;
+    match ca.revoke(&d, false).await {
+        Err(ClientError::Refused { status: 409, body }) => {
+            assert!(body.error.contains(&b_id), "{body:?}")
+        }
+        other => panic!("A must not act on a delegation B took over: {other:?}"),
+    }
+    until(
+        "A's export to refuse the token",
+        Duration::from_secs(10),
+        async || {
+            let s = manifest().await;
+            (s == 401 || s == 403 || s == 404).then_some(s)
+        },
+        &logs,
+    )
+    .await;
+    // The mount, refused by A's export, ends; B records how (or B revokes it first).
+    let _ = cb.revoke(&d, false).await;
+    until(
+        "the delegation to end on B",
+        Duration::from_secs(30),
+        async || {
+            cb.get(&d)
+                .await
+                .ok()?
+                .record
+                .state
+                .is_terminal()
+                .then_some(())
+        },
+        &logs,
+    )
+    .await;
+    let mount = tmp.path().join("e1/work").join(&d);
+    until(
+        "E1 to unmount",
+        Duration::from_secs(30),
+        async || (!is_mounted(&mount)).then_some(()),
+        &logs,
+    )
+    .await;
     e1.stop().await;
 }

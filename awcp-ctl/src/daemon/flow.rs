@@ -590,6 +590,9 @@ impl Daemon {
             loop {
                 match reader.next().await {
                     Ok(Some(ev)) => {
+                        if live.is_foreign() {
+                            return; // Taken over: the new owner follows the stream.
+                        }
                         failures = 0;
                         if ev.id.is_some() {
                             live.d.lock().last_event_id = ev.id.clone();

@@ -111,6 +111,7 @@ impl Daemon {
                 tracing::warn!(%id, %owner, "another daemon took this delegation over; \
                     this daemon stops running it");
                 *live.owner.lock() = Some(owner);
+                self.end_data_plane(live);
             }
             Err(e) => tracing::error!(error = %e, "persisting a delegation failed"),
         }
@@ -149,11 +150,12 @@ impl Daemon {
         let id = row.delegation.record.id.as_str().to_string();
         let owner = row.owner.clone().unwrap_or_default();
         let old = self.get_live(&id);
-        if let Some(old) = &old {
-            if !old.is_foreign() {
-                // Ours until now: someone claimed it while this daemon was not beating.
-                tracing::warn!(%id, %owner, "daemon {owner} took this delegation over");
-            }
+        if let Some(l) = old.as_ref().filter(|l| !l.is_foreign()) {
+            // Ours until now: someone claimed it while this daemon was not beating. Its
+            // lease watch and event pump stop at their next turn.
+            tracing::warn!(%id, %owner, "daemon {owner} took this delegation over");
+            *l.owner.lock() = Some(owner.clone());
+            self.end_data_plane(l);
         }
         let (tx, seen) = match &old {
             Some(l) => (Some(l.tx.clone()), l.d.lock().events.len()),
@@ -166,6 +168,30 @@ impl Daemon {
         for ev in new_events {
             let _ = live.tx.send(ev);
         }
+    }
+
+    /// This daemon lost a delegation it ran: its export must not go on serving it (the new
+    /// owner's revoke would not reach it), so its lease ends here — a final flush may still
+    /// land within the grace — and the export is dropped after it.
+    fn end_data_plane(&self, live: &Live) {
+        live.lease.revoke(true);
+        let ids: Vec<String> = live
+            .exports
+            .lock()
+            .drain(..)
+            .map(|e| e.id().to_string())
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
+        let grace = self.cfg.flush_grace + Duration::from_secs(1);
+        let exports = self.exports.clone();
+        self.spawn(async move {
+            tokio::time::sleep(grace).await;
+            for id in ids {
+                exports.remove(&id);
+            }
+        });
     }
 
     /// Take over a delegation this daemon just claimed: enforce its lease, follow its
@@ -257,7 +283,7 @@ impl Daemon {
         let mut tick = 0u64;
         loop {
             let d = self.clone();
-            let full = tick % FULL_RELOAD_EVERY == 0;
+            let full = tick.is_multiple_of(FULL_RELOAD_EVERY);
             match tokio::task::spawn_blocking(move || d.sync_once(full)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "the shared state is unreachable"),
