@@ -905,6 +905,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     v.lease.remaining_ms / 1000,
                     v.lease.renewals
                 );
+                if let Some(owner) = &v.owner {
+                    // A shared database (`serve --state`): which daemon runs it.
+                    println!("daemon      {owner}");
+                }
                 if let Some(t) = &v.transfer {
                     let n = |k: &str| t.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
                     println!(

@@ -293,6 +293,17 @@ async fn daemon_b_takes_over_when_daemon_a_is_killed() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains(&d1) && text.contains(&d2), "{text}");
+    let out = Command::new(BIN)
+        .args(["--daemon", &b.url, "--api-token-file"])
+        .arg(b.state_dir.join("api-token"))
+        .args(["status", &d1])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!("daemon      {a_id}")),
+        "status on B names A as the daemon that runs it: {text}"
+    );
 
     // A dies (with E2). B takes both over once A's heartbeat is 2 s old.
     let d2_expires = ca.get(&d2).await.unwrap().lease.expires_at;
