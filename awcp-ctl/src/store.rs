@@ -141,6 +141,14 @@ pub enum StoreError {
         #[source]
         source: ::postgres::Error,
     },
+    /// PostgreSQL did not answer in time (the daemon goes on; the call is given up).
+    #[error("the PostgreSQL state database {url} did not answer within {after:?}")]
+    Timeout {
+        /// Which database (without its password).
+        url: String,
+        /// How long the caller waited.
+        after: Duration,
+    },
     /// The PostgreSQL worker thread is gone (it panicked, or the store was dropped).
     #[error("the PostgreSQL state database {url} is closed")]
     Closed {

@@ -75,6 +75,13 @@ fn rows(raw: Vec<::postgres::Row>) -> Result<Vec<StoredRow>, StoreError> {
         .collect()
 }
 
+/// Longest a statement may run on the server, and longest unacknowledged data may wait on
+/// the connection.
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest a caller waits for its answer (a connect, a queue of earlier calls, a statement).
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// An arbitrary constant (the text "awcp" in ASCII) naming the advisory lock that makes
 /// daemons starting together apply each migration once.
 const MIGRATION_LOCK: i64 = 0x6177_6370;
@@ -126,6 +133,19 @@ impl PgStore {
             config.connect_timeout(Duration::from_secs(5));
         }
         config.application_name("awcp-ctl");
+        // A database that stops answering must not hang the daemon: the kernel gives up on
+        // unacknowledged data after `tcp_user_timeout`, an idle connection is probed, and a
+        // statement that runs too long is cancelled by the server. Callers stop waiting at
+        // `CALL_TIMEOUT` whatever happens.
+        config.tcp_user_timeout(STATEMENT_TIMEOUT);
+        config.keepalives(true);
+        config.keepalives_idle(Duration::from_secs(5));
+        let options = format!(
+            "{} -c statement_timeout={}",
+            config.get_options().unwrap_or_default(),
+            STATEMENT_TIMEOUT.as_millis()
+        );
+        config.options(options.trim());
         let (jobs, rx) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("awcp-state-pg".into())
@@ -169,8 +189,14 @@ impl PgStore {
             url: self.url.clone(),
         };
         self.jobs.send(job).map_err(|_| closed())?;
-        rx.recv()
-            .map_err(|_| closed())?
+        rx.recv_timeout(CALL_TIMEOUT)
+            .map_err(|e| match e {
+                mpsc::RecvTimeoutError::Timeout => StoreError::Timeout {
+                    url: self.url.clone(),
+                    after: CALL_TIMEOUT,
+                },
+                mpsc::RecvTimeoutError::Disconnected => closed(),
+            })?
             .map_err(|source| StoreError::Postgres {
                 url: self.url.clone(),
                 source,
@@ -430,6 +456,19 @@ mod tests {
             .unwrap()
             .get(0);
         assert_eq!(n, migrations::latest(migrations::POSTGRES));
+    }
+
+    /// A statement the server cannot finish is cancelled by the server, not waited for.
+    #[test]
+    fn statements_have_a_timeout() {
+        let Some(db) = testing::fresh_database() else {
+            return;
+        };
+        let store = PgStore::connect(&db.url).unwrap();
+        let shown: String = store
+            .call(|c| c.query_one("SHOW statement_timeout", &[]).map(|r| r.get(0)))
+            .unwrap();
+        assert_eq!(shown, "10s");
     }
 
     #[test]
