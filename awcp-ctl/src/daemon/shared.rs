@@ -4,7 +4,7 @@
 //! Every delegation has one **owner**, the daemon that created it (or took it over): only
 //! the owner runs its lease watch (expiry), follows its Executor's event stream, writes its
 //! record, revokes or renews it. The others hold a read-only copy, refreshed from the
-//! database every tick ([`Daemon::sync_once`]), so `list`, `status` and `watch` on any daemon
+//! database every tick (`Daemon::sync_once`), so `list`, `status` and `watch` on any daemon
 //! show every delegation; mutating one owned elsewhere is refused with 409 and the owner's
 //! address.
 //!
