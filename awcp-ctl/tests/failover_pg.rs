@@ -534,3 +534,80 @@ async fn a_stalled_daemon_that_wakes_up_stops_serving_what_was_taken_over() {
     .await;
     e1.stop().await;
 }
+
+/// After a database outage every heartbeat is stale. A daemon that has only just reached the
+/// database (here: just started) must give the others a full lapse to beat before it takes
+/// anything over; then it takes a silent daemon's running delegation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_claims_nothing_before_it_has_beaten_for_a_full_lapse() {
+    use awcp_ctl::store::StateStore as _;
+    use awcp_ctl::store::StoredDelegation;
+    use awcp_ctl::store::postgres::PgStore;
+    let Some(db) = fresh_database() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let expires = (chrono::Utc::now() + chrono::Duration::seconds(120))
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let ghost: StoredDelegation = serde_json::from_value(serde_json::json!({
+        "record": {
+            "id": format!("dlg_{}", "ab".repeat(16)),
+            "state": "running",
+            // Nothing listens there: the pump's retries outlast the test.
+            "peerUrl": "http://127.0.0.1:9/awcp",
+            "environment": {"resources": []},
+            "task": {"description": "ghost", "prompt": "p"},
+            "leaseConfig": {"ttlSeconds": 120, "accessMode": "rw"},
+            "retentionMs": 1000,
+            "activeLease": {"expiresAt": expires, "accessMode": "rw"},
+            "createdAt": awcp_ctl::now_iso(),
+            "updatedAt": awcp_ctl::now_iso(),
+        },
+        "exportId": "exp_ghost",
+        "token": "tok_ghost",
+        "source": tmp.path(),
+        "readOnly": false,
+        "events": [],
+    }))
+    .unwrap();
+    let id = ghost.record.id.as_str().to_string();
+    // The ghost daemon beat once, long enough ago to have lapsed by the time B looks.
+    let url = db.url.clone();
+    off_runtime(move || {
+        let s = PgStore::connect(&url).unwrap();
+        s.heartbeat("dmn_ghost", "http://127.0.0.1:9").unwrap();
+        s.put("dmn_ghost", &ghost).unwrap();
+    });
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    let mut cfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("b"));
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    cfg.state = Some(db.url.clone());
+    cfg.failover_after = Duration::from_secs(1);
+    let b = awcp_ctl::daemon::start(cfg).await.unwrap();
+    let started = Instant::now();
+    let client = b.client();
+    let owner = async || client.get(&id).await.ok().and_then(|v| v.owner);
+    // Listed at once, as the ghost's.
+    assert_eq!(owner().await.as_deref(), Some("dmn_ghost"));
+    let mut claimed = None;
+    while started.elapsed() < Duration::from_secs(10) {
+        if owner().await.as_deref() == Some(b.daemon.daemon_id()) {
+            claimed = Some(started.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let claimed = claimed.expect("B takes the ghost's delegation over");
+    assert!(
+        claimed >= Duration::from_millis(900),
+        "B claimed after {claimed:?}, before beating for a full lapse (1 s)"
+    );
+    let v = client.get(&id).await.unwrap();
+    assert_eq!(v.record.state, DelegationState::Running);
+    assert!(
+        v.lease.remaining_ms > 100_000,
+        "the stored expiry: {:?}",
+        v.lease
+    );
+    b.stop().await;
+}
