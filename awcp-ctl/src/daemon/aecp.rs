@@ -165,7 +165,7 @@ impl Daemon {
     fn aecp_worker(&self, worker: &str) -> Result<WorkerInfo, Refusal> {
         let d = match self.get_live(worker) {
             Some(l) => l.d.lock().clone(),
-            None => self.store.get(worker).ok().flatten().ok_or_else(|| {
+            None => self.store.get(worker).ok().flatten().map(|r| r.delegation).ok_or_else(|| {
                 refuse(
                     404,
                     format!("unknown worker {worker}"),
