@@ -97,7 +97,11 @@ impl ScreenReport {
                     self.revision.unwrap_or(0),
                     self.verdict.as_deref().unwrap_or("?"),
                     broken.join(", "),
-                    if self.violations.len() > 3 { ", …" } else { "" },
+                    if self.violations.len() > 3 {
+                        ", …"
+                    } else {
+                        ""
+                    },
                 )
             }
             Cause::Stale => {

@@ -97,6 +97,9 @@ pub struct DaemonConfig {
     /// AECP witnesses may run on this machine, in the named sandbox (only `netns`: a new
     /// network namespace). `None`: they run on the worker's Executor only.
     pub aecp_local_witness: Option<String>,
+    /// AECP policy switch: hold a stale consumer's write-backs of files that import a
+    /// revised module until it acknowledges the revision (off by default).
+    pub aecp_hold_stale: bool,
 }
 
 impl DaemonConfig {
@@ -131,6 +134,7 @@ impl DaemonConfig {
             unsafe_no_auth: false,
             watch: true,
             aecp_local_witness: None,
+            aecp_hold_stale: false,
             idle_timeout: Duration::from_secs(300),
             default_transport: None,
         }
@@ -292,7 +296,10 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         store: Arc::new(aecp_hooks::store::Store::open(
             &cfg.state_dir.join("delegator.db"),
         )?),
-        policy: aecp_hooks::policy::Policy::default(),
+        policy: aecp_hooks::policy::Policy {
+            hold_stale_writebacks: cfg.aecp_hold_stale,
+            ..aecp_hooks::policy::Policy::default()
+        },
         local_witness: cfg.aecp_local_witness.clone(),
     };
     // Hashes of files unchanged since an earlier delegation are reused, not recomputed.

@@ -102,7 +102,9 @@ impl Store {
     pub fn contracted_modules(&self, workspace: &str) -> Result<Vec<String>, StoreError> {
         let conn = self.conn.lock();
         let mut stmt = conn
-            .prepare("SELECT DISTINCT module FROM aecp_contracts WHERE workspace = ?1 ORDER BY module")
+            .prepare(
+                "SELECT DISTINCT module FROM aecp_contracts WHERE workspace = ?1 ORDER BY module",
+            )
             .map_err(sql("listing contracted modules"))?;
         let rows = stmt
             .query_map(params![workspace], |r| r.get(0))
