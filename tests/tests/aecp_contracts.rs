@@ -260,8 +260,14 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
     let report = &line["violation"];
     assert_eq!(report["held"], true, "{line}");
     assert_eq!(report["verdict"], "mismatch", "{line}");
-    assert_eq!(report["violations"][0]["symbol"], "Account.deposit", "{line}");
-    assert_eq!(report["violations"][0]["constraint"], "parameters", "{line}");
+    assert_eq!(
+        report["violations"][0]["symbol"], "Account.deposit",
+        "{line}"
+    );
+    assert_eq!(
+        report["violations"][0]["constraint"], "parameters",
+        "{line}"
+    );
     assert_eq!(report["violations"][0]["line"], 5, "{line}");
     // The Delegator still has the stub; the rest of the worker's changes landed.
     assert!(eventually(wait, || repo.join("notes.txt").exists()).await);
@@ -278,7 +284,10 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
     let listed = h.client.aecp_violations(&id, false).await.unwrap();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].path, "pkg/acct.py");
-    assert_eq!(listed[0].report["violations"][0]["constraint"], "parameters");
+    assert_eq!(
+        listed[0].report["violations"][0]["constraint"],
+        "parameters"
+    );
     let inbox = std::fs::read_to_string(mount.join(".aecp/inbox")).unwrap();
     assert!(inbox.contains("Account.deposit"), "{inbox}");
     // Held once, not retried in a loop while unchanged.
@@ -302,7 +311,13 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
         "the report did not clear: {:?}",
         violations_on(&mount)
     );
-    assert!(h.client.aecp_violations(&id, false).await.unwrap().is_empty());
+    assert!(
+        h.client
+            .aecp_violations(&id, false)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(write_back_verdicts(&h, &id, "pkg/acct.py").await, 2);
 
     h.client.revoke(&id, false).await.unwrap();
@@ -366,7 +381,10 @@ async fn screen_holds_a_stale_consumers_importing_file_until_it_acknowledges() {
     let line: serde_json::Value = serde_json::from_str(violations_on(&mount).trim()).unwrap();
     assert_eq!(line["violation"]["held"], true, "{line}");
     assert_eq!(line["violation"]["cause"], "stale", "{line}");
-    assert_eq!(line["violation"]["stale"][0]["module"], "pkg/acct.py", "{line}");
+    assert_eq!(
+        line["violation"]["stale"][0]["module"], "pkg/acct.py",
+        "{line}"
+    );
     assert_eq!(line["violation"]["stale"][0]["revision"], 2, "{line}");
     assert!(eventually(wait, || repo.join("pkg/free.py").exists()).await);
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -390,7 +408,13 @@ async fn screen_holds_a_stale_consumers_importing_file_until_it_acknowledges() {
         "the report did not clear: {:?}",
         violations_on(&mount)
     );
-    assert!(h.client.aecp_violations(&id, true).await.unwrap().is_empty());
+    assert!(
+        h.client
+            .aecp_violations(&id, true)
+            .await
+            .unwrap()
+            .is_empty()
+    );
 
     h.client.revoke(&id, false).await.unwrap();
     h.stop().await;
