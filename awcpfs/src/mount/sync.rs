@@ -961,6 +961,13 @@ impl Syncer {
                     } else {
                         None
                     };
+                    let unchanged = matches!(old, Some(Synced::File { hash: h, .. }) if *h == hash);
+                    if !unchanged && self.is_held(path, &hash) {
+                        // The export held exactly this content: not again until it changes
+                        // (or the export releases it).
+                        report.held_unchanged += 1;
+                        continue;
+                    }
                     let base = match old {
                         Some(Synced::File {
                             hash: h,
@@ -1024,11 +1031,6 @@ impl Syncer {
                         },
                     };
                     let hash = hd.hash;
-                    if self.is_held(path, &hash) {
-                        // The export held exactly this content: not again until it changes.
-                        report.held_unchanged += 1;
-                        continue;
-                    }
                     if f.nlink > 1 && link_to.is_none() {
                         unlinked_writes.push((writes.len(), f.ino, hash));
                     }
