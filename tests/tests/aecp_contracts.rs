@@ -188,6 +188,22 @@ fn violations_on(mount: &std::path::Path) -> String {
     std::fs::read_to_string(mount.join(".aecp/violations")).unwrap_or_default()
 }
 
+/// The next NDJSON line of a socket, parsed.
+async fn next_line(
+    mut r: std::io::BufReader<std::os::unix::net::UnixStream>,
+) -> (
+    serde_json::Value,
+    std::io::BufReader<std::os::unix::net::UnixStream>,
+) {
+    tokio::task::spawn_blocking(move || {
+        let mut l = String::new();
+        std::io::BufRead::read_line(&mut r, &mut l).unwrap();
+        (serde_json::from_str(&l).expect("one JSON line"), r)
+    })
+    .await
+    .unwrap()
+}
+
 /// How many `verdict` entries with `"on": "write-back"` the audit log has for `module`.
 async fn write_back_verdicts(h: &Harness, worker: &str, module: &str) -> usize {
     h.client
@@ -245,6 +261,15 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
         "the mount never saw the stub"
     );
 
+    // The worker's harness listens on its delivery socket.
+    let socket = h.path("executor/state").join(&id).join("aecp.sock");
+    assert!(eventually(wait, || socket.exists()).await, "no socket");
+    let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    stream.set_read_timeout(Some(wait)).unwrap();
+    // Let the reporter accept the connection before the report arrives.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let socket_lines = std::io::BufReader::new(stream);
+
     // The worker writes a mismatching implementation (`amt` where `amount` is declared),
     // and an unrelated file.
     let bad = GOOD.replace("amount: int) -> int", "amt: int) -> int");
@@ -290,6 +315,8 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
     );
     let inbox = std::fs::read_to_string(mount.join(".aecp/inbox")).unwrap();
     assert!(inbox.contains("Account.deposit"), "{inbox}");
+    let (from_socket, socket_lines) = next_line(socket_lines).await;
+    assert_eq!(from_socket, line, "the socket carries the same report");
     // Held once, not retried in a loop while unchanged.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(write_back_verdicts(&h, &id, "pkg/acct.py").await, 1);
@@ -319,6 +346,11 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
             .is_empty()
     );
     assert_eq!(write_back_verdicts(&h, &id, "pkg/acct.py").await, 2);
+    let (cleared, _) = next_line(socket_lines).await;
+    assert_eq!(
+        cleared,
+        serde_json::json!({"module": "pkg/acct.py", "violation": null})
+    );
 
     h.client.revoke(&id, false).await.unwrap();
     h.stop().await;
