@@ -352,7 +352,38 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
         serde_json::json!({"module": "pkg/acct.py", "violation": null})
     );
 
+    // Broken again when the task ends: not written back, and not lost — the Executor keeps
+    // it with its unsynced changes, and the Delegator's explicit `collect` applies it.
+    let bad2 = GOOD.replace("def open_account(owner: str)", "def open_account()");
+    std::fs::write(mount.join("pkg/acct.py"), &bad2).unwrap();
+    assert!(
+        eventually(wait, || violations_on(&mount).contains("open_account")).await,
+        "not held again: {:?}",
+        violations_on(&mount)
+    );
     h.client.revoke(&id, false).await.unwrap();
+    h.wait_end(&id, wait).await;
+    assert_eq!(
+        std::fs::read_to_string(repo.join("pkg/acct.py")).unwrap(),
+        GOOD,
+        "the final flush wrote a held module back"
+    );
+    let mut collected = None;
+    for _ in 0..100 {
+        match h.client.collect(&id, false).await {
+            Ok(r) => {
+                collected = Some(r);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    let collected = collected.expect("the Executor kept the held module");
+    assert!(collected.applied >= 1, "{collected:?}");
+    assert_eq!(
+        std::fs::read_to_string(repo.join("pkg/acct.py")).unwrap(),
+        bad2
+    );
     h.stop().await;
 }
 
