@@ -52,6 +52,9 @@ struct State {
     lines: Vec<String>,
     /// Paths the export released, for the mount's syncer.
     released: Vec<String>,
+    /// Violation events already announced in the inbox and on the socket (a reconnect's
+    /// catch-up sends them all again).
+    announced: std::collections::HashSet<String>,
 }
 
 /// One worker's replica of its workspace's artifact index and what it has received.
@@ -192,16 +195,18 @@ impl WorkerHook {
                         "{}\n",
                         serde_json::json!({ "module": module, "violation": detail })
                     );
-                    // A reconnect's catch-up sends the same report again: said once.
-                    if st.violations.get(&module).map(Vec::as_slice) != Some(line.as_bytes()) {
+                    // A reconnect's catch-up sends the same report again: said once (each
+                    // report carries its time, so a new one is never taken for a replay).
+                    if st.announced.insert(line.clone()) {
                         st.inbox.extend_from_slice(line.as_bytes());
                         st.lines.push(line.clone());
-                        st.violations.insert(module, line.into_bytes());
                     }
+                    st.violations.insert(module, line.into_bytes());
                     None
                 }
-                IndexEvent::ViolationCleared { module } => {
-                    if st.violations.remove(&module).is_some() {
+                IndexEvent::ViolationCleared { module, at_ms } => {
+                    let replay = !st.announced.insert(format!("cleared {at_ms} {module}"));
+                    if st.violations.remove(&module).is_some() && !replay {
                         let line = format!(
                             "{}\n",
                             serde_json::json!({ "module": module, "violation": null })
@@ -474,6 +479,7 @@ mod tests {
         assert_eq!(count(hook.inbox()), 3, "and the inbox");
         hook.apply(IndexEvent::ViolationCleared {
             module: "pkg/acct.py".into(),
+            at_ms: 7,
         });
         let v = String::from_utf8(hook.violations()).unwrap();
         assert!(!v.contains("pkg/acct.py") && v.contains("pkg/b.py"), "{v}");
@@ -482,8 +488,32 @@ mod tests {
         assert!(cleared[0].contains("\"violation\":null"), "{cleared:?}");
         hook.apply(IndexEvent::ViolationCleared {
             module: "pkg/acct.py".into(),
+            at_ms: 7,
         });
         assert!(hook.take_lines().is_empty(), "clearing twice says nothing");
+        // A reconnect's catch-up replays every event: nothing is announced twice, and
+        // the views end as they were; a new report (a new time) is announced.
+        let events = [
+            IndexEvent::Violation {
+                module: "pkg/b.py".into(),
+                detail: serde_json::json!({"symbol": "h"}),
+            },
+            IndexEvent::ViolationCleared {
+                module: "pkg/acct.py".into(),
+                at_ms: 7,
+            },
+        ];
+        let before = (hook.violations(), hook.inbox());
+        for e in events {
+            hook.apply(e);
+        }
+        assert!(hook.take_lines().is_empty(), "a replay was announced");
+        assert_eq!((hook.violations(), hook.inbox()), before);
+        hook.apply(IndexEvent::Violation {
+            module: "pkg/b.py".into(),
+            detail: serde_json::json!({"symbol": "h", "atMs": 9}),
+        });
+        assert_eq!(hook.take_lines().len(), 1);
         hook.apply(IndexEvent::Released {
             paths: vec!["pkg/c.py".into()],
         });

@@ -56,6 +56,10 @@ pub enum IndexEvent {
     ViolationCleared {
         /// The path.
         module: String,
+        /// When (milliseconds since the epoch): a reconnect's catch-up sends the event again,
+        /// and the mount announces each one once.
+        #[serde(default, rename = "atMs")]
+        at_ms: u64,
     },
     /// The export no longer holds these paths (the worker acknowledged the revision they
     /// waited for): the mount sends them again.

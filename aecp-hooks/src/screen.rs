@@ -69,6 +69,9 @@ pub struct ScreenReport {
     /// acknowledged.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stale: Vec<StaleModule>,
+    /// When the write-back was judged (milliseconds since the epoch; 0 when not stamped).
+    #[serde(default)]
+    pub at_ms: u64,
 }
 
 impl ScreenReport {
@@ -169,6 +172,7 @@ pub fn judge(
                     verdict: Some(verdict.as_str().to_owned()),
                     violations: report.violations,
                     stale: Vec::new(),
+                    at_ms: 0,
                 }),
             };
         }
@@ -182,6 +186,7 @@ pub fn judge(
         verdict: None,
         violations: Vec::new(),
         stale: stale_imports,
+        at_ms: 0,
     });
     Judgement { verified, report }
 }

@@ -115,7 +115,11 @@ impl CommitScreen for DaemonScreen {
         }
         match &j.report {
             Some(r) => {
-                let detail = serde_json::to_value(r).unwrap_or_default();
+                let stamped = ScreenReport {
+                    at_ms: aecp_hooks::store::now_ms(),
+                    ..r.clone()
+                };
+                let detail = serde_json::to_value(&stamped).unwrap_or_default();
                 if let Err(e) = self
                     .store
                     .set_violation(&self.workspace, worker, path, &detail)
@@ -143,6 +147,7 @@ impl CommitScreen for DaemonScreen {
                     );
                     self.push(&IndexEvent::ViolationCleared {
                         module: path.to_owned(),
+                        at_ms: aecp_hooks::store::now_ms(),
                     });
                 }
             }
@@ -228,6 +233,7 @@ impl Daemon {
                     &live,
                     &IndexEvent::ViolationCleared {
                         module: path.clone(),
+                        at_ms: aecp_hooks::store::now_ms(),
                     },
                 );
             }
