@@ -415,7 +415,7 @@ impl Export {
     }
 
     /// Screen the writes of `worker`'s commits with `screen` from now on (replacing an
-    /// earlier screen; see [`screen`]).
+    /// earlier screen; see [`screen::CommitScreen`]).
     pub fn set_screen(&self, worker: &str, screen: Arc<dyn screen::CommitScreen>) {
         *self.screen.lock() = Some((worker.to_owned(), screen));
     }
