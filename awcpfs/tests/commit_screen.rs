@@ -237,6 +237,25 @@ fn a_held_write_stays_on_the_mount_is_not_resent_unchanged_and_goes_once_fixed()
 }
 
 #[test]
+fn removing_a_held_file_removes_it_at_the_export_and_ends_the_hold() {
+    let f = fixture();
+    f.put("m.py", b"BAD\n");
+    assert_eq!(f.syncer.round(false).unwrap().held.len(), 1);
+    f.fs.unlink(ROOT_INO, o("m.py")).unwrap();
+    let r = f.syncer.round(false).unwrap();
+    assert!(r.held.is_empty() && r.conflicts.is_empty(), "{r:?}");
+    assert!(
+        !f.root.join("m.py").exists(),
+        "the removal was not written back"
+    );
+    assert!(
+        f.syncer.held_paths().is_empty(),
+        "a removed file is still held: the mount would never count as written back"
+    );
+    assert!(f.fs.stats().snapshot().held.is_empty());
+}
+
+#[test]
 fn a_released_path_is_sent_again_without_a_change() {
     let f = fixture();
     f.screen.block.store(true, Ordering::SeqCst);

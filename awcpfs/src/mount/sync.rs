@@ -1360,14 +1360,13 @@ impl Syncer {
     fn note_held(&self, pending: &PendingCommit, r: &CommitResult) {
         let mut held = self.held.lock();
         for c in &pending.set.changes {
-            if let Change::Write { path, hash, .. } = c {
-                match r.held.iter().find(|h| h.path == *path) {
-                    Some(_) => {
-                        held.insert(path.clone(), super::inode::hash_from_hex(hash));
-                    }
-                    None => {
-                        held.remove(path);
-                    }
+            match c {
+                Change::Write { path, hash, .. } if r.held.iter().any(|h| h.path == *path) => {
+                    held.insert(path.clone(), super::inode::hash_from_hex(hash));
+                }
+                // Written, removed or replaced: whatever was held there is not any more.
+                other => {
+                    held.remove(other.path());
                 }
             }
         }
@@ -1391,7 +1390,8 @@ impl Syncer {
         self.held.lock().get(path) == Some(hash)
     }
 
-    /// The paths whose write the export held and that have not changed since.
+    /// The paths whose last write the export held (nothing of the mount's has been applied
+    /// there since): while there are any, the mount's changes are not all written back.
     pub fn held_paths(&self) -> Vec<String> {
         let mut v: Vec<String> = self.held.lock().keys().cloned().collect();
         v.sort();
