@@ -257,6 +257,13 @@ struct ServeArgs {
     /// Executor, in its mount.
     #[arg(long, value_parser = ["netns"])]
     aecp_local_witness: Option<String>,
+    /// AECP: while a worker is stale on a revised contract (it depends on the module and
+    /// has not run `awcp-ctl aecp ack` for the newest revision), hold its write-backs of
+    /// Python files that import that module: they stay on its mount, are reported in its
+    /// `.aecp/violations`, and are written back as soon as it acknowledges. Off by
+    /// default: a stale consumer is only told about the revision.
+    #[arg(long)]
+    aecp_hold_stale: bool,
     /// `awcpfs` delegations: largest workspace (all files delegated).
     #[arg(long, default_value = "1024G", value_parser = parse_size)]
     awcpfs_max_bytes: u64,
@@ -669,6 +676,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.aecp_local_witness = a.aecp_local_witness;
             cfg.state = a.state;
             cfg.failover_after = a.failover_after;
+            cfg.aecp_hold_stale = a.aecp_hold_stale;
             cfg.awcpfs_limits = awcp_ctl::archive::ScanLimits {
                 max_total_bytes: a.awcpfs_max_bytes,
                 max_files: a.awcpfs_max_files,

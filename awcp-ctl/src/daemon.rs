@@ -107,6 +107,9 @@ pub struct DaemonConfig {
     /// On a shared database: a daemon whose heartbeat is this old is taken for dead, and
     /// its running delegations are taken over. Daemons beat every fifth of it.
     pub failover_after: Duration,
+    /// AECP policy switch: hold a stale consumer's write-backs of files that import a
+    /// revised module until it acknowledges the revision (off by default).
+    pub aecp_hold_stale: bool,
 }
 
 impl DaemonConfig {
@@ -141,6 +144,7 @@ impl DaemonConfig {
             unsafe_no_auth: false,
             watch: true,
             aecp_local_witness: None,
+            aecp_hold_stale: false,
             idle_timeout: Duration::from_secs(300),
             default_transport: None,
             state: None,
@@ -326,7 +330,10 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         store: Arc::new(aecp_hooks::store::Store::open(
             &cfg.state_dir.join("delegator.db"),
         )?),
-        policy: aecp_hooks::policy::Policy::default(),
+        policy: aecp_hooks::policy::Policy {
+            hold_stale_writebacks: cfg.aecp_hold_stale,
+            ..aecp_hooks::policy::Policy::default()
+        },
         local_witness: cfg.aecp_local_witness.clone(),
     };
     // Hashes of files unchanged since an earlier delegation are reused, not recomputed.
