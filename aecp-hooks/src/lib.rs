@@ -12,6 +12,8 @@
 //! * [`python`] — the tree-sitter-python helpers.
 //! * [`revision`] — revision tracking as a mount sees it: contract views, consumer standing,
 //!   the revision notice template.
+//! * [`screen`] — the commit screen's decision: hold a write-back that breaks its module's
+//!   contract, or that imports a revised module its worker has not acknowledged.
 
 pub mod contract;
 pub mod hook;
@@ -21,5 +23,6 @@ pub mod policy;
 pub mod python;
 pub mod revision;
 pub mod scope;
+pub mod screen;
 pub mod store;
 pub mod witness;

@@ -59,6 +59,10 @@ pub enum StoreError {
     },
 }
 
+mod violations;
+
+pub use violations::StoredViolation;
+
 fn sql(context: &'static str) -> impl FnOnce(rusqlite::Error) -> StoreError {
     move |source| StoreError::Sqlite { context, source }
 }
@@ -236,6 +240,8 @@ impl Store {
         conn.pragma_update(None, "synchronous", "FULL")
             .map_err(sql("setting durability"))?;
         conn.execute_batch(SCHEMA)
+            .map_err(sql("creating the AECP tables"))?;
+        conn.execute_batch(violations::SCHEMA)
             .map_err(sql("creating the AECP tables"))?;
         Ok(Store {
             conn: Mutex::new(conn),

@@ -40,6 +40,7 @@ pub mod identity;
 pub mod manifest;
 mod progress;
 mod rootfs;
+pub mod screen;
 pub mod stage;
 mod store;
 mod watch;
@@ -326,6 +327,8 @@ pub struct Export {
     stage: std::sync::OnceLock<Arc<stage::ChangeStage>>,
     /// AECP artifact-index events for the mount, and its delivery reports.
     aecp: aecp::AecpFeed,
+    /// The commit screen and the worker it screens for, once a daemon installs one.
+    screen: Mutex<Option<(String, Arc<dyn screen::CommitScreen>)>>,
 }
 
 impl Export {
@@ -409,6 +412,17 @@ impl Export {
     /// AECP's events for the mounts of this export and their delivery reports.
     pub fn aecp(&self) -> &aecp::AecpFeed {
         &self.aecp
+    }
+
+    /// Screen the writes of `worker`'s commits with `screen` from now on (replacing an
+    /// earlier screen; see [`screen::CommitScreen`]).
+    pub fn set_screen(&self, worker: &str, screen: Arc<dyn screen::CommitScreen>) {
+        *self.screen.lock() = Some((worker.to_owned(), screen));
+    }
+
+    /// The installed screen and its worker.
+    pub(crate) fn screen(&self) -> Option<(String, Arc<dyn screen::CommitScreen>)> {
+        self.screen.lock().clone()
     }
 
     /// The served directory.
@@ -515,6 +529,7 @@ impl Export {
             filter,
             stage: std::sync::OnceLock::new(),
             aecp: aecp::AecpFeed::default(),
+            screen: Mutex::new(None),
         })
     }
 
@@ -735,6 +750,7 @@ impl ExportRegistry {
             filter,
             stage: std::sync::OnceLock::new(),
             aecp: aecp::AecpFeed::default(),
+            screen: Mutex::new(None),
             id: export_id.clone(),
         });
         // Re-check under the write lock: the walk above ran without it.

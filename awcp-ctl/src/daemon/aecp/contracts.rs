@@ -396,6 +396,7 @@ impl Daemon {
             .ack(&workspace, &stored.module, &req.worker)
             .map_err(store_err)?;
         self.aecp_push_standing(&workspace, &stored.module, &req.worker);
+        self.aecp_after_ack(&workspace, &req.worker);
         Ok(revision)
     }
 
