@@ -10,7 +10,8 @@
 //!    forwarded to B without any `--owns`.
 //! 4. A declares a contract; B imports the stub and runs its code, and is registered as a
 //!    consumer automatically (`"auto": true` in the audit log).
-//! 5. (screen's step: A writes back a mismatching implementation → held.)
+//! 5. A writes back a mismatching implementation: the commit screen holds it and reports it
+//!    to A (`.aecp/violations`); the Delegator keeps the stub.
 //! 6. A revises the contract: B is stale and receives the revision (inbox, socket,
 //!    `.aecp/contracts/pkg/acct.py` with the diff), then acknowledges.
 
@@ -381,9 +382,41 @@ async fn two_workers_share_a_finding_a_contract_and_its_revision() {
     assert_eq!(autos[0].worker.as_deref(), Some(b.as_str()));
     assert_eq!(autos[0].detail["auto"], true);
 
-    // ── 5. screen's step goes here: A writes back a mismatching implementation of
-    //       pkg/acct.py → the write-back is held and reported (`.aecp/violations`). ──
-    // (Until it lands, pkg/acct.py stays the stub, so the revision below rewrites it.)
+    // ── 5. A writes back a mismatching implementation (`amt` where `amount` is declared):
+    //       the commit screen holds it and reports it to A; the Delegator keeps the stub. ──
+    let bad_impl = "class Account:\n    def __init__(self):\n        self.balance = 0\n\n    \
+                    def deposit(self, amt: int) -> int:\n        self.balance += amt\n        \
+                    return self.balance\n\n\ndef open_account(owner: str) -> Account:\n    \
+                    return Account()\n";
+    assert!(
+        eventually(WAIT, || mount_a.join("pkg/acct.py").exists()).await,
+        "A never saw the stub"
+    );
+    std::fs::write(mount_a.join("pkg/acct.py"), bad_impl).unwrap();
+    let violations_a = mount_a.join(".aecp/violations");
+    let held =
+        |v: &serde_json::Value| v["module"] == "pkg/acct.py" && v["violation"]["held"] == true;
+    assert!(
+        eventually(WAIT, || json_lines(&violations_a).iter().any(held)).await,
+        "the mismatching write-back was not held and reported to A: {:?}",
+        json_lines(&violations_a)
+    );
+    let report = json_lines(&violations_a).into_iter().find(held).unwrap();
+    assert_eq!(report["violation"]["verdict"], "mismatch", "{report}");
+    assert_eq!(
+        report["violation"]["violations"][0]["symbol"], "Account.deposit",
+        "{report}"
+    );
+    assert!(
+        std::fs::read_to_string(ws.join("pkg/acct.py"))
+            .unwrap()
+            .contains("__aecp_stub__"),
+        "the held implementation reached the Delegator"
+    );
+    assert!(
+        json_lines(&mount_b.join(".aecp/violations")).is_empty(),
+        "the report is A's, not B's"
+    );
 
     // ── 6. A revises the contract → B is stale, receives the revision, acknowledges. ──
     let r = h
