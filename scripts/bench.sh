@@ -22,7 +22,9 @@ usage: bash scripts/bench.sh [options]
                       3 runs, 2 s fio jobs (explicit flags still win)
   --files N           files in the synthetic repository (default 20000; 100000 = large case)
   --runs N            timed runs per cell; each figure is their median (default 5)
-  --only LIST         comma-separated workloads: delegate,git,stat,read,seq,fio,make,visible
+  --only LIST         comma-separated workloads: delegate,git,stat,read,seq,fio,make,visible,
+                      aecp (git status and the stat walk on a mount with AECP on - 10,000
+                      artifacts in its replica - against one with AECP off)
   --big-mib N         size of the sequential-read file in MiB (default 512)
   --c-units N         C compilation units (default 300)
   --fio-secs N        length of each fio job in seconds (default 5)
@@ -94,7 +96,7 @@ for v in FILES BIG_MIB C_UNITS RUNS FIO_SECS SAMPLES STEP_TIMEOUT CELL_BUDGET; d
 done
 [[ $IDLE_WAIT =~ ^[0-9]+$ ]] || { echo "bench: --idle-wait must be a whole number" >&2; exit 2; }
 [[ $TTL_SLEEP =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "bench: --ttl-sleep must be a number" >&2; exit 2; }
-ALL_WORKLOADS=(delegate git stat read seq fio make visible)
+ALL_WORKLOADS=(delegate git stat read seq fio make visible aecp)
 if [[ -n $ONLY ]]; then
     IFS=, read -r -a WORKLOADS <<<"$ONLY"
     for w in "${WORKLOADS[@]}"; do
@@ -320,15 +322,17 @@ drop_caches() {
 # awcpfs: export + mount, by name (repo, big, cproj, scratch); the mount is $MNT/<name>
 
 SEQ=0
-# awcpfs_export_up NAME SRC: serve SRC (registering walks and hashes the whole tree)
+# awcpfs_export_up NAME SRC [OPTION...]: serve SRC (registering walks and hashes the whole
+# tree), with any further options for `awcpfs export`
 awcpfs_export_up() {
     local name=$1 src=$2
+    shift 2
     local h=$RUN/$name.handle st=$WORK/state/$name.$((++SEQ))
     rm -f "$h"
     mkdir -p "$st"
     STATE_OF[$name]=$st
     SRC_OF[$name]=$src
-    "$AWCPFS" export "$src" --listen 127.0.0.1:0 --handle-out "$h" --state-dir "$st/export" \
+    "$AWCPFS" export "$src" --listen 127.0.0.1:0 --handle-out "$h" --state-dir "$st/export" "$@" \
         >>"$LOGS/awcpfs-$name-export.log" 2>&1 &
     EXPORT_PID[$name]=$!
     wait_for "awcpfs export of $src" 900 "${EXPORT_PID[$name]}" \
@@ -871,6 +875,55 @@ wl_visible() {
         [[ $c == awcpfs ]] && awcpfs_down scratch
         find "$sdir" -mindepth 1 -delete
     done
+}
+
+# AECP on vs off (issue 19): two awcpfs mounts of two copies of the repository, one exported
+# with an index of 10,000 artifacts bound to its files (`awcpfs export --aecp-events`), so
+# every lookup and open on it runs the AECP observer against a full replica. The warm-up's
+# `git status` is the first access of every file: it makes the deliveries (checked below),
+# and the timed runs then measure the observer on a replica whose artifacts were received.
+# "After the TTL" drops the kernel's dentries first, so every entry is looked up again.
+AECP_ARTIFACTS=10000
+wl_aecp() {
+    log "workload: AECP on ($AECP_ARTIFACTS artifacts) vs off: git status, stat walk"
+    local d_on=$DATA/aecp-on events=$RUN/aecp-events.ndjson
+    rm -rf "$d_on"
+    mkdir -p "$d_on"
+    cp -a "$D_AW/repo" "$d_on/repo"
+    git_refresh "$d_on/repo"
+    git_refresh "$D_AW/repo"
+    python3 "$HELPERS/aecp_events.py" --root "$d_on/repo" --n "$AECP_ARTIFACTS" >"$events" ||
+        { fail_cells aecp aecp-on s git-warm git-ttl stat-warm; return 0; }
+    local off_ok=0 on_ok=0
+    awcpfs_up repo "$D_AW/repo" && warmup aecp-off "$MNT/repo" "$GIT_CMD" && off_ok=1
+    if awcpfs_export_up aecp "$d_on/repo" --aecp-events "$events" && awcpfs_mount_up aecp &&
+        warmup aecp-on "$MNT/aecp" "$GIT_CMD"; then
+        # The replica is loaded and the observer works: the warm-up made deliveries.
+        local delivered
+        delivered=$(wc -l <"$MNT/aecp/.aecp/inbox" 2>/dev/null || echo 0)
+        if ((delivered > 0)); then
+            on_ok=1
+            log "  AECP on: the warm-up delivered $delivered artifacts"
+        else
+            log "  AECP on: nothing delivered during the warm-up; is the index loaded? (see $LOGS/awcpfs-aecp-*.log)"
+        fi
+    fi
+    local v prep cmd
+    for v in git-warm git-ttl stat-warm; do
+        case $v in
+            git-warm) prep=- cmd=$GIT_CMD ;;
+            git-ttl) prep=after_ttl cmd=$GIT_CMD ;;
+            stat-warm) prep=- cmd=$STAT_CMD ;;
+        esac
+        cell aecp "$v"
+        if ((off_ok)); then arm aecp-off "$MNT/repo" "$prep" "$cmd"; else record aecp "$v" aecp-off s fail; fi
+        if ((on_ok)); then arm aecp-on "$MNT/aecp" "$prep" "$cmd"; else record aecp "$v" aecp-on s fail; fi
+        run_cell
+    done
+    awcpfs_down aecp
+    awcpfs_down repo
+    rm -rf "$d_on"
+    git_refresh "$D_AW/repo"
 }
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 //! The narrow interface a mount calls: [`WorkerHook`], one per worker (mount).
 //!
-//! * [`WorkerHook::on_access`] — called on lookup, open and read of a path. It must never
+//! * [`WorkerHook::on_access`] — called on lookup of a path; [`WorkerHook::on_use`] on open
+//!   and read (which also register the worker as a consumer of a contracted module it
+//!   reads or imports: a [`Note::Uses`], once per module). Neither may ever
 //!   block on I/O: with no artifacts it is one atomic load; otherwise one short lock and a
 //!   hash lookup per directory level of the path. What it delivers is appended to the
 //!   in-memory inbox and sent, as a [`Note`], down an unbounded channel (a send never
@@ -11,9 +13,14 @@
 //! * The read-only views behind `.aecp/…` and the `user.aecp.findings` attribute:
 //!   [`WorkerHook::inbox`], [`WorkerHook::findings`], [`WorkerHook::contract`],
 //!   [`WorkerHook::violations`]. Every line is a [`crate::knowledge::Delivery`] (or a
-//!   contract/violation record), one JSON object per line: quoted data, never prose.
+//!   [`RevisionNotice`], a contract view or a violation record), one JSON object per line:
+//!   quoted data, never prose.
+//! * **Revisions.** An [`IndexEvent::Consumer`] that says this worker is stale at a revision
+//!   it has not been told of appends a [`RevisionNotice`] (with the diff) to the inbox and
+//!   sends it as a [`Note::Revision`] for the socket; `.aecp/contracts/<module>` shows the
+//!   contract, its revision, this worker's acknowledged revision and stale flag, and the diff.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 
@@ -23,14 +30,33 @@ use serde::{Deserialize, Serialize};
 use crate::index::{ArtifactIndex, IndexEvent};
 use crate::knowledge::{Artifact, Delivery};
 use crate::policy::{Delivered, Policy};
+use crate::revision::{ContractView, RevisionNotice, Standing, module_of_cached};
 
 /// Most findings listed by `.aecp/findings/<path>` (the xattr lists [`Policy::per_lookup`]).
 pub const FINDINGS_LIST_MAX: usize = 50;
 
-/// One delivery made, for the mount's background thread.
+/// What the mount's background thread reports and streams.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "note", rename_all = "camelCase")]
+pub enum Note {
+    /// A knowledge artifact delivered (stream it, report it).
+    Delivery(DeliveryNote),
+    /// A contract revision delivered to this stale consumer (stream it).
+    Revision(RevisionNotice),
+    /// This worker read or imported a contracted module (report it: the daemon registers
+    /// it as a consumer, once).
+    Uses {
+        /// The module path.
+        module: String,
+        /// The contract revision the replica held.
+        revision: u32,
+    },
+}
+
+/// One delivery made.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Note {
+pub struct DeliveryNote {
     /// What the worker received (the fixed template).
     pub delivery: Delivery,
     /// The artifact's revision it received.
@@ -45,7 +71,11 @@ struct State {
     index: ArtifactIndex,
     delivered: Delivered,
     inbox: Vec<u8>,
-    contracts: BTreeMap<String, Vec<u8>>,
+    contracts: BTreeMap<String, ContractView>,
+    /// Contracted modules this worker is not known to consume: the observer watches for them.
+    unused: HashSet<String>,
+    /// The newest revision a notice was delivered for, per module.
+    notified: HashMap<String, u32>,
     /// The current report per path, one NDJSON line each.
     violations: BTreeMap<String, Vec<u8>>,
     /// Lines for the worker's socket that are not deliveries (violation reports).
@@ -55,6 +85,13 @@ struct State {
     /// Violation events already announced in the inbox and on the socket (a reconnect's
     /// catch-up sends them all again).
     announced: std::collections::HashSet<String>,
+}
+
+impl State {
+    /// Whether the observer has anything to do.
+    fn active(&self) -> bool {
+        !self.index.is_empty() || !self.unused.is_empty()
+    }
 }
 
 /// One worker's replica of its workspace's artifact index and what it has received.
@@ -99,39 +136,65 @@ impl WorkerHook {
         &self.worker
     }
 
-    /// The point of use: delivers what is bound to `path` (workspace-relative) or its
-    /// directories and has not reached this worker yet, by the policy. Returns how many.
+    /// The point of use on a lookup: delivers what is bound to `path` (workspace-relative)
+    /// or its directories and has not reached this worker yet, by the policy. Returns how
+    /// many.
     pub fn on_access(&self, path: &str) -> usize {
+        self.observe(path, false)
+    }
+
+    /// The point of use on an open or read: [`WorkerHook::on_access`], and when `path` is a
+    /// contracted module this worker is not known to consume (or its compiled copy in
+    /// `__pycache__`), a [`Note::Uses`] — once per module. A lookup alone (`ls -l`,
+    /// `git status`) is not a use.
+    pub fn on_use(&self, path: &str) -> usize {
+        self.observe(path, true)
+    }
+
+    fn observe(&self, path: &str, used: bool) -> usize {
         if !self.active.load(Ordering::Acquire) {
             return 0;
         }
-        let notes: Vec<Note> = {
+        let mut notes: Vec<Note> = Vec::new();
+        {
             let mut guard = self.state.lock();
+            let st = &mut *guard;
+            if used && !st.unused.is_empty() {
+                let module = if st.unused.contains(path) {
+                    Some(path.to_owned())
+                } else if path.ends_with(".pyc") {
+                    module_of_cached(path).filter(|m| st.unused.contains(m))
+                } else {
+                    None
+                };
+                if let Some(module) = module {
+                    st.unused.remove(&module);
+                    let revision = st.contracts.get(&module).map_or(0, |c| c.revision);
+                    notes.push(Note::Uses { module, revision });
+                    self.active.store(st.active(), Ordering::Release);
+                }
+            }
             let State {
                 index,
                 delivered,
                 inbox,
                 ..
-            } = &mut *guard;
-            let picked = self.policy.select(index.bound_to(path), delivered);
-            if picked.is_empty() {
-                return 0;
+            } = st;
+            for a in self.policy.select(index.bound_to(path), delivered) {
+                delivered.insert(a.id, a.revision);
+                let delivery = self.policy.delivery(a);
+                inbox.extend_from_slice(delivery.to_line().as_bytes());
+                notes.push(Note::Delivery(DeliveryNote {
+                    delivery,
+                    revision: a.revision,
+                    path: Some(path.to_owned()),
+                }));
             }
-            picked
-                .into_iter()
-                .map(|a| {
-                    delivered.insert(a.id, a.revision);
-                    let delivery = self.policy.delivery(a);
-                    inbox.extend_from_slice(delivery.to_line().as_bytes());
-                    Note {
-                        delivery,
-                        revision: a.revision,
-                        path: Some(path.to_owned()),
-                    }
-                })
-                .collect()
-        };
-        let n = notes.len();
+        }
+        let n = notes
+            .iter()
+            .filter(|n| matches!(n, Note::Delivery(_)))
+            .count();
         for note in notes {
             // The receiver gone (mount ending) loses only the record-back, not the delivery.
             let _ = self.notes.send(note);
@@ -150,7 +213,7 @@ impl WorkerHook {
                     let bound = artifact.bound.clone();
                     let deliverable = self.policy.deliverable(&artifact, &st.delivered);
                     let changed = st.index.upsert(artifact);
-                    self.active.store(!st.index.is_empty(), Ordering::Release);
+                    self.active.store(st.active(), Ordering::Release);
                     (changed && deliverable).then_some(bound)
                 }
                 IndexEvent::Delivered { id, revision } => {
@@ -172,11 +235,11 @@ impl WorkerHook {
                         delivered.insert(a.id, a.revision);
                         let delivery = self.policy.delivery(a);
                         inbox.extend_from_slice(delivery.to_line().as_bytes());
-                        forwarded = Some(Note {
+                        forwarded = Some(Note::Delivery(DeliveryNote {
                             delivery,
                             revision: a.revision,
                             path: None,
-                        });
+                        }));
                     }
                     None
                 }
@@ -184,10 +247,65 @@ impl WorkerHook {
                     module,
                     revision,
                     body,
+                    by,
                 } => {
-                    let line = serde_json::json!({ "module": module, "revision": revision, "contract": body });
-                    st.contracts
-                        .insert(module, format!("{line}\n").into_bytes());
+                    let view = st.contracts.entry(module.clone()).or_default();
+                    if revision >= view.revision {
+                        view.module.clone_from(&module);
+                        view.revision = revision;
+                        view.contract = body;
+                        view.by = by;
+                        if view.consumer.is_none() {
+                            st.unused.insert(module);
+                        }
+                        self.active.store(st.active(), Ordering::Release);
+                    }
+                    None
+                }
+                IndexEvent::Consumer {
+                    module,
+                    revision,
+                    acked_revision,
+                    stale,
+                    by,
+                    diff,
+                } => {
+                    st.unused.remove(&module);
+                    self.active.store(st.active(), Ordering::Release);
+                    let State {
+                        contracts,
+                        notified,
+                        inbox,
+                        ..
+                    } = &mut *st;
+                    let view = contracts.entry(module.clone()).or_default();
+                    if revision < view.revision {
+                        // Older than the contract this replica holds: a newer standing follows.
+                        return None;
+                    }
+                    view.module.clone_from(&module);
+                    view.revision = revision;
+                    view.consumer = Some(Standing {
+                        acked_revision,
+                        stale,
+                    });
+                    view.diff = if stale { diff.clone() } else { None };
+                    if !by.is_empty() {
+                        view.by.clone_from(&by);
+                    }
+                    let told = notified.get(&module).copied().unwrap_or(0);
+                    if stale && revision > told {
+                        notified.insert(module.clone(), revision);
+                        let notice = RevisionNotice::new(
+                            &module,
+                            revision,
+                            acked_revision,
+                            &by,
+                            diff.as_deref().unwrap_or(""),
+                        );
+                        inbox.extend_from_slice(notice.to_line().as_bytes());
+                        forwarded = Some(Note::Revision(notice));
+                    }
                     None
                 }
                 IndexEvent::Violation { module, detail } => {
@@ -260,14 +378,26 @@ impl WorkerHook {
         (!v.is_empty()).then_some(v)
     }
 
-    /// `.aecp/contracts/<module>`: the newest contract the stream carried for `module`.
+    /// `.aecp/contracts/<module>`: the newest contract the stream carried for `module`, its
+    /// revision, this worker's standing as a consumer and, while stale, the diff.
     pub fn contract(&self, module: &str) -> Option<Vec<u8>> {
-        self.state.lock().contracts.get(module).cloned()
+        self.state
+            .lock()
+            .contracts
+            .get(module)
+            .filter(|v| v.revision > 0)
+            .map(ContractView::render)
     }
 
     /// `.aecp/contracts/`: the modules with a contract.
     pub fn contract_modules(&self) -> Vec<String> {
-        self.state.lock().contracts.keys().cloned().collect()
+        self.state
+            .lock()
+            .contracts
+            .iter()
+            .filter(|(_, v)| v.revision > 0)
+            .map(|(m, _)| m.clone())
+            .collect()
     }
 
     /// `.aecp/violations`: the current report of each path, NDJSON, by path.
@@ -347,7 +477,9 @@ mod tests {
         let got = lines(&hook.inbox());
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].id, 1);
-        let note = notes.try_recv().unwrap();
+        let Note::Delivery(note) = notes.try_recv().unwrap() else {
+            panic!("a delivery note")
+        };
         assert_eq!(
             (note.delivery.id, note.revision, note.path.as_deref()),
             (1, 1, Some("pkg/a.py"))
@@ -414,7 +546,9 @@ mod tests {
         hook.apply(IndexEvent::Delivered { id: 1, revision: 1 });
         assert_eq!(hook.on_access("a.py"), 0, "delivered before a restart");
         hook.apply(IndexEvent::Forward { id: 2 });
-        let n = notes.try_recv().unwrap();
+        let Note::Delivery(n) = notes.try_recv().unwrap() else {
+            panic!("a delivery note")
+        };
         assert_eq!((n.delivery.id, n.path), (2, None));
         assert_eq!(hook.on_access("b.py"), 0, "forwarded counts as delivered");
     }
@@ -438,6 +572,7 @@ mod tests {
             module: "pkg/acct.py".into(),
             revision: 2,
             body: serde_json::json!({"x": 1}),
+            by: "A".into(),
         });
         assert!(
             String::from_utf8(hook.contract("pkg/acct.py").unwrap())
@@ -456,6 +591,116 @@ mod tests {
                 .count(),
             1
         );
+    }
+    fn contract_event(module: &str, revision: u32) -> IndexEvent {
+        IndexEvent::Contract {
+            module: module.into(),
+            revision,
+            body: serde_json::json!({"module": module, "symbols": []}),
+            by: "A".into(),
+        }
+    }
+
+    #[test]
+    fn reading_a_contracted_module_notes_a_use_once_and_a_lookup_does_not() {
+        let (hook, notes) = WorkerHook::new("B", Policy::default());
+        assert!(!hook.active());
+        hook.apply(contract_event("pkg/acct.py", 1));
+        assert!(hook.active(), "the observer watches contracted modules");
+        hook.on_access("pkg/acct.py");
+        assert!(notes.try_recv().is_err(), "a lookup is not a use");
+        hook.on_use("pkg/other.py");
+        assert!(notes.try_recv().is_err());
+        hook.on_use("pkg/acct.py");
+        assert_eq!(
+            notes.try_recv().unwrap(),
+            Note::Uses {
+                module: "pkg/acct.py".into(),
+                revision: 1
+            }
+        );
+        hook.on_use("pkg/acct.py");
+        assert!(notes.try_recv().is_err(), "once");
+        assert!(
+            !hook.active(),
+            "nothing left to watch: back to one atomic load"
+        );
+
+        // Python opening only the compiled copy is an import too.
+        hook.apply(contract_event("lib/db.py", 1));
+        hook.on_use("lib/__pycache__/db.cpython-312.pyc");
+        assert!(
+            matches!(notes.try_recv().unwrap(), Note::Uses { module, .. } if module == "lib/db.py")
+        );
+
+        // A worker the daemon already knows as a consumer is not watched for.
+        hook.apply(contract_event("lib/net.py", 1));
+        hook.apply(IndexEvent::Consumer {
+            module: "lib/net.py".into(),
+            revision: 1,
+            acked_revision: 1,
+            stale: false,
+            by: "A".into(),
+            diff: None,
+        });
+        hook.on_use("lib/net.py");
+        assert!(notes.try_recv().is_err());
+    }
+
+    #[test]
+    fn a_revision_reaches_a_stale_consumer_once_and_ack_clears_it() {
+        let (hook, notes) = WorkerHook::new("B", Policy::default());
+        hook.apply(contract_event("pkg/acct.py", 1));
+        let standing = |revision, acked_revision, stale, diff: Option<&str>| IndexEvent::Consumer {
+            module: "pkg/acct.py".into(),
+            revision,
+            acked_revision,
+            stale,
+            by: "A".into(),
+            diff: diff.map(str::to_owned),
+        };
+        hook.apply(standing(1, 1, false, None));
+        assert!(hook.inbox().is_empty(), "registration is not a revision");
+        hook.apply(contract_event("pkg/acct.py", 2));
+        hook.apply(standing(
+            2,
+            1,
+            true,
+            Some("-def f(): ...\n+def f(x): ...\n"),
+        ));
+        let Note::Revision(notice) = notes.try_recv().unwrap() else {
+            panic!("a revision note")
+        };
+        assert_eq!(
+            (
+                notice.module.as_str(),
+                notice.revision,
+                notice.acked_revision
+            ),
+            ("pkg/acct.py", 2, 1)
+        );
+        assert!(notice.diff.contains("+def f(x)"));
+        let inbox = String::from_utf8(hook.inbox()).unwrap();
+        assert_eq!(inbox, notice.to_line());
+        let view: serde_json::Value =
+            serde_json::from_slice(&hook.contract("pkg/acct.py").unwrap()).unwrap();
+        assert_eq!(view["revision"], 2);
+        assert_eq!(view["consumer"]["ackedRevision"], 1);
+        assert_eq!(view["consumer"]["stale"], true);
+        assert!(view["diff"].as_str().unwrap().contains("+def f(x)"));
+
+        // The same standing again (a catch-up) tells nothing new.
+        hook.apply(standing(2, 1, true, Some("d")));
+        assert!(notes.try_recv().is_err());
+        assert_eq!(hook.inbox().len(), inbox.len());
+
+        hook.apply(standing(2, 2, false, None));
+        let view: serde_json::Value =
+            serde_json::from_slice(&hook.contract("pkg/acct.py").unwrap()).unwrap();
+        assert_eq!(view["consumer"]["stale"], false);
+        assert_eq!(view["consumer"]["ackedRevision"], 2);
+        assert!(view["diff"].is_null());
+        assert!(notes.try_recv().is_err());
     }
 
     #[test]

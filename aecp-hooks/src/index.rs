@@ -4,7 +4,8 @@
 //! those bound to `pkg/sub/a.py`, `pkg/sub`, `pkg` and `""` — one hash lookup per level.
 //!
 //! [`IndexEvent`] is what the export's event stream carries to keep a replica current: an
-//! artifact (new or changed: its whole record), a delivery recorded elsewhere, a forward.
+//! artifact (new or changed: its whole record), a delivery recorded elsewhere, a forward,
+//! a module's contract, this worker's standing as a consumer of one, a held write-back.
 
 use std::collections::HashMap;
 
@@ -42,6 +43,29 @@ pub enum IndexEvent {
         revision: u32,
         /// The contract.
         body: serde_json::Value,
+        /// The worker that declared or revised it.
+        #[serde(default)]
+        by: String,
+    },
+    /// This worker's standing as a consumer of a contracted module (sent to that worker
+    /// only): when it is registered, when a revision makes it stale (with the diff it must
+    /// look at), and when it acknowledges.
+    Consumer {
+        /// The module path.
+        module: String,
+        /// The newest revision of the contract.
+        revision: u32,
+        /// The revision this worker acknowledged (or registered at).
+        acked_revision: u32,
+        /// Whether `revision` awaits its acknowledgement.
+        stale: bool,
+        /// Who made the newest revision.
+        #[serde(default)]
+        by: String,
+        /// When stale: a unified diff of the acknowledged revision's interface (as stub
+        /// text) against the newest one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        diff: Option<String>,
     },
     /// The commit screen's report on a write-back of this worker: held (a provable contract
     /// mismatch, or an import of a revised module not acknowledged yet), or written back

@@ -10,6 +10,8 @@
 //! * [`contract`] — contract artifacts: the model and its JSON form, `.pyi` interfaces, the
 //!   stub generator and the static verifier (tree-sitter, never running code).
 //! * [`python`] — the tree-sitter-python helpers.
+//! * [`revision`] — revision tracking as a mount sees it: contract views, consumer standing,
+//!   the revision notice template.
 //! * [`screen`] — the commit screen's decision: hold a write-back that breaks its module's
 //!   contract, or that imports a revised module its worker has not acknowledged.
 
@@ -19,6 +21,7 @@ pub mod index;
 pub mod knowledge;
 pub mod policy;
 pub mod python;
+pub mod revision;
 pub mod scope;
 pub mod screen;
 pub mod store;

@@ -5,7 +5,8 @@
 //! The audit log (`aecp_audit`) is append-only by construction: triggers abort any `UPDATE`
 //! or `DELETE` of it. Every state change below appends its entry in the same transaction, so
 //! what the log says happened did happen. Kinds: `publish`, `witness`, `delivery`, `flag`,
-//! `refutation`, `declaration`, `revision`, `acknowledgement`, `verdict`, `rejection`.
+//! `refutation`, `declaration`, `revision`, `dependency` (a consumer registered: `"auto"`
+//! says whether by the mount's observer), `acknowledgement`, `verdict`, `rejection`.
 //!
 //! Contracts are stored as JSON blobs (their model belongs to the contract library) with
 //! their consumers and stale flags, so the contract pipeline plugs in without a migration.
@@ -117,6 +118,11 @@ pub struct Consumer {
     /// Whether a newer revision awaits its acknowledgement.
     pub stale: bool,
 }
+
+/// Most files recorded as one worker's written-back files (its ownership without `--owns`):
+/// a worker that writes back a whole generated tree owns its first 10,000 files, which keeps
+/// the row and the forwarding decision small.
+pub const MAX_WRITTEN: usize = 10_000;
 
 /// The AECP tables on one SQLite connection.
 pub struct Store {
@@ -519,8 +525,12 @@ impl Store {
                 .map_err(sql("recording written files"))?;
             let mut written: Vec<String> =
                 current.and_then(|c| serde_json::from_str(&c).ok()).unwrap_or_default();
+            let mut seen: std::collections::HashSet<String> = written.iter().cloned().collect();
             for f in files {
-                if !written.contains(f) {
+                if written.len() >= MAX_WRITTEN {
+                    break;
+                }
+                if seen.insert(f.clone()) {
                     written.push(f.clone());
                 }
             }
@@ -615,10 +625,20 @@ impl Store {
         workspace: &str,
         module: &str,
     ) -> Result<Option<StoredContract>, StoreError> {
+        self.contract_at(workspace, module, u32::MAX)
+    }
+
+    /// The newest revision of a module's contract not above `revision`.
+    pub fn contract_at(
+        &self,
+        workspace: &str,
+        module: &str,
+        revision: u32,
+    ) -> Result<Option<StoredContract>, StoreError> {
         let conn = self.conn.lock();
         conn.query_row(
-            "SELECT revision, body, by_worker, at_ms FROM aecp_contracts WHERE workspace = ?1 AND module = ?2 ORDER BY revision DESC LIMIT 1",
-            params![workspace, module],
+            "SELECT revision, body, by_worker, at_ms FROM aecp_contracts WHERE workspace = ?1 AND module = ?2 AND revision <= ?3 ORDER BY revision DESC LIMIT 1",
+            params![workspace, module, revision],
             |r| Ok((r.get::<_, u32>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, i64>(3)?)),
         )
         .optional()
@@ -674,8 +694,92 @@ impl Store {
                 params![workspace, module, worker, serde_json::to_string(&all).expect("strings serialize"), current.revision],
             )
             .map_err(sql("registering a consumer"))?;
+            audit(tx, workspace, "dependency", None, Some(worker), serde_json::json!({
+                "module": module, "symbols": symbols, "auto": false, "revision": current.revision,
+            }))?;
             Ok(())
         })
+    }
+
+    /// Registers `worker` as a consumer of the whole of `module` because its mount saw it
+    /// read or import the module at revision `seen` — once: a worker already registered
+    /// (explicitly or automatically) is left as it is. A worker that saw an older revision
+    /// than the newest is registered stale. Appends `dependency` with `"auto": true`.
+    /// Returns whether it was newly registered.
+    pub fn add_consumer_auto(
+        &self,
+        workspace: &str,
+        module: &str,
+        worker: &str,
+        seen: u32,
+    ) -> Result<bool, StoreError> {
+        let current =
+            self.contract(workspace, module)?
+                .ok_or_else(|| StoreError::UnknownContract {
+                    module: module.to_owned(),
+                })?;
+        let acked = seen.clamp(1, current.revision);
+        self.tx("registering a consumer", |tx| {
+            let added = tx
+                .execute(
+                    "INSERT OR IGNORE INTO aecp_consumers (workspace, module, worker, symbols, acked_revision, stale) VALUES (?1, ?2, ?3, '[]', ?4, ?5)",
+                    params![workspace, module, worker, acked, acked < current.revision],
+                )
+                .map_err(sql("registering a consumer"))?;
+            if added == 0 {
+                return Ok(false);
+            }
+            audit(tx, workspace, "dependency", None, Some(worker), serde_json::json!({
+                "module": module, "symbols": [], "auto": true, "revision": acked,
+            }))?;
+            Ok(true)
+        })
+    }
+
+    /// `worker`'s standing as a consumer of `module`, if it is one.
+    pub fn consumer(
+        &self,
+        workspace: &str,
+        module: &str,
+        worker: &str,
+    ) -> Result<Option<Consumer>, StoreError> {
+        Ok(self
+            .consumers(workspace, module)?
+            .into_iter()
+            .find(|c| c.worker == worker))
+    }
+
+    /// The modules `worker` consumes in `workspace`.
+    pub fn consumed_by(&self, workspace: &str, worker: &str) -> Result<Vec<String>, StoreError> {
+        let conn = self.conn.lock();
+        let mut stmt = conn
+            .prepare("SELECT module FROM aecp_consumers WHERE workspace = ?1 AND worker = ?2 ORDER BY module")
+            .map_err(sql("listing consumers"))?;
+        let rows = stmt
+            .query_map(params![workspace, worker], |r| r.get(0))
+            .map_err(sql("listing consumers"))?;
+        rows.collect::<Result<_, _>>()
+            .map_err(sql("listing consumers"))
+    }
+
+    /// The newest revision of every contracted module of a workspace, by module path.
+    pub fn contracts(&self, workspace: &str) -> Result<Vec<StoredContract>, StoreError> {
+        let modules: Vec<String> = {
+            let conn = self.conn.lock();
+            let mut stmt = conn
+                .prepare("SELECT DISTINCT module FROM aecp_contracts WHERE workspace = ?1 ORDER BY module")
+                .map_err(sql("listing contracts"))?;
+            let rows = stmt
+                .query_map(params![workspace], |r| r.get(0))
+                .map_err(sql("listing contracts"))?;
+            rows.collect::<Result<_, _>>()
+                .map_err(sql("listing contracts"))?
+        };
+        let mut out = Vec::with_capacity(modules.len());
+        for m in modules {
+            out.extend(self.contract(workspace, &m)?);
+        }
+        Ok(out)
     }
 
     /// The consumers of a module.
@@ -1018,7 +1122,73 @@ mod tests {
         .unwrap();
         assert_eq!(
             kinds(&s, "/ws"),
-            ["declaration", "revision", "acknowledgement", "verdict"]
+            [
+                "declaration",
+                "dependency",
+                "revision",
+                "acknowledgement",
+                "verdict"
+            ]
         );
+    }
+    #[test]
+    fn automatic_consumers_register_once_and_stale_when_behind() {
+        let s = Store::in_memory().unwrap();
+        let v = serde_json::json!({"module": "pkg/acct.py", "symbols": []});
+        assert!(matches!(
+            s.add_consumer_auto("/ws", "pkg/acct.py", "w2", 1),
+            Err(StoreError::UnknownContract { .. })
+        ));
+        s.put_contract("/ws", "pkg/acct.py", &v, "w1").unwrap();
+        assert!(s.add_consumer_auto("/ws", "pkg/acct.py", "w2", 1).unwrap());
+        assert!(
+            !s.add_consumer_auto("/ws", "pkg/acct.py", "w2", 1).unwrap(),
+            "once"
+        );
+        let c = s.consumer("/ws", "pkg/acct.py", "w2").unwrap().unwrap();
+        assert_eq!((c.acked_revision, c.stale, c.symbols.len()), (1, false, 0));
+        // An explicit `depend` keeps the registration and merges its symbols.
+        s.add_consumer("/ws", "pkg/acct.py", "w2", &["f".into()])
+            .unwrap();
+        assert!(!s.add_consumer_auto("/ws", "pkg/acct.py", "w2", 1).unwrap());
+        assert_eq!(
+            s.consumer("/ws", "pkg/acct.py", "w2")
+                .unwrap()
+                .unwrap()
+                .symbols,
+            ["f"]
+        );
+        // A worker whose mount saw revision 1 after revision 2 was stored is stale at once.
+        s.put_contract("/ws", "pkg/acct.py", &v, "w1").unwrap();
+        assert!(s.add_consumer_auto("/ws", "pkg/acct.py", "w3", 1).unwrap());
+        let c3 = s.consumer("/ws", "pkg/acct.py", "w3").unwrap().unwrap();
+        assert_eq!((c3.acked_revision, c3.stale), (1, true));
+        assert_eq!(s.consumed_by("/ws", "w3").unwrap(), ["pkg/acct.py"]);
+        assert_eq!(s.contracts("/ws").unwrap().len(), 1);
+        assert_eq!(s.contracts("/ws").unwrap()[0].revision, 2);
+        assert_eq!(
+            s.contract_at("/ws", "pkg/acct.py", 1)
+                .unwrap()
+                .unwrap()
+                .revision,
+            1
+        );
+        let autos: Vec<bool> = s
+            .audit_log("/ws", 0)
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == "dependency")
+            .map(|e| e.detail["auto"].as_bool().unwrap())
+            .collect();
+        assert_eq!(autos, [true, false, true], "one entry per registration");
+    }
+
+    #[test]
+    fn written_files_are_bounded() {
+        let s = Store::in_memory().unwrap();
+        let many: Vec<String> = (0..MAX_WRITTEN + 5).map(|i| format!("f{i}.py")).collect();
+        s.add_written("/ws", "w", &many).unwrap();
+        s.add_written("/ws", "w", &many).unwrap();
+        assert_eq!(s.owners("/ws").unwrap()[0].written.len(), MAX_WRITTEN);
     }
 }

@@ -48,6 +48,14 @@ enum Command {
         /// Scratch directory for uploaded blocks.
         #[arg(long, default_value = ".awcpfs-export")]
         state_dir: PathBuf,
+        /// Hand the mounts of this export an AECP artifact index: FILE holds one index
+        /// event per line (NDJSON: the `aecp` events `awcp-ctl serve` pushes, e.g.
+        /// `{"type":"artifact","artifact":{…}}`; see docs/AECP.md). The mounts then deliver
+        /// those findings at the point of use (`.aecp/inbox`, `user.aecp.findings`, the
+        /// socket). For executors that run their own control flow, and for
+        /// `scripts/bench.sh --only aecp`. Default: no index (AECP costs nothing).
+        #[arg(long, value_name = "FILE")]
+        aecp_events: Option<PathBuf>,
     },
     /// Write back what a mount that crashed (or was killed) had journaled but not yet
     /// committed. Give the same handle and --state-dir the mount had.
@@ -154,6 +162,35 @@ fn read_handle(path: &std::path::Path) -> anyhow::Result<AwcpfsHandle> {
     }
 }
 
+/// `--aecp-events FILE`: one JSON object per line (blank lines skipped). What the events
+/// mean is the mount's business (it ignores those it does not understand); here each line
+/// must be a JSON object, and a bad one is refused with its line number.
+fn read_aecp_events(path: &std::path::Path) -> anyhow::Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading --aecp-events {}", path.display()))?;
+    let mut events = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line).with_context(|| {
+            format!(
+                "--aecp-events {} line {}: not JSON (write one index event per line)",
+                path.display(),
+                i + 1
+            )
+        })?;
+        anyhow::ensure!(
+            v.is_object(),
+            "--aecp-events {} line {}: an index event is a JSON object",
+            path.display(),
+            i + 1
+        );
+        events.push(v);
+    }
+    Ok(events)
+}
+
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Export {
@@ -164,7 +201,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ro,
             handle_out,
             state_dir,
+            aecp_events,
         } => {
+            let aecp_events = aecp_events.map(|p| read_aecp_events(&p)).transpose()?;
             let root = std::fs::canonicalize(&dir)
                 .with_context(|| format!("{} is not a directory I can read", dir.display()))?;
             let listener = tokio::net::TcpListener::bind(listen)
@@ -232,6 +271,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 lease.clone(),
             );
             let export = tokio::task::spawn_blocking(move || r.register(id, tok, cfg, l)).await??;
+            if let Some(events) = aecp_events {
+                eprintln!("awcpfs: {} AECP index events for the mounts", events.len());
+                export.aecp().replace(events);
+            }
             let handle = TransportHandle::Awcpfs(AwcpfsHandle {
                 endpoint: url.unwrap_or_else(|| format!("http://{addr}")),
                 token,
@@ -360,5 +403,29 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExitCode::SUCCESS
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_aecp_events;
+
+    #[test]
+    fn aecp_events_are_json_objects_one_a_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("events.ndjson");
+        std::fs::write(
+            &f,
+            "{\"type\":\"forward\",\"id\":1}\n\n{\"type\":\"delivered\",\"id\":1,\"revision\":1}\n",
+        )
+        .unwrap();
+        assert_eq!(read_aecp_events(&f).unwrap().len(), 2);
+        std::fs::write(&f, "{\"type\":\"forward\",\"id\":1}\n[1]\n").unwrap();
+        let e = format!("{:#}", read_aecp_events(&f).unwrap_err());
+        assert!(e.contains("line 2"), "{e}");
+        std::fs::write(&f, "{\"type\":\n").unwrap();
+        let e = format!("{:#}", read_aecp_events(&f).unwrap_err());
+        assert!(e.contains("line 1") && e.contains("not JSON"), "{e}");
+        assert!(read_aecp_events(&dir.path().join("absent")).is_err());
     }
 }

@@ -131,20 +131,52 @@ fn store_err(e: aecp_hooks::store::StoreError) -> Refusal {
     refuse(status, format!("{e:#}"), "")
 }
 
-/// A mount's delivery report: `[{"id": 1, "revision": 1}, …]`. Malformed entries are
-/// skipped (the report is network input); at most 10,000 per report.
-fn record_deliveries(store: &AecpStore, worker: &str, report: serde_json::Value) {
-    #[derive(Deserialize)]
-    struct Entry {
-        id: u64,
-        revision: u32,
-    }
-    let entries: Vec<Entry> = serde_json::from_value(report).unwrap_or_default();
+/// One entry of a mount's report.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ReportEntry {
+    /// A knowledge artifact delivered.
+    Delivery { id: u64, revision: u32 },
+    /// The worker read or imported a contracted module, seen at `revision`.
+    Uses { uses: String, revision: u32 },
+}
+
+/// A mount's report: `[{"id": 1, "revision": 1}, {"uses": "pkg/acct.py", "revision": 1}, …]`
+/// — deliveries it made, and contracted modules its worker read or imported (registered as
+/// a consumer once, `"auto": true` in the audit log). Malformed entries are skipped (the
+/// report is network input); at most 10,000 per report. Returns the modules this report
+/// newly made the worker a consumer of.
+fn record_report(
+    store: &AecpStore,
+    workspace: &str,
+    worker: &str,
+    report: serde_json::Value,
+) -> Vec<String> {
+    let entries: Vec<serde_json::Value> = match report {
+        serde_json::Value::Array(v) => v,
+        _ => Vec::new(),
+    };
+    let mut registered = Vec::new();
     for e in entries.into_iter().take(10_000) {
-        if let Err(err) = store.record_delivery(worker, e.id, e.revision) {
-            tracing::debug!(error = %err, "AECP: a delivery report names an unknown artifact");
+        match serde_json::from_value::<ReportEntry>(e) {
+            Ok(ReportEntry::Delivery { id, revision }) => {
+                if let Err(err) = store.record_delivery(worker, id, revision) {
+                    tracing::debug!(error = %err, "AECP: a delivery report names an unknown artifact");
+                }
+            }
+            Ok(ReportEntry::Uses { uses, revision }) => {
+                match store.add_consumer_auto(workspace, &uses, worker, revision) {
+                    Ok(true) => registered.push(uses),
+                    Ok(false) => {}
+                    Err(err) => {
+                        tracing::debug!(error = %err, "AECP: a use report names a module without a contract");
+                    }
+                }
+            }
+            Err(_) => tracing::debug!("AECP: skipping a malformed report entry"),
         }
     }
+    registered
 }
 
 /// `POST /aecp/owners` body.
@@ -218,18 +250,26 @@ impl Daemon {
 
     /// Pushes an artifact (new or changed) to every worker of its workspace.
     fn aecp_broadcast(&self, workspace: &str, artifact: &Artifact) {
-        let event = IndexEvent::Artifact {
-            artifact: artifact.clone(),
-        };
+        self.aecp_broadcast_event(
+            workspace,
+            &IndexEvent::Artifact {
+                artifact: artifact.clone(),
+            },
+        );
+    }
+
+    /// Pushes `event` to every worker of a workspace.
+    fn aecp_broadcast_event(&self, workspace: &str, event: &IndexEvent) {
         for (_, live) in self.aecp_live_workers(workspace) {
-            self.aecp_push_to(&live, &event);
+            self.aecp_push_to(&live, event);
         }
     }
 
     /// Called when a delegation's exports exist (created or restored): registers the worker
     /// (owning what it writes back until `--owns` says otherwise), seeds its mount's replica
-    /// (every artifact of the workspace and what it already received), and installs the
-    /// sink for its delivery reports.
+    /// (every artifact of the workspace and what it already received, every contract and
+    /// this worker's standing as a consumer of each), and installs the sinks for its
+    /// reports (deliveries, uses of contracted modules) and for the files its commits write.
     pub(crate) fn aecp_attach(&self, id: &str) {
         let Ok(info) = self.aecp_worker(id) else {
             return;
@@ -260,12 +300,51 @@ impl Daemon {
                     .unwrap_or_default(),
             );
         }
+        for c in self
+            .aecp
+            .store
+            .contracts(&info.workspace)
+            .unwrap_or_default()
+        {
+            let standing =
+                contracts::standing_event(&self.aecp.store, &info.workspace, &c.module, id);
+            events.push(
+                serde_json::to_value(IndexEvent::Contract {
+                    module: c.module,
+                    revision: c.revision,
+                    body: c.body,
+                    by: c.by,
+                })
+                .unwrap_or_default(),
+            );
+            events.extend(standing.map(|e| serde_json::to_value(e).unwrap_or_default()));
+        }
         events.extend(self.aecp_install_screen(id, &info.workspace, &export));
         export.aecp().replace(events);
         let store = self.aecp.store.clone();
         let worker = id.to_owned();
+        let workspace = info.workspace.clone();
+        // Weak: the export owns this sink; a strong reference would keep it alive forever.
+        let feed_of = std::sync::Arc::downgrade(&export);
         export.aecp().set_sink(std::sync::Arc::new(move |report| {
-            record_deliveries(&store, &worker, report);
+            for module in record_report(&store, &workspace, &worker, report) {
+                if let (Some(export), Some(event)) = (
+                    feed_of.upgrade(),
+                    contracts::standing_event(&store, &workspace, &module, &worker),
+                ) {
+                    export
+                        .aecp()
+                        .push(serde_json::to_value(event).unwrap_or_default());
+                }
+            }
+        }));
+        let store = self.aecp.store.clone();
+        let worker = id.to_owned();
+        let workspace = info.workspace;
+        export.aecp().set_commit_sink(std::sync::Arc::new(move |files| {
+            if let Err(e) = store.add_written(&workspace, &worker, files) {
+                tracing::warn!(error = %e, "AECP: recording the files a worker wrote back failed");
+            }
         }));
     }
 
@@ -612,4 +691,64 @@ async fn audit(
     Query(q): Query<WorkerQuery>,
 ) -> Result<Json<Vec<AuditEntry>>, ApiFailure> {
     Ok(Json(d.aecp_audit(&q.worker)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_registers_uses_once_and_survives_bad_entries() {
+        let store = AecpStore::in_memory().unwrap();
+        let body = serde_json::json!({"version": 1, "module": "pkg/acct.py", "symbols": []});
+        store
+            .put_contract("/ws", "pkg/acct.py", &body, "A")
+            .unwrap();
+        // Network input: anything that is not an array of known entries is skipped.
+        for junk in [
+            serde_json::json!({"uses": "pkg/acct.py"}),
+            serde_json::json!("x"),
+            serde_json::json!([1, null, {"uses": 5, "revision": 1}, {"id": "x"}]),
+            serde_json::json!([{"uses": "pkg/none.py", "revision": 1}, {"id": 99, "revision": 1}]),
+        ] {
+            assert!(record_report(&store, "/ws", "B", junk).is_empty());
+        }
+        assert!(store.consumers("/ws", "pkg/acct.py").unwrap().is_empty());
+        let report = serde_json::json!([
+            {"uses": "pkg/acct.py", "revision": 1},
+            {"uses": "pkg/acct.py", "revision": 1},
+        ]);
+        assert_eq!(
+            record_report(&store, "/ws", "B", report.clone()),
+            ["pkg/acct.py"]
+        );
+        assert!(record_report(&store, "/ws", "B", report).is_empty(), "once");
+        // Its standing, as its mount receives it: stale with the diff after a revision.
+        let Some(IndexEvent::Consumer { stale, .. }) =
+            contracts::standing_event(&store, "/ws", "pkg/acct.py", "B")
+        else {
+            panic!("B is a consumer")
+        };
+        assert!(!stale);
+        let v2 = serde_json::json!({"version": 1, "module": "pkg/acct.py", "symbols": [
+            {"name": "f", "kind": "function"}
+        ]});
+        store.put_contract("/ws", "pkg/acct.py", &v2, "A").unwrap();
+        let Some(IndexEvent::Consumer {
+            revision,
+            acked_revision,
+            stale,
+            diff,
+            ..
+        }) = contracts::standing_event(&store, "/ws", "pkg/acct.py", "B")
+        else {
+            panic!("B is a consumer")
+        };
+        assert_eq!((revision, acked_revision, stale), (2, 1, true));
+        assert!(
+            diff.unwrap().contains("+def f("),
+            "the diff shows the new symbol"
+        );
+        assert!(contracts::standing_event(&store, "/ws", "pkg/acct.py", "C").is_none());
+    }
 }

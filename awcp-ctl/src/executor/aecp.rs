@@ -1,8 +1,9 @@
 //! AECP on the Executor: witnesses run here, inside the worker's mount.
 //!
 //! `POST /awcp/tasks/{id}/aecp/witness` (behind the delegation's proof, like every task route)
-//! runs a witness in the task's mount directory with a timeout, in its own process group
-//! and — where the machine allows — a new network namespace, and answers the run. The
+//! runs a witness in the task's mount directory with a timeout, in its own process group,
+//! as the agent's user (`executor --agent-user`; else the Executor's own, which is then the
+//! agent's) and — where the machine allows — a new network namespace, and answers the run. The
 //! Delegator's daemon calls it on publication and on a flag; nothing runs on the Delegator's
 //! machine.
 
@@ -58,9 +59,11 @@ pub(super) async fn witness(
             format!("task {id} has no mount now: a witness runs in a running task's mount"),
         );
     }
+    // As the agent's user when the Executor runs agents as one (`--agent-user`): a witness
+    // is the agent's command and gets the agent's rights, never the Executor's.
     let spec = RunSpec {
         dir: a.work_path.clone(),
-        user: None,
+        user: ex.cfg.agent_user.as_ref().map(|u| (u.uid, u.gid)),
         isolate_network: true,
     };
     match tokio::task::spawn_blocking(move || run(&w, &spec)).await {

@@ -5,7 +5,9 @@
 //! ([`AecpFeed::push`]); every `GET /events` stream sends all of them once on connect
 //! (catch-up) and then each new one, as `aecp` events. The mount reports what it delivered
 //! with `POST /aecp/delivered`; the export hands that to the sink the daemon installed
-//! ([`AecpFeed::set_sink`]). An export nobody pushed to costs an empty `Vec`.
+//! ([`AecpFeed::set_sink`]). The files each applied commit wrote go to the commit sink
+//! ([`AecpFeed::set_commit_sink`]): a worker owns what it wrote back. An export nobody pushed
+//! to costs an empty `Vec`.
 
 use std::sync::Arc;
 
@@ -14,6 +16,10 @@ use tokio::sync::watch;
 
 /// What a sink receives: the raw `POST /aecp/delivered` body, already checked to be JSON.
 pub type DeliverySink = Arc<dyn Fn(serde_json::Value) + Send + Sync>;
+
+/// What a commit sink receives: the workspace-relative paths of the files one applied commit
+/// wrote (conflicting and held changes left out).
+pub type CommitSink = Arc<dyn Fn(&[String]) + Send + Sync>;
 
 /// Most events one export keeps for catch-up (beyond it, the oldest are dropped: a replica
 /// is rebuilt by the daemon pushing a fresh snapshot, see [`AecpFeed::replace`]).
@@ -33,6 +39,7 @@ pub struct AecpFeed {
     /// Bumped on every change: event streams wait on it.
     seq: watch::Sender<u64>,
     sink: Mutex<Option<DeliverySink>>,
+    commit_sink: Mutex<Option<CommitSink>>,
 }
 
 impl std::fmt::Debug for AecpFeed {
@@ -49,6 +56,7 @@ impl Default for AecpFeed {
             events: Mutex::new((Vec::new(), 0)),
             seq: watch::channel(0).0,
             sink: Mutex::new(None),
+            commit_sink: Mutex::new(None),
         }
     }
 }
@@ -102,6 +110,21 @@ impl AecpFeed {
         *self.sink.lock() = Some(sink);
     }
 
+    /// Where the files of applied commits go.
+    pub fn set_commit_sink(&self, sink: CommitSink) {
+        *self.commit_sink.lock() = Some(sink);
+    }
+
+    /// One applied commit wrote `files` (nothing happens without a commit sink).
+    pub fn committed(&self, files: &[String]) {
+        let sink = self.commit_sink.lock().clone();
+        if let Some(s) = sink
+            && !files.is_empty()
+        {
+            s(files);
+        }
+    }
+
     /// A mount's delivery report; false when no sink is installed (AECP is off).
     pub fn delivered(&self, report: serde_json::Value) -> bool {
         let sink = self.sink.lock().clone();
@@ -146,5 +169,16 @@ mod tests {
         f.set_sink(Arc::new(move |v| g.lock().push(v)));
         assert!(f.delivered(serde_json::json!([{"id": 1, "revision": 1}])));
         assert_eq!(got.lock().len(), 1);
+    }
+    #[test]
+    fn written_files_reach_the_commit_sink() {
+        let f = AecpFeed::default();
+        f.committed(&["a.py".into()]);
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let g = got.clone();
+        f.set_commit_sink(Arc::new(move |files| g.lock().extend_from_slice(files)));
+        f.committed(&[]);
+        f.committed(&["pkg/a.py".into(), "b.txt".into()]);
+        assert_eq!(*got.lock(), ["pkg/a.py", "b.txt"]);
     }
 }

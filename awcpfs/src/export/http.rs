@@ -424,6 +424,9 @@ async fn commit(
             let mut log = log;
             let result = commit::run(&worker, &changes)?;
             log.remember(result.clone());
+            if worker.stage().is_none() {
+                worker.aecp().committed(&written_files(&changes, &result));
+            }
             Ok(result)
         })
         .await
@@ -433,6 +436,20 @@ async fn commit(
         source: std::io::Error::other(e),
     })??;
     Ok(Json(result))
+}
+
+/// The files a live commit wrote: its writes, less the paths answered as conflicts (AECP:
+/// a worker owns what it wrote back).
+fn written_files(cs: &ChangeSet, result: &awcp_protocol::dataplane::CommitResult) -> Vec<String> {
+    let conflicts: std::collections::HashSet<&str> =
+        result.conflicts.iter().map(|k| k.path.as_str()).collect();
+    cs.changes
+        .iter()
+        .filter(|c| matches!(c, awcp_protocol::dataplane::Change::Write { .. }))
+        .map(|c| c.path())
+        .filter(|p| !conflicts.contains(p))
+        .map(str::to_owned)
+        .collect()
 }
 
 async fn events(

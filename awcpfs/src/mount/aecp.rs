@@ -2,7 +2,9 @@
 //! `user.aecp.findings` attribute. The logic is in `aecp-hooks` ([`WorkerHook`]); this module
 //! only adapts it to inodes, and each call from `fs.rs`/`content.rs`/`posix.rs` is one line.
 //!
-//! * **Observer.** [`MountAecp::observe`] runs on lookup, open and read of a workspace path.
+//! * **Observer.** [`MountAecp::observe`] runs on lookup, [`MountAecp::observe_ino`] on open
+//!   and read of a workspace path (a read or import of a contracted module also notes the
+//!   worker as its consumer, once).
 //!   With an empty replica it is one atomic load; otherwise the path of the inode (from the
 //!   inode table, already locked by the caller) and a hash lookup per directory level. It
 //!   never waits on the network: deliveries go to the in-memory inbox, and a [`Note`] goes
@@ -130,11 +132,16 @@ impl MountAecp {
         }
     }
 
-    /// [`MountAecp::observe`] for callers without the table locked: it is locked only when
-    /// AECP has something to deliver.
+    /// The observer on an open or read (`ino` was used): delivers like
+    /// [`MountAecp::observe`], and notes a read or import of a contracted module (the
+    /// daemon registers the worker as its consumer). For callers without the table locked:
+    /// it is locked only when AECP has something to do.
     pub fn observe_ino(&self, table: &Mutex<InodeTable>, ino: u64) {
         if self.hook_active() && !Self::is_virtual(ino) {
-            self.observe(&table.lock(), ino);
+            let path = table.lock().path_of(ino);
+            if let Some(path) = path {
+                self.hook.on_use(&path);
+            }
         }
     }
 
@@ -430,9 +437,11 @@ pub fn invalidate(fs: &super::fs::AwcpFs, notifier: &fuser::Notifier, path: Opti
 }
 
 /// The `awcpfs-aecp` thread: every [`REPORT_EVERY`] (until `ended` says the mount is over)
-/// takes the delivery notes, reports them to the export (best effort: a failed report is
-/// retried with the next batch, up to a bound), streams each delivery line to the clients of
-/// the worker's socket, and invalidates the `.aecp/` contents. Removes the socket at the end.
+/// takes the notes, reports deliveries and uses of contracted modules to the export
+/// (`POST /aecp/delivered`: `{"id", "revision"}` and `{"uses": module, "revision"}` entries;
+/// best effort: a failed report is retried with the next batch, up to a bound), streams each
+/// delivery and revision notice line to the clients of the worker's socket, and invalidates
+/// the `.aecp/` contents. Removes the socket at the end.
 pub fn report(
     fs: &super::fs::AwcpFs,
     remote: &dyn super::remote::Remote,
@@ -479,9 +488,21 @@ pub fn report(
         }
         if !batch.is_empty() {
             for n in &batch {
-                let line = n.delivery.to_line();
+                let line = match n {
+                    Note::Delivery(d) => {
+                        unreported.push(
+                            serde_json::json!({ "id": d.delivery.id, "revision": d.revision }),
+                        );
+                        d.delivery.to_line()
+                    }
+                    Note::Revision(r) => r.to_line(),
+                    Note::Uses { module, revision } => {
+                        unreported
+                            .push(serde_json::json!({ "uses": module, "revision": revision }));
+                        continue;
+                    }
+                };
                 clients.retain_mut(|c| c.write_all(line.as_bytes()).is_ok());
-                unreported.push(serde_json::json!({ "id": n.delivery.id, "revision": n.revision }));
             }
             invalidate();
         }

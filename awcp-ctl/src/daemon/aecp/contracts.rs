@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use aecp_hooks::contract::verify::{Report, verify};
 use aecp_hooks::contract::{Contract, interface, stub};
+use aecp_hooks::index::IndexEvent;
 use aecp_hooks::store::{Consumer, StoredContract};
 
 use super::super::Daemon;
@@ -266,20 +267,10 @@ impl Daemon {
             }
             _ => {}
         }
-        let diff = existing.as_ref().map(|old| {
-            let before = serde_json::from_value::<Contract>(old.body.clone())
-                .map(|c| stub::generate(&c))
-                .unwrap_or_default();
-            let after = stub::generate(&contract);
-            similar::TextDiff::from_lines(&before, &after)
-                .unified_diff()
-                .header(
-                    &format!("{module} (revision {})", old.revision),
-                    &format!("{module} (revision {})", old.revision + 1),
-                )
-                .to_string()
-        });
         let body = serde_json::to_value(&contract).unwrap_or_default();
+        let diff = existing
+            .as_ref()
+            .map(|old| interface_diff(&module, &old.body, old.revision, &body, old.revision + 1));
         let (revision, stale) = self
             .aecp
             .store
@@ -293,6 +284,20 @@ impl Daemon {
             )
         })?;
         tracing::info!(worker = %req.worker, module = %module, revision, stub = ?stub, "AECP contract stored");
+        // Every mount of the workspace learns the contract (its `.aecp/contracts/` and the
+        // observer that registers consumers); each consumer this made stale gets the diff.
+        self.aecp_broadcast_event(
+            &info.workspace,
+            &IndexEvent::Contract {
+                module: module.clone(),
+                revision,
+                body,
+                by: req.worker.clone(),
+            },
+        );
+        for worker in &stale {
+            self.aecp_push_standing(&info.workspace, &module, worker);
+        }
         Ok(DeclareResponse {
             module,
             revision,
@@ -376,10 +381,13 @@ impl Daemon {
         self.aecp
             .store
             .add_consumer(&workspace, &stored.module, &req.worker, &req.symbols)
-            .map_err(store_err)
+            .map_err(store_err)?;
+        self.aecp_push_standing(&workspace, &stored.module, &req.worker);
+        Ok(())
     }
 
-    /// `POST /aecp/contracts/ack`: a consumer acknowledges the newest revision.
+    /// `POST /aecp/contracts/ack`: a consumer acknowledges the newest revision (its mount's
+    /// `.aecp/contracts/<module>` shows it no longer stale).
     pub(crate) fn aecp_ack(&self, req: ConsumerRequest) -> Result<u32, Refusal> {
         let (workspace, _, stored) = self.aecp_contract(&req.worker, &req.module)?;
         let revision = self
@@ -387,9 +395,81 @@ impl Daemon {
             .store
             .ack(&workspace, &stored.module, &req.worker)
             .map_err(store_err)?;
+        self.aecp_push_standing(&workspace, &stored.module, &req.worker);
         self.aecp_after_ack(&workspace, &req.worker);
         Ok(revision)
     }
+
+    /// Sends `worker`'s standing as a consumer of `module` to its mount.
+    fn aecp_push_standing(&self, workspace: &str, module: &str, worker: &str) {
+        if let Some(event) = standing_event(&self.aecp.store, workspace, module, worker)
+            && let Some(live) = self.get_live(worker)
+        {
+            self.aecp_push_to(&live, &event);
+        }
+    }
+}
+
+/// A unified diff of two revisions' interfaces, each as its stub text (what a stale
+/// consumer must look at). A body that does not decode counts as empty.
+pub(crate) fn interface_diff(
+    module: &str,
+    old: &serde_json::Value,
+    old_revision: u32,
+    new: &serde_json::Value,
+    new_revision: u32,
+) -> String {
+    let text = |body: &serde_json::Value| {
+        serde_json::from_value::<Contract>(body.clone())
+            .map(|c| stub::generate(&c))
+            .unwrap_or_default()
+    };
+    let (before, after) = (text(old), text(new));
+    similar::TextDiff::from_lines(&before, &after)
+        .unified_diff()
+        .header(
+            &format!("{module} (revision {old_revision})"),
+            &format!("{module} (revision {new_revision})"),
+        )
+        .to_string()
+}
+
+/// `worker`'s standing as a consumer of `module`, as the event its mount applies: the
+/// newest revision, the acknowledged one, the stale flag and, while stale, the diff from the
+/// acknowledged revision to the newest. `None` when it is not a consumer.
+pub(crate) fn standing_event(
+    store: &aecp_hooks::store::Store,
+    workspace: &str,
+    module: &str,
+    worker: &str,
+) -> Option<IndexEvent> {
+    let current = store.contract(workspace, module).ok().flatten()?;
+    let c = store.consumer(workspace, module, worker).ok().flatten()?;
+    let diff = if c.stale {
+        store
+            .contract_at(workspace, module, c.acked_revision)
+            .ok()
+            .flatten()
+            .map(|old| {
+                interface_diff(
+                    module,
+                    &old.body,
+                    old.revision,
+                    &current.body,
+                    current.revision,
+                )
+            })
+    } else {
+        None
+    };
+    Some(IndexEvent::Consumer {
+        module: module.to_owned(),
+        revision: current.revision,
+        acked_revision: c.acked_revision,
+        stale: c.stale,
+        by: current.by,
+        diff,
+    })
 }
 
 /// The contract routes (merged into the AECP routes).
