@@ -97,6 +97,9 @@ pub struct DaemonConfig {
     /// AECP witnesses may run on this machine, in the named sandbox (only `netns`: a new
     /// network namespace). `None`: they run on the worker's Executor only.
     pub aecp_local_witness: Option<String>,
+    /// The block tier (`serve --blocks s3://…`): blocks in an object store, fetched by
+    /// Executors through presigned URLs. `None`: the export serves every block itself.
+    pub blocks: Option<awcpfs::export::tier::BlockTierConfig>,
 }
 
 impl DaemonConfig {
@@ -133,6 +136,7 @@ impl DaemonConfig {
             aecp_local_witness: None,
             idle_timeout: Duration::from_secs(300),
             default_transport: None,
+            blocks: None,
         }
     }
 }
@@ -340,6 +344,15 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     } else {
         exports.without_watch()
     };
+    let exports = match &cfg.blocks {
+        Some(tier) => {
+            let tier = awcpfs::export::tier::BlockTier::open(tier.clone())
+                .await
+                .context("opening the block tier (--blocks)")?;
+            exports.with_block_tier(tier)
+        }
+        None => exports,
+    };
     let daemon = Arc::new(Daemon {
         aglx,
         aecp,
@@ -400,6 +413,13 @@ pub async fn serve(cfg: DaemonConfig) -> anyhow::Result<()> {
     tokio::signal::ctrl_c().await?;
     running.stop().await;
     Ok(())
+}
+
+impl Daemon {
+    /// The block tier's counters, when `serve --blocks` configured one.
+    pub fn block_tier_stats(&self) -> Option<awcpfs::export::tier::TierStats> {
+        self.exports.block_tier().map(|t| t.stats())
+    }
 }
 
 impl Daemon {

@@ -42,6 +42,7 @@ mod progress;
 mod rootfs;
 pub mod stage;
 mod store;
+pub mod tier;
 mod watch;
 
 pub use progress::{BuildProgress, BuildProgressSnapshot};
@@ -253,6 +254,11 @@ pub struct ExportStats {
     pub paths_described: u64,
     /// Delegator-side changes recorded for mounts.
     pub upstream_changes: u64,
+    /// Block tier: bytes this export uploaded to the object store (its share of what the
+    /// Delegator's process sent out besides `bytesServed`).
+    pub store_bytes_uploaded: u64,
+    /// Block tier: presigned URLs handed to mounts (`POST /locate`), one per block.
+    pub store_urls: u64,
 }
 
 /// Live counters behind [`ExportStats`].
@@ -268,6 +274,8 @@ struct Stats {
     recent_conflicts: Mutex<std::collections::VecDeque<Conflict>>,
     paths_described: AtomicU64,
     upstream_changes: AtomicU64,
+    store_bytes_uploaded: AtomicU64,
+    store_urls: AtomicU64,
 }
 
 impl Stats {
@@ -297,6 +305,8 @@ impl Stats {
             recent_conflicts: self.recent_conflicts.lock().iter().cloned().collect(),
             paths_described: get(&self.paths_described),
             upstream_changes: get(&self.upstream_changes),
+            store_bytes_uploaded: get(&self.store_bytes_uploaded),
+            store_urls: get(&self.store_urls),
         }
     }
 }
@@ -326,6 +336,8 @@ pub struct Export {
     stage: std::sync::OnceLock<Arc<stage::ChangeStage>>,
     /// AECP artifact-index events for the mount, and its delivery reports.
     aecp: aecp::AecpFeed,
+    /// The Delegator's block tier, if it has one (`POST /locate` hands out its URLs).
+    tier: Option<Arc<tier::BlockTier>>,
 }
 
 impl Export {
@@ -363,6 +375,16 @@ impl Export {
             tracing::debug!(hash = %store::hash_hex(hash), "block found outside the index");
         }
         found
+    }
+
+    /// Count bytes this export uploaded to the block tier.
+    pub(crate) fn note_store_upload(&self, bytes: u64) {
+        Stats::add(&self.stats.store_bytes_uploaded, bytes);
+    }
+
+    /// The block tier this export hands out URLs of, if any.
+    pub fn tier(&self) -> Option<&Arc<tier::BlockTier>> {
+        self.tier.as_ref()
     }
 
     /// The manifest as JSON (built on first use and kept).
@@ -515,6 +537,7 @@ impl Export {
             filter,
             stage: std::sync::OnceLock::new(),
             aecp: aecp::AecpFeed::default(),
+            tier: None,
         })
     }
 
@@ -555,6 +578,7 @@ pub struct ExportRegistry {
     exports: Arc<RwLock<HashMap<String, Arc<Export>>>>,
     hash_cache: Option<Arc<hashcache::HashCache>>,
     watch: bool,
+    tier: Option<Arc<tier::BlockTier>>,
 }
 
 impl Default for ExportRegistry {
@@ -573,6 +597,7 @@ impl ExportRegistry {
             exports: Arc::default(),
             hash_cache: None,
             watch: true,
+            tier: None,
         }
     }
 
@@ -583,6 +608,18 @@ impl ExportRegistry {
             hash_cache: Some(cache),
             ..Self::new()
         }
+    }
+
+    /// Put every export's blocks in `tier` (uploaded in the background after registration
+    /// and when first asked for) and hand mounts presigned URLs of them (`POST /locate`).
+    pub fn with_block_tier(mut self, tier: Arc<tier::BlockTier>) -> Self {
+        self.tier = Some(tier);
+        self
+    }
+
+    /// The block tier, if any.
+    pub fn block_tier(&self) -> Option<&Arc<tier::BlockTier>> {
+        self.tier.as_ref()
     }
 
     /// Do not watch exported trees: mounts then see each tree as it was when it was
@@ -735,6 +772,7 @@ impl ExportRegistry {
             filter,
             stage: std::sync::OnceLock::new(),
             aecp: aecp::AecpFeed::default(),
+            tier: self.tier.clone(),
             id: export_id.clone(),
         });
         // Re-check under the write lock: the walk above ran without it.
@@ -746,6 +784,9 @@ impl ExportRegistry {
         drop(exports);
         if self.watch {
             watch::spawn(&export, self.hash_cache.clone());
+        }
+        if let Some(tier) = &self.tier {
+            tier.warm(&export);
         }
         Ok(export)
     }

@@ -9,7 +9,7 @@
 //!
 //! | gate | routes | lease check |
 //! |---|---|---|
-//! | read | `GET /manifest`, `POST /blocks`, `GET /events` | [`Lease::check_access`] |
+//! | read | `GET /manifest`, `POST /blocks`, `POST /locate`, `GET /events` | [`Lease::check_access`] |
 //! | flush | `POST /missing` | [`Lease::check_flush`] |
 //! | write | `POST /upload`, `POST /commit` | [`Lease::check_flush`], then not read-only |
 //!
@@ -41,7 +41,7 @@ use tracing::Instrument;
 
 use awcp_lease::{LeaseSnapshot, LeaseState, rfc3339_millis};
 use awcp_protocol::dataplane::{
-    BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks, UploadResult,
+    BlockLocations, BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks, UploadResult,
     block_frame_head, decode_block_frames,
 };
 use awcp_protocol::manifest_bin;
@@ -77,6 +77,7 @@ pub(crate) fn router(reg: ExportRegistry) -> Router {
     let read = Router::new()
         .route("/v1/exports/{id}/manifest", get(manifest))
         .route("/v1/exports/{id}/blocks", post(blocks))
+        .route("/v1/exports/{id}/locate", post(locate))
         .route("/v1/exports/{id}/events", get(events))
         .route("/v1/exports/{id}/renew", post(renew))
         .route("/v1/exports/{id}/aecp/delivered", post(aecp_delivered))
@@ -317,6 +318,62 @@ async fn blocks(
         Body::from_stream(frames),
     )
         .into_response())
+}
+
+/// `POST /locate`: presigned URLs of the block tier for the asked blocks (see
+/// [`BlockLocations`]). A block the store lacks is uploaded first (once, however many mounts
+/// ask); one that cannot be uploaded gets `null`, and the mount asks `/blocks`. URLs live
+/// for the tier's URL lifetime capped at the lease's flush grace, so a revoke ends store
+/// access within the grace; none is handed out once the lease has ended.
+async fn locate(
+    Extension(export): Extension<Arc<Export>>,
+    req: Request,
+) -> Result<Json<BlockLocations>, ApiError> {
+    let body = read_body(req, HASH_LIST_LIMIT).await?;
+    let request: BlockRequest = parse_json("POST /locate", &body)?;
+    let hashes = parse_hashes(&request.hashes)?;
+    let Some(tier) = export.tier().cloned() else {
+        return Ok(Json(BlockLocations {
+            block_store: false,
+            expires_at: None,
+            urls: Vec::new(),
+        }));
+    };
+    let grace = export.lease().terms().flush_grace;
+    let ttl = tier
+        .url_ttl()
+        .min(grace.max(Duration::from_secs(1)))
+        .max(Duration::from_secs(1));
+    let expires = chrono::Utc::now()
+        + chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::seconds(1));
+    let urls: Vec<Option<String>> = futures::stream::iter(hashes)
+        .map(|hash| {
+            let tier = tier.clone();
+            let export = export.clone();
+            async move {
+                let reader = export.clone();
+                let (present, uploaded) = tier.ensure(hash, move || reader.read_block(&hash)).await;
+                export.note_store_upload(uploaded);
+                if !present {
+                    return None;
+                }
+                tier.presign(&hash, ttl).await
+            }
+        })
+        .buffered(super::tier::LOCATE_CONCURRENCY)
+        .collect()
+        .await;
+    // A revoke while this answer was prepared: hand out nothing.
+    export.lease().check_access()?;
+    Stats::add(
+        &export.stats.store_urls,
+        urls.iter().filter(|u| u.is_some()).count() as u64,
+    );
+    Ok(Json(BlockLocations {
+        block_store: true,
+        expires_at: Some(expires.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
+        urls,
+    }))
 }
 
 async fn missing(

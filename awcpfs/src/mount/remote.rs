@@ -7,10 +7,12 @@
 //! filesystem operation never hangs on a dead network.
 
 use std::io::{BufRead, BufReader, Read};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use awcp_protocol::dataplane::{
-    BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent, MISSING_BLOCK, Manifest,
+    BlockLocations, BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent, MISSING_BLOCK, Manifest,
     MissingBlocks, encode_block_frame,
 };
 use awcp_protocol::manifest_bin;
@@ -134,12 +136,40 @@ pub trait Remote: Send + Sync {
         self.events()
     }
 
+    /// Counters of blocks fetched from the Delegator's block tier (an object store), if
+    /// this remote uses one.
+    fn store_counters(&self) -> Option<Arc<StoreCounters>> {
+        None
+    }
+
     /// AECP: report deliveries made on this mount (`POST /aecp/delivered`). A remote
     /// without AECP accepts and drops them.
     fn aecp_delivered(&self, _report: &serde_json::Value) -> Result<(), RemoteError> {
         Ok(())
     }
 }
+
+/// Blocks fetched from the block tier (presigned URLs of an object store, see
+/// `POST /locate`) instead of from the export.
+#[derive(Debug, Default)]
+pub struct StoreCounters {
+    /// Blocks the store gave intact.
+    pub blocks: AtomicU64,
+    /// Their bytes (as blocks, after decompression).
+    pub bytes: AtomicU64,
+    /// Blocks the store did not give intact (failed fetch, expired URL, wrong content):
+    /// fetched from the export instead.
+    pub refused: AtomicU64,
+}
+
+/// Whether the export has a block tier: not asked yet, yes, no.
+const TIER_UNKNOWN: u8 = 0;
+const TIER_ON: u8 = 1;
+const TIER_OFF: u8 = 2;
+/// Store fetches in flight for one batch.
+const STORE_FETCHERS: usize = 8;
+/// Largest object a store fetch reads (a block of the largest size, uncompressible).
+const STORE_OBJECT_MAX: u64 = (64 << 20) + 4096;
 
 /// One item of the export's event stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -200,6 +230,10 @@ pub struct HttpRemote {
     auth: String,
     agent: ureq::Agent,
     stream_agent: ureq::Agent,
+    /// Fetches from the block tier: no credential of ours is ever sent there.
+    store_agent: ureq::Agent,
+    tier: Arc<AtomicU8>,
+    store: Arc<StoreCounters>,
 }
 
 impl HttpRemote {
@@ -216,12 +250,20 @@ impl HttpRemote {
             .timeout_connect(timeout.min(Duration::from_secs(5)))
             .timeout_read(Duration::from_secs(60))
             .build();
+        let store_agent = ureq::AgentBuilder::new()
+            .timeout_connect(timeout.min(Duration::from_secs(5)))
+            .timeout(timeout)
+            .redirects(0)
+            .build();
         HttpRemote {
             base: format!("{endpoint}/v1/exports/{export_id}"),
             endpoint,
             auth: format!("Bearer {token}"),
             agent,
             stream_agent,
+            store_agent,
+            tier: Arc::new(AtomicU8::new(TIER_UNKNOWN)),
+            store: Arc::default(),
         }
     }
 
@@ -263,6 +305,109 @@ impl HttpRemote {
         resp.into_json().map_err(|e| RemoteError::Protocol {
             what: format!("{route}: {e}"),
         })
+    }
+}
+
+impl HttpRemote {
+    /// The blocks of `hashes` the block tier gives intact, by index (`None`: ask the
+    /// export). Asks `POST /locate` unless the export said it has no tier; fetches the URLs
+    /// a few at a time, verifies each block against its hash. Only an error that ends
+    /// access (token refused, lease over) is returned; anything else falls back.
+    fn fetch_from_store(&self, hashes: &[String]) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
+        let none = || (0..hashes.len()).map(|_| None).collect();
+        if hashes.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF {
+            return Ok(none());
+        }
+        let answer = self
+            .agent
+            .post(&format!("{}/locate", self.base))
+            .set("Authorization", &self.auth)
+            .send_json(BlockRequest {
+                hashes: hashes.to_vec(),
+            });
+        let locs: BlockLocations = match answer {
+            Ok(resp) => match resp.into_json() {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(error = %e, "malformed /locate answer; fetching from the export");
+                    return Ok(none());
+                }
+            },
+            // An export that predates the block tier has no such route.
+            Err(ureq::Error::Status(404 | 405, _)) => {
+                self.tier.store(TIER_OFF, Ordering::Relaxed);
+                return Ok(none());
+            }
+            Err(e) => {
+                let e = self.map_err(e);
+                if e.is_fatal() {
+                    return Err(e);
+                }
+                tracing::warn!(error = %e, "/locate failed; fetching from the export");
+                return Ok(none());
+            }
+        };
+        if !locs.block_store {
+            self.tier.store(TIER_OFF, Ordering::Relaxed);
+            return Ok(none());
+        }
+        self.tier.store(TIER_ON, Ordering::Relaxed);
+        if locs.urls.len() != hashes.len() {
+            tracing::warn!(asked = hashes.len(), got = locs.urls.len(),
+                "/locate answered a different number of URLs; fetching from the export");
+            return Ok(none());
+        }
+        let jobs: Vec<(usize, &str)> = locs
+            .urls
+            .iter()
+            .enumerate()
+            .filter_map(|(i, u)| u.as_deref().map(|u| (i, u)))
+            .collect();
+        let out: Vec<parking_lot::Mutex<Option<Vec<u8>>>> =
+            (0..hashes.len()).map(|_| parking_lot::Mutex::new(None)).collect();
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..STORE_FETCHERS.min(jobs.len()) {
+                s.spawn(|| {
+                    while let Some(&(i, url)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        match self.fetch_object(url, &hashes[i]) {
+                            Some(block) => {
+                                self.store.blocks.fetch_add(1, Ordering::Relaxed);
+                                self.store
+                                    .bytes
+                                    .fetch_add(block.len() as u64, Ordering::Relaxed);
+                                *out[i].lock() = Some(block);
+                            }
+                            None => {
+                                self.store.refused.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Ok(out.into_iter().map(|m| m.into_inner()).collect())
+    }
+
+    /// One block from a presigned URL, decoded and verified; `None` (logged) otherwise.
+    fn fetch_object(&self, url: &str, hash: &str) -> Option<Vec<u8>> {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            tracing::warn!(hash, "the block tier URL is not http(s); ignoring it");
+            return None;
+        }
+        let object = match self.store_agent.get(url).call() {
+            Ok(resp) => read_body(resp, STORE_OBJECT_MAX).ok()?,
+            Err(e) => {
+                tracing::debug!(hash, error = %e, "block tier fetch failed; asking the export");
+                return None;
+            }
+        };
+        let block = crate::blockobj::decode(object, crate::export::MAX_BLOCK_SIZE as usize)?;
+        if verify_block(hash, &block).is_err() {
+            tracing::warn!(hash, "the block tier gave content that does not match its hash; asking the export");
+            return None;
+        }
+        Some(block)
     }
 }
 
@@ -360,21 +505,39 @@ impl Remote for HttpRemote {
         hashes: &[String],
         each: &mut dyn FnMut(usize, Vec<u8>) -> Result<(), RemoteError>,
     ) -> Result<(), RemoteError> {
+        // The block tier first (if the export has one); the export for the rest.
+        let mut from_store = self.fetch_from_store(hashes)?;
+        let rest: Vec<String> = hashes
+            .iter()
+            .zip(&from_store)
+            .filter(|(_, d)| d.is_none())
+            .map(|(h, _)| h.clone())
+            .collect();
+        if rest.is_empty() {
+            for (i, block) in from_store.into_iter().enumerate() {
+                if let Some(block) = block {
+                    each(i, block)?;
+                }
+            }
+            return Ok(());
+        }
         let resp = self
             .agent
             .post(&format!("{}/blocks", self.base))
             .set("Authorization", &self.auth)
-            .send_json(BlockRequest {
-                hashes: hashes.to_vec(),
-            })
+            .send_json(BlockRequest { hashes: rest })
             .map_err(|e| self.map_err(e))?;
         // Frames are decoded straight off the socket, one block buffer each: no buffer for
         // the whole answer, and the first block is handed on before the last one arrives.
         let mut body = resp.into_reader();
         for (i, want) in hashes.iter().enumerate() {
+            if let Some(block) = from_store[i].take() {
+                each(i, block)?;
+                continue;
+            }
             let (got, data) =
                 read_block_frame(&mut body)?.ok_or_else(|| RemoteError::Protocol {
-                    what: format!("asked for {} blocks, got {i}", hashes.len()),
+                    what: format!("asked for {} blocks, got fewer", hashes.len()),
                 })?;
             if hex::encode(got) != *want {
                 return Err(RemoteError::Protocol {
@@ -455,6 +618,10 @@ impl Remote for HttpRemote {
             .map_err(|e| self.map_err(e))?;
         let reader = BufReader::new(resp.into_reader());
         Ok(Box::new(SseEvents { reader }))
+    }
+
+    fn store_counters(&self) -> Option<Arc<StoreCounters>> {
+        Some(self.store.clone())
     }
 
     fn aecp_delivered(&self, report: &serde_json::Value) -> Result<(), RemoteError> {
