@@ -57,9 +57,11 @@ mod tests {
         assert!(obj.starts_with(&ZSTD_MAGIC) && obj.len() < text.len() / 4);
         assert_eq!(decode(obj.into_owned(), 1 << 20).unwrap(), text);
         // Incompressible: stored as it is.
-        let noise: Vec<u8> = (0..4096u32)
-            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
-            .collect();
+        let mut noise = vec![0u8; 4096];
+        blake3::Hasher::new()
+            .update(b"noise")
+            .finalize_xof()
+            .fill(&mut noise);
         let obj = encode(&noise);
         assert_eq!(&*obj, &noise[..]);
         assert_eq!(decode(obj.into_owned(), 1 << 20).unwrap(), noise);
