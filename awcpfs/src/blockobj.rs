@@ -39,10 +39,7 @@ pub fn decode(object: Vec<u8>, max: usize) -> Option<Vec<u8>> {
     }
     let mut out = Vec::new();
     let mut dec = zstd::stream::read::Decoder::new(object.as_slice()).ok()?;
-    (&mut dec)
-        .take(max as u64 + 1)
-        .read_to_end(&mut out)
-        .ok()?;
+    (&mut dec).take(max as u64 + 1).read_to_end(&mut out).ok()?;
     (out.len() <= max).then_some(out)
 }
 
@@ -81,7 +78,10 @@ mod tests {
         let zeros = vec![0u8; 1 << 20];
         let obj = encode(&zeros).into_owned();
         assert!(obj.len() < 1000);
-        assert!(decode(obj.clone(), 4096).is_none(), "expands past the bound");
+        assert!(
+            decode(obj.clone(), 4096).is_none(),
+            "expands past the bound"
+        );
         assert_eq!(decode(obj, 1 << 20).unwrap().len(), 1 << 20);
         let mut garbage = ZSTD_MAGIC.to_vec();
         garbage.extend_from_slice(b"definitely not a frame");

@@ -225,13 +225,8 @@ pub async fn run(
         crate::eventually(Duration::from_secs(600), || ends.iter().all(|p| p.exists())).await,
         "not every executor hydrated within 600 s"
     );
-    let read_ns = |p: PathBuf| -> u128 {
-        std::fs::read_to_string(&p)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap()
-    };
+    let read_ns =
+        |p: PathBuf| -> u128 { std::fs::read_to_string(&p).unwrap().trim().parse().unwrap() };
     let mut report = FleetReport {
         executors,
         workspace_bytes: tree_bytes(workspace),

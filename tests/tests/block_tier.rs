@@ -36,7 +36,9 @@ async fn harness(s3: &S3Server, prefix: &str, url_ttl: Duration, agent: &str) ->
 }
 
 fn transfer(v: &awcp_ctl::daemon::api::DelegationView, key: &str) -> u64 {
-    v.transfer.as_ref().map_or(0, |t| t[key].as_u64().unwrap_or(0))
+    v.transfer
+        .as_ref()
+        .map_or(0, |t| t[key].as_u64().unwrap_or(0))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -130,7 +132,9 @@ async fn second_delegation(
         blocks.len()
     );
     if corrupt {
-        let second_block = blake3::hash(&original[BLOCK..2 * BLOCK]).to_hex().to_string();
+        let second_block = blake3::hash(&original[BLOCK..2 * BLOCK])
+            .to_hex()
+            .to_string();
         let obj = s3.block_object(prefix, &second_block);
         let len = std::fs::metadata(&obj).unwrap().len() as usize;
         std::fs::write(&obj, vec![0x5a; len]).unwrap();
@@ -216,8 +220,7 @@ async fn s3blocks_revoke_ends_store_access() {
     // It works before the revoke, and needs no credential of the Delegator's.
     let object = reqwest::get(&urls[0]).await.unwrap();
     assert_eq!(object.status(), 200);
-    let block =
-        awcpfs::blockobj::decode(object.bytes().await.unwrap().to_vec(), BLOCK).unwrap();
+    let block = awcpfs::blockobj::decode(object.bytes().await.unwrap().to_vec(), BLOCK).unwrap();
     assert_eq!(blake3::hash(&block).to_hex().as_str(), hashes[0]);
     h.client.revoke(&id, false).await.unwrap();
     // No URL is handed out after the revoke.

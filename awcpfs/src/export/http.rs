@@ -41,8 +41,8 @@ use tracing::Instrument;
 
 use awcp_lease::{LeaseSnapshot, LeaseState, rfc3339_millis};
 use awcp_protocol::dataplane::{
-    BlockLocations, BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks, UploadResult,
-    block_frame_head, decode_block_frames,
+    BlockLocations, BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks,
+    UploadResult, block_frame_head, decode_block_frames,
 };
 use awcp_protocol::manifest_bin;
 

@@ -148,10 +148,12 @@ impl BlockTier {
         })?;
         let mut builder = AmazonS3Builder::from_env().with_bucket_name(&bucket);
         for (k, v) in &cfg.options {
-            let key = k.parse().map_err(|e: object_store::Error| TierError::Config {
-                url: cfg.url.clone(),
-                message: e.to_string(),
-            })?;
+            let key = k
+                .parse()
+                .map_err(|e: object_store::Error| TierError::Config {
+                    url: cfg.url.clone(),
+                    message: e.to_string(),
+                })?;
             builder = builder.with_config(key, v);
         }
         let s3 = builder.build().map_err(|e| TierError::Config {
@@ -303,11 +305,7 @@ impl BlockTier {
         let key = ObjPath::from(self.key(hash));
         match self
             .s3
-            .signed_url(
-                reqwest_method_get(),
-                &key,
-                ttl.max(Duration::from_secs(1)),
-            )
+            .signed_url(reqwest_method_get(), &key, ttl.max(Duration::from_secs(1)))
             .await
         {
             Ok(url) => {
@@ -380,7 +378,14 @@ mod tests {
             parse_url("s3://my-bucket/team/awcp/"),
             Some(("my-bucket".into(), "team/awcp".into()))
         );
-        for bad in ["b", "http://b/x", "s3://", "s3:///x", "s3://b/../x", "s3://b/a//c"] {
+        for bad in [
+            "b",
+            "http://b/x",
+            "s3://",
+            "s3:///x",
+            "s3://b/../x",
+            "s3://b/a//c",
+        ] {
             assert_eq!(parse_url(bad), None, "{bad:?} accepted");
         }
     }

@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use awcp_protocol::dataplane::{
-    BlockLocations, BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent, MISSING_BLOCK, Manifest,
-    MissingBlocks, encode_block_frame,
+    BlockLocations, BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent,
+    MISSING_BLOCK, Manifest, MissingBlocks, encode_block_frame,
 };
 use awcp_protocol::manifest_bin;
 
@@ -353,8 +353,11 @@ impl HttpRemote {
         }
         self.tier.store(TIER_ON, Ordering::Relaxed);
         if locs.urls.len() != hashes.len() {
-            tracing::warn!(asked = hashes.len(), got = locs.urls.len(),
-                "/locate answered a different number of URLs; fetching from the export");
+            tracing::warn!(
+                asked = hashes.len(),
+                got = locs.urls.len(),
+                "/locate answered a different number of URLs; fetching from the export"
+            );
             return Ok(none());
         }
         let jobs: Vec<(usize, &str)> = locs
@@ -363,8 +366,9 @@ impl HttpRemote {
             .enumerate()
             .filter_map(|(i, u)| u.as_deref().map(|u| (i, u)))
             .collect();
-        let out: Vec<parking_lot::Mutex<Option<Vec<u8>>>> =
-            (0..hashes.len()).map(|_| parking_lot::Mutex::new(None)).collect();
+        let out: Vec<parking_lot::Mutex<Option<Vec<u8>>>> = (0..hashes.len())
+            .map(|_| parking_lot::Mutex::new(None))
+            .collect();
         let next = AtomicUsize::new(0);
         std::thread::scope(|s| {
             for _ in 0..STORE_FETCHERS.min(jobs.len()) {
@@ -404,7 +408,10 @@ impl HttpRemote {
         };
         let block = crate::blockobj::decode(object, crate::export::MAX_BLOCK_SIZE as usize)?;
         if verify_block(hash, &block).is_err() {
-            tracing::warn!(hash, "the block tier gave content that does not match its hash; asking the export");
+            tracing::warn!(
+                hash,
+                "the block tier gave content that does not match its hash; asking the export"
+            );
             return None;
         }
         Some(block)

@@ -219,9 +219,7 @@ impl Stats {
     /// Copy the counters.
     pub fn snapshot(&self) -> StatsSnapshot {
         let store = |f: fn(&super::remote::StoreCounters) -> &AtomicU64| {
-            self.store
-                .get()
-                .map_or(0, |c| f(c).load(Ordering::Relaxed))
+            self.store.get().map_or(0, |c| f(c).load(Ordering::Relaxed))
         };
         StatsSnapshot {
             blocks_from_store: store(|c| &c.blocks),
