@@ -167,7 +167,7 @@ const TIER_UNKNOWN: u8 = 0;
 const TIER_ON: u8 = 1;
 const TIER_OFF: u8 = 2;
 /// Store fetches in flight for one batch.
-const STORE_FETCHERS: usize = 8;
+const STORE_FETCHERS: usize = 16;
 /// Largest object a store fetch reads (a block of the largest size, uncompressible).
 const STORE_OBJECT_MAX: u64 = (64 << 20) + 4096;
 
@@ -250,10 +250,13 @@ impl HttpRemote {
             .timeout_connect(timeout.min(Duration::from_secs(5)))
             .timeout_read(Duration::from_secs(60))
             .build();
+        // One kept-alive connection per fetcher thread (ureq keeps one per host by default:
+        // the other threads would open a new connection per block).
         let store_agent = ureq::AgentBuilder::new()
             .timeout_connect(timeout.min(Duration::from_secs(5)))
             .timeout(timeout)
             .redirects(0)
+            .max_idle_connections_per_host(STORE_FETCHERS)
             .build();
         HttpRemote {
             base: format!("{endpoint}/v1/exports/{export_id}"),

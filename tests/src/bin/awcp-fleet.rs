@@ -1,8 +1,9 @@
 //! Fleet bench (`scripts/bench.sh --fleet N`): one Delegator (this process), N `awcp-ctl
 //! executor` processes on loopback, one synthetic workspace, every agent reading every
 //! file. Runs, side by side: one Executor alone without the block tier (the baseline), N
-//! without it, N with the block tier on a cold store (`s3s-fs`, started here), and N again
-//! on the now warm store (a second delegation of the same workspace). Prints a Markdown
+//! without it, N with the block tier on a cold store (`s3s-fs`, started here), N again
+//! on the now warm store (a second delegation of the same workspace), and one alone on the
+//! warm store. Prints a Markdown
 //! table: bytes the Delegator's process sent (blocks served + objects uploaded), bytes the
 //! Executors got from the store, and the time until every Executor had read everything.
 //!
@@ -61,15 +62,16 @@ async fn main() {
     eprintln!("fleet: making a workspace of {files} files of {size} bytes (+{big})");
     fleet::make_workspace(&ws, files, size, big);
     let mut rows: Vec<(String, FleetReport)> = Vec::new();
-    let scenarios: [(&str, usize, Option<&str>); 4] = [
+    let scenarios: [(&str, usize, Option<&str>); 5] = [
         ("1 Executor, no block tier", 1, None),
         ("N Executors, no block tier", n, None),
         ("N Executors, block tier (cold store)", n, Some("bench")),
         (
-            "N Executors, block tier (warm: second delegation)",
+            "N Executors, block tier (warm store: a second delegation)",
             n,
             Some("bench"),
         ),
+        ("1 Executor, block tier (warm store)", 1, Some("bench")),
     ];
     for (i, (name, count, prefix)) in scenarios.into_iter().enumerate() {
         eprintln!("fleet: {name} ({count})");
