@@ -193,7 +193,8 @@ pub async fn run(
     let agent = format!(
         "date +%s%N > {o}/$AWCP_DELEGATION_ID.start && \
          find . -type f -exec cat {{}} + > /dev/null && \
-         date +%s%N > {o}/$AWCP_DELEGATION_ID.end && \
+         date +%s%N > {o}/$AWCP_DELEGATION_ID.tmp && \
+         mv {o}/$AWCP_DELEGATION_ID.tmp {o}/$AWCP_DELEGATION_ID.end && \
          while [ ! -e {o}/release ]; do sleep 0.05; done; echo hydrated",
         o = out.display()
     );
