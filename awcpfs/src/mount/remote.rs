@@ -252,9 +252,11 @@ impl HttpRemote {
             .build();
         // One kept-alive connection per fetcher thread (ureq keeps one per host by default:
         // the other threads would open a new connection per block).
+        // A store that does not answer costs half the read timeout before the block is
+        // asked of the export.
         let store_agent = ureq::AgentBuilder::new()
-            .timeout_connect(timeout.min(Duration::from_secs(5)))
-            .timeout(timeout)
+            .timeout_connect((timeout / 2).min(Duration::from_secs(5)))
+            .timeout(timeout / 2)
             .redirects(0)
             .max_idle_connections_per_host(STORE_FETCHERS)
             .build();
@@ -343,7 +345,9 @@ impl HttpRemote {
             }
             Err(e) => {
                 let e = self.map_err(e);
-                if e.is_fatal() {
+                // Access is over, or the export cannot be reached (a timeout): `/blocks`
+                // would fail the same way, so do not spend the read timeout twice.
+                if e.is_fatal() || matches!(e, RemoteError::Transport { .. }) {
                     return Err(e);
                 }
                 tracing::warn!(error = %e, "/locate failed; fetching from the export");
