@@ -168,6 +168,8 @@ const TIER_ON: u8 = 1;
 const TIER_OFF: u8 = 2;
 /// Store fetches in flight for one batch.
 const STORE_FETCHERS: usize = 16;
+/// Largest `/locate` answer read.
+const LOCATE_ANSWER_MAX: u64 = 64 << 20;
 /// Largest object a store fetch reads (a block of the largest size, uncompressible).
 const STORE_OBJECT_MAX: u64 = (64 << 20) + 4096;
 
@@ -331,7 +333,12 @@ impl HttpRemote {
                 hashes: hashes.to_vec(),
             });
         let locs: BlockLocations = match answer {
-            Ok(resp) => match resp.into_json() {
+            // At most 65,536 URLs of a few hundred bytes each: 64 MiB bounds the answer.
+            Ok(resp) => match read_body(resp, LOCATE_ANSWER_MAX).and_then(|b| {
+                serde_json::from_slice(&b).map_err(|e| RemoteError::Protocol {
+                    what: format!("locate: {e}"),
+                })
+            }) {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::warn!(error = %e, "malformed /locate answer; fetching from the export");
