@@ -259,6 +259,9 @@ pub struct ExportStats {
     pub store_bytes_uploaded: u64,
     /// Block tier: presigned URLs handed to mounts (`POST /locate`), one per block.
     pub store_urls: u64,
+    /// Block tier, write-back: bytes of blocks the Executor put in the store and the export
+    /// took from there (`POST /adopt`) instead of receiving them on `/upload`.
+    pub store_bytes_adopted: u64,
 }
 
 /// Live counters behind [`ExportStats`].
@@ -276,6 +279,7 @@ struct Stats {
     upstream_changes: AtomicU64,
     store_bytes_uploaded: AtomicU64,
     store_urls: AtomicU64,
+    store_bytes_adopted: AtomicU64,
 }
 
 impl Stats {
@@ -307,6 +311,7 @@ impl Stats {
             upstream_changes: get(&self.upstream_changes),
             store_bytes_uploaded: get(&self.store_bytes_uploaded),
             store_urls: get(&self.store_urls),
+            store_bytes_adopted: get(&self.store_bytes_adopted),
         }
     }
 }

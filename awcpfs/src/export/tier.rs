@@ -319,6 +319,76 @@ impl BlockTier {
         }
     }
 
+    /// A presigned `PUT` URL for a block's object, valid for `ttl` (1 s at least), for an
+    /// Executor writing back through the store. `None` when the store already holds the
+    /// block (an object that is there is never handed out for overwriting).
+    pub(crate) async fn presign_put(&self, hash: &BlockHash, ttl: Duration) -> Option<String> {
+        if self.contains(hash) {
+            return None;
+        }
+        let key = ObjPath::from(self.key(hash));
+        match self
+            .s3
+            .signed_url(
+                axum::http::Method::PUT,
+                &key,
+                ttl.max(Duration::from_secs(1)),
+            )
+            .await
+        {
+            Ok(url) => {
+                self.urls_issued.fetch_add(1, Ordering::Relaxed);
+                Some(url.to_string())
+            }
+            Err(e) => {
+                tracing::warn!(key = %key, error = %e, "block tier: cannot sign a PUT URL");
+                None
+            }
+        }
+    }
+
+    /// A block an Executor put in the store: fetched with the Delegator's credentials,
+    /// decoded and verified against its hash. An object that does not verify is deleted
+    /// (an Executor must not leave garbage under a block's name for the others); `None`
+    /// then, and when there is no such object.
+    pub(crate) async fn adopt(&self, hash: &BlockHash) -> Option<Vec<u8>> {
+        let key = ObjPath::from(self.key(hash));
+        let got = match self.s3.get(&key).await {
+            Ok(g) => g,
+            Err(object_store::Error::NotFound { .. }) => return None,
+            Err(e) => {
+                tracing::warn!(key = %key, error = %e, "block tier: GET failed");
+                return None;
+            }
+        };
+        if got.meta.size > u64::from(super::MAX_BLOCK_SIZE) + 4096 {
+            tracing::warn!(key = %key, size = got.meta.size, "block tier: object too large for a block; deleting it");
+            let _ = self.s3.delete(&key).await;
+            return None;
+        }
+        let object = got.bytes().await.ok()?.to_vec();
+        let hash_owned = *hash;
+        let block = tokio::task::spawn_blocking(move || {
+            crate::blockobj::decode(object, super::MAX_BLOCK_SIZE as usize)
+                .filter(|b| blake3::hash(b).as_bytes() == &hash_owned)
+        })
+        .await
+        .ok()
+        .flatten();
+        match block {
+            Some(b) => {
+                self.present.write().insert(*hash);
+                Some(b)
+            }
+            None => {
+                tracing::warn!(key = %key, "block tier: an uploaded object does not match its hash; deleting it");
+                self.present.write().remove(hash);
+                let _ = self.s3.delete(&key).await;
+                None
+            }
+        }
+    }
+
     /// Upload every block of `export` the store lacks, in the background, while its lease
     /// is active. Needs a tokio runtime (registration runs on the blocking pool of one).
     pub(crate) fn warm(self: &Arc<Self>, export: &Arc<super::Export>) {

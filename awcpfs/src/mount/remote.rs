@@ -160,6 +160,8 @@ pub struct StoreCounters {
     /// Blocks the store did not give intact (failed fetch, expired URL, wrong content):
     /// fetched from the export instead.
     pub refused: AtomicU64,
+    /// Block bytes written back through the store (the export took them from there).
+    pub bytes_put: AtomicU64,
 }
 
 /// Whether the export has a block tier: not asked yet, yes, no.
@@ -407,6 +409,130 @@ impl HttpRemote {
         Ok(out.into_iter().map(|m| m.into_inner()).collect())
     }
 
+    /// Write-back through the block tier: ask `POST /upload-urls` for presigned `PUT` URLs,
+    /// put the blocks (encoded as `blockobj` says) in the store, and have the export take
+    /// them from there (`POST /adopt`). Answers the blocks still to upload to the export
+    /// itself: all of them without a tier, or when anything but an ended lease goes wrong.
+    fn upload_through_store<'a>(
+        &self,
+        blocks: &[([u8; 32], &'a [u8])],
+    ) -> Result<Vec<([u8; 32], &'a [u8])>, RemoteError> {
+        let all = || blocks.to_vec();
+        if blocks.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF {
+            return Ok(all());
+        }
+        let hashes: Vec<String> = blocks.iter().map(|(h, _)| hex::encode(h)).collect();
+        let fallback = |e: RemoteError| {
+            if e.is_fatal() {
+                Err(e)
+            } else {
+                tracing::warn!(error = %e, "write-back through the store failed; uploading to the export");
+                Ok(all())
+            }
+        };
+        let locs: BlockLocations = match self
+            .agent
+            .post(&format!("{}/upload-urls", self.base))
+            .set("Authorization", &self.auth)
+            .send_json(BlockRequest {
+                hashes: hashes.clone(),
+            }) {
+            Ok(resp) => match read_body(resp, LOCATE_ANSWER_MAX).and_then(|b| {
+                serde_json::from_slice(&b).map_err(|e| RemoteError::Protocol {
+                    what: format!("upload-urls: {e}"),
+                })
+            }) {
+                Ok(l) => l,
+                Err(e) => return fallback(e),
+            },
+            // An export that predates the block tier has no such route.
+            Err(ureq::Error::Status(404 | 405, _)) => {
+                self.tier.store(TIER_OFF, Ordering::Relaxed);
+                return Ok(all());
+            }
+            Err(e) => return fallback(self.map_err(e)),
+        };
+        if !locs.block_store {
+            self.tier.store(TIER_OFF, Ordering::Relaxed);
+            return Ok(all());
+        }
+        self.tier.store(TIER_ON, Ordering::Relaxed);
+        if locs.urls.len() != blocks.len() {
+            return Ok(all());
+        }
+        // Put what has a URL (`null`: the store has it already).
+        let mut put_ok = vec![false; blocks.len()];
+        let jobs: Vec<(usize, &str)> = locs
+            .urls
+            .iter()
+            .enumerate()
+            .filter_map(|(i, u)| u.as_deref().map(|u| (i, u)))
+            .collect();
+        let results: Vec<parking_lot::Mutex<bool>> = (0..blocks.len())
+            .map(|_| parking_lot::Mutex::new(false))
+            .collect();
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..STORE_FETCHERS.min(jobs.len()) {
+                s.spawn(|| {
+                    while let Some(&(i, url)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        if !(url.starts_with("http://") || url.starts_with("https://")) {
+                            continue;
+                        }
+                        let object = crate::blockobj::encode(blocks[i].1);
+                        match self.store_agent.put(url).send_bytes(&object) {
+                            Ok(_) => *results[i].lock() = true,
+                            Err(e) => {
+                                tracing::debug!(error = %e, "a PUT to the block tier failed; uploading to the export");
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        for (i, r) in results.into_iter().enumerate() {
+            // A block the store already had (no URL) is adopted from there too.
+            put_ok[i] = r.into_inner() || locs.urls[i].is_none();
+        }
+        let adopt: Vec<String> = hashes
+            .iter()
+            .zip(&put_ok)
+            .filter(|(_, ok)| **ok)
+            .map(|(h, _)| h.clone())
+            .collect();
+        let missing: std::collections::HashSet<String> = if adopt.is_empty() {
+            Default::default()
+        } else {
+            let answer = self
+                .agent
+                .post(&format!("{}/adopt", self.base))
+                .set("Authorization", &self.auth)
+                .send_json(BlockRequest { hashes: adopt });
+            match answer {
+                Ok(resp) => match resp.into_json::<MissingBlocks>() {
+                    Ok(m) => m.missing.into_iter().collect(),
+                    Err(e) => {
+                        return fallback(RemoteError::Protocol {
+                            what: format!("adopt: {e}"),
+                        });
+                    }
+                },
+                Err(e) => return fallback(self.map_err(e)),
+            }
+        };
+        let mut rest = Vec::new();
+        for ((block, ok), hash) in blocks.iter().zip(put_ok).zip(&hashes) {
+            if ok && !missing.contains(hash) {
+                self.store
+                    .bytes_put
+                    .fetch_add(block.1.len() as u64, Ordering::Relaxed);
+            } else {
+                rest.push(*block);
+            }
+        }
+        Ok(rest)
+    }
+
     /// One block from a presigned URL, decoded and verified; `None` (logged) otherwise.
     fn fetch_object(&self, url: &str, hash: &str) -> Option<Vec<u8>> {
         if !(url.starts_with("http://") || url.starts_with("https://")) {
@@ -588,8 +714,12 @@ impl Remote for HttpRemote {
     }
 
     fn upload(&self, blocks: &[([u8; 32], &[u8])]) -> Result<(), RemoteError> {
+        let rest = self.upload_through_store(blocks)?;
+        if rest.is_empty() {
+            return Ok(());
+        }
         let mut body = Vec::new();
-        for (hash, data) in blocks {
+        for (hash, data) in &rest {
             encode_block_frame(&mut body, hash, Some(data));
         }
         self.agent

@@ -123,6 +123,10 @@ pub struct StatsSnapshot {
     /// matching its hash), fetched from the export instead.
     #[serde(default)]
     pub store_refused: u64,
+    /// Block bytes written back through the block tier (put in the store, taken from there
+    /// by the export; included in `bytesUploaded`).
+    #[serde(default)]
+    pub bytes_to_store: u64,
     /// FUSE requests served, by operation (operations never requested are left out).
     pub ops: BTreeMap<String, u64>,
     /// Changes the export kept beside instead of applying.
@@ -225,6 +229,7 @@ impl Stats {
             blocks_from_store: store(|c| &c.blocks),
             bytes_from_store: store(|c| &c.bytes),
             store_refused: store(|c| &c.refused),
+            bytes_to_store: store(|c| &c.bytes_put),
             bytes_fetched: self.bytes_fetched.load(Ordering::Relaxed),
             blocks_fetched: self.blocks_fetched.load(Ordering::Relaxed),
             files_written_back: self.files_written_back.load(Ordering::Relaxed),
