@@ -164,6 +164,9 @@ pub struct StoreCounters {
     pub bytes_put: AtomicU64,
 }
 
+/// A block to write back: its hash and its bytes.
+type Upload<'a> = ([u8; 32], &'a [u8]);
+
 /// Whether the export has a block tier: not asked yet, yes, no.
 const TIER_UNKNOWN: u8 = 0;
 const TIER_ON: u8 = 1;
@@ -415,8 +418,8 @@ impl HttpRemote {
     /// itself: all of them without a tier, or when anything but an ended lease goes wrong.
     fn upload_through_store<'a>(
         &self,
-        blocks: &[([u8; 32], &'a [u8])],
-    ) -> Result<Vec<([u8; 32], &'a [u8])>, RemoteError> {
+        blocks: &[Upload<'a>],
+    ) -> Result<Vec<Upload<'a>>, RemoteError> {
         let all = || blocks.to_vec();
         if blocks.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF {
             return Ok(all());
