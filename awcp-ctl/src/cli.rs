@@ -275,7 +275,8 @@ struct ServeArgs {
     /// Block tier: keep every delegated block, once, in an S3-compatible object store
     /// (AWS S3, MinIO, Garage, Ceph RGW, s3s-fs) at `s3://bucket/prefix`, and let Executors
     /// fetch content from there through short-lived presigned URLs instead of from this
-    /// process. Endpoint, region and credentials come from the usual AWS variables:
+    /// process (and write new blocks back through it, verified here before use). Endpoint,
+    /// region and credentials come from the usual AWS variables:
     /// AWS_ENDPOINT_URL (a non-AWS store), AWS_REGION, AWS_ACCESS_KEY_ID,
     /// AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ALLOW_HTTP=true (an http:// endpoint),
     /// or web-identity/container/instance credentials. The Executors never get these keys.

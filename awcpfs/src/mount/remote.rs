@@ -426,7 +426,8 @@ impl HttpRemote {
         }
         let hashes: Vec<String> = blocks.iter().map(|(h, _)| hex::encode(h)).collect();
         let fallback = |e: RemoteError| {
-            if e.is_fatal() {
+            // Access over, or the export unreachable: `/upload` would fail the same way.
+            if e.is_fatal() || matches!(e, RemoteError::Transport { .. }) {
                 Err(e)
             } else {
                 tracing::warn!(error = %e, "write-back through the store failed; uploading to the export");
