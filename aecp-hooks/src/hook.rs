@@ -46,7 +46,15 @@ struct State {
     delivered: Delivered,
     inbox: Vec<u8>,
     contracts: BTreeMap<String, Vec<u8>>,
-    violations: Vec<u8>,
+    /// The current report per path, one NDJSON line each.
+    violations: BTreeMap<String, Vec<u8>>,
+    /// Lines for the worker's socket that are not deliveries (violation reports).
+    lines: Vec<String>,
+    /// Paths the export released, for the mount's syncer.
+    released: Vec<String>,
+    /// Violation events already announced in the inbox and on the socket (a reconnect's
+    /// catch-up sends them all again).
+    announced: std::collections::HashSet<String>,
 }
 
 /// One worker's replica of its workspace's artifact index and what it has received.
@@ -183,9 +191,33 @@ impl WorkerHook {
                     None
                 }
                 IndexEvent::Violation { module, detail } => {
-                    let line = serde_json::json!({ "module": module, "violation": detail });
-                    st.violations
-                        .extend_from_slice(format!("{line}\n").as_bytes());
+                    let line = format!(
+                        "{}\n",
+                        serde_json::json!({ "module": module, "violation": detail })
+                    );
+                    // A reconnect's catch-up sends the same report again: said once (each
+                    // report carries its time, so a new one is never taken for a replay).
+                    if st.announced.insert(line.clone()) {
+                        st.inbox.extend_from_slice(line.as_bytes());
+                        st.lines.push(line.clone());
+                    }
+                    st.violations.insert(module, line.into_bytes());
+                    None
+                }
+                IndexEvent::ViolationCleared { module, at_ms } => {
+                    let replay = !st.announced.insert(format!("cleared {at_ms} {module}"));
+                    if st.violations.remove(&module).is_some() && !replay {
+                        let line = format!(
+                            "{}\n",
+                            serde_json::json!({ "module": module, "violation": null })
+                        );
+                        st.inbox.extend_from_slice(line.as_bytes());
+                        st.lines.push(line);
+                    }
+                    None
+                }
+                IndexEvent::Released { paths } => {
+                    st.released.extend(paths);
                     None
                 }
             }
@@ -238,9 +270,26 @@ impl WorkerHook {
         self.state.lock().contracts.keys().cloned().collect()
     }
 
-    /// `.aecp/violations`, NDJSON.
+    /// `.aecp/violations`: the current report of each path, NDJSON, by path.
     pub fn violations(&self) -> Vec<u8> {
-        self.state.lock().violations.clone()
+        self.state
+            .lock()
+            .violations
+            .values()
+            .flatten()
+            .copied()
+            .collect()
+    }
+
+    /// The socket lines that are not deliveries (violation reports and their clearing),
+    /// since the last call.
+    pub fn take_lines(&self) -> Vec<String> {
+        std::mem::take(&mut self.state.lock().lines)
+    }
+
+    /// The paths the export released since the last call.
+    pub fn take_released(&self) -> Vec<String> {
+        std::mem::take(&mut self.state.lock().released)
     }
 
     /// Paths with artifacts bound (for listing `.aecp/findings/`).
@@ -407,5 +456,68 @@ mod tests {
                 .count(),
             1
         );
+    }
+
+    #[test]
+    fn a_violation_replaces_the_last_for_its_path_and_clears() {
+        let (hook, _n) = WorkerHook::new("B", Policy::default());
+        let count = |b: Vec<u8>| b.split(|c| *c == b'\n').filter(|l| !l.is_empty()).count();
+        for sym in ["f", "g"] {
+            hook.apply(IndexEvent::Violation {
+                module: "pkg/acct.py".into(),
+                detail: serde_json::json!({"symbol": sym}),
+            });
+        }
+        hook.apply(IndexEvent::Violation {
+            module: "pkg/b.py".into(),
+            detail: serde_json::json!({"symbol": "h"}),
+        });
+        let v = String::from_utf8(hook.violations()).unwrap();
+        assert_eq!(count(v.clone().into_bytes()), 2, "{v}");
+        assert!(v.contains("\"g\"") && !v.contains("\"f\""), "{v}");
+        assert_eq!(hook.take_lines().len(), 3, "each report reaches the socket");
+        assert_eq!(count(hook.inbox()), 3, "and the inbox");
+        hook.apply(IndexEvent::ViolationCleared {
+            module: "pkg/acct.py".into(),
+            at_ms: 7,
+        });
+        let v = String::from_utf8(hook.violations()).unwrap();
+        assert!(!v.contains("pkg/acct.py") && v.contains("pkg/b.py"), "{v}");
+        let cleared = hook.take_lines();
+        assert_eq!(cleared.len(), 1);
+        assert!(cleared[0].contains("\"violation\":null"), "{cleared:?}");
+        hook.apply(IndexEvent::ViolationCleared {
+            module: "pkg/acct.py".into(),
+            at_ms: 7,
+        });
+        assert!(hook.take_lines().is_empty(), "clearing twice says nothing");
+        // A reconnect's catch-up replays every event: nothing is announced twice, and
+        // the views end as they were; a new report (a new time) is announced.
+        let events = [
+            IndexEvent::Violation {
+                module: "pkg/b.py".into(),
+                detail: serde_json::json!({"symbol": "h"}),
+            },
+            IndexEvent::ViolationCleared {
+                module: "pkg/acct.py".into(),
+                at_ms: 7,
+            },
+        ];
+        let before = (hook.violations(), hook.inbox());
+        for e in events {
+            hook.apply(e);
+        }
+        assert!(hook.take_lines().is_empty(), "a replay was announced");
+        assert_eq!((hook.violations(), hook.inbox()), before);
+        hook.apply(IndexEvent::Violation {
+            module: "pkg/b.py".into(),
+            detail: serde_json::json!({"symbol": "h", "atMs": 9}),
+        });
+        assert_eq!(hook.take_lines().len(), 1);
+        hook.apply(IndexEvent::Released {
+            paths: vec!["pkg/c.py".into()],
+        });
+        assert_eq!(hook.take_released(), ["pkg/c.py"]);
+        assert!(hook.take_released().is_empty());
     }
 }

@@ -43,12 +43,29 @@ pub enum IndexEvent {
         /// The contract.
         body: serde_json::Value,
     },
-    /// A verifier's report of a held write-back.
+    /// The commit screen's report on a write-back of this worker: held (a provable contract
+    /// mismatch, or an import of a revised module not acknowledged yet), or written back
+    /// with a leftover stub. Replaces an earlier report for the same path.
     Violation {
-        /// The module path.
+        /// The path written back (the contracted module, or the importing file).
         module: String,
-        /// The report.
+        /// The report (`aecp_hooks::screen::ScreenReport` as JSON).
         detail: serde_json::Value,
+    },
+    /// The report for `module` no longer holds: a later write-back of it passed.
+    ViolationCleared {
+        /// The path.
+        module: String,
+        /// When (milliseconds since the epoch): a reconnect's catch-up sends the event again,
+        /// and the mount announces each one once.
+        #[serde(default, rename = "atMs")]
+        at_ms: u64,
+    },
+    /// The export no longer holds these paths (the worker acknowledged the revision they
+    /// waited for): the mount sends them again.
+    Released {
+        /// Workspace-relative paths.
+        paths: Vec<String>,
     },
 }
 

@@ -10,6 +10,8 @@
 //! * [`contract`] — contract artifacts: the model and its JSON form, `.pyi` interfaces, the
 //!   stub generator and the static verifier (tree-sitter, never running code).
 //! * [`python`] — the tree-sitter-python helpers.
+//! * [`screen`] — the commit screen's decision: hold a write-back that breaks its module's
+//!   contract, or that imports a revised module its worker has not acknowledged.
 
 pub mod contract;
 pub mod hook;
@@ -18,5 +20,6 @@ pub mod knowledge;
 pub mod policy;
 pub mod python;
 pub mod scope;
+pub mod screen;
 pub mod store;
 pub mod witness;

@@ -346,6 +346,25 @@ fn from_module(node: Node<'_>, src: &[u8], package: &[String]) -> Option<String>
     (!parts.is_empty()).then(|| parts.join("."))
 }
 
+/// The workspace-relative files `file`'s imports may name (each import as a module, and
+/// `from m import n` also as the submodule `m.n`; both `x.py` and `x/__init__.py`, at the
+/// root and under `src/`), whether or not they exist. Sorted, without duplicates.
+pub fn imported_files(text: &str, file: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for imp in imports(text, file) {
+        let parts: Vec<&str> = imp.module.split('.').collect();
+        out.extend(module_files(&parts));
+        for name in &imp.names {
+            let mut sub = parts.clone();
+            sub.extend(name.split('.'));
+            out.extend(module_files(&sub));
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Which workspace files import which, both directions, keyed by workspace-relative path.
 #[derive(Debug, Clone, Default)]
 pub struct ImportGraph {

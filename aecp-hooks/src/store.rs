@@ -58,6 +58,10 @@ pub enum StoreError {
     },
 }
 
+mod violations;
+
+pub use violations::StoredViolation;
+
 fn sql(context: &'static str) -> impl FnOnce(rusqlite::Error) -> StoreError {
     move |source| StoreError::Sqlite { context, source }
 }
@@ -230,6 +234,8 @@ impl Store {
         conn.pragma_update(None, "synchronous", "FULL")
             .map_err(sql("setting durability"))?;
         conn.execute_batch(SCHEMA)
+            .map_err(sql("creating the AECP tables"))?;
+        conn.execute_batch(violations::SCHEMA)
             .map_err(sql("creating the AECP tables"))?;
         Ok(Store {
             conn: Mutex::new(conn),

@@ -162,7 +162,9 @@ impl DaemonNotifier {
             },
             // Revocation and expiry arrive as terminal states; executor events as state
             // changes.
-            WatchEvent::Lease { .. } | WatchEvent::Task { .. } => return,
+            WatchEvent::Lease { .. } | WatchEvent::Task { .. } | WatchEvent::Owner { .. } => {
+                return;
+            }
         };
         for frame in frames(&event, Some(&self.pricing)) {
             self.notifier.notify(frame);

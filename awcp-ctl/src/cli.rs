@@ -218,6 +218,19 @@ struct ServeArgs {
     /// `~/.local/state/awcp/delegator`.
     #[arg(long, env = "AWCP_STATE_DIR")]
     state_dir: Option<PathBuf>,
+    /// Keep delegations in PostgreSQL instead of `delegator.db` in the state directory:
+    /// `postgres://user:password@host:port/database` (no TLS: keep the database on loopback
+    /// or a private network). Several daemons given the same URL (each with its own
+    /// --state-dir and addresses) all list every delegation, and when one dies another
+    /// takes over its running delegations: lease expiry, the Executor's events, revoke.
+    /// The schema is created and migrated at start. See docs/SCALING.md.
+    #[arg(long, env = "AWCP_STATE", hide_env_values = true, value_name = "URL")]
+    state: Option<String>,
+    /// With --state postgres://…: a daemon whose heartbeat is this old is taken for dead,
+    /// and a live daemon takes its running delegations over (daemons beat every fifth of
+    /// it). Shorter fails over sooner, but a daemon stalled that long loses its delegations.
+    #[arg(long, default_value = "15s", value_parser = parse_duration, requires = "state")]
+    failover_after: Duration,
     /// UNSAFE: serve the daemon API without any credential. Any process that can connect
     /// to --listen (every user of this machine, on loopback) can then delegate any
     /// directory this daemon can read to an Executor of its choosing.
@@ -244,6 +257,13 @@ struct ServeArgs {
     /// Executor, in its mount.
     #[arg(long, value_parser = ["netns"])]
     aecp_local_witness: Option<String>,
+    /// AECP: while a worker is stale on a revised contract (it depends on the module and
+    /// has not run `awcp-ctl aecp ack` for the newest revision), hold its write-backs of
+    /// Python files that import that module: they stay on its mount, are reported in its
+    /// `.aecp/violations`, and are written back as soon as it acknowledges. Off by
+    /// default: a stale consumer is only told about the revision.
+    #[arg(long)]
+    aecp_hold_stale: bool,
     /// `awcpfs` delegations: largest workspace (all files delegated).
     #[arg(long, default_value = "1024G", value_parser = parse_size)]
     awcpfs_max_bytes: u64,
@@ -669,6 +689,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 DefaultTransport::Archive => Some(TransportType::Archive),
             };
             cfg.aecp_local_witness = a.aecp_local_witness;
+            cfg.state = a.state;
+            cfg.failover_after = a.failover_after;
+            cfg.aecp_hold_stale = a.aecp_hold_stale;
             cfg.awcpfs_limits = awcp_ctl::archive::ScanLimits {
                 max_total_bytes: a.awcpfs_max_bytes,
                 max_files: a.awcpfs_max_files,
@@ -910,6 +933,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     v.lease.remaining_ms / 1000,
                     v.lease.renewals
                 );
+                if let Some(owner) = &v.owner {
+                    // A shared database (`serve --state`): which daemon runs it.
+                    println!("daemon      {owner}");
+                }
                 if let Some(t) = &v.transfer {
                     let n = |k: &str| t.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
                     println!(

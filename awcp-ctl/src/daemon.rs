@@ -13,6 +13,9 @@
 //!    lease — the export refuses the token at once, but for a final flush within the grace —
 //!    and tells the Executor with AWCP cancel. Expiry is watched per delegation and handled
 //!    the same way.
+//!
+//! The state lives in SQLite by default, or in PostgreSQL shared by several daemons, which
+//! then take over each other's delegations when one dies: see [`shared`].
 
 mod admission;
 pub mod aecp;
@@ -24,6 +27,7 @@ pub mod progress;
 pub mod recover;
 mod resources;
 mod rounds;
+pub mod shared;
 mod staged;
 
 use std::collections::HashMap;
@@ -39,7 +43,7 @@ use awcp_lease::Lease;
 use awcp_protocol::{DelegationEvent, DelegationState};
 use awcpfs::export::{Export, ExportRegistry};
 
-use crate::store::{Store, StoredDelegation};
+use crate::store::{StateLocation, StateStore, StoredDelegation};
 use crate::watch::WatchEvent;
 
 /// How the daemon runs.
@@ -100,6 +104,15 @@ pub struct DaemonConfig {
     /// The block tier (`serve --blocks s3://…`): blocks in an object store, fetched by
     /// Executors through presigned URLs. `None`: the export serves every block itself.
     pub blocks: Option<awcpfs::export::tier::BlockTierConfig>,
+    /// Where delegations are kept: `None` for `delegator.db` (SQLite) in `state_dir`, or a
+    /// `postgres://user:pass@host:port/db` URL shared with other daemons.
+    pub state: Option<String>,
+    /// On a shared database: a daemon whose heartbeat is this old is taken for dead, and
+    /// its running delegations are taken over. Daemons beat every fifth of it.
+    pub failover_after: Duration,
+    /// AECP policy switch: hold a stale consumer's write-backs of files that import a
+    /// revised module until it acknowledges the revision (off by default).
+    pub aecp_hold_stale: bool,
 }
 
 impl DaemonConfig {
@@ -134,9 +147,12 @@ impl DaemonConfig {
             unsafe_no_auth: false,
             watch: true,
             aecp_local_witness: None,
+            aecp_hold_stale: false,
             idle_timeout: Duration::from_secs(300),
             default_transport: None,
             blocks: None,
+            state: None,
+            failover_after: Duration::from_secs(15),
         }
     }
 }
@@ -152,12 +168,24 @@ pub(crate) struct Live {
     pub(crate) seen_renewals: std::sync::atomic::AtomicU64,
     /// How far its setup got (manifest builds), for progress bars.
     pub(crate) progress: Arc<progress::Progress>,
+    /// The daemon that owns it when that is another one (a read-only copy); `None`: this
+    /// daemon runs it.
+    pub(crate) owner: Mutex<Option<String>>,
 }
 
 /// The daemon's shared state.
 pub struct Daemon {
     pub(crate) cfg: DaemonConfig,
-    pub(crate) store: Store,
+    pub(crate) store: Box<dyn StateStore>,
+    /// This daemon's name as an owner of delegations ([`shared::LOCAL_OWNER`] on SQLite).
+    pub(crate) daemon_id: String,
+    /// The newest row version read from a shared store.
+    pub(crate) seen_version: std::sync::atomic::AtomicI64,
+    /// Where the daemon API listens (the heartbeat names it).
+    pub(crate) api_addr: SocketAddr,
+    /// Since when this daemon's heartbeats have all reached the shared database (`None`
+    /// while they fail): it claims nothing until that is `failover_after` ago.
+    pub(crate) beating_since: Mutex<Option<std::time::Instant>>,
     pub(crate) exports: ExportRegistry,
     pub(crate) live: Mutex<HashMap<String, Arc<Live>>>,
     /// Delegations being set up, by the progress key their client chose.
@@ -291,12 +319,25 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     if cfg.api_token.is_none() && !cfg.unsafe_no_auth {
         cfg.api_token = Some(load_or_create_api_token(&cfg.state_dir)?);
     }
-    let store = Store::open(&cfg.state_dir.join("delegator.db"))?;
+    let location = StateLocation::parse(cfg.state.as_deref(), &cfg.state_dir)?;
+    let store = {
+        let location = location.clone();
+        tokio::task::spawn_blocking(move || location.open()).await??
+    };
+    let daemon_id = if store.shared() {
+        shared::load_or_create_daemon_id(&cfg.state_dir)?
+    } else {
+        shared::LOCAL_OWNER.to_string()
+    };
+    tracing::info!(state = %store.describe(), daemon = %daemon_id, "delegation state");
     let aecp = aecp::Aecp {
         store: Arc::new(aecp_hooks::store::Store::open(
             &cfg.state_dir.join("delegator.db"),
         )?),
-        policy: aecp_hooks::policy::Policy::default(),
+        policy: aecp_hooks::policy::Policy {
+            hold_stale_writebacks: cfg.aecp_hold_stale,
+            ..aecp_hooks::policy::Policy::default()
+        },
         local_witness: cfg.aecp_local_witness.clone(),
     };
     // Hashes of files unchanged since an earlier delegation are reused, not recomputed.
@@ -358,6 +399,10 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         aecp,
         cfg,
         store,
+        daemon_id,
+        seen_version: Default::default(),
+        api_addr,
+        beating_since: Mutex::new(None),
         exports,
         live: Mutex::new(HashMap::new()),
         preparing: Mutex::new(HashMap::new()),
@@ -367,7 +412,21 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         export_url,
         tasks: Mutex::new(Vec::new()),
     });
+    if daemon.store.shared() {
+        // Beat before anything else, so no other daemon takes this one's delegations
+        // while it restores them.
+        let d = daemon.clone();
+        tokio::task::spawn_blocking(move || {
+            d.store
+                .heartbeat(&d.daemon_id, &format!("http://{}", d.api_addr))
+        })
+        .await??;
+    }
     daemon.restore().await;
+    if daemon.store.shared() {
+        let d = daemon.clone();
+        daemon.spawn(async move { d.share_loop().await });
+    }
     let (shutdown, rx) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
     for (listener, router) in [
@@ -442,6 +501,11 @@ impl Daemon {
         &self.export_url
     }
 
+    /// This daemon's name as the owner of delegations on a shared database.
+    pub fn daemon_id(&self) -> &str {
+        &self.daemon_id
+    }
+
     pub(crate) fn get_live(&self, id: &str) -> Option<Arc<Live>> {
         self.live.lock().get(id).cloned()
     }
@@ -454,9 +518,7 @@ impl Daemon {
             d.record.updated_at = crate::now_iso();
             d.clone()
         };
-        if let Err(e) = self.store.put(&snapshot) {
-            tracing::error!(error = %e, "persisting a delegation failed");
-        }
+        self.persist(live, &snapshot);
         if let Some(n) = &self.aglx {
             n.on_event(live, &snapshot, &ev);
         }

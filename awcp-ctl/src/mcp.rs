@@ -3,7 +3,7 @@
 //! `delegate_snapshots`, `delegate_apply_snapshot`, `delegate_discard_snapshot`,
 //! `delegate_recover`, `delegate_continue`, `delegate_close`) plus ours (`delegate_revoke`,
 //! `delegate_renew`, `delegate_status`, and AECP's `aecp_publish`, `aecp_flag`,
-//! `aecp_lookup`, `aecp_inbox`: `mcp/aecp.rs`).
+//! `aecp_lookup`, `aecp_inbox`, `aecp_violations`: `mcp/aecp.rs`).
 //!
 //! stdout carries the protocol only: logs go to stderr. Every tool answers with one text
 //! block holding JSON (the daemon's answer, or `{"error", "hint"?}` with `isError`).

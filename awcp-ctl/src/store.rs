@@ -1,10 +1,31 @@
-//! The daemon's durable state: one SQLite database (rusqlite, bundled), so delegations,
-//! leases and exports survive a restart and one command starts everything.
+//! The daemon's durable state: its delegations (with their leases, exports and event
+//! history) and, when several daemons share one database, who owns each of them.
+//!
+//! [`StateStore`] is the one interface the daemon uses; two engines implement it:
+//!
+//! * [`sqlite::SqliteStore`] (the default: `<state-dir>/delegator.db`, rusqlite bundled,
+//!   nothing to set up), for one daemon;
+//! * [`postgres::PgStore`] (`serve --state postgres://…`), which several daemons share, so
+//!   one of them can take over the delegations of another that died.
+//!
+//! Both keep a delegation as one JSON document (the [`StoredDelegation`]) beside the few
+//! columns the daemons query: its state (terminal or not), its **owner** (the daemon that
+//! runs its lease watch and event pump) and a **version** that grows on every write, so a
+//! daemon can read only what changed since it last looked. Writes are fenced by owner: a
+//! daemon whose delegation was taken over can no longer overwrite it
+//! ([`StoreError::NotOwner`]). Each daemon writes a heartbeat row; a delegation whose owner's
+//! heartbeat is older than the lapse is claimed by a live daemon ([`StateStore::claim_orphans`]).
+//! Schemas are versioned ([`migrations`]) and migrated at open.
 
-use std::path::{Path, PathBuf};
+pub mod migrations;
+pub mod postgres;
+pub mod sqlite;
+#[cfg(test)]
+mod suite;
 
-use parking_lot::Mutex;
-use rusqlite::{Connection, OptionalExtension, params};
+use std::path::PathBuf;
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 
 use awcp_protocol::TransportType;
@@ -111,6 +132,29 @@ pub enum StoreError {
         #[source]
         source: rusqlite::Error,
     },
+    /// PostgreSQL failed (or could not be reached).
+    #[error("the PostgreSQL state database {url} failed")]
+    Postgres {
+        /// Which database (without its password).
+        url: String,
+        /// Why.
+        #[source]
+        source: ::postgres::Error,
+    },
+    /// PostgreSQL did not answer in time (the daemon goes on; the call is given up).
+    #[error("the PostgreSQL state database {url} did not answer within {after:?}")]
+    Timeout {
+        /// Which database (without its password).
+        url: String,
+        /// How long the caller waited.
+        after: Duration,
+    },
+    /// The PostgreSQL worker thread is gone (it panicked, or the store was dropped).
+    #[error("the PostgreSQL state database {url} is closed")]
+    Closed {
+        /// Which database (without its password).
+        url: String,
+    },
     /// The database file could not be created private (0600).
     #[error("cannot create the state database {path} with mode 0600")]
     Io {
@@ -127,107 +171,137 @@ pub enum StoreError {
         #[source]
         source: serde_json::Error,
     },
+    /// The database holds a newer schema than this binary knows.
+    #[error(
+        "the state database's schema is version {found}, newer than this awcp-ctl knows \
+         ({known}); upgrade awcp-ctl"
+    )]
+    TooNew {
+        /// The schema version found.
+        found: i64,
+        /// The newest this binary knows.
+        known: i64,
+    },
+    /// Another daemon owns the delegation now (it took it over): this daemon must not
+    /// write it.
+    #[error("delegation {id} is owned by daemon {owner} now; this daemon no longer writes it")]
+    NotOwner {
+        /// The delegation.
+        id: String,
+        /// Its owner.
+        owner: String,
+    },
+    /// `--state` names no engine this binary knows.
+    #[error(
+        "unsupported state URL {given:?}: give `postgres://user:pass@host/db` (or \
+         `postgresql://…`), or leave --state out for the SQLite file in the state directory"
+    )]
+    BadUrl {
+        /// What was given (without its password).
+        given: String,
+    },
 }
 
-/// The store.
-#[derive(Debug)]
-pub struct Store {
-    path: PathBuf,
-    conn: Mutex<Connection>,
+/// A delegation as stored, with the columns the daemons coordinate by.
+#[derive(Debug, Clone)]
+pub struct StoredRow {
+    /// The delegation.
+    pub delegation: StoredDelegation,
+    /// The daemon that runs its lease watch and event pump (`None`: rows written before
+    /// there were owners; the first daemon to write them takes them).
+    pub owner: Option<String>,
+    /// Grows with every write of any row of the database.
+    pub version: i64,
 }
 
-impl Store {
-    /// Open (or create) the database at `path`.
-    pub fn open(path: &Path) -> Result<Store, StoreError> {
-        let err = |source| StoreError::Sqlite {
-            path: path.to_path_buf(),
-            source,
-        };
-        // 0600 before SQLite opens it: SQLite gives the WAL and SHM files the database's
-        // mode, and all three hold capability tokens. Files of older versions are tightened.
-        let private = |p: &Path| {
-            awcpfs::private::file_options()
-                .open(p)
-                .and_then(|_| awcpfs::private::restrict(p, awcpfs::private::FILE_MODE))
-        };
-        private(path).map_err(|source| StoreError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        for suffix in ["-wal", "-shm"] {
-            let mut side = path.as_os_str().to_owned();
-            side.push(suffix);
-            let side = PathBuf::from(side);
-            if side.exists() {
-                let _ = private(&side);
-            }
-        }
-        let conn = Connection::open(path).map_err(err)?;
-        conn.execute_batch(
-            "PRAGMA journal_mode=WAL;
-             PRAGMA synchronous=NORMAL;
-             CREATE TABLE IF NOT EXISTS delegations (
-                 id TEXT PRIMARY KEY,
-                 body TEXT NOT NULL,
-                 updated_at TEXT NOT NULL
-             );",
-        )
-        .map_err(err)?;
-        Ok(Store {
-            path: path.to_path_buf(),
-            conn: Mutex::new(conn),
-        })
-    }
+/// A daemon's heartbeat row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DaemonRow {
+    /// Its id (stable across restarts of one state directory).
+    pub id: String,
+    /// Its daemon API URL (for hints: where to revoke what it owns).
+    pub api_url: String,
+    /// How long ago it last beat, by the database's clock.
+    pub age: Duration,
+}
 
-    fn err(&self, source: rusqlite::Error) -> StoreError {
-        StoreError::Sqlite {
-            path: self.path.clone(),
-            source,
-        }
-    }
+/// The daemon's durable state: see the module docs.
+///
+/// Calls block (a local file, or a round trip to PostgreSQL); they are short, and the
+/// daemon makes them where it made SQLite calls before.
+pub trait StateStore: Send + Sync + std::fmt::Debug {
+    /// What this store is, for logs and `awcp-ctl status` (never a password).
+    fn describe(&self) -> String;
 
-    /// Insert or replace a delegation.
-    pub fn put(&self, d: &StoredDelegation) -> Result<(), StoreError> {
-        let body = serde_json::to_string(d).map_err(|source| StoreError::Corrupt { source })?;
-        self.conn
-            .lock()
-            .execute(
-                "INSERT INTO delegations (id, body, updated_at) VALUES (?1, ?2, ?3)
-                 ON CONFLICT(id) DO UPDATE SET body = excluded.body, updated_at = excluded.updated_at",
-                params![d.record.id.as_str(), body, d.record.updated_at],
-            )
-            .map_err(|e| self.err(e))?;
-        Ok(())
-    }
+    /// Whether several daemons may share this store (then they beat, refresh their copies
+    /// of each other's delegations and take over from a daemon that died).
+    fn shared(&self) -> bool;
+
+    /// Insert or replace a delegation on behalf of daemon `owner`: a new row becomes
+    /// `owner`'s; an existing one is replaced only if `owner` owns it (or nobody does),
+    /// else [`StoreError::NotOwner`] and nothing is written.
+    fn put(&self, owner: &str, d: &StoredDelegation) -> Result<(), StoreError>;
 
     /// One delegation.
-    pub fn get(&self, id: &str) -> Result<Option<StoredDelegation>, StoreError> {
-        let body: Option<String> = self
-            .conn
-            .lock()
-            .query_row("SELECT body FROM delegations WHERE id = ?1", [id], |r| {
-                r.get(0)
-            })
-            .optional()
-            .map_err(|e| self.err(e))?;
-        body.map(|b| serde_json::from_str(&b).map_err(|source| StoreError::Corrupt { source }))
-            .transpose()
-    }
+    fn get(&self, id: &str) -> Result<Option<StoredRow>, StoreError>;
+
+    /// Every row written after `version` (all rows for 0), in version order.
+    fn changed_since(&self, version: i64) -> Result<Vec<StoredRow>, StoreError>;
 
     /// Every delegation, oldest first.
-    pub fn all(&self) -> Result<Vec<StoredDelegation>, StoreError> {
-        let conn = self.conn.lock();
-        let mut stmt = conn
-            .prepare("SELECT body FROM delegations ORDER BY rowid")
-            .map_err(|e| self.err(e))?;
-        let rows = stmt
-            .query_map([], |r| r.get::<_, String>(0))
-            .map_err(|e| self.err(e))?;
-        let mut out = Vec::new();
-        for row in rows {
-            let body = row.map_err(|e| self.err(e))?;
-            out.push(serde_json::from_str(&body).map_err(|source| StoreError::Corrupt { source })?);
+    fn all(&self) -> Result<Vec<StoredDelegation>, StoreError> {
+        let mut rows = self.changed_since(0)?;
+        rows.sort_by(|a, b| {
+            a.delegation
+                .record
+                .created_at
+                .cmp(&b.delegation.record.created_at)
+        });
+        Ok(rows.into_iter().map(|r| r.delegation).collect())
+    }
+
+    /// Record that daemon `daemon` (serving its API at `api_url`) is alive now.
+    fn heartbeat(&self, daemon: &str, api_url: &str) -> Result<(), StoreError>;
+
+    /// Every daemon that ever beat, with the age of its last heartbeat.
+    fn daemons(&self) -> Result<Vec<DaemonRow>, StoreError>;
+
+    /// Take over, for `daemon`, every delegation that has not ended and whose owner's
+    /// heartbeat is older than `lapse` (or that has no owner, or whose owner never beat).
+    /// Atomic per row: of two daemons claiming at once, one gets each row. Nothing is
+    /// claimed unless `daemon`'s own heartbeat is fresh (a daemon cut off from the
+    /// database must not take anything). Returns the rows claimed.
+    fn claim_orphans(&self, daemon: &str, lapse: Duration) -> Result<Vec<StoredRow>, StoreError>;
+}
+
+/// Where the daemon keeps its state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StateLocation {
+    /// The default: `delegator.db` in the state directory.
+    Sqlite(PathBuf),
+    /// A PostgreSQL connection URL (`postgres://user:pass@host:port/db`).
+    Postgres(String),
+}
+
+impl StateLocation {
+    /// `--state`'s value (`None`: the SQLite file in `state_dir`).
+    pub fn parse(given: Option<&str>, state_dir: &std::path::Path) -> Result<Self, StoreError> {
+        match given {
+            None => Ok(StateLocation::Sqlite(state_dir.join("delegator.db"))),
+            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+                Ok(StateLocation::Postgres(url.to_string()))
+            }
+            Some(other) => Err(StoreError::BadUrl {
+                given: postgres::redact(other),
+            }),
         }
-        Ok(out)
+    }
+
+    /// Open (and migrate) the store.
+    pub fn open(&self) -> Result<Box<dyn StateStore>, StoreError> {
+        Ok(match self {
+            StateLocation::Sqlite(path) => Box::new(sqlite::SqliteStore::open(path)?),
+            StateLocation::Postgres(url) => Box::new(postgres::PgStore::connect(url)?),
+        })
     }
 }

@@ -33,6 +33,18 @@ pub enum WatchEvent {
         /// Expiry, ISO 8601.
         expires_at: String,
     },
+    /// Another daemon took the delegation over (a shared database; the previous owner
+    /// stopped beating): it enforces the lease and follows the Executor from here on.
+    #[serde(rename_all = "camelCase")]
+    Owner {
+        /// The daemon that runs it now.
+        daemon: String,
+        /// The one that ran it before, if known.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        previous: Option<String>,
+        /// When.
+        at: String,
+    },
 }
 
 impl WatchEvent {
@@ -66,6 +78,14 @@ impl WatchEvent {
                 let state = format!("{state:?}").to_lowercase();
                 format!("lease {state} (until {expires_at})")
             }
+            WatchEvent::Owner {
+                daemon,
+                previous,
+                at,
+            } => match previous {
+                Some(p) => format!("{at}  taken over by daemon {daemon} (daemon {p} stopped)"),
+                None => format!("{at}  taken over by daemon {daemon}"),
+            },
         }
     }
 

@@ -125,6 +125,7 @@ async fn an_mcp_client_delegates_and_reads_the_result_over_stdio() {
             "aecp_inbox",
             "aecp_lookup",
             "aecp_publish",
+            "aecp_violations",
             "delegate",
             "delegate_apply_snapshot",
             "delegate_cancel",
@@ -206,6 +207,9 @@ async fn an_mcp_client_delegates_and_reads_the_result_over_stdio() {
         .await;
     assert!(!err, "{v}");
     assert_eq!(v, json!([]));
+    let (v, err) = c.tool("aecp_violations", json!({"worker": id})).await;
+    assert!(!err, "{v}");
+    assert_eq!(v, json!([]), "nothing screened: no violations");
     let (v, err) = c.tool("aecp_inbox", json!({"worker": "dlg_nope"})).await;
     assert!(err);
     assert!(

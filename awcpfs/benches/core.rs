@@ -155,6 +155,7 @@ impl awcpfs::mount::remote::Remote for AcceptAll {
             applied: changes.changes.len() as u64,
             conflicts: Vec::new(),
             seq: None,
+            held: Vec::new(),
         })
     }
     fn renew(&self) -> Result<ExportEvent, RemoteError> {

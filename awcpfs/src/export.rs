@@ -40,6 +40,7 @@ pub mod identity;
 pub mod manifest;
 mod progress;
 mod rootfs;
+pub mod screen;
 pub mod stage;
 mod store;
 pub mod tier;
@@ -343,6 +344,8 @@ pub struct Export {
     aecp: aecp::AecpFeed,
     /// The Delegator's block tier, if it has one (`POST /locate` hands out its URLs).
     tier: Option<Arc<tier::BlockTier>>,
+    /// The commit screen and the worker it screens for, once a daemon installs one.
+    screen: Mutex<Option<(String, Arc<dyn screen::CommitScreen>)>>,
 }
 
 impl Export {
@@ -436,6 +439,17 @@ impl Export {
     /// AECP's events for the mounts of this export and their delivery reports.
     pub fn aecp(&self) -> &aecp::AecpFeed {
         &self.aecp
+    }
+
+    /// Screen the writes of `worker`'s commits with `screen` from now on (replacing an
+    /// earlier screen; see [`screen::CommitScreen`]).
+    pub fn set_screen(&self, worker: &str, screen: Arc<dyn screen::CommitScreen>) {
+        *self.screen.lock() = Some((worker.to_owned(), screen));
+    }
+
+    /// The installed screen and its worker.
+    pub(crate) fn screen(&self) -> Option<(String, Arc<dyn screen::CommitScreen>)> {
+        self.screen.lock().clone()
     }
 
     /// The served directory.
@@ -543,6 +557,7 @@ impl Export {
             stage: std::sync::OnceLock::new(),
             aecp: aecp::AecpFeed::default(),
             tier: None,
+            screen: Mutex::new(None),
         })
     }
 
@@ -778,6 +793,7 @@ impl ExportRegistry {
             stage: std::sync::OnceLock::new(),
             aecp: aecp::AecpFeed::default(),
             tier: self.tier.clone(),
+            screen: Mutex::new(None),
             id: export_id.clone(),
         });
         // Re-check under the write lock: the walk above ran without it.

@@ -299,6 +299,24 @@ pub struct Conflict {
     pub kept_as: Option<String>,
 }
 
+/// A write the export did not apply because the Delegator's commit screen held it (an AECP
+/// contract the new content provably breaks, or a consumer that has not acknowledged a
+/// revised module it imports). Nothing is written at the path or beside it: the Executor
+/// keeps its version and sends it again once the file changes (or the export releases it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Held {
+    /// The path in question.
+    #[serde(with = "crate::rawname::wire")]
+    pub path: String,
+    /// Why, in a sentence.
+    pub reason: String,
+    /// The screen's structured report (for AECP: the verifier's verdict and violations),
+    /// if it gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report: Option<serde_json::Value>,
+}
+
 /// Answer to `POST /commit`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -315,6 +333,12 @@ pub struct CommitResult {
     /// of a known `commitId` gets the original value. Absent from exports that predate it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seq: Option<u64>,
+    /// Writes the export's commit screen held: not applied, not kept beside, left to the
+    /// Executor. Absent (empty) from exports without a screen and from those that predate
+    /// it; an older client ignores it (and sees those writes as neither applied nor
+    /// conflicting — it sends them again with its next change there).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held: Vec<Held>,
 }
 
 /// State of the lease as the export sees it.

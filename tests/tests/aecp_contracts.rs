@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use awcp_ctl::daemon::aecp::{ConsumerRequest, DeclareRequest, StubOutcome, VerifyRequest};
 use awcp_protocol::messages::AccessMode;
-use awcp_tests::{Harness, appears, fuse_available, sample_repo};
+use awcp_tests::{Harness, appears, eventually, fuse_available, sample_repo};
 
 const IFACE: &str = "\
 class Account:
@@ -180,5 +180,305 @@ async fn declare_writes_a_stub_the_mount_imports_and_revise_marks_consumers_stal
 
     std::fs::write(out.path().join("go"), "").unwrap();
     h.wait_end(&id, Duration::from_secs(60)).await;
+    h.stop().await;
+}
+
+/// The text of `.aecp/violations` on a mount (empty when unreadable).
+fn violations_on(mount: &std::path::Path) -> String {
+    std::fs::read_to_string(mount.join(".aecp/violations")).unwrap_or_default()
+}
+
+/// The next NDJSON line of a socket, parsed.
+async fn next_line(
+    mut r: std::io::BufReader<std::os::unix::net::UnixStream>,
+) -> (
+    serde_json::Value,
+    std::io::BufReader<std::os::unix::net::UnixStream>,
+) {
+    tokio::task::spawn_blocking(move || {
+        let mut l = String::new();
+        std::io::BufRead::read_line(&mut r, &mut l).unwrap();
+        (serde_json::from_str(&l).expect("one JSON line"), r)
+    })
+    .await
+    .unwrap()
+}
+
+/// How many `verdict` entries with `"on": "write-back"` the audit log has for `module`.
+async fn write_back_verdicts(h: &Harness, worker: &str, module: &str) -> usize {
+    h.client
+        .aecp_audit(worker)
+        .await
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e.kind == "verdict"
+                && e.detail["module"] == module
+                && e.detail["verdict"]["on"] == "write-back"
+        })
+        .count()
+}
+
+/// Issue 19: a write-back that provably breaks its module's contract is held — the
+/// Delegator keeps the stub, the file stays on the mount — and its report (symbol,
+/// constraint, line) reaches the worker through `.aecp/violations`, the inbox and
+/// `awcp-ctl aecp violations`; it is not sent again while unchanged; fixed on the mount,
+/// it is written back and the report clears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
+    if !fuse_available() {
+        return;
+    }
+    // The agent only keeps the mount alive; the test plays it.
+    let h = Harness::start("sleep 600").await;
+    let repo = h.path("repo");
+    std::fs::create_dir_all(repo.join("pkg")).unwrap();
+    std::fs::write(repo.join("pkg/__init__.py"), "").unwrap();
+    let id = h.delegate(&repo, AccessMode::Rw, 600).await;
+    let mount = h.mountpoint(&id);
+    let wait = Duration::from_secs(60);
+    assert!(eventually(wait, || mount.join("pkg/__init__.py").exists()).await);
+
+    let r = h
+        .client
+        .aecp_declare(
+            &DeclareRequest {
+                worker: id.clone(),
+                module: "pkg/acct.py".into(),
+                interface: Some(IFACE.into()),
+                contract: None,
+            },
+            false,
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stub, StubOutcome::Written);
+    let stub = std::fs::read_to_string(repo.join("pkg/acct.py")).unwrap();
+    assert!(
+        eventually(wait, || std::fs::read_to_string(mount.join("pkg/acct.py"))
+            .is_ok_and(|t| t == stub))
+        .await,
+        "the mount never saw the stub"
+    );
+
+    // The worker's harness listens on its delivery socket.
+    let socket = h.path("executor/state").join(&id).join("aecp.sock");
+    assert!(eventually(wait, || socket.exists()).await, "no socket");
+    let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    stream.set_read_timeout(Some(wait)).unwrap();
+    // Let the reporter accept the connection before the report arrives.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let socket_lines = std::io::BufReader::new(stream);
+
+    // The worker writes a mismatching implementation (`amt` where `amount` is declared),
+    // and an unrelated file.
+    let bad = GOOD.replace("amount: int) -> int", "amt: int) -> int");
+    std::fs::write(mount.join("pkg/acct.py"), &bad).unwrap();
+    std::fs::write(mount.join("notes.txt"), "unrelated\n").unwrap();
+    assert!(
+        eventually(wait, || violations_on(&mount).contains("Account.deposit")).await,
+        "no report in .aecp/violations: {:?}",
+        violations_on(&mount)
+    );
+    let line: serde_json::Value = serde_json::from_str(violations_on(&mount).trim()).unwrap();
+    assert_eq!(line["module"], "pkg/acct.py", "{line}");
+    let report = &line["violation"];
+    assert_eq!(report["held"], true, "{line}");
+    assert_eq!(report["verdict"], "mismatch", "{line}");
+    assert_eq!(
+        report["violations"][0]["symbol"], "Account.deposit",
+        "{line}"
+    );
+    assert_eq!(
+        report["violations"][0]["constraint"], "parameters",
+        "{line}"
+    );
+    assert_eq!(report["violations"][0]["line"], 5, "{line}");
+    // The Delegator still has the stub; the rest of the worker's changes landed.
+    assert!(eventually(wait, || repo.join("notes.txt").exists()).await);
+    assert_eq!(
+        std::fs::read_to_string(repo.join("pkg/acct.py")).unwrap(),
+        stub
+    );
+    // The mount keeps the worker's version.
+    assert_eq!(
+        std::fs::read_to_string(mount.join("pkg/acct.py")).unwrap(),
+        bad
+    );
+    // The daemon lists it (`awcp-ctl aecp violations`), and the inbox carries it.
+    let listed = h.client.aecp_violations(&id, false).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].path, "pkg/acct.py");
+    assert_eq!(
+        listed[0].report["violations"][0]["constraint"],
+        "parameters"
+    );
+    let inbox = std::fs::read_to_string(mount.join(".aecp/inbox")).unwrap();
+    assert!(inbox.contains("Account.deposit"), "{inbox}");
+    let (from_socket, socket_lines) = next_line(socket_lines).await;
+    assert_eq!(from_socket, line, "the socket carries the same report");
+    // Held once, not retried in a loop while unchanged.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(write_back_verdicts(&h, &id, "pkg/acct.py").await, 1);
+    assert_eq!(
+        std::fs::read_to_string(repo.join("pkg/acct.py")).unwrap(),
+        stub
+    );
+
+    // Fixed on the mount: written back, the report clears everywhere.
+    std::fs::write(mount.join("pkg/acct.py"), GOOD).unwrap();
+    assert!(
+        eventually(wait, || std::fs::read_to_string(repo.join("pkg/acct.py"))
+            .is_ok_and(|t| t == GOOD))
+        .await,
+        "the fixed module never reached the Delegator"
+    );
+    assert!(
+        eventually(wait, || !violations_on(&mount).contains("pkg/acct.py")).await,
+        "the report did not clear: {:?}",
+        violations_on(&mount)
+    );
+    assert!(
+        h.client
+            .aecp_violations(&id, false)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(write_back_verdicts(&h, &id, "pkg/acct.py").await, 2);
+    let (cleared, _) = next_line(socket_lines).await;
+    assert_eq!(
+        cleared,
+        serde_json::json!({"module": "pkg/acct.py", "violation": null})
+    );
+
+    // Broken again when the task ends: not written back, and not lost — the Executor keeps
+    // it with its unsynced changes, and the Delegator's explicit `collect` applies it.
+    let bad2 = GOOD.replace("def open_account(owner: str)", "def open_account()");
+    std::fs::write(mount.join("pkg/acct.py"), &bad2).unwrap();
+    assert!(
+        eventually(wait, || violations_on(&mount).contains("open_account")).await,
+        "not held again: {:?}",
+        violations_on(&mount)
+    );
+    h.client.revoke(&id, false).await.unwrap();
+    h.wait_end(&id, wait).await;
+    assert_eq!(
+        std::fs::read_to_string(repo.join("pkg/acct.py")).unwrap(),
+        GOOD,
+        "the final flush wrote a held module back"
+    );
+    let mut collected = None;
+    for _ in 0..100 {
+        match h.client.collect(&id, false).await {
+            Ok(r) => {
+                collected = Some(r);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    let collected = collected.expect("the Executor kept the held module");
+    assert!(collected.applied >= 1, "{collected:?}");
+    assert_eq!(
+        std::fs::read_to_string(repo.join("pkg/acct.py")).unwrap(),
+        bad2
+    );
+    h.stop().await;
+}
+
+/// The policy switch (`awcp-ctl serve --aecp-hold-stale`): while a worker is stale on a
+/// revised module, its write-back of a file that imports that module is held (a file that
+/// does not is written back); acknowledging the revision releases it, and it is written
+/// back without being touched again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn screen_holds_a_stale_consumers_importing_file_until_it_acknowledges() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start_full("sleep 600", |d| d.aecp_hold_stale = true, |_| {}).await;
+    let repo = h.path("repo");
+    std::fs::create_dir_all(repo.join("pkg")).unwrap();
+    std::fs::write(repo.join("pkg/__init__.py"), "").unwrap();
+    let id = h.delegate(&repo, AccessMode::Rw, 600).await;
+    let mount = h.mountpoint(&id);
+    let wait = Duration::from_secs(60);
+    assert!(eventually(wait, || mount.join("pkg/__init__.py").exists()).await);
+
+    let declare = |interface: &str| DeclareRequest {
+        worker: id.clone(),
+        module: "pkg/acct.py".into(),
+        interface: Some(interface.to_owned()),
+        contract: None,
+    };
+    h.client.aecp_declare(&declare(IFACE), false).await.unwrap();
+    let consumer = ConsumerRequest {
+        worker: id.clone(),
+        module: "pkg/acct.py".into(),
+        symbols: vec!["open_account".into()],
+    };
+    h.client.aecp_depend(&consumer).await.unwrap();
+    // Not stale yet: an importing file is written back.
+    std::fs::write(mount.join("pkg/early.py"), "import pkg.acct\n").unwrap();
+    assert!(eventually(wait, || repo.join("pkg/early.py").exists()).await);
+
+    let revised = IFACE.replace(
+        "def open_account(owner: str)",
+        "def open_account(owner: str, *, limit: int = 0)",
+    );
+    let r = h
+        .client
+        .aecp_declare(&declare(&revised), true)
+        .await
+        .unwrap();
+    assert_eq!(r.stale, vec![id.clone()]);
+
+    let user = "from pkg.acct import open_account\n\nACCOUNT = open_account('x')\n";
+    std::fs::write(mount.join("pkg/use.py"), user).unwrap();
+    std::fs::write(mount.join("pkg/free.py"), "X = 1\n").unwrap();
+    assert!(
+        eventually(wait, || violations_on(&mount).contains("pkg/use.py")).await,
+        "no report in .aecp/violations: {:?}",
+        violations_on(&mount)
+    );
+    let line: serde_json::Value = serde_json::from_str(violations_on(&mount).trim()).unwrap();
+    assert_eq!(line["violation"]["held"], true, "{line}");
+    assert_eq!(line["violation"]["cause"], "stale", "{line}");
+    assert_eq!(
+        line["violation"]["stale"][0]["module"], "pkg/acct.py",
+        "{line}"
+    );
+    assert_eq!(line["violation"]["stale"][0]["revision"], 2, "{line}");
+    assert!(eventually(wait, || repo.join("pkg/free.py").exists()).await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !repo.join("pkg/use.py").exists(),
+        "a stale consumer's importing file reached the Delegator"
+    );
+    let listed = h.client.aecp_violations(&id, true).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+
+    // Acknowledged: released and written back with no further change on the mount.
+    assert_eq!(h.client.aecp_ack(&consumer).await.unwrap(), 2);
+    assert!(
+        eventually(wait, || std::fs::read_to_string(repo.join("pkg/use.py"))
+            .is_ok_and(|t| t == user))
+        .await,
+        "the released file never reached the Delegator"
+    );
+    assert!(
+        eventually(wait, || !violations_on(&mount).contains("pkg/use.py")).await,
+        "the report did not clear: {:?}",
+        violations_on(&mount)
+    );
+    assert!(
+        h.client
+            .aecp_violations(&id, true)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    h.client.revoke(&id, false).await.unwrap();
     h.stop().await;
 }

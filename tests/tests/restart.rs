@@ -1,6 +1,7 @@
 //! The Delegator daemon restarts in the middle of a delegation: delegations, leases and
-//! exports come back from SQLite, the Executor's pending write-back goes through once the
-//! data plane is back, and the delegation completes.
+//! exports come back from SQLite (or from PostgreSQL, `serve --state`: the daemon finds its
+//! own delegations by the `daemon-id` in its state directory), the Executor's pending
+//! write-back goes through once the data plane is back, and the delegation completes.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -21,16 +22,30 @@ fn free_addr() -> SocketAddr {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_daemon_restart_loses_nothing() {
-    restart(false).await;
+    restart(false, false).await;
 }
 
 /// With two resources, both exports come back and both write-backs go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_daemon_restart_restores_every_resources_export() {
-    restart(true).await;
+    restart(true, false).await;
 }
 
-async fn restart(several: bool) {
+/// The same with the state in PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_daemon_restart_on_postgres_loses_nothing() {
+    restart(false, true).await;
+}
+
+async fn restart(several: bool, postgres: bool) {
+    let db = if postgres {
+        match awcp_ctl::store::postgres::testing::fresh_database() {
+            Some(db) => Some(db),
+            None => return,
+        }
+    } else {
+        None
+    };
     if !fuse_available() {
         return;
     }
@@ -42,6 +57,7 @@ async fn restart(several: bool) {
     let mut dcfg = DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = free_addr();
     dcfg.export_listen = free_addr();
+    dcfg.state = db.as_ref().map(|d| d.url.clone());
     let notes = tmp.path().join("notes");
     std::fs::create_dir_all(&notes).unwrap();
     // With two resources the agent runs above them: `workspace/` and `notes/`.

@@ -40,8 +40,15 @@ pub(super) enum AecpCommand {
     },
     /// Register this worker as a consumer of a contracted module (a revision marks it stale).
     Depend(DependArgs),
-    /// Acknowledge the newest revision of a contracted module (clears the stale flag).
+    /// Acknowledge the newest revision of a contracted module (clears the stale flag, and
+    /// releases the write-backs held until you did).
     Ack(ModuleArgs),
+    /// The commit screen's current reports on your write-backs: files held because they
+    /// break their module's contract (symbol, constraint, line) or import a revised module
+    /// you have not acknowledged, and leftover stubs written back. A held file stays on
+    /// your mount; fix it there (or acknowledge) and it is written back, clearing its
+    /// report. Also in `.aecp/violations` on the mount.
+    Violations(ViolationsArgs),
     /// Knowledge artifacts: publish, flag, list, inbox, lookup, audit.
     #[command(flatten)]
     Knowledge(knowledge::KnowledgeCommand),
@@ -74,6 +81,16 @@ pub(super) struct DeclareArgs {
     target: ModuleArgs,
     #[command(flatten)]
     source: ContractSource,
+}
+
+#[derive(Debug, Args)]
+pub(super) struct ViolationsArgs {
+    /// The worker (delegation id); inside a task, `$AWCP_DELEGATION_ID`.
+    #[arg(long, env = "AWCP_DELEGATION_ID")]
+    worker: String,
+    /// List the reports of every worker of the workspace, not only this one.
+    #[arg(long)]
+    workspace: bool,
 }
 
 #[derive(Debug, Args)]
@@ -292,6 +309,20 @@ pub(super) async fn run(
             }
             Ok(ExitCode::SUCCESS)
         }
+        AecpCommand::Violations(a) => {
+            let list = client.aecp_violations(&a.worker, a.workspace).await?;
+            for v in &list {
+                if json {
+                    println!("{}", serde_json::to_string(v)?);
+                } else {
+                    print_violation(v);
+                }
+            }
+            if !json && list.is_empty() {
+                println!("no violations");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         AecpCommand::Ack(a) => {
             let revision = client
                 .aecp_ack(&ConsumerRequest {
@@ -307,6 +338,46 @@ pub(super) async fn run(
             }
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// One screen report, for people: the file, whether it is held and why, then each broken
+/// constraint.
+fn print_violation(v: &aecp_hooks::store::StoredViolation) {
+    let r = &v.report;
+    let held = if r["held"].as_bool().unwrap_or(false) {
+        "held"
+    } else {
+        "written back, reported"
+    };
+    let cause = r["cause"].as_str().unwrap_or("?");
+    let what = match (cause, r["verdict"].as_str()) {
+        ("contract", Some(verdict)) => format!(
+            "contract revision {}: {verdict}",
+            r["revision"].as_u64().unwrap_or(0)
+        ),
+        _ => "imports a revised module not acknowledged".to_string(),
+    };
+    println!("{} {} ({held}): {what}", v.worker, v.path);
+    for x in r["violations"].as_array().into_iter().flatten() {
+        let line = x["line"]
+            .as_u64()
+            .map_or(String::new(), |l| format!(", line {l}"));
+        println!(
+            "  {} ({}{line}): {}",
+            x["symbol"].as_str().unwrap_or("?"),
+            x["constraint"].as_str().unwrap_or("?"),
+            x["detail"].as_str().unwrap_or("")
+        );
+    }
+    for s in r["stale"].as_array().into_iter().flatten() {
+        println!(
+            "  {} is at revision {}; you acknowledged {}: `awcp-ctl aecp ack --module {}`",
+            s["module"].as_str().unwrap_or("?"),
+            s["revision"].as_u64().unwrap_or(0),
+            s["ackedRevision"].as_u64().unwrap_or(0),
+            s["module"].as_str().unwrap_or("?"),
+        );
     }
 }
 

@@ -55,4 +55,19 @@ impl DaemonClient {
             .await?;
         Ok(v["revision"].as_u64().unwrap_or(0) as u32)
     }
+
+    /// `GET /aecp/violations?worker=[&workspace=true]`: the commit screen's current reports
+    /// of the worker (with `whole_workspace`, of every worker of its workspace).
+    pub async fn aecp_violations(
+        &self,
+        worker: &str,
+        whole_workspace: bool,
+    ) -> Result<Vec<aecp_hooks::store::StoredViolation>, ClientError> {
+        let whole = if whole_workspace { "true" } else { "false" };
+        self.send(
+            self.get_("/aecp/violations")
+                .query(&[("worker", worker), ("workspace", whole)]),
+        )
+        .await
+    }
 }

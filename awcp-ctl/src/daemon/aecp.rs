@@ -32,6 +32,7 @@ use axum::extract::{Query, State};
 use axum::routing::{get, post};
 
 mod contracts;
+mod screen;
 
 pub use contracts::{
     ConsumerRequest, DeclareRequest, DeclareResponse, ShowResponse, StubOutcome, VerifyRequest,
@@ -107,6 +108,9 @@ pub(crate) struct WorkerQuery {
     pub(crate) worker: String,
     #[serde(default)]
     pub(crate) path: Option<String>,
+    /// `GET /aecp/violations`: every worker of the workspace, not only this one.
+    #[serde(default)]
+    pub(crate) workspace: bool,
 }
 
 fn refuse(status: u16, message: impl Into<String>, hint: &str) -> Refusal {
@@ -165,7 +169,7 @@ impl Daemon {
     fn aecp_worker(&self, worker: &str) -> Result<WorkerInfo, Refusal> {
         let d = match self.get_live(worker) {
             Some(l) => l.d.lock().clone(),
-            None => self.store.get(worker).ok().flatten().ok_or_else(|| {
+            None => self.store.get(worker).ok().flatten().map(|r| r.delegation).ok_or_else(|| {
                 refuse(
                     404,
                     format!("unknown worker {worker}"),
@@ -256,6 +260,7 @@ impl Daemon {
                     .unwrap_or_default(),
             );
         }
+        events.extend(self.aecp_install_screen(id, &info.workspace, &export));
         export.aecp().replace(events);
         let store = self.aecp.store.clone();
         let worker = id.to_owned();
@@ -544,6 +549,7 @@ pub(crate) fn routes() -> Router<Arc<Daemon>> {
         .route("/aecp/inbox", get(inbox))
         .route("/aecp/lookup", get(lookup))
         .route("/aecp/audit", get(audit))
+        .route("/aecp/violations", get(violations))
         .merge(contracts::routes())
 }
 
@@ -592,6 +598,13 @@ async fn lookup(
 ) -> Result<Json<Vec<Delivery>>, ApiFailure> {
     let path = q.path.as_deref().unwrap_or("");
     Ok(Json(d.aecp_lookup(&q.worker, path)?))
+}
+
+async fn violations(
+    State(d): State<Arc<Daemon>>,
+    Query(q): Query<WorkerQuery>,
+) -> Result<Json<Vec<aecp_hooks::store::StoredViolation>>, ApiFailure> {
+    Ok(Json(d.aecp_violations(&q.worker, q.workspace)?))
 }
 
 async fn audit(

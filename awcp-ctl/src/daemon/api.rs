@@ -47,6 +47,11 @@ pub struct DelegationView {
     /// How far the setup got: the manifest builds (files and bytes hashed of the total).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<super::progress::ProgressView>,
+    /// On a shared database (`serve --state postgres://…`): the daemon that runs the
+    /// delegation (enforces its lease, follows its Executor). Another daemon's delegations
+    /// are shown here read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// Lease state in [`DelegationView`].
@@ -359,6 +364,9 @@ async fn show(
         },
         transfer,
         progress: Some(live.progress.view()),
+        owner: live
+            .foreign_owner()
+            .or_else(|| d.store.shared().then(|| d.daemon_id.clone())),
     }))
 }
 

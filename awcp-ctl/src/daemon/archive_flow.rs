@@ -332,6 +332,7 @@ impl Daemon {
     /// `POST /delegation/:id/snapshots/:sid/apply`.
     pub(crate) async fn apply_snapshot(&self, id: &str, sid: &str) -> Result<ApplyReport, Refusal> {
         let live = self.get_live(id).ok_or_else(|| not_found(id))?;
+        self.check_owned(&live)?;
         if live.d.lock().transport == TransportType::Awcpfs {
             let report = self.apply_staged(&live, sid).await?;
             Self::update_snapshot(&live, sid, |s| {
@@ -407,6 +408,7 @@ impl Daemon {
     /// `POST /delegation/:id/snapshots/:sid/discard`.
     pub(crate) fn discard_snapshot(&self, id: &str, sid: &str) -> Result<(), Refusal> {
         let live = self.get_live(id).ok_or_else(|| not_found(id))?;
+        self.check_owned(&live)?;
         if live.d.lock().transport == TransportType::Awcpfs {
             self.discard_staged(&live, sid)?;
         }

@@ -29,6 +29,7 @@ impl Daemon {
             code: None,
             hint: None,
         })?;
+        self.check_owned(&live)?;
         let (state, peer, resources, token) = {
             let d = live.d.lock();
             (

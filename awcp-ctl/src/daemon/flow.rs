@@ -293,6 +293,7 @@ impl Daemon {
             exports: Mutex::new(exports.into_iter().map(|e| e.export).collect()),
             seen_renewals: Default::default(),
             progress,
+            owner: Mutex::new(None),
         });
         self.live
             .lock()
@@ -547,7 +548,7 @@ impl Daemon {
 
     /// Follow the Executor's task events until a terminal one, reconnecting with
     /// `Last-Event-ID` if the stream breaks.
-    async fn pump(
+    pub(crate) async fn pump(
         self: Arc<Self>,
         live: Arc<Live>,
         executor_url: String,
@@ -558,7 +559,8 @@ impl Daemon {
         let mut resp = first;
         let mut failures = 0u32;
         loop {
-            if live.d.lock().record.state.is_terminal() {
+            // Over, or taken over by another daemon (which follows the stream now).
+            if live.d.lock().record.state.is_terminal() || live.is_foreign() {
                 return;
             }
             let r = match resp.take() {
@@ -588,6 +590,9 @@ impl Daemon {
             loop {
                 match reader.next().await {
                     Ok(Some(ev)) => {
+                        if live.is_foreign() {
+                            return; // Taken over: the new owner follows the stream.
+                        }
                         failures = 0;
                         if ev.id.is_some() {
                             live.d.lock().last_event_id = ev.id.clone();
@@ -614,7 +619,7 @@ impl Daemon {
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        if !live.d.lock().record.state.is_terminal() {
+        if !live.d.lock().record.state.is_terminal() && !live.is_foreign() {
             live.d.lock().record.error = Some(ErrorInfo {
                 code: ErrorCode::SseFailed,
                 message: "the executor's event stream ended before the task did".into(),
@@ -717,6 +722,7 @@ impl Daemon {
             code: None,
             hint: Some("`awcp-ctl status` lists the delegations this daemon knows".into()),
         })?;
+        self.check_owned(&live)?;
         let state = live.d.lock().record.state;
         if state.is_terminal() {
             return Err(Refusal {
@@ -828,6 +834,7 @@ impl Daemon {
             code: None,
             hint: None,
         })?;
+        self.check_owned(&live)?;
         live.lease.renew(ttl).map_err(|e| Refusal {
             status: 400,
             message: e.to_string(),
@@ -863,9 +870,10 @@ impl Daemon {
     }
 
     /// End the delegation when its lease runs out.
-    async fn watch_expiry(self: Arc<Self>, live: Arc<Live>) {
+    pub(crate) async fn watch_expiry(self: Arc<Self>, live: Arc<Live>) {
         loop {
-            if live.d.lock().record.state.is_terminal() {
+            // Over, or taken over by another daemon (which watches it now).
+            if live.d.lock().record.state.is_terminal() || live.is_foreign() {
                 return;
             }
             self.record_renewals(&live);
@@ -934,42 +942,77 @@ impl Daemon {
         .await??)
     }
 
+    /// What was left of a stored delegation's lease (zero when it has run out or none was
+    /// granted).
+    pub(crate) fn remaining_of(d: &StoredDelegation) -> Duration {
+        d.record
+            .active_lease
+            .as_ref()
+            .and_then(|l| chrono::DateTime::parse_from_rfc3339(&l.expires_at).ok())
+            .map(|t| {
+                (t.with_timezone(&chrono::Utc) - chrono::Utc::now())
+                    .to_std()
+                    .unwrap_or_default()
+            })
+            .unwrap_or_default()
+    }
+
+    /// A stored delegation's lease, rebuilt: its TTL what was granted (renewals extend by
+    /// it), its deadline the stored expiry.
+    pub(crate) fn restored_lease(&self, d: &StoredDelegation) -> Arc<Lease> {
+        let granted_ttl = Duration::from_secs(d.record.lease_config.ttl_seconds.max(1));
+        let lease = Arc::new(Lease::grant(
+            Arc::new(SystemClock::new()),
+            LeaseTerms {
+                ttl: granted_ttl,
+                max_ttl: self.cfg.max_ttl,
+                flush_grace: self.cfg.flush_grace,
+            },
+        ));
+        let _ = lease.renew(Self::remaining_of(d));
+        lease.limit_renewals(self.cfg.max_lease);
+        lease
+    }
+
     /// Reload persisted delegations: ended ones for history, live ones with their exports
     /// and lease restored (an expired lease ends them).
     pub(crate) async fn restore(self: &Arc<Self>) {
-        let all = match self.store.all() {
-            Ok(all) => all,
+        let store = self.clone();
+        let rows = match tokio::task::spawn_blocking(move || store.store.changed_since(0)).await {
+            Ok(Ok(rows)) => rows,
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot read persisted delegations");
+                return;
+            }
             Err(e) => {
                 tracing::error!(error = %e, "cannot read persisted delegations");
                 return;
             }
         };
-        for d in all {
-            let id = d.record.id.as_str().to_string();
-            let remaining = d
+        let mut rows = rows;
+        rows.sort_by(|a, b| {
+            a.delegation
                 .record
-                .active_lease
-                .as_ref()
-                .and_then(|l| chrono::DateTime::parse_from_rfc3339(&l.expires_at).ok())
-                .map(|t| {
-                    (t.with_timezone(&chrono::Utc) - chrono::Utc::now())
-                        .to_std()
-                        .unwrap_or_default()
-                })
-                .unwrap_or_default();
-            // The lease's own TTL stays what was granted (renewals extend by it); its
-            // deadline is what was left when the daemon stopped.
-            let granted_ttl = Duration::from_secs(d.record.lease_config.ttl_seconds.max(1));
-            let lease = Arc::new(Lease::grant(
-                Arc::new(SystemClock::new()),
-                LeaseTerms {
-                    ttl: granted_ttl,
-                    max_ttl: self.cfg.max_ttl,
-                    flush_grace: self.cfg.flush_grace,
-                },
-            ));
-            let _ = lease.renew(remaining);
-            lease.limit_renewals(self.cfg.max_lease);
+                .created_at
+                .cmp(&b.delegation.record.created_at)
+        });
+        for row in rows {
+            self.seen_version
+                .fetch_max(row.version, std::sync::atomic::Ordering::SeqCst);
+            // Another daemon's (on a shared database): a read-only copy, until that daemon
+            // lapses and this one takes it over.
+            if row
+                .owner
+                .as_deref()
+                .is_some_and(|o| o != self.daemon_id && self.store.shared())
+            {
+                self.refresh_foreign(row);
+                continue;
+            }
+            let d = row.delegation;
+            let id = d.record.id.as_str().to_string();
+            let remaining = Self::remaining_of(&d);
+            let lease = self.restored_lease(&d);
             let terminal = d.record.state.is_terminal();
             if terminal {
                 lease.revoke(false);
@@ -1005,6 +1048,7 @@ impl Daemon {
                     p.set_phase(if terminal { "ended" } else { "started" });
                     p
                 },
+                owner: Mutex::new(None),
             });
             self.live.lock().insert(id.clone(), live.clone());
             self.aecp_attach(&id);

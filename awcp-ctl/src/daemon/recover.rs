@@ -42,6 +42,7 @@ impl Daemon {
         let live = self
             .get_live(id)
             .ok_or_else(|| refuse(404, format!("Unknown delegation: {id}"), None))?;
+        self.check_owned(&live)?;
         let (state, lost, peer, token, had_snapshot) = {
             let d = live.d.lock();
             let lost = d.record.state == DelegationState::Error

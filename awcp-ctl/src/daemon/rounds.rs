@@ -137,6 +137,7 @@ impl Daemon {
         let live = self
             .get_live(id)
             .ok_or_else(|| plain(format!("Unknown delegation: {id}")))?;
+        self.check_owned(&live)?;
         let state = live.d.lock().record.state;
         if state != DelegationState::Idle {
             return Err(plain(format!(

@@ -210,9 +210,7 @@ impl Daemon {
         if updated {
             let snapshot = d.clone();
             drop(d);
-            if let Err(e) = self.store.put(&snapshot) {
-                tracing::error!(error = %e, "persisting a delegation failed");
-            }
+            self.persist(live, &snapshot);
         }
     }
 
@@ -249,9 +247,7 @@ impl Daemon {
             });
             let snapshot = d.clone();
             drop(d);
-            if let Err(e) = self.store.put(&snapshot) {
-                tracing::error!(error = %e, "persisting a delegation failed");
-            }
+            self.persist(live, &snapshot);
         }
         Some(stage)
     }

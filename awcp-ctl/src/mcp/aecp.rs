@@ -1,5 +1,5 @@
 //! The AECP tools of `awcp-ctl mcp`: `aecp_publish`, `aecp_flag`, `aecp_lookup`,
-//! `aecp_inbox`. Deliveries come back in the one fixed template (id, scope, status,
+//! `aecp_inbox`, `aecp_violations`. Deliveries come back in the one fixed template (id, scope, status,
 //! producer, claim) as JSON: data, never instructions.
 
 use rmcp::handler::server::wrapper::Parameters;
@@ -57,6 +57,15 @@ pub struct InboxArgs {
     pub worker: String,
 }
 
+/// `aecp_violations`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct ViolationsArgs {
+    /// The worker.
+    pub worker: String,
+    /// Every worker of the workspace, not only this one (default false).
+    pub workspace: Option<bool>,
+}
+
 #[tool_router(router = aecp_router, vis = "pub(super)")]
 impl AwcpMcp {
     #[tool(description = "AECP: publish a finding about a scope, optionally with a witness")]
@@ -88,6 +97,17 @@ impl AwcpMcp {
     #[tool(description = "AECP: the findings that apply to a path (looking is not a delivery)")]
     async fn aecp_lookup(&self, Parameters(a): Parameters<LookupArgs>) -> CallToolResult {
         answer(self.client.aecp_lookup(&a.worker, &a.path).await)
+    }
+
+    #[tool(
+        description = "AECP: the commit screen's current reports on this worker's write-backs: files held because they break their module's contract (symbol, constraint, line) or import a revised module not acknowledged, and leftover stubs; fix the file on the mount (or acknowledge) and it is written back"
+    )]
+    async fn aecp_violations(&self, Parameters(a): Parameters<ViolationsArgs>) -> CallToolResult {
+        answer(
+            self.client
+                .aecp_violations(&a.worker, a.workspace.unwrap_or(false))
+                .await,
+        )
     }
 
     #[tool(description = "AECP: the findings this worker has received")]

@@ -37,7 +37,11 @@ use std::fs::File;
 use std::io::{self, Seek, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, validate_rel_path};
+use std::sync::Arc;
+
+use awcp_protocol::dataplane::{
+    Change, ChangeSet, CommitResult, Conflict, Held, validate_rel_path,
+};
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat, readlinkat, renameat};
 use nix::sys::stat::{
@@ -49,6 +53,7 @@ use nix::unistd::{UnlinkatFlags, fsync, linkat, symlinkat, syncfs, unlinkat};
 use super::Export;
 use super::error::ApiError;
 use super::rootfs::{FsError, NodeKind, RootDir, hash_file_at, kind_at, open_file_at, os};
+use super::screen::{CommitScreen, MAX_SCREENED_BYTES, Screening, Watched};
 use super::store::{BlockHash, BlockLoc, TMP_PREFIX, hash_hex, parse_hash, tmp_name};
 
 /// How many commit results are remembered for idempotent retries. A mount re-sends only
@@ -261,8 +266,17 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
     let tag = conflict_tag(&cs.commit_id);
     let mut applied = 0u64;
     let mut conflicts = Vec::new();
+    let mut held: Vec<Held> = Vec::new();
     let mut written: Vec<Written> = Vec::new();
+    let screen = screening(export, &cs.changes);
     for (i, change) in cs.changes.iter().enumerate() {
+        if let (Some(sc), Some(s)) = (&screen, staged.get(&i))
+            && let Some(h) = screen_write(export, sc, change, s)
+        {
+            tracing::warn!(export = %export.id, commit = %cs.commit_id, path = %h.path, reason = %h.reason, "write held by the commit screen");
+            held.push(h);
+            continue;
+        }
         let outcome = match change {
             Change::Write { .. } => match staged.get_mut(&i) {
                 Some(s) => apply_write(root, change, s, &tag, &mut written, &mut durable),
@@ -324,19 +338,90 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
         super::Stats::add(&export.stats.bytes_written, *size);
     }
     drop(index);
-    let seq = export.feed.note_commit(root, &cs.changes, &conflicts);
+    // Held paths are unchanged on the export: nothing to describe to mounts there.
+    let unchanged: Vec<Conflict> = conflicts
+        .iter()
+        .cloned()
+        .chain(held.iter().map(|h| Conflict {
+            path: h.path.clone(),
+            reason: h.reason.clone(),
+            kept_as: None,
+        }))
+        .collect();
+    let seq = export.feed.note_commit(root, &cs.changes, &unchanged);
     for h in &hidden {
         tracing::warn!(export = %export.id, path = %h.path, "a change to a hidden path was not written");
     }
     conflicts.extend(hidden);
     super::Stats::add(&export.stats.commits, 1);
-    tracing::info!(export = %export.id, commit = %cs.commit_id, applied, conflicts = conflicts.len(), "commit applied");
+    tracing::info!(export = %export.id, commit = %cs.commit_id, applied, conflicts = conflicts.len(), held = held.len(), "commit applied");
     Ok(CommitResult {
         commit_id: cs.commit_id.clone(),
         applied,
         conflicts,
         seq: Some(seq),
+        held,
     })
+}
+
+/// The export's screen, its worker and what it watches in this commit; `None` when there is
+/// no screen, the commit writes nothing, or the screen watches nothing.
+fn screening(export: &Export, changes: &[Change]) -> Option<ScreenRound> {
+    if !changes.iter().any(|c| matches!(c, Change::Write { .. })) {
+        return None;
+    }
+    let (worker, screen) = export.screen()?;
+    let watched = screen.watched(&worker);
+    (!watched.is_empty()).then_some((worker, screen, watched))
+}
+
+/// A screen's state for one commit: its worker, itself, what it watches.
+type ScreenRound = (String, Arc<dyn CommitScreen>, Watched);
+
+/// Asks the screen about one staged write it watches; `Some` when it holds it. A staged file
+/// that cannot be read, or is larger than [`MAX_SCREENED_BYTES`], passes (with a warning):
+/// the screen checks modules, it never loses a write.
+fn screen_write(
+    export: &Export,
+    (worker, screen, watched): &ScreenRound,
+    change: &Change,
+    staged: &Staged,
+) -> Option<Held> {
+    let Change::Write { path, .. } = change else {
+        return None;
+    };
+    if !watched.covers(path) {
+        return None;
+    }
+    if staged.size > MAX_SCREENED_BYTES {
+        tracing::warn!(export = %export.id, path = %path, size = staged.size, "a screened file is too large to check: applied unscreened");
+        return None;
+    }
+    let read = open_file_at(staged.dir.as_fd(), &os(&staged.name), path).and_then(|mut f| {
+        let mut buf = Vec::with_capacity(staged.size as usize);
+        io::Read::read_to_end(&mut f, &mut buf)
+            .map(|_| buf)
+            .map_err(|e| FsError::Io {
+                op: "read",
+                path: path.clone(),
+                source: e,
+            })
+    });
+    let content = match read {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(export = %export.id, path = %path, error = %e, "cannot read a staged file for the screen: applied unscreened");
+            return None;
+        }
+    };
+    match screen.screen(worker, path, &content) {
+        Screening::Pass => None,
+        Screening::Hold { reason, report } => Some(Held {
+            path: path.clone(),
+            reason,
+            report,
+        }),
+    }
 }
 
 /// The changes of `cs` the export shows, and a conflict for each one it hides.
@@ -1312,6 +1397,7 @@ mod tests {
                 applied: i as u64,
                 conflicts: vec![],
                 seq: None,
+                held: Vec::new(),
             });
         }
         assert!(log.find("c0").is_none());
@@ -1328,6 +1414,7 @@ mod tests {
             applied: i as u64,
             conflicts: vec![],
             seq: Some(i as u64),
+            held: Vec::new(),
         };
         // Bounded at 8 here (4,096 in use): each result is synced to disk.
         let cap = 8;

@@ -280,6 +280,7 @@ impl ChangeStage {
                 applied: 0,
                 conflicts: Vec::new(),
                 seq: None,
+                held: Vec::new(),
             }
         } else {
             commit::run_live(export, &plan).map_err(|e| StageError::Commit {
@@ -387,6 +388,7 @@ impl ChangeStage {
             conflicts: hidden,
             // Nothing reached the tree: staged changes leave the change feed alone.
             seq: Some(export.feed.seq()),
+            held: Vec::new(),
         })
     }
 

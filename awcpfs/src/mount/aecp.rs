@@ -109,6 +109,12 @@ impl MountAecp {
         self.hook.apply(event)
     }
 
+    /// The paths the export released from holding since the last call (the syncer sends
+    /// them again).
+    pub fn take_released(&self) -> Vec<String> {
+        self.hook.take_released()
+    }
+
     /// The virtual inodes handed out (to invalidate their cached content).
     pub fn virtual_inodes(&self) -> Vec<u64> {
         self.virt.lock().by_ino.keys().copied().collect()
@@ -461,7 +467,16 @@ pub fn report(
                 clients.push(c);
             }
         }
+        // Violation reports (held write-backs) go to the socket as they are, not as
+        // deliveries (nothing to report back).
+        let lines = fs.aecp().hook.take_lines();
+        for line in &lines {
+            clients.retain_mut(|c| c.write_all(line.as_bytes()).is_ok());
+        }
         let batch: Vec<Note> = notes.try_iter().collect();
+        if !lines.is_empty() && batch.is_empty() {
+            invalidate();
+        }
         if !batch.is_empty() {
             for n in &batch {
                 let line = n.delivery.to_line();

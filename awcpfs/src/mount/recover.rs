@@ -96,6 +96,9 @@ pub struct RecoveryReport {
     pub files_written: usize,
     /// Conflicts the export reported (both versions kept there).
     pub conflicts: Vec<Conflict>,
+    /// Writes the export's commit screen held: not written back, so the state directory
+    /// is kept (a later recovery sends them again).
+    pub held: Vec<awcp_protocol::dataplane::Held>,
 }
 
 /// A mount rebuilt from its state directory: the saved manifest with the journal replayed
@@ -208,7 +211,15 @@ pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryRepo
         let r = syncer
             .round(true)
             .map_err(|source| RecoverError::Sync { source })?;
+        report.held.extend(r.held);
         if r.changes == 0 {
+            let held = syncer.held_paths();
+            if !held.is_empty() {
+                // Held by the Delegator's commit screen: not written back, so the state
+                // directory keeps them (never removed with the logs).
+                report.held.retain(|h| held.contains(&h.path));
+                return Ok(report);
+            }
             remove_logs(state_dir);
             let _ = std::fs::remove_dir_all(&upper_dir);
             return Ok(report);
@@ -255,6 +266,7 @@ impl Remote for Capture {
             applied: changes.changes.len() as u64,
             conflicts: Vec::new(),
             seq: None,
+            held: Vec::new(),
         })
     }
     fn events(

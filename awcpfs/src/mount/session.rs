@@ -904,7 +904,18 @@ impl Mount {
         let deadline = Instant::now() + budget;
         loop {
             match self.inner.syncer.round(true) {
-                Ok(r) if r.changes == 0 => return true,
+                Ok(r) if r.changes == 0 => {
+                    // A file the Delegator's commit screen holds is not written back: it
+                    // stays in the state directory like any unsynced change.
+                    let held = self.inner.syncer.held_paths();
+                    if !held.is_empty() {
+                        tracing::error!(
+                            ?held,
+                            "write-backs held by the Delegator's commit screen are kept in the state directory"
+                        );
+                    }
+                    return held.is_empty();
+                }
                 Ok(_) => {}
                 Err(e) => {
                     self.inner.fs.stats.add_sync_error(e.to_string());
@@ -927,8 +938,17 @@ impl Mount {
     /// path it binds (and forget the `.aecp/` contents it read).
     fn apply_aecp(&self, event: serde_json::Value) {
         let path = self.inner.fs.aecp().apply(event);
+        self.release_held(self.inner.fs.aecp().take_released());
         if let Some(s) = self.inner.session.lock().as_ref() {
             super::aecp::invalidate(&self.inner.fs, &s.notifier(), path.as_deref());
+        }
+    }
+
+    /// The export released held write-backs: send them again soon.
+    fn release_held(&self, paths: Vec<String>) {
+        if !paths.is_empty() {
+            self.inner.syncer.release(&paths);
+            self.inner.signal.request();
         }
     }
 

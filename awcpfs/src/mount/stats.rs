@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 use serde::Serialize;
 
-use awcp_protocol::dataplane::Conflict;
+use awcp_protocol::dataplane::{Conflict, Held};
 
 /// The FUSE operations counted, by name (the `fuser::Filesystem` method names).
 pub const OPS: [&str; 30] = [
@@ -63,6 +63,8 @@ pub struct Stats {
     files_packed: AtomicU64,
     bytes_packed: AtomicU64,
     conflicts: Mutex<Vec<Conflict>>,
+    /// Writes held by the export's commit screen, by path (the latest answer for each).
+    held: Mutex<BTreeMap<String, Held>>,
     last_sync_error: Mutex<Option<String>>,
     /// Set while write-back fails: from a failed sync round until one succeeds.
     sync_failing: std::sync::atomic::AtomicBool,
@@ -131,6 +133,11 @@ pub struct StatsSnapshot {
     pub ops: BTreeMap<String, u64>,
     /// Changes the export kept beside instead of applying.
     pub conflicts: Vec<Conflict>,
+    /// Files whose write-back the export's commit screen holds now (an AECP contract they
+    /// break, or a revised module they import that this worker has not acknowledged): they
+    /// stay on the mount and are sent again when they change.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held: Vec<Held>,
     /// The last sync failure, if the last round failed.
     pub last_sync_error: Option<String>,
 }
@@ -150,6 +157,26 @@ impl Stats {
         self.conflicts.lock().extend_from_slice(conflicts);
         *self.last_sync_error.lock() = None;
         self.sync_failing.store(false, Ordering::Relaxed);
+    }
+
+    /// A commit's answer: `held` are held now; `written` (paths the commit changed and the
+    /// export did not hold) are not any more.
+    pub fn note_held(&self, held: &[Held], written: &[&str]) {
+        let mut h = self.held.lock();
+        for p in written {
+            h.remove(*p);
+        }
+        for x in held {
+            h.insert(x.path.clone(), x.clone());
+        }
+    }
+
+    /// Forget holds on `paths` (released by the export).
+    pub fn release_held(&self, paths: &[String]) {
+        let mut h = self.held.lock();
+        for p in paths {
+            h.remove(p);
+        }
     }
 
     /// A sync round succeeded: write-back works (again). True if it was failing.
@@ -252,6 +279,7 @@ impl Stats {
                 .filter(|(_, n)| *n > 0)
                 .collect(),
             conflicts: self.conflicts.lock().clone(),
+            held: self.held.lock().values().cloned().collect(),
             last_sync_error: self.last_sync_error.lock().clone(),
         }
     }

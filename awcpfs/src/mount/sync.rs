@@ -39,7 +39,9 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, Conflict, EntryKind, Manifest};
+use awcp_protocol::dataplane::{
+    Change, ChangeSet, CommitResult, Conflict, EntryKind, Held, Manifest,
+};
 
 use super::fs::AwcpFs;
 use super::inode::{Data, Dirty, Hash, Ino, Kind, Node, time_to_ns};
@@ -385,8 +387,12 @@ pub struct RoundReport {
     pub files_written: usize,
     /// Conflicts the export reported.
     pub conflicts: Vec<Conflict>,
+    /// Writes the export's commit screen held (kept on the mount, not applied).
+    pub held: Vec<Held>,
     /// Files skipped because they are still open for writing.
     pub pending_open: usize,
+    /// Files not sent because the export held exactly their content before.
+    pub held_unchanged: usize,
     /// Paths compared with what the export has (what changed since the last round, or
     /// the whole tree after a journal replay).
     pub compared: usize,
@@ -512,6 +518,10 @@ pub struct Syncer {
     /// The commit sent whose answer has not come (also in `synced.log`). Taken after
     /// `synced`.
     pending: Mutex<Option<PendingCommit>>,
+    /// Writes the export held (path → the content hash it held): not sent again while the
+    /// file keeps that content, sent again once it changes or the export releases the path
+    /// ([`Syncer::release`]). The export still has the state in `synced` there.
+    held: Mutex<HashMap<String, Hash>>,
     log: Option<SyncedLog>,
     seq: AtomicU64,
     instance: String,
@@ -550,6 +560,7 @@ impl Syncer {
             synced: Mutex::new(base.0),
             seen: Mutex::new(BTreeMap::new()),
             pending: Mutex::new(None),
+            held: Mutex::new(HashMap::new()),
             log: None,
             seq: AtomicU64::new(0),
             instance: hex::encode(rand::random::<[u8; 8]>()),
@@ -778,6 +789,7 @@ impl Syncer {
                         .filter(|c| matches!(c, Change::Write { .. }))
                         .count();
                     report.conflicts.splice(0..0, r.conflicts);
+                    report.held.splice(0..0, r.held);
                 }
                 // Skipped (open for writing) or vanished under the round: compare them again.
                 if !again.is_empty() {
@@ -949,6 +961,13 @@ impl Syncer {
                     } else {
                         None
                     };
+                    let unchanged = matches!(old, Some(Synced::File { hash: h, .. }) if *h == hash);
+                    if !unchanged && self.is_held(path, &hash) {
+                        // The export held exactly this content: not again until it changes
+                        // (or the export releases it).
+                        report.held_unchanged += 1;
+                        continue;
+                    }
                     let base = match old {
                         Some(Synced::File {
                             hash: h,
@@ -1159,6 +1178,7 @@ impl Syncer {
         let nexts = split_next(&chunks, next);
         let mut files_written = 0;
         let mut conflicts: Vec<Conflict> = Vec::new();
+        let mut held: Vec<Held> = Vec::new();
         for (changes, next) in chunks.into_iter().zip(nexts) {
             let seq = self.seq.fetch_add(1, Ordering::Relaxed);
             let pending = PendingCommit {
@@ -1176,6 +1196,7 @@ impl Syncer {
                 .count();
             let r = self.send_commit(synced, pending)?;
             conflicts.extend(r.conflicts);
+            held.extend(r.held);
         }
         for conflict in &conflicts {
             tracing::warn!(path = %conflict.path, reason = %conflict.reason,
@@ -1206,6 +1227,7 @@ impl Syncer {
             .stats
             .add_commit(report.files_written as u64, uploaded, &conflicts);
         report.conflicts = conflicts;
+        report.held = held;
         tracing::debug!(
             changes = report.changes,
             files = report.files_written,
@@ -1291,13 +1313,23 @@ impl Syncer {
         pending: &PendingCommit,
         r: &CommitResult,
     ) {
+        // A held path keeps the export's state: the records of what the commit would have
+        // left there are not applied, so the file stays a local change of the mount.
+        let held: HashSet<&str> = r.held.iter().map(|h| h.path.as_str()).collect();
+        let next: Vec<SyncedRecord> = pending
+            .next
+            .iter()
+            .filter(|rec| !held.contains(rec.path.as_str()))
+            .cloned()
+            .collect();
         if let Some(log) = &self.log
-            && let Err(e) = log.append_resolved(&pending.next, &pending.set.commit_id)
+            && let Err(e) = log.append_resolved(&next, &pending.set.commit_id)
         {
             // Recovery would send the commit again; the export answers it from its log.
             tracing::warn!(error = %e, "cannot append to synced.log");
         }
-        for rec in &pending.next {
+        self.note_held(pending, r);
+        for rec in &next {
             match &rec.state {
                 Some(s) => synced.insert(rec.path.clone(), s.clone()),
                 None => synced.remove(&rec.path),
@@ -1309,7 +1341,7 @@ impl Syncer {
             let conflicted: HashSet<&str> = r.conflicts.iter().map(|c| c.path.as_str()).collect();
             let mut seen = self.seen.lock();
             for c in &pending.set.changes {
-                if !conflicted.contains(c.path()) {
+                if !conflicted.contains(c.path()) && !held.contains(c.path()) {
                     super::upstream::note_seen(&mut seen, c.path(), seq);
                 }
             }
@@ -1321,6 +1353,68 @@ impl Syncer {
         {
             *slot = None;
         }
+    }
+
+    /// Remember what the export held in answer to `pending` (and forget holds on the paths
+    /// it wrote), and keep the mount's status in step.
+    fn note_held(&self, pending: &PendingCommit, r: &CommitResult) {
+        let mut held = self.held.lock();
+        for c in &pending.set.changes {
+            match c {
+                Change::Write { path, hash, .. } if r.held.iter().any(|h| h.path == *path) => {
+                    held.insert(path.clone(), super::inode::hash_from_hex(hash));
+                }
+                // Written, removed or replaced: whatever was held there is not any more.
+                other => {
+                    held.remove(other.path());
+                }
+            }
+        }
+        drop(held);
+        for h in &r.held {
+            tracing::warn!(path = %h.path, reason = %h.reason,
+                "write-back held by the Delegator's commit screen: the file stays on this mount and is sent again when it changes");
+        }
+        let written: Vec<&str> = pending
+            .set
+            .changes
+            .iter()
+            .map(Change::path)
+            .filter(|p| !r.held.iter().any(|h| h.path == *p))
+            .collect();
+        self.fs.stats.note_held(&r.held, &written);
+    }
+
+    /// Whether the export held exactly this content at `path`.
+    fn is_held(&self, path: &str, hash: &Hash) -> bool {
+        self.held.lock().get(path) == Some(hash)
+    }
+
+    /// The paths whose last write the export held (nothing of the mount's has been applied
+    /// there since): while there are any, the mount's changes are not all written back.
+    pub fn held_paths(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.held.lock().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// The export released held `paths` (the reason for holding them is gone): forget the
+    /// holds and compare them at the next round, which sends them again.
+    pub fn release(&self, paths: &[String]) {
+        if paths.is_empty() {
+            return;
+        }
+        let mut held = self.held.lock();
+        let mut table = self.fs.table.lock();
+        for p in paths {
+            if held.remove(p).is_some() {
+                tracing::info!(path = %p, "a held write-back was released: sending it again");
+            }
+            table.mark_path(p);
+        }
+        drop(table);
+        drop(held);
+        self.fs.stats.release_held(paths);
     }
 
     /// Forget the pending commit `id`: the export refused it without applying it.

@@ -382,10 +382,13 @@ impl Daemon {
     /// `POST /aecp/contracts/ack`: a consumer acknowledges the newest revision.
     pub(crate) fn aecp_ack(&self, req: ConsumerRequest) -> Result<u32, Refusal> {
         let (workspace, _, stored) = self.aecp_contract(&req.worker, &req.module)?;
-        self.aecp
+        let revision = self
+            .aecp
             .store
             .ack(&workspace, &stored.module, &req.worker)
-            .map_err(store_err)
+            .map_err(store_err)?;
+        self.aecp_after_ack(&workspace, &req.worker);
+        Ok(revision)
     }
 }
 
