@@ -421,7 +421,9 @@ impl HttpRemote {
         blocks: &[Upload<'a>],
     ) -> Result<Vec<Upload<'a>>, RemoteError> {
         let all = || blocks.to_vec();
-        if blocks.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF {
+        // Only once a `/locate` said the export has a tier: a mount of an export without
+        // one writes back exactly as before, without a request more.
+        if blocks.is_empty() || self.tier.load(Ordering::Relaxed) != TIER_ON {
             return Ok(all());
         }
         let hashes: Vec<String> = blocks.iter().map(|(h, _)| hex::encode(h)).collect();
