@@ -47,6 +47,15 @@ usage: bash scripts/bench.sh [options]
   --cell-budget S     stop repeating a cell once its runs took this long, keeping the
                       samples so far (default 300; 60 with --quick); the table marks
                       cells with fewer than --runs samples
+  --fleet N           instead of the workloads above: fleet mode. One Delegator, N Executors
+                      (separate `awcp-ctl executor` processes and state dirs, no block
+                      cache), all delegated one synthetic workspace of --files files of
+                      4 KiB; each agent reads every file. Side by side: 1 Executor alone,
+                      N without the block tier, N with it on a cold store, N on the warm
+                      store (a second delegation). Reports the bytes the Delegator's
+                      process sent vs those the store served, and the time until every
+                      Executor had hydrated vs one alone. Starts s3s-fs on loopback
+                      (installs it with cargo when missing). See docs/SCALING.md
   -h, --help          this text
 EOF
 }
@@ -55,7 +64,7 @@ T_START=$SECONDS
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HELPERS=$REPO_DIR/scripts/bench
 
-FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0
+FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0 FLEET=
 SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET= IDLE_WAIT= MOUNT_OPTS=
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
@@ -81,6 +90,7 @@ while [[ $# -gt 0 ]]; do
         --cell-budget) need_arg "$@"; CELL_BUDGET=$2; shift ;;
         --idle-wait) need_arg "$@"; IDLE_WAIT=$2; shift ;;
         --mount-opts) need_arg "$@"; MOUNT_OPTS=$2; shift ;;
+        --fleet) need_arg "$@"; FLEET=$2; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "bench: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -107,6 +117,25 @@ else
     WORKLOADS=("${ALL_WORKLOADS[@]}")
 fi
 wants() { [[ " ${WORKLOADS[*]} " == *" $1 "* ]]; }
+
+# Fleet mode (--fleet N): its own harness (tests/src/bin/awcp-fleet.rs), then done.
+if [[ -n $FLEET ]]; then
+    [[ $FLEET =~ ^[1-9][0-9]*$ ]] || { echo "bench: --fleet must be a positive integer" >&2; exit 2; }
+    [[ $(s3s-fs --version 2>/dev/null) == "s3s-fs 0.14.1" ]] ||
+        cargo install --locked s3s-fs --version 0.14.1 --features binary ||
+        { echo "bench: cannot install s3s-fs" >&2; exit 1; }
+    FLEET_BIN=${BIN_DIR:-${CARGO_TARGET_DIR:-$REPO_DIR/target}/release}
+    if [[ -z $BIN_DIR ]]; then
+        (cd "$REPO_DIR" && timeout 3600 cargo build --release -q -p awcp-ctl -p awcp-tests --bin awcp-ctl --bin awcp-fleet) ||
+            { echo "bench: cargo build failed" >&2; exit 1; }
+    fi
+    mkdir -p "$OUT_DIR"
+    FLEET_OUT=$OUT_DIR/fleet-$(date +%Y%m%d-%H%M%S).md
+    AWCP_CTL_BIN=$FLEET_BIN/awcp-ctl "$FLEET_BIN/awcp-fleet" --executors "$FLEET" --files "$FILES" \
+        ${WORK:+--work "$WORK"} | tee "$FLEET_OUT"
+    echo "bench: fleet results in $FLEET_OUT" >&2
+    exit "${PIPESTATUS[0]}"
+fi
 
 # ---------------------------------------------------------------------------------------------
 # logging and process bookkeeping

@@ -292,6 +292,21 @@ struct ServeArgs {
     /// `--sensitive ''` turns the check off.
     #[arg(long)]
     sensitive: Vec<String>,
+    /// Block tier: keep every delegated block, once, in an S3-compatible object store
+    /// (AWS S3, MinIO, Garage, Ceph RGW, s3s-fs) at `s3://bucket/prefix`, and let Executors
+    /// fetch content from there through short-lived presigned URLs instead of from this
+    /// process (and write new blocks back through it, verified here before use). Endpoint,
+    /// region and credentials come from the usual AWS variables:
+    /// AWS_ENDPOINT_URL (a non-AWS store), AWS_REGION, AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ALLOW_HTTP=true (an http:// endpoint),
+    /// or web-identity/container/instance credentials. The Executors never get these keys.
+    /// See docs/SCALING.md, "Block tier".
+    #[arg(long, value_name = "s3://BUCKET/PREFIX")]
+    blocks: Option<String>,
+    /// Block tier: how long a presigned URL stays valid. Never longer than the lease's
+    /// flush grace (10 s), so a revoke ends access to the store within the grace.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, requires = "blocks")]
+    blocks_url_ttl: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -690,6 +705,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if !a.sensitive.is_empty() {
                 cfg.sensitive = a.sensitive.into_iter().filter(|s| !s.is_empty()).collect();
             }
+            cfg.blocks = a.blocks.map(|url| awcpfs::export::tier::BlockTierConfig {
+                url,
+                url_ttl: a.blocks_url_ttl,
+                options: Vec::new(),
+            });
             let running = awcp_ctl::daemon::start(cfg).await?;
             if cli.json {
                 println!(

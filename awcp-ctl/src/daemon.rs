@@ -101,6 +101,9 @@ pub struct DaemonConfig {
     /// AECP witnesses may run on this machine, in the named sandbox (only `netns`: a new
     /// network namespace). `None`: they run on the worker's Executor only.
     pub aecp_local_witness: Option<String>,
+    /// The block tier (`serve --blocks s3://…`): blocks in an object store, fetched by
+    /// Executors through presigned URLs. `None`: the export serves every block itself.
+    pub blocks: Option<awcpfs::export::tier::BlockTierConfig>,
     /// Where delegations are kept: `None` for `delegator.db` (SQLite) in `state_dir`, or a
     /// `postgres://user:pass@host:port/db` URL shared with other daemons.
     pub state: Option<String>,
@@ -147,6 +150,7 @@ impl DaemonConfig {
             aecp_hold_stale: false,
             idle_timeout: Duration::from_secs(300),
             default_transport: None,
+            blocks: None,
             state: None,
             failover_after: Duration::from_secs(15),
         }
@@ -381,6 +385,15 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     } else {
         exports.without_watch()
     };
+    let exports = match &cfg.blocks {
+        Some(tier) => {
+            let tier = awcpfs::export::tier::BlockTier::open(tier.clone())
+                .await
+                .context("opening the block tier (--blocks)")?;
+            exports.with_block_tier(tier)
+        }
+        None => exports,
+    };
     let daemon = Arc::new(Daemon {
         aglx,
         aecp,
@@ -459,6 +472,13 @@ pub async fn serve(cfg: DaemonConfig) -> anyhow::Result<()> {
     tokio::signal::ctrl_c().await?;
     running.stop().await;
     Ok(())
+}
+
+impl Daemon {
+    /// The block tier's counters, when `serve --blocks` configured one.
+    pub fn block_tier_stats(&self) -> Option<awcpfs::export::tier::TierStats> {
+        self.exports.block_tier().map(|t| t.stats())
+    }
 }
 
 impl Daemon {

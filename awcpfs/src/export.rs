@@ -43,6 +43,7 @@ mod rootfs;
 pub mod screen;
 pub mod stage;
 mod store;
+pub mod tier;
 mod watch;
 
 pub use progress::{BuildProgress, BuildProgressSnapshot};
@@ -254,6 +255,14 @@ pub struct ExportStats {
     pub paths_described: u64,
     /// Delegator-side changes recorded for mounts.
     pub upstream_changes: u64,
+    /// Block tier: bytes this export uploaded to the object store (its share of what the
+    /// Delegator's process sent out besides `bytesServed`).
+    pub store_bytes_uploaded: u64,
+    /// Block tier: presigned URLs handed to mounts (`POST /locate`), one per block.
+    pub store_urls: u64,
+    /// Block tier, write-back: bytes of blocks the Executor put in the store and the export
+    /// took from there (`POST /adopt`) instead of receiving them on `/upload`.
+    pub store_bytes_adopted: u64,
 }
 
 /// Live counters behind [`ExportStats`].
@@ -269,6 +278,9 @@ struct Stats {
     recent_conflicts: Mutex<std::collections::VecDeque<Conflict>>,
     paths_described: AtomicU64,
     upstream_changes: AtomicU64,
+    store_bytes_uploaded: AtomicU64,
+    store_urls: AtomicU64,
+    store_bytes_adopted: AtomicU64,
 }
 
 impl Stats {
@@ -298,6 +310,9 @@ impl Stats {
             recent_conflicts: self.recent_conflicts.lock().iter().cloned().collect(),
             paths_described: get(&self.paths_described),
             upstream_changes: get(&self.upstream_changes),
+            store_bytes_uploaded: get(&self.store_bytes_uploaded),
+            store_urls: get(&self.store_urls),
+            store_bytes_adopted: get(&self.store_bytes_adopted),
         }
     }
 }
@@ -327,6 +342,8 @@ pub struct Export {
     stage: std::sync::OnceLock<Arc<stage::ChangeStage>>,
     /// AECP artifact-index events for the mount, and its delivery reports.
     aecp: aecp::AecpFeed,
+    /// The Delegator's block tier, if it has one (`POST /locate` hands out its URLs).
+    tier: Option<Arc<tier::BlockTier>>,
     /// The commit screen and the worker it screens for, once a daemon installs one.
     screen: Mutex<Option<(String, Arc<dyn screen::CommitScreen>)>>,
 }
@@ -366,6 +383,16 @@ impl Export {
             tracing::debug!(hash = %store::hash_hex(hash), "block found outside the index");
         }
         found
+    }
+
+    /// Count bytes this export uploaded to the block tier.
+    pub(crate) fn note_store_upload(&self, bytes: u64) {
+        Stats::add(&self.stats.store_bytes_uploaded, bytes);
+    }
+
+    /// The block tier this export hands out URLs of, if any.
+    pub fn tier(&self) -> Option<&Arc<tier::BlockTier>> {
+        self.tier.as_ref()
     }
 
     /// The manifest as JSON (built on first use and kept).
@@ -529,6 +556,7 @@ impl Export {
             filter,
             stage: std::sync::OnceLock::new(),
             aecp: aecp::AecpFeed::default(),
+            tier: None,
             screen: Mutex::new(None),
         })
     }
@@ -570,6 +598,7 @@ pub struct ExportRegistry {
     exports: Arc<RwLock<HashMap<String, Arc<Export>>>>,
     hash_cache: Option<Arc<hashcache::HashCache>>,
     watch: bool,
+    tier: Option<Arc<tier::BlockTier>>,
 }
 
 impl Default for ExportRegistry {
@@ -588,6 +617,7 @@ impl ExportRegistry {
             exports: Arc::default(),
             hash_cache: None,
             watch: true,
+            tier: None,
         }
     }
 
@@ -598,6 +628,18 @@ impl ExportRegistry {
             hash_cache: Some(cache),
             ..Self::new()
         }
+    }
+
+    /// Put every export's blocks in `tier` (uploaded in the background after registration
+    /// and when first asked for) and hand mounts presigned URLs of them (`POST /locate`).
+    pub fn with_block_tier(mut self, tier: Arc<tier::BlockTier>) -> Self {
+        self.tier = Some(tier);
+        self
+    }
+
+    /// The block tier, if any.
+    pub fn block_tier(&self) -> Option<&Arc<tier::BlockTier>> {
+        self.tier.as_ref()
     }
 
     /// Do not watch exported trees: mounts then see each tree as it was when it was
@@ -750,6 +792,7 @@ impl ExportRegistry {
             filter,
             stage: std::sync::OnceLock::new(),
             aecp: aecp::AecpFeed::default(),
+            tier: self.tier.clone(),
             screen: Mutex::new(None),
             id: export_id.clone(),
         });
@@ -762,6 +805,9 @@ impl ExportRegistry {
         drop(exports);
         if self.watch {
             watch::spawn(&export, self.hash_cache.clone());
+        }
+        if let Some(tier) = &self.tier {
+            tier.warm(&export);
         }
         Ok(export)
     }

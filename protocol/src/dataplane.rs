@@ -8,6 +8,7 @@
 //! |---|---|---|
 //! | `GET  /manifest` | — | [`Manifest`] (JSON) |
 //! | `POST /blocks` | [`BlockRequest`] | block frames (see [`encode_block_frame`]) |
+//! | `POST /locate` | [`BlockRequest`] | [`BlockLocations`] (the block tier; ours) |
 //! | `POST /missing` | [`BlockRequest`] | [`MissingBlocks`] |
 //! | `POST /upload` | block frames | [`UploadResult`] |
 //! | `POST /commit` | [`ChangeSet`] | [`CommitResult`] |
@@ -119,6 +120,25 @@ pub const MAX_MANIFEST_XATTR_VALUE: usize = 64 * 1024;
 pub struct BlockRequest {
     /// blake3 hashes (hex).
     pub hashes: Vec<String>,
+}
+
+/// Answer to `POST /locate` (the block tier, ours): where the Executor may fetch each asked
+/// block without the Delegator's process serving its bytes — a short-lived presigned `GET`
+/// URL of an object store. `urls[i]` answers `hashes[i]`; `null` means "ask `/blocks`".
+/// Whatever the store returns is verified against the block's hash by the mount, which
+/// falls back to `/blocks` on a mismatch or a failed fetch. An export without a block tier
+/// answers `blockStore: false` and no URLs, and the mount stops asking.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BlockLocations {
+    /// Whether this export has a block tier at all.
+    pub block_store: bool,
+    /// When the URLs stop working (ISO 8601); absent without URLs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<String>,
+    /// One entry per asked hash, in order: a URL, or `null`.
+    #[serde(default)]
+    pub urls: Vec<Option<String>>,
 }
 
 /// Answer to `POST /missing`: the subset of the asked hashes the export does not have.

@@ -4,7 +4,9 @@
 //! FUSE tests need root and `/dev/fuse`. Where `/dev/fuse` is missing they skip, loudly —
 //! except under `CI=true`, where a missing FUSE device fails the test.
 
+pub mod fleet;
 pub mod reference;
+pub mod s3;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

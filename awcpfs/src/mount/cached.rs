@@ -228,6 +228,10 @@ impl Remote for CachedRemote {
         self.inner.missing(hashes)
     }
 
+    fn store_counters(&self) -> Option<Arc<super::remote::StoreCounters>> {
+        self.inner.store_counters()
+    }
+
     fn upload(&self, blocks: &[([u8; 32], &[u8])]) -> Result<(), RemoteError> {
         self.inner.upload(blocks)
     }

@@ -7,11 +7,13 @@
 //! filesystem operation never hangs on a dead network.
 
 use std::io::{BufRead, BufReader, Read};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use awcp_protocol::dataplane::{
-    BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent, MISSING_BLOCK, Manifest,
-    MissingBlocks, encode_block_frame,
+    BlockLocations, BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent,
+    MISSING_BLOCK, Manifest, MissingBlocks, encode_block_frame,
 };
 use awcp_protocol::manifest_bin;
 
@@ -134,12 +136,47 @@ pub trait Remote: Send + Sync {
         self.events()
     }
 
+    /// Counters of blocks fetched from the Delegator's block tier (an object store), if
+    /// this remote uses one.
+    fn store_counters(&self) -> Option<Arc<StoreCounters>> {
+        None
+    }
+
     /// AECP: report deliveries made on this mount (`POST /aecp/delivered`). A remote
     /// without AECP accepts and drops them.
     fn aecp_delivered(&self, _report: &serde_json::Value) -> Result<(), RemoteError> {
         Ok(())
     }
 }
+
+/// Blocks fetched from the block tier (presigned URLs of an object store, see
+/// `POST /locate`) instead of from the export.
+#[derive(Debug, Default)]
+pub struct StoreCounters {
+    /// Blocks the store gave intact.
+    pub blocks: AtomicU64,
+    /// Their bytes (as blocks, after decompression).
+    pub bytes: AtomicU64,
+    /// Blocks the store did not give intact (failed fetch, expired URL, wrong content):
+    /// fetched from the export instead.
+    pub refused: AtomicU64,
+    /// Block bytes written back through the store (the export took them from there).
+    pub bytes_put: AtomicU64,
+}
+
+/// A block to write back: its hash and its bytes.
+type Upload<'a> = ([u8; 32], &'a [u8]);
+
+/// Whether the export has a block tier: not asked yet, yes, no.
+const TIER_UNKNOWN: u8 = 0;
+const TIER_ON: u8 = 1;
+const TIER_OFF: u8 = 2;
+/// Store fetches in flight for one batch.
+const STORE_FETCHERS: usize = 16;
+/// Largest `/locate` answer read.
+const LOCATE_ANSWER_MAX: u64 = 64 << 20;
+/// Largest object a store fetch reads (a block of the largest size, uncompressible).
+const STORE_OBJECT_MAX: u64 = (64 << 20) + 4096;
 
 /// One item of the export's event stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -200,6 +237,10 @@ pub struct HttpRemote {
     auth: String,
     agent: ureq::Agent,
     stream_agent: ureq::Agent,
+    /// Fetches from the block tier: no credential of ours is ever sent there.
+    store_agent: ureq::Agent,
+    tier: Arc<AtomicU8>,
+    store: Arc<StoreCounters>,
 }
 
 impl HttpRemote {
@@ -216,12 +257,25 @@ impl HttpRemote {
             .timeout_connect(timeout.min(Duration::from_secs(5)))
             .timeout_read(Duration::from_secs(60))
             .build();
+        // One kept-alive connection per fetcher thread (ureq keeps one per host by default:
+        // the other threads would open a new connection per block).
+        // A store that does not answer costs half the read timeout before the block is
+        // asked of the export.
+        let store_agent = ureq::AgentBuilder::new()
+            .timeout_connect((timeout / 2).min(Duration::from_secs(5)))
+            .timeout(timeout / 2)
+            .redirects(0)
+            .max_idle_connections_per_host(STORE_FETCHERS)
+            .build();
         HttpRemote {
             base: format!("{endpoint}/v1/exports/{export_id}"),
             endpoint,
             auth: format!("Bearer {token}"),
             agent,
             stream_agent,
+            store_agent,
+            tier: Arc::new(AtomicU8::new(TIER_UNKNOWN)),
+            store: Arc::default(),
         }
     }
 
@@ -263,6 +317,250 @@ impl HttpRemote {
         resp.into_json().map_err(|e| RemoteError::Protocol {
             what: format!("{route}: {e}"),
         })
+    }
+}
+
+impl HttpRemote {
+    /// The blocks of `hashes` the block tier gives intact, by index (`None`: ask the
+    /// export). Asks `POST /locate` unless the export said it has no tier; fetches the URLs
+    /// a few at a time, verifies each block against its hash. Only an error that ends
+    /// access (token refused, lease over) is returned; anything else falls back.
+    fn fetch_from_store(&self, hashes: &[String]) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
+        let none = || (0..hashes.len()).map(|_| None).collect();
+        if hashes.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF {
+            return Ok(none());
+        }
+        let answer = self
+            .agent
+            .post(&format!("{}/locate", self.base))
+            .set("Authorization", &self.auth)
+            .send_json(BlockRequest {
+                hashes: hashes.to_vec(),
+            });
+        let locs: BlockLocations = match answer {
+            // At most 65,536 URLs of a few hundred bytes each: 64 MiB bounds the answer.
+            Ok(resp) => match read_body(resp, LOCATE_ANSWER_MAX).and_then(|b| {
+                serde_json::from_slice(&b).map_err(|e| RemoteError::Protocol {
+                    what: format!("locate: {e}"),
+                })
+            }) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(error = %e, "malformed /locate answer; fetching from the export");
+                    return Ok(none());
+                }
+            },
+            // An export that predates the block tier has no such route.
+            Err(ureq::Error::Status(404 | 405, _)) => {
+                self.tier.store(TIER_OFF, Ordering::Relaxed);
+                return Ok(none());
+            }
+            Err(e) => {
+                let e = self.map_err(e);
+                // Access is over, or the export cannot be reached (a timeout): `/blocks`
+                // would fail the same way, so do not spend the read timeout twice.
+                if e.is_fatal() || matches!(e, RemoteError::Transport { .. }) {
+                    return Err(e);
+                }
+                tracing::warn!(error = %e, "/locate failed; fetching from the export");
+                return Ok(none());
+            }
+        };
+        if !locs.block_store {
+            self.tier.store(TIER_OFF, Ordering::Relaxed);
+            return Ok(none());
+        }
+        self.tier.store(TIER_ON, Ordering::Relaxed);
+        if locs.urls.len() != hashes.len() {
+            tracing::warn!(
+                asked = hashes.len(),
+                got = locs.urls.len(),
+                "/locate answered a different number of URLs; fetching from the export"
+            );
+            return Ok(none());
+        }
+        let jobs: Vec<(usize, &str)> = locs
+            .urls
+            .iter()
+            .enumerate()
+            .filter_map(|(i, u)| u.as_deref().map(|u| (i, u)))
+            .collect();
+        let out: Vec<parking_lot::Mutex<Option<Vec<u8>>>> = (0..hashes.len())
+            .map(|_| parking_lot::Mutex::new(None))
+            .collect();
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..STORE_FETCHERS.min(jobs.len()) {
+                s.spawn(|| {
+                    while let Some(&(i, url)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        match self.fetch_object(url, &hashes[i]) {
+                            Some(block) => {
+                                self.store.blocks.fetch_add(1, Ordering::Relaxed);
+                                self.store
+                                    .bytes
+                                    .fetch_add(block.len() as u64, Ordering::Relaxed);
+                                *out[i].lock() = Some(block);
+                            }
+                            None => {
+                                self.store.refused.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Ok(out.into_iter().map(|m| m.into_inner()).collect())
+    }
+
+    /// Write-back through the block tier: ask `POST /upload-urls` for presigned `PUT` URLs,
+    /// put the blocks (encoded as `blockobj` says) in the store, and have the export take
+    /// them from there (`POST /adopt`). Answers the blocks still to upload to the export
+    /// itself: all of them without a tier, or when anything but an ended lease goes wrong.
+    fn upload_through_store<'a>(
+        &self,
+        blocks: &[Upload<'a>],
+    ) -> Result<Vec<Upload<'a>>, RemoteError> {
+        let all = || blocks.to_vec();
+        // Only once a `/locate` said the export has a tier: a mount of an export without
+        // one writes back exactly as before, without a request more.
+        if blocks.is_empty() || self.tier.load(Ordering::Relaxed) != TIER_ON {
+            return Ok(all());
+        }
+        let hashes: Vec<String> = blocks.iter().map(|(h, _)| hex::encode(h)).collect();
+        let fallback = |e: RemoteError| {
+            // Access over, or the export unreachable: `/upload` would fail the same way.
+            if e.is_fatal() || matches!(e, RemoteError::Transport { .. }) {
+                Err(e)
+            } else {
+                tracing::warn!(error = %e, "write-back through the store failed; uploading to the export");
+                Ok(all())
+            }
+        };
+        let locs: BlockLocations = match self
+            .agent
+            .post(&format!("{}/upload-urls", self.base))
+            .set("Authorization", &self.auth)
+            .send_json(BlockRequest {
+                hashes: hashes.clone(),
+            }) {
+            Ok(resp) => match read_body(resp, LOCATE_ANSWER_MAX).and_then(|b| {
+                serde_json::from_slice(&b).map_err(|e| RemoteError::Protocol {
+                    what: format!("upload-urls: {e}"),
+                })
+            }) {
+                Ok(l) => l,
+                Err(e) => return fallback(e),
+            },
+            // An export that predates the block tier has no such route.
+            Err(ureq::Error::Status(404 | 405, _)) => {
+                self.tier.store(TIER_OFF, Ordering::Relaxed);
+                return Ok(all());
+            }
+            Err(e) => return fallback(self.map_err(e)),
+        };
+        if !locs.block_store {
+            self.tier.store(TIER_OFF, Ordering::Relaxed);
+            return Ok(all());
+        }
+        self.tier.store(TIER_ON, Ordering::Relaxed);
+        if locs.urls.len() != blocks.len() {
+            return Ok(all());
+        }
+        // Put what has a URL (`null`: the store has it already).
+        let mut put_ok = vec![false; blocks.len()];
+        let jobs: Vec<(usize, &str)> = locs
+            .urls
+            .iter()
+            .enumerate()
+            .filter_map(|(i, u)| u.as_deref().map(|u| (i, u)))
+            .collect();
+        let results: Vec<parking_lot::Mutex<bool>> = (0..blocks.len())
+            .map(|_| parking_lot::Mutex::new(false))
+            .collect();
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..STORE_FETCHERS.min(jobs.len()) {
+                s.spawn(|| {
+                    while let Some(&(i, url)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        if !(url.starts_with("http://") || url.starts_with("https://")) {
+                            continue;
+                        }
+                        let object = crate::blockobj::encode(blocks[i].1);
+                        match self.store_agent.put(url).send_bytes(&object) {
+                            Ok(_) => *results[i].lock() = true,
+                            Err(e) => {
+                                tracing::debug!(error = %e, "a PUT to the block tier failed; uploading to the export");
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        for (i, r) in results.into_iter().enumerate() {
+            // A block the store already had (no URL) is adopted from there too.
+            put_ok[i] = r.into_inner() || locs.urls[i].is_none();
+        }
+        let adopt: Vec<String> = hashes
+            .iter()
+            .zip(&put_ok)
+            .filter(|(_, ok)| **ok)
+            .map(|(h, _)| h.clone())
+            .collect();
+        let missing: std::collections::HashSet<String> = if adopt.is_empty() {
+            Default::default()
+        } else {
+            let answer = self
+                .agent
+                .post(&format!("{}/adopt", self.base))
+                .set("Authorization", &self.auth)
+                .send_json(BlockRequest { hashes: adopt });
+            match answer {
+                Ok(resp) => match resp.into_json::<MissingBlocks>() {
+                    Ok(m) => m.missing.into_iter().collect(),
+                    Err(e) => {
+                        return fallback(RemoteError::Protocol {
+                            what: format!("adopt: {e}"),
+                        });
+                    }
+                },
+                Err(e) => return fallback(self.map_err(e)),
+            }
+        };
+        let mut rest = Vec::new();
+        for ((block, ok), hash) in blocks.iter().zip(put_ok).zip(&hashes) {
+            if ok && !missing.contains(hash) {
+                self.store
+                    .bytes_put
+                    .fetch_add(block.1.len() as u64, Ordering::Relaxed);
+            } else {
+                rest.push(*block);
+            }
+        }
+        Ok(rest)
+    }
+
+    /// One block from a presigned URL, decoded and verified; `None` (logged) otherwise.
+    fn fetch_object(&self, url: &str, hash: &str) -> Option<Vec<u8>> {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            tracing::warn!(hash, "the block tier URL is not http(s); ignoring it");
+            return None;
+        }
+        let object = match self.store_agent.get(url).call() {
+            Ok(resp) => read_body(resp, STORE_OBJECT_MAX).ok()?,
+            Err(e) => {
+                tracing::debug!(hash, error = %e, "block tier fetch failed; asking the export");
+                return None;
+            }
+        };
+        let block = crate::blockobj::decode(object, crate::export::MAX_BLOCK_SIZE as usize)?;
+        if verify_block(hash, &block).is_err() {
+            tracing::warn!(
+                hash,
+                "the block tier gave content that does not match its hash; asking the export"
+            );
+            return None;
+        }
+        Some(block)
     }
 }
 
@@ -360,21 +658,39 @@ impl Remote for HttpRemote {
         hashes: &[String],
         each: &mut dyn FnMut(usize, Vec<u8>) -> Result<(), RemoteError>,
     ) -> Result<(), RemoteError> {
+        // The block tier first (if the export has one); the export for the rest.
+        let mut from_store = self.fetch_from_store(hashes)?;
+        let rest: Vec<String> = hashes
+            .iter()
+            .zip(&from_store)
+            .filter(|(_, d)| d.is_none())
+            .map(|(h, _)| h.clone())
+            .collect();
+        if rest.is_empty() {
+            for (i, block) in from_store.into_iter().enumerate() {
+                if let Some(block) = block {
+                    each(i, block)?;
+                }
+            }
+            return Ok(());
+        }
         let resp = self
             .agent
             .post(&format!("{}/blocks", self.base))
             .set("Authorization", &self.auth)
-            .send_json(BlockRequest {
-                hashes: hashes.to_vec(),
-            })
+            .send_json(BlockRequest { hashes: rest })
             .map_err(|e| self.map_err(e))?;
         // Frames are decoded straight off the socket, one block buffer each: no buffer for
         // the whole answer, and the first block is handed on before the last one arrives.
         let mut body = resp.into_reader();
         for (i, want) in hashes.iter().enumerate() {
+            if let Some(block) = from_store[i].take() {
+                each(i, block)?;
+                continue;
+            }
             let (got, data) =
                 read_block_frame(&mut body)?.ok_or_else(|| RemoteError::Protocol {
-                    what: format!("asked for {} blocks, got {i}", hashes.len()),
+                    what: format!("asked for {} blocks, got fewer", hashes.len()),
                 })?;
             if hex::encode(got) != *want {
                 return Err(RemoteError::Protocol {
@@ -404,8 +720,12 @@ impl Remote for HttpRemote {
     }
 
     fn upload(&self, blocks: &[([u8; 32], &[u8])]) -> Result<(), RemoteError> {
+        let rest = self.upload_through_store(blocks)?;
+        if rest.is_empty() {
+            return Ok(());
+        }
         let mut body = Vec::new();
-        for (hash, data) in blocks {
+        for (hash, data) in &rest {
             encode_block_frame(&mut body, hash, Some(data));
         }
         self.agent
@@ -455,6 +775,10 @@ impl Remote for HttpRemote {
             .map_err(|e| self.map_err(e))?;
         let reader = BufReader::new(resp.into_reader());
         Ok(Box::new(SseEvents { reader }))
+    }
+
+    fn store_counters(&self) -> Option<Arc<StoreCounters>> {
+        Some(self.store.clone())
     }
 
     fn aecp_delivered(&self, report: &serde_json::Value) -> Result<(), RemoteError> {

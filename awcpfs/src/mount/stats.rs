@@ -68,6 +68,8 @@ pub struct Stats {
     last_sync_error: Mutex<Option<String>>,
     /// Set while write-back fails: from a failed sync round until one succeeds.
     sync_failing: std::sync::atomic::AtomicBool,
+    /// The remote's block tier counters, when it has a block tier.
+    store: std::sync::OnceLock<std::sync::Arc<super::remote::StoreCounters>>,
 }
 
 /// A point-in-time copy of [`Stats`], as written to `status.json`.
@@ -112,6 +114,21 @@ pub struct StatsSnapshot {
     /// Bytes of those files.
     #[serde(default)]
     pub bytes_packed: u64,
+    /// Blocks fetched from the Delegator's block tier (an object store, through presigned
+    /// URLs) instead of its export (included in `blocksFetched`).
+    #[serde(default)]
+    pub blocks_from_store: u64,
+    /// Their bytes (included in `bytesFetched`).
+    #[serde(default)]
+    pub bytes_from_store: u64,
+    /// Blocks the block tier did not give intact (failed fetch, expired URL, content not
+    /// matching its hash), fetched from the export instead.
+    #[serde(default)]
+    pub store_refused: u64,
+    /// Block bytes written back through the block tier (put in the store, taken from there
+    /// by the export; included in `bytesUploaded`).
+    #[serde(default)]
+    pub bytes_to_store: u64,
     /// FUSE requests served, by operation (operations never requested are left out).
     pub ops: BTreeMap<String, u64>,
     /// Changes the export kept beside instead of applying.
@@ -225,9 +242,21 @@ impl Stats {
         !self.sync_failing.swap(true, Ordering::Relaxed)
     }
 
+    /// Report the remote's block tier counters too.
+    pub fn set_store(&self, counters: std::sync::Arc<super::remote::StoreCounters>) {
+        let _ = self.store.set(counters);
+    }
+
     /// Copy the counters.
     pub fn snapshot(&self) -> StatsSnapshot {
+        let store = |f: fn(&super::remote::StoreCounters) -> &AtomicU64| {
+            self.store.get().map_or(0, |c| f(c).load(Ordering::Relaxed))
+        };
         StatsSnapshot {
+            blocks_from_store: store(|c| &c.blocks),
+            bytes_from_store: store(|c| &c.bytes),
+            store_refused: store(|c| &c.refused),
+            bytes_to_store: store(|c| &c.bytes_put),
             bytes_fetched: self.bytes_fetched.load(Ordering::Relaxed),
             blocks_fetched: self.blocks_fetched.load(Ordering::Relaxed),
             files_written_back: self.files_written_back.load(Ordering::Relaxed),
