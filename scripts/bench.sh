@@ -22,7 +22,11 @@ usage: bash scripts/bench.sh [options]
                       3 runs, 2 s fio jobs (explicit flags still win)
   --files N           files in the synthetic repository (default 20000; 100000 = large case)
   --runs N            timed runs per cell; each figure is their median (default 5)
-  --only LIST         comma-separated workloads: delegate,git,stat,read,seq,fio,make,visible
+  --only LIST         comma-separated workloads:
+                      delegate,git,stat,read,seq,fio,make,loop,pyc,visible
+                      (loop: edit 5 C files -> make -j2 -> run the program -> git commit,
+                      and append to 200 files -> git add -A -> git commit;
+                      pyc: python3 -m compileall of ~2,000 modules, a write-heavy build)
   --big-mib N         size of the sequential-read file in MiB (default 512)
   --c-units N         C compilation units (default 300)
   --fio-secs N        length of each fio job in seconds (default 5)
@@ -94,7 +98,7 @@ for v in FILES BIG_MIB C_UNITS RUNS FIO_SECS SAMPLES STEP_TIMEOUT CELL_BUDGET; d
 done
 [[ $IDLE_WAIT =~ ^[0-9]+$ ]] || { echo "bench: --idle-wait must be a whole number" >&2; exit 2; }
 [[ $TTL_SLEEP =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "bench: --ttl-sleep must be a number" >&2; exit 2; }
-ALL_WORKLOADS=(delegate git stat read seq fio make visible)
+ALL_WORKLOADS=(delegate git stat read seq fio make loop pyc visible)
 if [[ -n $ONLY ]]; then
     IFS=, read -r -a WORKLOADS <<<"$ONLY"
     for w in "${WORKLOADS[@]}"; do
@@ -282,6 +286,19 @@ else
         --big-mib "$BIG_MIB" --c-units "$C_UNITS" || die "dataset generation failed"
     echo "$STAMP" >"$D_NAT/.stamp"
 fi
+# The write-heavy build's tree: the Python standard library's modules three times over
+# (~2,000 .py files), compiled by `python3 -m compileall` (one .pyc each).
+if [[ ! -f $D_NAT/pytree/.done ]]; then
+    rm -rf "$D_NAT/pytree"
+    PYLIB=$(python3 -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')
+    for copy in a b c; do
+        mkdir -p "$D_NAT/pytree/$copy"
+        (cd "$PYLIB" && find . \( -name site-packages -o -name dist-packages -o -name __pycache__ \) -prune \
+            -o -name '*.py' -print0 | tar --null -T - -cf - | tar -xf - -C "$D_NAT/pytree/$copy") ||
+            die "cannot copy the Python standard library from $PYLIB"
+    done
+    touch "$D_NAT/pytree/.done"
+fi
 # Each configuration works on its own copy, so what one writes (git's index, build outputs,
 # edits) cannot change what another one sees while runs are interleaved. big.bin is only
 # read: the copies share it through a hard link.
@@ -289,6 +306,7 @@ reset_copy() {
     local d=$1
     make -s -C "$d/cproj" clean >/dev/null
     find "$d/scratch" -mindepth 1 -delete
+    find "$d/pytree" -name __pycache__ -prune -exec rm -rf {} +
     git -C "$d/repo" status >/dev/null      # the index holds this copy's native stat data
     git -C "$d/repo-1k" status >/dev/null
 }
@@ -296,7 +314,7 @@ log "copying the dataset for awcpfs and sshfs"
 for d in "$D_AW" "$D_SSH"; do
     rm -rf "$d"
     mkdir -p "$d"
-    for part in repo repo-1k cproj scratch; do cp -a "$D_NAT/$part" "$d/$part"; done
+    for part in repo repo-1k cproj scratch pytree; do cp -a "$D_NAT/$part" "$d/$part"; done
     cp -al "$D_NAT/big" "$d/big"
 done
 for d in "$D_NAT" "$D_AW" "$D_SSH"; do reset_copy "$d"; done
@@ -843,6 +861,66 @@ wl_make() {
     for d in "$D_NAT" "$D_AW" "$D_SSH"; do make_clean "$d/cproj"; done
 }
 
+# The agent's loop on the C project, under git: edit 5 files, rebuild, run the program (the
+# "tests"), commit. The sleep before it (untimed) is for sshfs's whole-second mtimes.
+LOOP_CMD="for u in 011 013 015 017 019; do printf '/* loop */\\n' >>src/unit\$u.c; done; \
+make -j2 >'$MAKE_OUT' && ./app >/dev/null && git add -A && git commit -qm loop"
+# Append a line to 200 of the repository's files, stage and commit them (the list is fixed).
+COMMIT_LIST=$RUN/commit-files.txt
+COMMIT_CMD="while read -r f; do echo edit >>\"\$f\"; done <'$COMMIT_LIST'; git add -A && git commit -qm edit"
+git_init_cproj() {
+    local d=$1
+    rm -rf "$d/.git"
+    printf 'build/\napp\n' >"$d/.gitignore"
+    git -C "$d" init -q && git -C "$d" add -A && git -C "$d" commit -qm base
+}
+
+wl_loop() {
+    log "workload: the agent's loop (edit -> make -> run -> commit; edit 200 files -> commit)"
+    local d base
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+        make_clean "$d/cproj"
+        git_init_cproj "$d/cproj"
+    done
+    warm_setup cproj "$MAKE_CMD"
+    cell loop full
+    warm_arms cproj "sleep 1.1" "$LOOP_CMD" "compiled 5"
+    run_cell
+    awcpfs_down cproj
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+        make_clean "$d/cproj"
+        rm -rf "$d/cproj/.git" "$d/cproj/.gitignore"
+    done
+    git -C "$D_NAT/repo" ls-files |
+        awk -v n="$(git -C "$D_NAT/repo" ls-files | wc -l)" 'BEGIN { s = int(n / 200); if (s < 1) s = 1 } (NR - 1) % s == 0' |
+        head -n 200 >"$COMMIT_LIST"
+    base=$(git -C "$D_NAT/repo" rev-parse HEAD)
+    warm_setup repo "$GIT_CMD"
+    cell loop commit
+    warm_arms repo - "$COMMIT_CMD"
+    run_cell
+    awcpfs_down repo
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+        git -C "$d/repo" reset -q --hard "$base"
+        git_refresh "$d/repo"
+    done
+}
+
+PYC_CMD='python3 -m compileall -q . >/dev/null'
+pyc_clean() { find "$1" -name __pycache__ -prune -exec rm -rf {} +; }
+
+wl_pyc() {
+    log "workload: write-heavy build (python3 -m compileall, $(find "$D_NAT/pytree" -name '*.py' | wc -l) modules)"
+    local d
+    warm_setup pytree "$PYC_CMD"
+    cell pyc warm
+    # (the deletions' write-back settles in the second before each run)
+    warm_arms pytree "pyc_clean @D@ && sleep 1" "$PYC_CMD"
+    run_cell
+    awcpfs_down pytree
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do pyc_clean "$d/pytree"; done
+}
+
 wl_visible() {
     log "workload: close -> visible at the Delegator ($SAMPLES samples)"
     local out=$RUN/visible.txt c mdir sdir v
@@ -885,7 +963,7 @@ log "machine: $MACHINE"
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 log "binaries: $BIN_DIR; work dir: $WORK; runs per cell: $RUNS; workloads: ${WORKLOADS[*]}"
 measure_overhead
-if wants git || wants stat || wants read || wants seq || wants fio || wants make || wants visible; then
+if wants git || wants stat || wants read || wants seq || wants fio || wants make || wants loop || wants pyc || wants visible; then
     sshd_start
     sshfs_up || die "sshfs mount failed (see $LOGS/sshfs.log)"
 fi
