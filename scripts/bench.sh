@@ -45,7 +45,10 @@ usage: bash scripts/bench.sh [options]
   --idle-wait S       before each cell, wait up to S seconds for other processes to leave
                       the CPUs idle, at most 10*S in all (default 30; 10 with --quick;
                       0 = don't wait); cells measured on a busy machine are counted
-  --mount-opts "..."  extra options for `awcpfs mount` (e.g. "--passthrough")
+  --mount-opts "..."  extra options for `awcpfs mount` (e.g. "--passthrough",
+                      "--writeback-cache")
+  --warm-only         skip the cold cells (fresh mounts, dropped caches): for comparing
+                      mount options on the warm loop quickly
   --cell-budget S     stop repeating a cell once its runs took this long, keeping the
                       samples so far (default 300; 60 with --quick); the table marks
                       cells with fewer than --runs samples
@@ -57,7 +60,7 @@ T_START=$SECONDS
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HELPERS=$REPO_DIR/scripts/bench
 
-FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0
+FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0 WARM_ONLY=0
 SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET= IDLE_WAIT= MOUNT_OPTS=
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
@@ -79,6 +82,7 @@ while [[ $# -gt 0 ]]; do
         --work-dir) need_arg "$@"; WORK=$2; shift ;;
         --out-dir) need_arg "$@"; OUT_DIR=$2; shift ;;
         --keep) KEEP=1 ;;
+        --warm-only) WARM_ONLY=1 ;;
         --step-timeout) need_arg "$@"; STEP_TIMEOUT=$2; shift ;;
         --cell-budget) need_arg "$@"; CELL_BUDGET=$2; shift ;;
         --idle-wait) need_arg "$@"; IDLE_WAIT=$2; shift ;;
@@ -682,6 +686,7 @@ wl_delegate() {
 # native = page cache dropped; awcpfs = remote-cold; sshfs = fresh sshfs mount, cache dropped.
 # EXTRA_PREP_<config> run first (e.g. make clean), with @D@ replaced by that copy's path.
 cold_arms() {
+    ((WARM_ONLY)) && return 0
     local part=$1 sub=$2 cmd=$3 check=${4:-} xn xa xs
     xn=${PRE_NATIVE//@D@/$D_NAT} xa=${PRE_AWCPFS//@D@/$D_AW} xs=${PRE_SSHFS//@D@/$D_SSH}
     arm native "$D_NAT/$part$sub" "${xn:+$xn && }drop_caches" "$cmd" "$check"
@@ -984,7 +989,7 @@ ELAPSED=$((SECONDS - T_START))
     echo "# awcpfs benchmark, $(date -u +%Y-%m-%dT%H:%MZ)"
     echo
     echo "* machine: $MACHINE"
-    echo "* awcpfs mount options: ${MOUNT_OPTS:-(defaults)}"
+    echo "* awcpfs mount options: ${MOUNT_OPTS:-(defaults)}$( ((WARM_ONLY)) && echo "; warm cells only")"
     echo "* command: \`bash scripts/bench.sh$([[ $QUICK == 1 ]] && echo " --quick") --files $FILES --runs $RUNS --big-mib $BIG_MIB --c-units $C_UNITS --fio-secs $FIO_SECS${ONLY:+ --only $ONLY}\`"
     if [[ $BUILT == 1 ]]; then
         echo "* awcpfs: $("$AWCPFS" --version 2>/dev/null || echo '?'), built from this workspace at $(git -C "$REPO_DIR" describe --always --dirty 2>/dev/null || echo '?')"
