@@ -26,7 +26,7 @@ usage: bash scripts/bench.sh [options]
                       delegate,git,stat,read,seq,fio,make,loop,pyc,visible
                       (loop: edit 5 C files -> make -j2 -> run the program -> git commit,
                       and append to 200 files -> git add -A -> git commit;
-                      pyc: python3 -m compileall of ~2,000 modules, a write-heavy build)
+                      pyc: python3 -m compileall of ~1,800 modules, a write-heavy build)
   --big-mib N         size of the sequential-read file in MiB (default 512)
   --c-units N         C compilation units (default 300)
   --fio-secs N        length of each fio job in seconds (default 5)
@@ -49,6 +49,7 @@ usage: bash scripts/bench.sh [options]
                       "--writeback-cache")
   --warm-only         skip the cold cells (fresh mounts, dropped caches): for comparing
                       mount options on the warm loop quickly
+  --no-sshfs          measure native and awcpfs only (no sshd, no sshfs column)
   --cell-budget S     stop repeating a cell once its runs took this long, keeping the
                       samples so far (default 300; 60 with --quick); the table marks
                       cells with fewer than --runs samples
@@ -60,7 +61,7 @@ T_START=$SECONDS
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HELPERS=$REPO_DIR/scripts/bench
 
-FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0 WARM_ONLY=0
+FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0 WARM_ONLY=0 NO_SSHFS=0
 SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET= IDLE_WAIT= MOUNT_OPTS=
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
@@ -83,6 +84,7 @@ while [[ $# -gt 0 ]]; do
         --out-dir) need_arg "$@"; OUT_DIR=$2; shift ;;
         --keep) KEEP=1 ;;
         --warm-only) WARM_ONLY=1 ;;
+        --no-sshfs) NO_SSHFS=1 ;;
         --step-timeout) need_arg "$@"; STEP_TIMEOUT=$2; shift ;;
         --cell-budget) need_arg "$@"; CELL_BUDGET=$2; shift ;;
         --idle-wait) need_arg "$@"; IDLE_WAIT=$2; shift ;;
@@ -290,18 +292,16 @@ else
         --big-mib "$BIG_MIB" --c-units "$C_UNITS" || die "dataset generation failed"
     echo "$STAMP" >"$D_NAT/.stamp"
 fi
-# The write-heavy build's tree: the Python standard library's modules three times over
-# (~2,000 .py files), compiled by `python3 -m compileall` (one .pyc each).
-if [[ ! -f $D_NAT/pytree/.done ]]; then
+# The write-heavy build's tree: the Python standard library's modules (~1,800 .py files
+# with its tests), compiled by `python3 -m compileall` (one .pyc each).
+if [[ ! -f $D_NAT/pytree/.done1 ]]; then
     rm -rf "$D_NAT/pytree"
+    mkdir -p "$D_NAT/pytree/stdlib"
     PYLIB=$(python3 -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')
-    for copy in a b c; do
-        mkdir -p "$D_NAT/pytree/$copy"
-        (cd "$PYLIB" && find . \( -name site-packages -o -name dist-packages -o -name __pycache__ \) -prune \
-            -o -name '*.py' -print0 | tar --null -T - -cf - | tar -xf - -C "$D_NAT/pytree/$copy") ||
-            die "cannot copy the Python standard library from $PYLIB"
-    done
-    touch "$D_NAT/pytree/.done"
+    (cd "$PYLIB" && find . \( -name site-packages -o -name dist-packages -o -name __pycache__ \) -prune \
+        -o -name '*.py' -print0 | tar --null -T - -cf - | tar -xf - -C "$D_NAT/pytree/stdlib") ||
+        die "cannot copy the Python standard library from $PYLIB"
+    touch "$D_NAT/pytree/.done1"
 fi
 # Each configuration works on its own copy, so what one writes (git's index, build outputs,
 # edits) cannot change what another one sees while runs are interleaved. big.bin is only
@@ -549,6 +549,7 @@ cell() {
     ARM_C=() ARM_DIR=() ARM_PREP=() ARM_CMD=() ARM_CHECK=()
 }
 arm() {
+    [[ $1 == sshfs && $NO_SSHFS == 1 ]] && return 0
     ARM_C+=("$1") ARM_DIR+=("$2") ARM_PREP+=("$3") ARM_CMD+=("$4") ARM_CHECK+=("${5:-}")
 }
 
@@ -704,6 +705,7 @@ warm_setup() {
     if awcpfs_up "$part" "$D_AW/$part" && warmup awcpfs "$MNT/$part" "$cmd"; then
         AW_OK=1
     fi
+    ((NO_SSHFS)) && return 0
     # remount: the copy may have been changed behind sshfs's caches since the last mount
     sshfs_fresh || true
     warmup sshfs "$SSHFS_MNT/$part" "$cmd" || true
@@ -911,7 +913,8 @@ wl_loop() {
     done
 }
 
-PYC_CMD='python3 -m compileall -q . >/dev/null'
+# (the standard library's own test data with syntax errors on purpose is left out: -x)
+PYC_CMD="python3 -m compileall -q -x '/(data/|bad)' . >/dev/null"
 pyc_clean() { find "$1" -name __pycache__ -prune -exec rm -rf {} +; }
 
 wl_pyc() {
@@ -930,6 +933,7 @@ wl_visible() {
     log "workload: close -> visible at the Delegator ($SAMPLES samples)"
     local out=$RUN/visible.txt c mdir sdir v
     for c in awcpfs sshfs; do
+        [[ $c == sshfs && $NO_SSHFS == 1 ]] && continue
         if [[ $c == awcpfs ]]; then
             if ! awcpfs_up scratch "$D_AW/scratch"; then
                 record visible close awcpfs s fail
@@ -968,7 +972,7 @@ log "machine: $MACHINE"
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 log "binaries: $BIN_DIR; work dir: $WORK; runs per cell: $RUNS; workloads: ${WORKLOADS[*]}"
 measure_overhead
-if wants git || wants stat || wants read || wants seq || wants fio || wants make || wants loop || wants pyc || wants visible; then
+if ((NO_SSHFS == 0)) && { wants git || wants stat || wants read || wants seq || wants fio || wants make || wants loop || wants pyc || wants visible; }; then
     sshd_start
     sshfs_up || die "sshfs mount failed (see $LOGS/sshfs.log)"
 fi
@@ -989,7 +993,7 @@ ELAPSED=$((SECONDS - T_START))
     echo "# awcpfs benchmark, $(date -u +%Y-%m-%dT%H:%MZ)"
     echo
     echo "* machine: $MACHINE"
-    echo "* awcpfs mount options: ${MOUNT_OPTS:-(defaults)}$( ((WARM_ONLY)) && echo "; warm cells only")"
+    echo "* awcpfs mount options: ${MOUNT_OPTS:-(defaults)}$( ((WARM_ONLY)) && echo "; warm cells only")$( ((NO_SSHFS)) && echo "; no sshfs")"
     echo "* command: \`bash scripts/bench.sh$([[ $QUICK == 1 ]] && echo " --quick") --files $FILES --runs $RUNS --big-mib $BIG_MIB --c-units $C_UNITS --fio-secs $FIO_SECS${ONLY:+ --only $ONLY}\`"
     if [[ $BUILT == 1 ]]; then
         echo "* awcpfs: $("$AWCPFS" --version 2>/dev/null || echo '?'), built from this workspace at $(git -C "$REPO_DIR" describe --always --dirty 2>/dev/null || echo '?')"

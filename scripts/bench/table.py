@@ -115,7 +115,7 @@ def main():
         ("make", "rebuild"): "`make -j2` rebuild after editing 5 files",
         ("loop", "full"): "loop: edit 5 files → `make -j2` → run → `git commit`",
         ("loop", "commit"): "edit 200 files → `git add -A` → `git commit`",
-        ("pyc", "warm"): "write-heavy build: `python3 -m compileall` (~2,000 .pyc)",
+        ("pyc", "warm"): "write-heavy build: `python3 -m compileall` (~1,800 .pyc)",
         ("visible", "close"): "close → visible at the Delegator",
         ("rss", "walk"): f"awcpfs RSS after a stat walk ({files:,} files)",
     }
