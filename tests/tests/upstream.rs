@@ -112,8 +112,10 @@ async fn git_on_the_mount_sees_a_commit_made_on_the_delegator() {
 }
 
 /// The same with the kernel's writeback cache, which keeps its own sizes and times of the
-/// files it caches: the index, the refs and `ops.py`, read before the Delegator's commit
-/// changes them, must still show the new content and size.
+/// files it caches, after the agent read what the Delegator's commit changes. (git and the
+/// edit here replace files by `rename`, so the new inodes carry their own sizes; a file
+/// changed in place under the cache is `awcpfs/tests/writeback_cache.rs`'s case, which
+/// fails without the kernel forgetting the inode.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn wbcache_git_on_the_mount_sees_a_delegator_commit_with_the_writeback_cache() {
     git_sees_a_delegator_commit(true).await;
