@@ -22,8 +22,12 @@ usage: bash scripts/bench.sh [options]
                       3 runs, 2 s fio jobs (explicit flags still win)
   --files N           files in the synthetic repository (default 20000; 100000 = large case)
   --runs N            timed runs per cell; each figure is their median (default 5)
-  --only LIST         comma-separated workloads: delegate,git,stat,read,seq,fio,make,visible,
-                      aecp (git status and the stat walk on a mount with AECP on - 10,000
+  --only LIST         comma-separated workloads:
+                      delegate,git,stat,read,seq,fio,make,loop,pyc,visible,aecp
+                      (loop: edit 5 C files -> make -j2 -> run the program -> git commit,
+                      and append to 200 files -> git add -A -> git commit;
+                      pyc: python3 -m compileall of ~1,800 modules, a write-heavy build;
+                      aecp: git status and the stat walk on a mount with AECP on - 10,000
                       artifacts in its replica - against one with AECP off)
   --big-mib N         size of the sequential-read file in MiB (default 512)
   --c-units N         C compilation units (default 300)
@@ -43,7 +47,11 @@ usage: bash scripts/bench.sh [options]
   --idle-wait S       before each cell, wait up to S seconds for other processes to leave
                       the CPUs idle, at most 10*S in all (default 30; 10 with --quick;
                       0 = don't wait); cells measured on a busy machine are counted
-  --mount-opts "..."  extra options for `awcpfs mount` (e.g. "--passthrough")
+  --mount-opts "..."  extra options for `awcpfs mount` (e.g. "--passthrough",
+                      "--writeback-cache")
+  --warm-only         skip the cold cells (fresh mounts, dropped caches): for comparing
+                      mount options on the warm loop quickly
+  --no-sshfs          measure native and awcpfs only (no sshd, no sshfs column)
   --cell-budget S     stop repeating a cell once its runs took this long, keeping the
                       samples so far (default 300; 60 with --quick); the table marks
                       cells with fewer than --runs samples
@@ -64,7 +72,7 @@ T_START=$SECONDS
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HELPERS=$REPO_DIR/scripts/bench
 
-FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0 FLEET=
+FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0 FLEET= WARM_ONLY=0 NO_SSHFS=0
 SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET= IDLE_WAIT= MOUNT_OPTS=
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
@@ -86,6 +94,8 @@ while [[ $# -gt 0 ]]; do
         --work-dir) need_arg "$@"; WORK=$2; shift ;;
         --out-dir) need_arg "$@"; OUT_DIR=$2; shift ;;
         --keep) KEEP=1 ;;
+        --warm-only) WARM_ONLY=1 ;;
+        --no-sshfs) NO_SSHFS=1 ;;
         --step-timeout) need_arg "$@"; STEP_TIMEOUT=$2; shift ;;
         --cell-budget) need_arg "$@"; CELL_BUDGET=$2; shift ;;
         --idle-wait) need_arg "$@"; IDLE_WAIT=$2; shift ;;
@@ -106,7 +116,7 @@ for v in FILES BIG_MIB C_UNITS RUNS FIO_SECS SAMPLES STEP_TIMEOUT CELL_BUDGET; d
 done
 [[ $IDLE_WAIT =~ ^[0-9]+$ ]] || { echo "bench: --idle-wait must be a whole number" >&2; exit 2; }
 [[ $TTL_SLEEP =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "bench: --ttl-sleep must be a number" >&2; exit 2; }
-ALL_WORKLOADS=(delegate git stat read seq fio make visible aecp)
+ALL_WORKLOADS=(delegate git stat read seq fio make loop pyc visible aecp)
 if [[ -n $ONLY ]]; then
     IFS=, read -r -a WORKLOADS <<<"$ONLY"
     for w in "${WORKLOADS[@]}"; do
@@ -313,6 +323,17 @@ else
         --big-mib "$BIG_MIB" --c-units "$C_UNITS" || die "dataset generation failed"
     echo "$STAMP" >"$D_NAT/.stamp"
 fi
+# The write-heavy build's tree: the Python standard library's modules (~1,800 .py files
+# with its tests), compiled by `python3 -m compileall` (one .pyc each).
+if [[ ! -f $D_NAT/pytree/.done1 ]]; then
+    rm -rf "$D_NAT/pytree"
+    mkdir -p "$D_NAT/pytree/stdlib"
+    PYLIB=$(python3 -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')
+    (cd "$PYLIB" && find . \( -name site-packages -o -name dist-packages -o -name __pycache__ \) -prune \
+        -o -name '*.py' -print0 | tar --null -T - -cf - | tar -xf - -C "$D_NAT/pytree/stdlib") ||
+        die "cannot copy the Python standard library from $PYLIB"
+    touch "$D_NAT/pytree/.done1"
+fi
 # Each configuration works on its own copy, so what one writes (git's index, build outputs,
 # edits) cannot change what another one sees while runs are interleaved. big.bin is only
 # read: the copies share it through a hard link.
@@ -320,6 +341,7 @@ reset_copy() {
     local d=$1
     make -s -C "$d/cproj" clean >/dev/null
     find "$d/scratch" -mindepth 1 -delete
+    find "$d/pytree" -name __pycache__ -prune -exec rm -rf {} +
     git -C "$d/repo" status >/dev/null      # the index holds this copy's native stat data
     git -C "$d/repo-1k" status >/dev/null
 }
@@ -327,7 +349,7 @@ log "copying the dataset for awcpfs and sshfs"
 for d in "$D_AW" "$D_SSH"; do
     rm -rf "$d"
     mkdir -p "$d"
-    for part in repo repo-1k cproj scratch; do cp -a "$D_NAT/$part" "$d/$part"; done
+    for part in repo repo-1k cproj scratch pytree; do cp -a "$D_NAT/$part" "$d/$part"; done
     cp -al "$D_NAT/big" "$d/big"
 done
 for d in "$D_NAT" "$D_AW" "$D_SSH"; do reset_copy "$d"; done
@@ -560,6 +582,7 @@ cell() {
     ARM_C=() ARM_DIR=() ARM_PREP=() ARM_CMD=() ARM_CHECK=()
 }
 arm() {
+    [[ $1 == sshfs && $NO_SSHFS == 1 ]] && return 0
     ARM_C+=("$1") ARM_DIR+=("$2") ARM_PREP+=("$3") ARM_CMD+=("$4") ARM_CHECK+=("${5:-}")
 }
 
@@ -697,6 +720,7 @@ wl_delegate() {
 # native = page cache dropped; awcpfs = remote-cold; sshfs = fresh sshfs mount, cache dropped.
 # EXTRA_PREP_<config> run first (e.g. make clean), with @D@ replaced by that copy's path.
 cold_arms() {
+    ((WARM_ONLY)) && return 0
     local part=$1 sub=$2 cmd=$3 check=${4:-} xn xa xs
     xn=${PRE_NATIVE//@D@/$D_NAT} xa=${PRE_AWCPFS//@D@/$D_AW} xs=${PRE_SSHFS//@D@/$D_SSH}
     arm native "$D_NAT/$part$sub" "${xn:+$xn && }drop_caches" "$cmd" "$check"
@@ -714,6 +738,7 @@ warm_setup() {
     if awcpfs_up "$part" "$D_AW/$part" && warmup awcpfs "$MNT/$part" "$cmd"; then
         AW_OK=1
     fi
+    ((NO_SSHFS)) && return 0
     # remount: the copy may have been changed behind sshfs's caches since the last mount
     sshfs_fresh || true
     warmup sshfs "$SSHFS_MNT/$part" "$cmd" || true
@@ -876,10 +901,72 @@ wl_make() {
     for d in "$D_NAT" "$D_AW" "$D_SSH"; do make_clean "$d/cproj"; done
 }
 
+# The agent's loop on the C project, under git: edit 5 files, rebuild, run the program (the
+# "tests"), commit. The sleep before it (untimed) is for sshfs's whole-second mtimes.
+LOOP_CMD="for u in 011 013 015 017 019; do printf '/* loop */\\n' >>src/unit\$u.c; done; \
+make -j2 >'$MAKE_OUT' && ./app >/dev/null && git add -A && git commit -qm loop"
+# Append a line to 200 of the repository's files, stage and commit them (the list is fixed).
+COMMIT_LIST=$RUN/commit-files.txt
+COMMIT_CMD="while read -r f; do echo edit >>\"\$f\"; done <'$COMMIT_LIST'; git add -A && git commit -qm edit"
+git_init_cproj() {
+    local d=$1
+    rm -rf "$d/.git"
+    printf 'build/\napp\n' >"$d/.gitignore"
+    git -C "$d" init -q && git -C "$d" add -A && git -C "$d" commit -qm base
+}
+
+wl_loop() {
+    log "workload: the agent's loop (edit -> make -> run -> commit; edit 200 files -> commit)"
+    local d base
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+        make_clean "$d/cproj"
+        git_init_cproj "$d/cproj"
+    done
+    warm_setup cproj "$MAKE_CMD"
+    cell loop full
+    warm_arms cproj "sleep 1.1" "$LOOP_CMD" "compiled 5"
+    run_cell
+    awcpfs_down cproj
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+        make_clean "$d/cproj"
+        rm -rf "$d/cproj/.git" "$d/cproj/.gitignore"
+    done
+    git -C "$D_NAT/repo" ls-files |
+        awk -v n="$(git -C "$D_NAT/repo" ls-files | wc -l)" 'BEGIN { s = int(n / 200); if (s < 1) s = 1 } (NR - 1) % s == 0' |
+        head -n 200 >"$COMMIT_LIST"
+    base=$(git -C "$D_NAT/repo" rev-parse HEAD)
+    warm_setup repo "$GIT_CMD"
+    cell loop commit
+    warm_arms repo - "$COMMIT_CMD"
+    run_cell
+    awcpfs_down repo
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+        git -C "$d/repo" reset -q --hard "$base"
+        git_refresh "$d/repo"
+    done
+}
+
+# (the standard library's own test data with syntax errors on purpose is left out: -x)
+PYC_CMD="python3 -m compileall -q -x '/(data/|bad)' . >/dev/null"
+pyc_clean() { find "$1" -name __pycache__ -prune -exec rm -rf {} +; }
+
+wl_pyc() {
+    log "workload: write-heavy build (python3 -m compileall, $(find "$D_NAT/pytree" -name '*.py' | wc -l) modules)"
+    local d
+    warm_setup pytree "$PYC_CMD"
+    cell pyc warm
+    # (the deletions' write-back settles in the second before each run)
+    warm_arms pytree "pyc_clean @D@ && sleep 1" "$PYC_CMD"
+    run_cell
+    awcpfs_down pytree
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do pyc_clean "$d/pytree"; done
+}
+
 wl_visible() {
     log "workload: close -> visible at the Delegator ($SAMPLES samples)"
     local out=$RUN/visible.txt c mdir sdir v
     for c in awcpfs sshfs; do
+        [[ $c == sshfs && $NO_SSHFS == 1 ]] && continue
         if [[ $c == awcpfs ]]; then
             if ! awcpfs_up scratch "$D_AW/scratch"; then
                 record visible close awcpfs s fail
@@ -967,7 +1054,7 @@ log "machine: $MACHINE"
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 log "binaries: $BIN_DIR; work dir: $WORK; runs per cell: $RUNS; workloads: ${WORKLOADS[*]}"
 measure_overhead
-if wants git || wants stat || wants read || wants seq || wants fio || wants make || wants visible; then
+if ((NO_SSHFS == 0)) && { wants git || wants stat || wants read || wants seq || wants fio || wants make || wants loop || wants pyc || wants visible; }; then
     sshd_start
     sshfs_up || die "sshfs mount failed (see $LOGS/sshfs.log)"
 fi
@@ -988,7 +1075,7 @@ ELAPSED=$((SECONDS - T_START))
     echo "# awcpfs benchmark, $(date -u +%Y-%m-%dT%H:%MZ)"
     echo
     echo "* machine: $MACHINE"
-    echo "* awcpfs mount options: ${MOUNT_OPTS:-(defaults)}"
+    echo "* awcpfs mount options: ${MOUNT_OPTS:-(defaults)}$( ((WARM_ONLY)) && echo "; warm cells only")$( ((NO_SSHFS)) && echo "; no sshfs")"
     echo "* command: \`bash scripts/bench.sh$([[ $QUICK == 1 ]] && echo " --quick") --files $FILES --runs $RUNS --big-mib $BIG_MIB --c-units $C_UNITS --fio-secs $FIO_SECS${ONLY:+ --only $ONLY}\`"
     if [[ $BUILT == 1 ]]; then
         echo "* awcpfs: $("$AWCPFS" --version 2>/dev/null || echo '?'), built from this workspace at $(git -C "$REPO_DIR" describe --always --dirty 2>/dev/null || echo '?')"

@@ -353,6 +353,13 @@ struct ExecutorArgs {
     /// Implied by --passthrough.
     #[arg(long)]
     track_opens: bool,
+    /// Have each mount let the kernel cache writes and send them in batches (FUSE
+    /// writeback cache): builds that write many small pieces stop paying a round trip per
+    /// write. close and fsync still hand the data to the mount before they return, and a
+    /// revocation writes back what the kernel holds within the flush grace. Ignored with
+    /// --passthrough.
+    #[arg(long)]
+    writeback_cache: bool,
     /// Renew each lease with the Delegator when less than this is left (e.g. `30s`), up to
     /// the Delegator's --max-lease. Without it, a lease ends when its TTL runs out unless
     /// the Delegator renews it.
@@ -744,6 +751,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.keep_cache = a.keep_cache;
             cfg.passthrough = a.passthrough;
             cfg.track_opens = a.track_opens;
+            cfg.writeback_cache = a.writeback_cache;
             cfg.renew_margin = a.renew_margin;
             cfg.read_timeout = a.read_timeout;
             cfg.transports = a.transports.into_iter().map(transport_of).collect();

@@ -52,6 +52,9 @@ pub struct ExecutorConfig {
     /// Ask the mount at every open and close of an existing file (see
     /// [`awcpfs::mount::KernelOptions::no_open`]).
     pub track_opens: bool,
+    /// Let the kernel cache writes (see
+    /// [`awcpfs::mount::KernelOptions::writeback_cache`]).
+    pub writeback_cache: bool,
     /// Renew each lease with the Delegator's export when less than this is left (`None`:
     /// leases end when the Delegator's TTL runs out unless it renews them).
     pub renew_margin: Option<Duration>,
@@ -163,6 +166,7 @@ impl ExecutorConfig {
             keep_cache: false,
             passthrough: false,
             track_opens: false,
+            writeback_cache: false,
             renew_margin: None,
             read_timeout: Duration::from_secs(30),
             sync_debounce: Duration::from_millis(50),

@@ -99,6 +99,13 @@ enum Command {
         /// it for 50 ms. Implied by --passthrough.
         #[arg(long)]
         track_opens: bool,
+        /// Let the kernel cache writes and send them to awcpfs in batches (FUSE writeback
+        /// cache): builds that write many small pieces (a linker, compileall) stop paying a
+        /// round trip per write. close and fsync still hand the file's data to awcpfs
+        /// before they return; the end of the lease writes what the kernel holds back
+        /// within the flush grace. Ignored with --passthrough.
+        #[arg(long)]
+        writeback_cache: bool,
         /// A read (or open) that needs the network fails with EIO after this many seconds
         /// when the export does not answer; also the bound on each data-plane request.
         #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -352,6 +359,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cache_size,
             passthrough,
             track_opens,
+            writeback_cache,
             read_timeout_secs,
             allow_other,
         } => {
@@ -371,6 +379,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             cfg.kernel.passthrough = passthrough;
             cfg.kernel.no_open = !track_opens;
+            cfg.kernel.writeback_cache = writeback_cache;
             cfg.allow_other = allow_other;
             let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
             eprintln!(

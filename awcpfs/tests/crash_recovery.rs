@@ -52,6 +52,17 @@ fn recover(handle: &Path, state: &Path) -> std::process::Output {
 
 #[test]
 fn kill_9_mid_stream_then_recover_loses_no_acknowledged_write() {
+    kill_9_mid_stream(&[]);
+}
+
+/// The same with the kernel's writeback cache: written data sits in the kernel's page cache
+/// until `close` or `fsync` hands it to the mount, and what they returned for must survive.
+#[test]
+fn wbcache_kill_9_mid_stream_loses_no_write_close_or_fsync_returned_for() {
+    kill_9_mid_stream(&["--writeback-cache"]);
+}
+
+fn kill_9_mid_stream(extra: &[&str]) {
     if !fuse_available() {
         return;
     }
@@ -83,6 +94,7 @@ fn kill_9_mid_stream_then_recover_loses_no_acknowledged_write() {
             .arg(&mnt)
             .arg("--state-dir")
             .arg(&state)
+            .args(extra)
             .spawn()
             .unwrap(),
     );
@@ -106,6 +118,9 @@ fn kill_9_mid_stream_then_recover_loses_no_acknowledged_write() {
                     if i % 3 == 0 {
                         f.sync_all()?;
                     }
+                    // `close` is checked, not left to `drop`: with the writeback cache it
+                    // is where the data reaches the mount, and where a kill shows.
+                    nix::unistd::close(f)?;
                     Ok(())
                 })();
                 match r {

@@ -36,17 +36,24 @@ fn results(text: &str) -> BTreeMap<String, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn operations_on_the_mount_match_a_native_directory() {
-    operations_match(false).await;
+    operations_match(false, false).await;
+}
+
+/// The same with the kernel's writeback cache, which keeps written files' sizes and times
+/// in the kernel and sends their data later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wbcache_operations_match_a_native_directory_with_the_writeback_cache() {
+    operations_match(false, true).await;
 }
 
 /// The same with FUSE passthrough for read-only opens, where the kernel reads the local
 /// copy itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn operations_match_a_native_directory_with_passthrough() {
-    operations_match(true).await;
+    operations_match(true, false).await;
 }
 
-async fn operations_match(passthrough: bool) {
+async fn operations_match(passthrough: bool, writeback_cache: bool) {
     if !fuse_available() || !tools_available(&["python3"]) {
         return;
     }
@@ -59,6 +66,7 @@ async fn operations_match(passthrough: bool) {
     // needs the mount opened to other users, as a native directory is.
     let h = Harness::start_with(&agent, |c| {
         c.passthrough = passthrough;
+        c.writeback_cache = writeback_cache;
         c.allow_other = true;
     })
     .await;

@@ -35,7 +35,16 @@ impl Run {
 /// delegate `repo` read-write, run `script` as the agent and wait for the end. Panics with
 /// the agent's output unless the delegation completed.
 async fn run_agent(script: &str, setup: impl FnOnce(&Path, &Path)) -> Run {
-    let h = Harness::start(AGENT).await;
+    run_agent_with(script, setup, false).await
+}
+
+/// [`run_agent`], with the mounts' writeback cache on when `writeback_cache` is set.
+async fn run_agent_with(
+    script: &str,
+    setup: impl FnOnce(&Path, &Path),
+    writeback_cache: bool,
+) -> Run {
+    let h = Harness::start_with(AGENT, |c| c.writeback_cache = writeback_cache).await;
     let repo = h.path("repo");
     std::fs::create_dir_all(&repo).unwrap();
     setup(h.tmp.path(), &repo);
@@ -60,6 +69,16 @@ fn read(p: impl AsRef<Path>) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount() {
+    git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(false).await;
+}
+
+/// The same with git's index, packs and refs written through the kernel's writeback cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wbcache_git_clone_branch_rebase_merge_stash_gc_with_the_writeback_cache() {
+    git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(true).await;
+}
+
+async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(writeback_cache: bool) {
     if !fuse_available() || !tools_available(&["git"]) {
         return;
     }
@@ -111,13 +130,17 @@ async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount() {
         test -z "$($G status --porcelain)"
         echo git-ok
     "#;
-    let run = run_agent(script, |tmp, repo| {
-        sample_repo(repo);
-        // The bare repository the agent clones from: a copy of the sample's history.
-        sh(tmp, "git clone -q --bare repo bare.git");
-        // Clones inside the workspace would make the Delegator's repo see nested repos;
-        // that is what an agent does, so keep them.
-    })
+    let run = run_agent_with(
+        script,
+        |tmp, repo| {
+            sample_repo(repo);
+            // The bare repository the agent clones from: a copy of the sample's history.
+            sh(tmp, "git clone -q --bare repo bare.git");
+            // Clones inside the workspace would make the Delegator's repo see nested repos;
+            // that is what an agent does, so keep them.
+        },
+        writeback_cache,
+    )
     .await;
     let status = read(run.tmp().join("status.txt"));
     for want in [
@@ -151,6 +174,16 @@ async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn make_with_gcc_dependency_files_and_rebuild_after_touch() {
+    make_with_gcc_dependency_files_and_rebuild_after_touch_case(false).await;
+}
+
+/// The same with the linker's scattered small writes batched by the kernel's writeback cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wbcache_make_with_gcc_and_rebuild_with_the_writeback_cache() {
+    make_with_gcc_dependency_files_and_rebuild_after_touch_case(true).await;
+}
+
+async fn make_with_gcc_dependency_files_and_rebuild_after_touch_case(writeback_cache: bool) {
     if !fuse_available() || !tools_available(&["make", "gcc"]) {
         return;
     }
@@ -171,7 +204,7 @@ async fn make_with_gcc_dependency_files_and_rebuild_after_touch() {
         make -q
         echo make-ok
     "#;
-    let run = run_agent(script, |_, repo| {
+    let run = run_agent_with(script, |_, repo| {
         std::fs::write(
             repo.join("Makefile"),
             "CFLAGS = -O0 -MMD -MP\nOBJS = main.o util.o\n\nall: app\n\napp: $(OBJS)\n\tgcc -o $@ $(OBJS)\n\n%.o: %.c\n\tgcc $(CFLAGS) -c -o $@ $<\n\n-include $(OBJS:.o=.d)\n",
@@ -188,7 +221,7 @@ async fn make_with_gcc_dependency_files_and_rebuild_after_touch() {
             "#include <stdio.h>\n#include \"util.h\"\nint main(void) { printf(\"%d\\n\", answer()); return 0; }\n",
         )
         .unwrap();
-    })
+    }, writeback_cache)
     .await;
     assert_eq!(read(run.repo.join("run1.txt")), "41\n");
     assert_eq!(read(run.repo.join("run2.txt")), "42\n");
@@ -202,6 +235,16 @@ async fn make_with_gcc_dependency_files_and_rebuild_after_touch() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite3_transactions_and_concurrent_writers_arrive_intact() {
+    sqlite3_transactions_and_concurrent_writers_arrive_intact_case(false).await;
+}
+
+/// The same with a WAL database's shared writable mapping and two writers under the writeback cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wbcache_sqlite3_concurrent_writers_with_the_writeback_cache() {
+    sqlite3_transactions_and_concurrent_writers_arrive_intact_case(true).await;
+}
+
+async fn sqlite3_transactions_and_concurrent_writers_arrive_intact_case(writeback_cache: bool) {
     if !fuse_available() || !tools_available(&["sqlite3"]) {
         return;
     }
@@ -228,7 +271,7 @@ async fn sqlite3_transactions_and_concurrent_writers_arrive_intact() {
         test "$(sqlite3 rollback.db 'PRAGMA integrity_check')" = ok
         echo sqlite-ok
     "#;
-    let run = run_agent(script, |_, _| {}).await;
+    let run = run_agent_with(script, |_, _| {}, writeback_cache).await;
     for db in ["rollback.db", "wal.db"] {
         assert_eq!(
             sh(&run.repo, &format!("sqlite3 {db} 'PRAGMA integrity_check'")),
@@ -255,6 +298,16 @@ async fn sqlite3_transactions_and_concurrent_writers_arrive_intact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn python_venv_editable_install_tests_and_compileall() {
+    python_venv_editable_install_tests_and_compileall_case(false).await;
+}
+
+/// The same with thousands of small .pyc and venv files written through the writeback cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wbcache_python_venv_tests_and_compileall_with_the_writeback_cache() {
+    python_venv_editable_install_tests_and_compileall_case(true).await;
+}
+
+async fn python_venv_editable_install_tests_and_compileall_case(writeback_cache: bool) {
     if !fuse_available() || !tools_available(&["python3"]) {
         return;
     }
@@ -284,7 +337,7 @@ async fn python_venv_editable_install_tests_and_compileall() {
         ls calc/__pycache__ > pycache.txt
         echo python-ok
     "#;
-    let run = run_agent(script, |_, repo| {
+    let run = run_agent_with(script, |_, repo| {
         sample_repo(repo);
         std::fs::write(
             repo.join("pyproject-setuptools.toml"),
@@ -337,7 +390,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 "#,
         )
         .unwrap();
-    })
+    }, writeback_cache)
     .await;
     let log = read(run.tmp().join("agent.log"));
     assert!(log.contains("python-ok"), "{log}");

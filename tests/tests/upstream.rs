@@ -108,13 +108,30 @@ async fn delegator_edits_creates_and_removals_reach_the_running_mount() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn git_on_the_mount_sees_a_commit_made_on_the_delegator() {
+    git_sees_a_delegator_commit(false).await;
+}
+
+/// The same with the kernel's writeback cache, which keeps its own sizes and times of the
+/// files it caches, after the agent read what the Delegator's commit changes. (git and the
+/// edit here replace files by `rename`, so the new inodes carry their own sizes; a file
+/// changed in place under the cache is `awcpfs/tests/writeback_cache.rs`'s case, which
+/// fails without the kernel forgetting the inode.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wbcache_git_on_the_mount_sees_a_delegator_commit_with_the_writeback_cache() {
+    git_sees_a_delegator_commit(true).await;
+}
+
+async fn git_sees_a_delegator_commit(writeback_cache: bool) {
     if !fuse_available() {
         return;
     }
     let out = tempfile::tempdir().unwrap();
+    // The agent reads what the commit will change first, so the kernel caches it.
     let agent = format!(
         r#"set -e
         G="git -c user.email=e@x -c user.name=executor"
+        $G status --porcelain > /dev/null
+        cat calc/ops.py .git/HEAD > /dev/null
         touch {o}/ready
         while [ ! -e {o}/go ]; do sleep 0.05; done
         $G log --format=%s -1 > {o}/log
@@ -126,7 +143,7 @@ async fn git_on_the_mount_sees_a_commit_made_on_the_delegator() {
         "#,
         o = out.path().display()
     );
-    let h = Harness::start(&agent).await;
+    let h = Harness::start_with(&agent, |c| c.writeback_cache = writeback_cache).await;
     let repo = h.path("repo");
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;

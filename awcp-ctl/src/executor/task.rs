@@ -724,6 +724,7 @@ fn mount_config(ex: &Executor, p: &MountPlan, received: std::time::Instant) -> M
     mcfg.keep_cache = ex.cfg.keep_cache;
     mcfg.kernel.passthrough = ex.cfg.passthrough;
     mcfg.kernel.no_open = !ex.cfg.track_opens;
+    mcfg.kernel.writeback_cache = ex.cfg.writeback_cache;
     mcfg.renew_margin = ex.cfg.renew_margin;
     mcfg.request_timeout = ex.cfg.read_timeout;
     mcfg.sync_debounce = ex.cfg.sync_debounce;

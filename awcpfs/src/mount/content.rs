@@ -709,9 +709,15 @@ impl AwcpFs {
         }
         node.ctime = now;
         let attr = self.attr_of(node);
-        let rec = Record::node(node);
+        // An unlinked file is never written back, and its record would name the path it
+        // had: replayed after a crash, it would put the old file back over whatever took
+        // that name (with the writeback cache the kernel sends the times of a file replaced
+        // by `rename` after the rename).
+        let rec = (!node.unlinked).then(|| Record::node(node));
         drop(table);
-        self.journal(&[rec])?;
+        if let Some(rec) = rec {
+            self.journal(&[rec])?;
+        }
         self.sync.request();
         Ok(attr)
     }
@@ -881,7 +887,12 @@ impl AwcpFs {
             return self.handle(fh);
         }
         if write {
-            self.check_write()?;
+            // (A write while the mount drains the kernel's dirty pages at its end is the
+            // kernel writing back, see `AwcpFs::set_draining`.)
+            self.check_write_back()?;
+            if self.opts.read_only {
+                return Err(FsError::ReadOnly);
+            }
         }
         // Refuses what is not a file (`IsDir`).
         self.ensure_local(ino)?;
@@ -979,7 +990,7 @@ impl AwcpFs {
 
     /// `write` to `ino` through `fh` (0: opened without asking).
     pub fn write_at(&self, ino: Ino, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
-        self.check()?;
+        self.check_write_back()?;
         self.writing(ino, fh, || {
             let h = self.handle_for(ino, fh, true)?;
             self.write_handle(&h, offset, data)
@@ -1045,8 +1056,13 @@ impl AwcpFs {
         table.mark_node(h.ino);
         if let Some(node) = table.get_mut(h.ino) {
             node.size = node.size.max(end);
-            node.mtime = SystemTime::now();
-            node.ctime = node.mtime;
+            // Under the writeback cache the kernel stamps the times at the `write(2)` and
+            // sends them as a `setattr` when it writes the inode back, which may reach us
+            // before these pages do: ours would be later than the ones it shows.
+            if !self.writeback_cache() {
+                node.mtime = SystemTime::now();
+                node.ctime = node.mtime;
+            }
             mark_dirty(node);
         }
         Ok(data.len() as u32)

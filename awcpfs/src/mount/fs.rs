@@ -114,6 +114,12 @@ pub struct AwcpFs {
     /// [`KernelOptions::no_open`](super::fuse::KernelOptions)): reads and writes then come
     /// with handle 0, and an unlinked file is kept until the kernel forgets its inode.
     no_open: AtomicBool,
+    /// Set once the kernel keeps written data in its page cache (`FUSE_WRITEBACK_CACHE`,
+    /// see [`KernelOptions::writeback_cache`](super::fuse::KernelOptions)).
+    writeback_cache: AtomicBool,
+    /// While the mount ends: the kernel's write-back of dirty pages is still taken although
+    /// the mount is fenced (see [`AwcpFs::set_draining`]).
+    draining: AtomicBool,
     /// Files written without a handle (no-open) and when, until the syncer takes them: a
     /// file is written back once no write has touched it for [`WRITE_QUIET`].
     pub(super) recent_writes: Mutex<HashMap<Ino, RecentWrite>>,
@@ -229,6 +235,8 @@ impl AwcpFs {
             sync,
             stats,
             no_open: AtomicBool::new(false),
+            writeback_cache: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             recent_writes: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             pack: super::pack::Pack::new(opts.upper_dir.join(".pack"), pack_limit),
@@ -250,6 +258,34 @@ impl AwcpFs {
     /// Whether the kernel opens files without asking.
     pub fn no_open(&self) -> bool {
         self.no_open.load(Ordering::Relaxed)
+    }
+
+    /// The kernel keeps written data in its page cache from now on.
+    pub fn set_writeback_cache(&self) {
+        self.writeback_cache.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the kernel keeps written data in its page cache (writes reach the
+    /// filesystem when it writes them back).
+    pub fn writeback_cache(&self) -> bool {
+        self.writeback_cache.load(Ordering::Relaxed)
+    }
+
+    /// While `on`, `write` requests are served even when the mount is fenced: with the
+    /// writeback cache they are the kernel writing back pages that writes made before the
+    /// end of the lease left dirty, which the final flush must carry to the Delegator.
+    /// Every other operation fails as fenced.
+    pub fn set_draining(&self, on: bool) {
+        self.draining.store(on, Ordering::SeqCst);
+    }
+
+    /// `check` for a `write` request: also passes while the mount drains the kernel's
+    /// dirty pages at its end.
+    pub(super) fn check_write_back(&self) -> Result<(), FsError> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.check()
     }
 
     /// `forget`: the kernel dropped `ino`. An unlinked file kept for descriptors the kernel

@@ -47,6 +47,15 @@ pub struct KernelOptions {
     /// made with `create`, so those get handle 0 too). Ignored with `passthrough`, which
     /// needs an `open` to hand the file over.
     pub no_open: bool,
+    /// Let the kernel keep written data in its page cache and write it to the filesystem
+    /// in batches (`FUSE_WRITEBACK_CACHE`), keeping sizes and times itself meanwhile: a
+    /// `write` no longer costs a round trip, nor do the attribute refreshes and
+    /// `security.capability` lookups that follow one. `close` and `fsync` still write the
+    /// file's dirty pages to the filesystem before they return; a Delegator-side change
+    /// makes the kernel forget the inode; the end of the lease writes dirty pages back
+    /// (`syncfs`, within the flush grace) before the mount is fenced. Ignored with
+    /// `passthrough`.
+    pub writeback_cache: bool,
 }
 
 impl Default for KernelOptions {
@@ -56,6 +65,7 @@ impl Default for KernelOptions {
             passthrough: false,
             no_opendir: true,
             no_open: true,
+            writeback_cache: false,
         }
     }
 }
@@ -74,6 +84,8 @@ pub struct FuseAdapter {
     /// Files are opened without asking once the kernel is told `ENOSYS` (see
     /// [`KernelOptions::no_open`]).
     no_open: bool,
+    /// Ask for the kernel's writeback cache (see [`KernelOptions::writeback_cache`]).
+    want_writeback: bool,
     /// Backing ids of passthrough handles, dropped (closed) at release.
     /// Backing ids of passthrough inodes (one per inode: the kernel refuses a second open
     /// of an inode with a different backing file, with EIO) and how many handles use each.
@@ -93,6 +105,7 @@ impl FuseAdapter {
             want_no_opendir: opts.no_opendir,
             no_opendir: AtomicBool::new(false),
             no_open: opts.no_open && !opts.passthrough,
+            want_writeback: opts.writeback_cache && !opts.passthrough,
             backing: Mutex::new(HashMap::new()),
             pt_handles: Mutex::new(HashMap::new()),
         }
@@ -288,6 +301,23 @@ impl Filesystem for FuseAdapter {
                 .contains(InitFlags::FUSE_NO_OPENDIR_SUPPORT)
         {
             self.no_opendir.store(true, Ordering::Relaxed);
+        }
+        if self.want_writeback {
+            // Writes land in the kernel's page cache and reach us in batches when it writes
+            // them back (at the latest at `close`/`fsync`, and at the end of the lease: see
+            // `Mount::end`). The kernel then trusts its own size and times of a regular file
+            // over ours, so a Delegator-side change must make it forget the inode (see
+            // `Mount::apply_upstream`).
+            if config
+                .add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE)
+                .is_ok()
+            {
+                self.fs.set_writeback_cache();
+            } else {
+                tracing::info!(
+                    "the kernel lacks the FUSE writeback cache: every write is a round trip"
+                );
+            }
         }
         if self.no_open {
             // From the start, not at the first `open`: a file created before it would
@@ -609,6 +639,11 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("release");
+        if fh.0 == 0 && self.no_open {
+            // A file made with `create` under no-open has handle 0; the kernel sends its
+            // `release` under the writeback cache. Nothing was opened for it.
+            return reply.ok();
+        }
         let result = self.fs.release(fh.0);
         // Closing the backing id after the inode's last passthrough release.
         self.release_backing(fh.0);

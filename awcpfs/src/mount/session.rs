@@ -868,7 +868,25 @@ impl Mount {
             while self.wait(Duration::from_secs(1)).is_none() {}
             return;
         }
+        // With the writeback cache, writes made before this moment may still be dirty pages
+        // in the kernel: have it write them to us (accepted although fenced) within the
+        // flush budget, so the final flush carries them to the Delegator. The mount's root
+        // is opened before the fence, which refuses the open.
+        let root = match flush_budget {
+            Some(_) if self.inner.fs.writeback_cache() => self.open_root(),
+            _ => None,
+        };
+        if root.is_some() {
+            self.inner.fs.set_draining(true);
+        }
         self.inner.fs.fence(reason.clone());
+        let started = Instant::now();
+        if let (Some(root), Some(budget)) = (root, flush_budget) {
+            self.sync_kernel(root, budget);
+            self.inner.fs.set_draining(false);
+        }
+        // The write-back above spent part of the budget.
+        let flush_budget = flush_budget.map(|b| b.saturating_sub(started.elapsed()));
         self.drop_kernel_caches();
         self.inner.signal.stop();
         // Unmount first: the final flush reads the inode table and the upper files, not the
@@ -956,6 +974,15 @@ impl Mount {
         if self.inner.fs.fenced().is_some() {
             return;
         }
+        if self.inner.fs.writeback_cache()
+            && !entries.is_empty()
+            && let Some(root) = self.open_root()
+        {
+            // Pages the kernel holds dirty are writes the mount has not seen: have them
+            // written first, so a file they touch counts as changed here (kept, and met as a
+            // conflict) instead of being replaced under them.
+            self.sync_kernel(root, UPSTREAM_SYNC_BOUND);
+        }
         let (invals, report) = self.inner.syncer.apply_upstream(seq, entries, removed);
         self.inner
             .fs
@@ -984,11 +1011,73 @@ impl Mount {
                     fuser::INodeNo(*child),
                     std::ffi::OsStr::new(name),
                 ),
+                Inval::Content(parent, ino, name) => {
+                    let r = notifier.inval_inode(fuser::INodeNo(*ino), 0, -1);
+                    if self.inner.fs.writeback_cache() {
+                        // The kernel keeps a cached file's size and times over ours under
+                        // the writeback cache, even after `inval_inode`: drop the name and
+                        // the inode's link count, so the inode is forgotten once unused and
+                        // the next lookup builds it afresh from the new attributes.
+                        notifier.delete(
+                            fuser::INodeNo(*parent),
+                            fuser::INodeNo(*ino),
+                            std::ffi::OsStr::new(name),
+                        )
+                    } else {
+                        r
+                    }
+                }
             };
             if let Err(e) = r
                 && e.kind() != std::io::ErrorKind::NotFound
             {
                 tracing::debug!(error = %e, ?inval, "kernel invalidation failed");
+            }
+        }
+    }
+
+    /// The mount's root directory, opened (for `syncfs`).
+    fn open_root(&self) -> Option<std::fs::File> {
+        match std::fs::File::open(&self.inner.cfg.mountpoint) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot open the mount's root to write back the kernel's dirty pages");
+                None
+            }
+        }
+    }
+
+    /// Have the kernel write every dirty page of this mount to the filesystem (`syncfs` on
+    /// `root`), waiting at most `budget`; true if it finished in time. Runs on a thread of
+    /// its own: the FUSE threads serve the writes it causes, and a stuck connection cannot
+    /// hold the caller past the budget (aborting the connection later ends the call).
+    fn sync_kernel(&self, root: std::fs::File, budget: Duration) -> bool {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("awcpfs-syncfs".into())
+            .spawn(move || {
+                let _ = tx.send(nix::unistd::syncfs(&root));
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the kernel's write-back");
+            return false;
+        }
+        let started = Instant::now();
+        match rx.recv_timeout(budget) {
+            Ok(Ok(())) => {
+                tracing::debug!(elapsed = ?started.elapsed(), "the kernel wrote its dirty pages back");
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "the kernel's write-back of dirty pages failed");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(
+                    ?budget,
+                    "the kernel did not write its dirty pages back in time"
+                );
+                false
             }
         }
     }
@@ -1037,6 +1126,10 @@ impl Mount {
         }
     }
 }
+
+/// How long a batch of Delegator-side changes waits for the kernel to write back its dirty
+/// pages (writeback cache) before it is applied.
+const UPSTREAM_SYNC_BOUND: Duration = Duration::from_secs(5);
 
 /// Background hydration workers: two requests in flight, so the export reads the next batch
 /// while this side writes the last one.

@@ -53,6 +53,11 @@ pub enum Inval {
     Entry(Ino, String),
     /// A name removed from a directory, and the inode it named.
     Delete(Ino, Ino, String),
+    /// A regular file's content or attributes changed in place: its attributes and pages,
+    /// and (with the kernel's writeback cache, which trusts its own size and times of a
+    /// cached file over the filesystem's) the inode itself, reached through the name it
+    /// changed under (parent, inode, name).
+    Content(Ino, Ino, String),
 }
 
 /// What one batch of Delegator-side changes did.
@@ -351,6 +356,7 @@ impl Syncer {
                     // Same kind: only the node itself changes. Another kind: the node and
                     // everything below it are replaced, so all of it must be clean.
                     let same_kind = node.kind == Kind::from(e.kind);
+                    let is_file = node.kind == Kind::File;
                     let nodes = if same_kind {
                         vec![(e.path.clone(), ino)]
                     } else {
@@ -362,7 +368,11 @@ impl Syncer {
                     }
                     if same_kind {
                         update(fs, &mut table, ino, e, &mut records);
-                        invals.push(Inval::Inode(ino));
+                        invals.push(if is_file {
+                            Inval::Content(parent, ino, name.to_owned())
+                        } else {
+                            Inval::Inode(ino)
+                        });
                     } else {
                         remove_subtree(fs, &mut table, &nodes, &mut records, &mut invals);
                         forget(&mut synced, &mut logged, &e.path);
