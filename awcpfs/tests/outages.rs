@@ -81,7 +81,7 @@ fn setup(timeout: Duration) -> Setup {
     let mut cfg = MountConfig::new(&proxy.url(), "outage", "tok", &mnt, &state);
     cfg.manifest_digest = Some(export.manifest_digest());
     cfg.request_timeout = timeout;
-    cfg.hydrate_max_size = 0;
+    cfg.hydrate = awcpfs::mount::hydrate::HydratePolicy::None;
     let mount = Mount::start(cfg).unwrap();
     Setup {
         _tmp: tmp,
