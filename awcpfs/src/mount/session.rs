@@ -519,7 +519,10 @@ impl Mount {
         }
         let policy = self.inner.cfg.hydrate;
         self.inner.fs.set_hydrate_policy(policy);
-        if policy != HydratePolicy::None {
+        if policy == HydratePolicy::None {
+            // An empty plan, reported as finished.
+            self.inner.fs.hydration_plan(policy);
+        } else {
             let m = self.clone();
             std::thread::Builder::new()
                 .name("awcpfs-hydrate".into())
