@@ -183,7 +183,7 @@ cleanup() {
     local n
     for n in "${!MOUNT_PID[@]}"; do stop_pid "${MOUNT_PID[$n]}" 60; done
     for n in "${!EXPORT_PID[@]}"; do stop_pid "${EXPORT_PID[$n]}" 10; done
-    for n in "${!LINK_PID[@]}"; do stop_pid "${LINK_PID[$n]}" 10; done
+    for n in "${!LINK_PID[@]}"; do stop_pid "${LINK_PID[$n]}" 10 TERM; done
     local p
     for p in "${CTL_PIDS[@]}"; do stop_pid "$p" 60; done
     if [[ -n ${WORK:-} ]]; then   # anything still mounted below the work directory, deepest first
@@ -192,7 +192,7 @@ cleanup() {
     fi
     force_unmount "$SSHFS_MNT"
     stop_pid "$SSHD_PID" 10 TERM
-    stop_pid "$SSH_LINK_PID" 10
+    stop_pid "$SSH_LINK_PID" 10 TERM
     if ((rc != 0)) && [[ -n ${LOGS:-} && -d $LOGS ]]; then
         local keep_logs
         keep_logs=$OUT_DIR/failed-$(date +%Y%m%d-%H%M%S).logs
@@ -420,7 +420,7 @@ awcpfs_down() {
         unset "EXPORT_PID[$name]"
     fi
     if [[ -n ${LINK_PID[$name]:-} ]]; then
-        stop_pid "${LINK_PID[$name]}" 10
+        stop_pid "${LINK_PID[$name]}" 10 TERM
         unset "LINK_PID[$name]"
     fi
     [[ -n $st ]] && rm -rf "$st"
