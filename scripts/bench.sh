@@ -51,6 +51,9 @@ usage: bash scripts/bench.sh [options]
                       N ms round trip (each direction delayed N/2 ms) for the awcpfs
                       data plane and for sshfs's ssh connection, through a userspace
                       TCP proxy (scripts/bench/linkproxy.py); default 0 = loopback
+  --no-sshfs          leave out the sshfs arms of every cell (their figures do not depend
+                      on awcpfs: useful to re-measure awcpfs alone; sshd still runs for
+                      the cold workload's copy baseline)
   --link-mbit M       the emulated link's bandwidth, M Mbit/s each way, shared by all
                       connections (default 0 = unlimited); e.g. --link-delay-ms 20
                       --link-mbit 200 for a 20 ms / 200 Mbit/s link
@@ -67,7 +70,7 @@ HELPERS=$REPO_DIR/scripts/bench
 
 FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0
 SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET= IDLE_WAIT= MOUNT_OPTS=
-LINK_DELAY_MS=0 LINK_MBIT=0
+LINK_DELAY_MS=0 LINK_MBIT=0 NO_SSHFS=0
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
 OUT_DIR=${AWCP_BENCH_OUT_DIR:-/var/tmp/awcpfs-bench-results}
@@ -94,6 +97,7 @@ while [[ $# -gt 0 ]]; do
         --mount-opts) need_arg "$@"; MOUNT_OPTS=$2; shift ;;
         --link-delay-ms) need_arg "$@"; LINK_DELAY_MS=$2; shift ;;
         --link-mbit) need_arg "$@"; LINK_MBIT=$2; shift ;;
+        --no-sshfs) NO_SSHFS=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "bench: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -592,6 +596,7 @@ cell() {
     ARM_C=() ARM_DIR=() ARM_PREP=() ARM_CMD=() ARM_CHECK=()
 }
 arm() {
+    [[ $NO_SSHFS == 1 && $1 == sshfs ]] && return 0
     ARM_C+=("$1") ARM_DIR+=("$2") ARM_PREP+=("$3") ARM_CMD+=("$4") ARM_CHECK+=("${5:-}")
 }
 
