@@ -44,6 +44,9 @@ const NEIGHBOUR_BYTES: u64 = 1 << 20;
 /// Most neighbours an on-demand fetch of a small file brings along.
 const NEIGHBOUR_FILES: usize = 255;
 
+/// Most entries looked at to find a small file's neighbours.
+const NEIGHBOUR_VISIT: usize = 4096;
+
 /// Attribute changes requested by `setattr`.
 #[derive(Debug, Default, Clone)]
 pub struct SetAttr {
@@ -262,7 +265,7 @@ impl AwcpFs {
     /// Bytes `offset..want` of remote file `ino`, from the blocks that hold them (the block
     /// cache first, then one request; every block verified). `None` if the file is no
     /// longer remote content.
-    fn read_remote_blocks(
+    pub(super) fn read_remote_blocks(
         &self,
         ino: Ino,
         offset: u64,
@@ -429,7 +432,10 @@ impl AwcpFs {
                     Some(s) => s.unwaited(),
                     None => background,
                 };
-                self.fetch_chunks(&chunks, yields, |block| publish(&block))
+                // A stream's unwaited blocks also wait for the agent to pause; a first-command
+                // file fetched whole in the background (git's index) only for its fetches.
+                let quiet = stream.is_some();
+                self.fetch_chunks(&chunks, yields, quiet, |block| publish(&block))
             }
         };
         drop(out);
@@ -467,11 +473,13 @@ impl AwcpFs {
     /// `yields(chunk)` says whether a chunk's request is background work: it then waits its
     /// turn behind the agent's fetches ([`super::hydrate::Priority`]) before taking its
     /// turn and budget; otherwise the request counts as a foreground fetch while on the
-    /// wire.
+    /// wire. With `quiet`, a background request also waits for the agent's requests to
+    /// pause ([`AwcpFs::background_turn`]).
     fn fetch_chunks(
         &self,
         chunks: &[&[String]],
         yields: impl Fn(usize) -> bool + Sync,
+        quiet: bool,
         mut write: impl FnMut(Vec<u8>) -> Result<(), FsError>,
     ) -> Result<(), FsError> {
         /// The turn counter's value once a lane gave up: every lane stops.
@@ -496,7 +504,11 @@ impl AwcpFs {
                         // Before the turn and the budget: a waiting background lane holds
                         // nothing a foreground fetch could need.
                         if yields(c) {
-                            self.priority.wait_turn_while(|| yields(c));
+                            if quiet {
+                                self.background_turn(|| yields(c));
+                            } else {
+                                self.priority.wait_turn_while(|| yields(c));
+                            }
                         }
                         let background = yields(c);
                         let mut grant = {
@@ -562,9 +574,13 @@ impl AwcpFs {
         self.fetch_packed(files, None)
     }
 
-    /// The small remote files beside `ino` in its directory (after it in name order, then
-    /// before it), at most [`NEIGHBOUR_BYTES`] in all: a test run, an import, a build read
-    /// a directory's files together, so one request brings them with the first one read.
+    /// The small remote files near `ino`, at most [`NEIGHBOUR_BYTES`] / [`NEIGHBOUR_FILES`]
+    /// in all: first its own directory's (after it in name order, then before it), then
+    /// those of the directories below that one, breadth first. A test run, an import or a
+    /// build reads a directory's files together and then goes down into its subdirectories
+    /// (`os.walk`, a package's subpackages), so one request brings what the next reads will
+    /// want. At most [`NEIGHBOUR_VISIT`] entries are looked at (under the inode table's
+    /// lock).
     fn small_neighbours(&self, ino: Ino) -> Vec<Ino> {
         let table = self.table.lock();
         let Some(parent) = table.get(ino).and_then(|n| table.get(n.parent)) else {
@@ -574,20 +590,45 @@ impl AwcpFs {
         let at = names.iter().position(|i| *i == ino).unwrap_or(0);
         let mut out = Vec::new();
         let mut bytes = 0u64;
-        for i in names[at + 1..].iter().chain(names[..at].iter()) {
-            let Some(n) = table.get(*i) else { continue };
+        let visited = std::cell::Cell::new(0usize);
+        let mut dirs: std::collections::VecDeque<Ino> = std::collections::VecDeque::new();
+        // Returns false once the budget is spent.
+        let mut take = |i: Ino, dirs: &mut std::collections::VecDeque<Ino>| -> bool {
+            visited.set(visited.get() + 1);
+            let Some(n) = table.get(i) else { return true };
+            if n.kind == Kind::Dir {
+                dirs.push_back(i);
+                return true;
+            }
             if n.kind != Kind::File
                 || n.size > PACK_MAX
                 || !matches!(n.data, Data::Remote { packed: None, .. })
-                || table.is_withheld(*i)
+                || table.is_withheld(i)
             {
-                continue;
+                return true;
             }
             if bytes + n.size > NEIGHBOUR_BYTES || out.len() >= NEIGHBOUR_FILES {
-                break;
+                return false;
             }
             bytes += n.size;
-            out.push(*i);
+            out.push(i);
+            true
+        };
+        for i in names[at + 1..].iter().chain(names[..at].iter()) {
+            if !take(*i, &mut dirs) {
+                return out;
+            }
+        }
+        while let Some(d) = dirs.pop_front() {
+            if visited.get() >= NEIGHBOUR_VISIT {
+                break;
+            }
+            let Some(dir) = table.get(d) else { continue };
+            for i in dir.children.values() {
+                if !take(*i, &mut dirs) {
+                    return out;
+                }
+            }
         }
         out
     }

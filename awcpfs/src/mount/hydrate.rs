@@ -18,6 +18,14 @@
 //! fetch's own locks (the per-file fetch lock, the fetch budget), and a background fetch
 //! never holds such a lock while it waits its turn, so the two cannot wait on each other.
 //!
+//! Background work that is not what the agent's first commands need — hydration of the
+//! other small files (`all`), and a large file's stream blocks that no reader waits for —
+//! also waits while the agent is **active** at all: while the mount served any FUSE request
+//! in the last [`QUIET`] (a cold `git status` is some 20,000 lookups and a dozen reads; the
+//! lookups are served locally, but hydration's work — the export reading and hashing, the
+//! mount writing the pack — takes the same CPUs). So that a busy agent does not stop
+//! hydration for good, such a request waits at most [`ACTIVITY_MAX_WAIT`].
+//!
 //! **Progress** ([`Progress`]): the plan's files and bytes, what was hydrated, and how often
 //! hydration yielded to the agent, in `status.json` as `hydration`.
 
@@ -36,6 +44,10 @@ pub const DEFAULT_ALL_MAX: u64 = 256 << 10;
 
 /// How long background fetches keep waiting after the last foreground fetch ended.
 pub const QUIET: Duration = Duration::from_millis(30);
+
+/// Longest a background request waits for the agent's requests to pause (see the module
+/// docs); foreground fetches in flight are always waited for.
+pub const ACTIVITY_MAX_WAIT: Duration = Duration::from_secs(1);
 
 /// Most bytes one hydration request asks for (its answer delays a foreground fetch that
 /// starts meanwhile by at most this much on the wire).
@@ -245,6 +257,10 @@ struct PrioState {
     active: usize,
     /// When the last one ended.
     last_end: Option<Instant>,
+    /// The mount's FUSE request count when background work last looked, and when it last
+    /// saw it change.
+    ops_seen: u64,
+    ops_changed: Option<Instant>,
 }
 
 /// A foreground fetch in flight; ends when dropped.
@@ -282,6 +298,31 @@ impl Priority {
         self.wait_turn_while(|| true)
     }
 
+    /// Wait until the agent's requests pause: `ops()` (the mount's FUSE request count)
+    /// unchanged for [`QUIET`], or [`ACTIVITY_MAX_WAIT`] spent. Returns whether it waited.
+    pub fn wait_quiet(&self, ops: impl Fn() -> u64, still_background: impl Fn() -> bool) -> bool {
+        let started = Instant::now();
+        let mut st = self.state.lock();
+        let mut waited = false;
+        loop {
+            if !still_background() || started.elapsed() >= ACTIVITY_MAX_WAIT {
+                return waited;
+            }
+            let now_ops = ops();
+            if now_ops != st.ops_seen {
+                st.ops_seen = now_ops;
+                st.ops_changed = Some(Instant::now());
+            }
+            let left = match st.ops_changed {
+                Some(t) if t.elapsed() < QUIET => QUIET - t.elapsed(),
+                _ => return waited,
+            };
+            waited = true;
+            self.cv
+                .wait_for(&mut st, left.min(Duration::from_millis(10)));
+        }
+    }
+
     /// [`Priority::wait_turn`], ending early once `still_background()` is false (a reader
     /// started waiting for this request: it is the agent's now).
     pub fn wait_turn_while(&self, still_background: impl Fn() -> bool) -> bool {
@@ -311,11 +352,20 @@ impl Priority {
 /// fetched into its upper file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Batch {
-    /// Small files, fetched together into the pack.
+    /// Small first-command files, fetched together into the pack.
     Packed(Vec<Ino>),
+    /// Other small files (`all`), fetched together into the pack once the agent pauses.
+    Rest(Vec<Ino>),
     /// A first-command file too large for the pack (git's index of a large tree).
     Whole(Ino),
+    /// The first [`PACK_HEAD_BLOCKS`] blocks of a large git pack (`first`: where git puts
+    /// the commits and trees that `git status` and `git log` read), kept with the blocks
+    /// of ranged reads.
+    PackHead(Ino),
 }
+
+/// Blocks of a large git pack fetched ahead under `first` (2 MiB at the default size).
+pub const PACK_HEAD_BLOCKS: u64 = 2;
 
 impl AwcpFs {
     /// Serve reads as `policy` says: stream large files whole or fetch only what is read;
@@ -338,6 +388,7 @@ impl AwcpFs {
     pub fn hydration_plan(&self, policy: HydratePolicy) -> VecDeque<Batch> {
         let mut first: Vec<(Ino, u64)> = Vec::new();
         let mut rest: Vec<(Ino, u64)> = Vec::new();
+        let mut heads: Vec<Ino> = Vec::new();
         {
             let table = self.table.lock();
             let max = match policy {
@@ -363,6 +414,13 @@ impl AwcpFs {
                     if remote_file(n) && is_first_command_file(path) {
                         first.push((n.ino, n.size));
                         in_first.insert(n.ino);
+                    } else if remote_file(n)
+                        && !policy.streams_large_files()
+                        && n.size >= super::content::STREAM_MIN
+                        && path.starts_with(".git/objects/pack/")
+                        && path.ends_with(".pack")
+                    {
+                        heads.push(n.ino);
                     }
                 });
             }
@@ -379,6 +437,8 @@ impl AwcpFs {
         }
         let mut plan = VecDeque::new();
         let (mut files, mut bytes) = (0u64, 0u64);
+        // Not in the totals: only part of each file is fetched.
+        let heads: Vec<Batch> = heads.into_iter().map(Batch::PackHead).collect();
         for (list, is_first) in [(&first, true), (&rest, false)] {
             let mut batch: Vec<Ino> = Vec::new();
             let mut batch_bytes = 0u64;
@@ -392,12 +452,24 @@ impl AwcpFs {
                 batch.push(ino);
                 batch_bytes += size;
                 if batch_bytes >= BATCH_BYTES || batch.len() >= BATCH_FILES {
-                    plan.push_back(Batch::Packed(std::mem::take(&mut batch)));
+                    let files = std::mem::take(&mut batch);
+                    plan.push_back(if is_first {
+                        Batch::Packed(files)
+                    } else {
+                        Batch::Rest(files)
+                    });
                     batch_bytes = 0;
                 }
             }
             if !batch.is_empty() {
-                plan.push_back(Batch::Packed(batch));
+                plan.push_back(if is_first {
+                    Batch::Packed(batch)
+                } else {
+                    Batch::Rest(batch)
+                });
+            }
+            if is_first {
+                plan.extend(heads.iter().cloned());
             }
         }
         self.set_plan(policy, files, bytes);
@@ -414,6 +486,19 @@ impl AwcpFs {
         p.finished.store(files == 0, Ordering::Relaxed);
     }
 
+    /// Wait before a background request that the agent's first commands do not need:
+    /// while a foreground fetch is in flight, and until the agent's requests pause (at most
+    /// [`ACTIVITY_MAX_WAIT`]). Stops waiting once `still_background()` is false. Returns
+    /// whether it waited.
+    pub(super) fn background_turn(&self, still_background: impl Fn() -> bool) -> bool {
+        let a = self.priority.wait_turn_while(&still_background);
+        let b = self
+            .priority
+            .wait_quiet(|| self.stats.ops_total(), &still_background);
+        let c = self.priority.wait_turn_while(&still_background);
+        a || b || c
+    }
+
     /// Mark the plan through.
     pub fn hydration_finished(&self) {
         self.hydration.finished.store(true, Ordering::Relaxed);
@@ -422,16 +507,26 @@ impl AwcpFs {
     /// Run one hydration request, after the agent's fetches (see [`Priority`]). Counts the
     /// batch's files that are no longer remote afterwards as done, whoever fetched them.
     pub fn hydrate(&self, batch: &Batch) -> Result<(), super::FsError> {
-        if self.priority.wait_turn() {
+        let waited = match batch {
+            Batch::Rest(_) => self.background_turn(|| true),
+            _ => self.priority.wait_turn(),
+        };
+        if waited {
             self.hydration.yielded.fetch_add(1, Ordering::Relaxed);
         }
         let r = match batch {
-            Batch::Packed(files) => self.prefetch(files).map(|_| ()),
+            Batch::Packed(files) | Batch::Rest(files) => self.prefetch(files).map(|_| ()),
             Batch::Whole(ino) => self.fetch_whole_in_background(*ino),
+            Batch::PackHead(ino) => {
+                let size = self.table.lock().get(*ino).map_or(0, |n| n.size);
+                let want = (PACK_HEAD_BLOCKS * u64::from(self.opts.block_size.max(1))).min(size);
+                self.read_remote_blocks(*ino, 0, want).map(|_| ())
+            }
         };
         let inos: &[Ino] = match batch {
-            Batch::Packed(files) => files,
+            Batch::Packed(files) | Batch::Rest(files) => files,
             Batch::Whole(ino) => std::slice::from_ref(ino),
+            Batch::PackHead(_) => &[],
         };
         let table = self.table.lock();
         for ino in inos {
