@@ -2045,3 +2045,51 @@ fn cold_hydration_waits_while_an_on_demand_fetch_is_in_flight() {
     assert_eq!(f.fs.hydration().snapshot().yielded, 1);
     assert_eq!(f.fs.read_at(m0, 0, 0, 4096).unwrap(), b"x = 0\n");
 }
+
+#[test]
+fn cold_a_small_files_window_reaches_into_the_directories_below_it_and_no_further() {
+    let f = fixture(false, |r| {
+        std::fs::create_dir_all(r.join("pkg/sub/deeper")).unwrap();
+        std::fs::create_dir_all(r.join("other")).unwrap();
+        std::fs::write(r.join("pkg/__init__.py"), "a\n").unwrap();
+        std::fs::write(r.join("pkg/sub/mod.py"), "bb\n").unwrap();
+        std::fs::write(r.join("pkg/sub/deeper/leaf.py"), "ccc\n").unwrap();
+        std::fs::write(r.join("other/w.py"), "dddd\n").unwrap();
+    });
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::First);
+    assert_eq!(f.fs.read_at(f.ino("pkg/__init__.py"), 0, 0, 64).unwrap(), b"a\n");
+    let snap = f.fs.stats().snapshot();
+    assert_eq!((snap.files_packed, snap.bytes_fetched), (3, 2 + 3 + 4));
+    assert_eq!(f.fs.read_at(f.ino("pkg/sub/deeper/leaf.py"), 0, 0, 64).unwrap(), b"ccc\n");
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 9, "fetched with the first");
+    assert_eq!(f.fs.read_at(f.ino("other/w.py"), 0, 0, 64).unwrap(), b"dddd\n");
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 9 + 5);
+}
+
+#[test]
+fn cold_first_fetches_the_head_of_a_large_pack_and_reads_there_cost_no_request() {
+    let big: Vec<u8> = (0..(5u32 << 20)).map(|i| (i % 253) as u8).collect();
+    let f = fixture(false, |r| {
+        git_tree(r);
+        std::fs::write(r.join(".git/objects/pack/p.pack"), &big).unwrap();
+    });
+    f.fs.set_no_open();
+    let plan = hydrate_all(&f, HydratePolicy::First);
+    let pack = f.ino(".git/objects/pack/p.pack");
+    assert!(plan.contains(&Batch::PackHead(pack)), "{plan:?}");
+    let fetched = f.fs.stats().snapshot().bytes_fetched;
+    // The fixture's export has 4 KiB blocks: the first two are here.
+    assert_eq!(f.fs.read_at(pack, 0, 12, 8000).unwrap(), &big[12..8012]);
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, fetched);
+    // Past them, a read fetches its own block.
+    assert_eq!(f.fs.read_at(pack, 0, 8192, 10).unwrap(), &big[8192..8202]);
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, fetched + 4096);
+    // `all` streams large files whole instead: no head is planned.
+    let f = fixture(false, |r| {
+        git_tree(r);
+        std::fs::write(r.join(".git/objects/pack/p.pack"), &big).unwrap();
+    });
+    let plan = f.fs.hydration_plan(HydratePolicy::default());
+    assert!(!plan.iter().any(|b| matches!(b, Batch::PackHead(_))), "{plan:?}");
+}

@@ -638,6 +638,32 @@ mod tests {
     }
 
     #[test]
+    fn background_waits_while_the_agent_is_active_but_not_for_ever() {
+        use std::sync::atomic::AtomicBool;
+        let p = Priority::default();
+        let ops = AtomicU64::new(7);
+        // Idle (the count does not move after its first reading): no wait.
+        p.wait_quiet(|| ops.load(Ordering::Relaxed), || true);
+        std::thread::sleep(QUIET);
+        assert!(!p.wait_quiet(|| ops.load(Ordering::Relaxed), || true));
+        // An agent that keeps making requests: it waits, and still returns (bounded by
+        // ACTIVITY_MAX_WAIT, however long the agent goes on).
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    ops.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            });
+            assert!(p.wait_quiet(|| ops.load(Ordering::Relaxed), || true));
+            // Once it is no longer background work, it stops waiting.
+            assert!(!p.wait_quiet(|| ops.load(Ordering::Relaxed), || false));
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+
+    #[test]
     fn background_waits_for_foreground_then_quiet() {
         let p = std::sync::Arc::new(Priority::default());
         assert!(!p.wait_turn(), "nothing in flight: no wait");
