@@ -2058,12 +2058,26 @@ fn cold_a_small_files_window_reaches_into_the_directories_below_it_and_no_furthe
     });
     f.fs.set_no_open();
     f.fs.set_hydrate_policy(HydratePolicy::First);
-    assert_eq!(f.fs.read_at(f.ino("pkg/__init__.py"), 0, 0, 64).unwrap(), b"a\n");
+    assert_eq!(
+        f.fs.read_at(f.ino("pkg/__init__.py"), 0, 0, 64).unwrap(),
+        b"a\n"
+    );
     let snap = f.fs.stats().snapshot();
     assert_eq!((snap.files_packed, snap.bytes_fetched), (3, 2 + 3 + 4));
-    assert_eq!(f.fs.read_at(f.ino("pkg/sub/deeper/leaf.py"), 0, 0, 64).unwrap(), b"ccc\n");
-    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 9, "fetched with the first");
-    assert_eq!(f.fs.read_at(f.ino("other/w.py"), 0, 0, 64).unwrap(), b"dddd\n");
+    assert_eq!(
+        f.fs.read_at(f.ino("pkg/sub/deeper/leaf.py"), 0, 0, 64)
+            .unwrap(),
+        b"ccc\n"
+    );
+    assert_eq!(
+        f.fs.stats().snapshot().bytes_fetched,
+        9,
+        "fetched with the first"
+    );
+    assert_eq!(
+        f.fs.read_at(f.ino("other/w.py"), 0, 0, 64).unwrap(),
+        b"dddd\n"
+    );
     assert_eq!(f.fs.stats().snapshot().bytes_fetched, 9 + 5);
 }
 
@@ -2091,5 +2105,8 @@ fn cold_first_fetches_the_head_of_a_large_pack_and_reads_there_cost_no_request()
         std::fs::write(r.join(".git/objects/pack/p.pack"), &big).unwrap();
     });
     let plan = f.fs.hydration_plan(HydratePolicy::default());
-    assert!(!plan.iter().any(|b| matches!(b, Batch::PackHead(_))), "{plan:?}");
+    assert!(
+        !plan.iter().any(|b| matches!(b, Batch::PackHead(_))),
+        "{plan:?}"
+    );
 }

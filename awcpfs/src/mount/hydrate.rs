@@ -649,18 +649,23 @@ mod tests {
         // An agent that keeps making requests: it waits, and still returns (bounded by
         // ACTIVITY_MAX_WAIT, however long the agent goes on).
         let stop = AtomicBool::new(false);
-        std::thread::scope(|s| {
+        let (waited, waited_when_foreground) = std::thread::scope(|s| {
+            // A request just now, then one every 2 ms until told to stop.
+            ops.fetch_add(1, Ordering::Relaxed);
             s.spawn(|| {
                 while !stop.load(Ordering::Relaxed) {
                     ops.fetch_add(1, Ordering::Relaxed);
                     std::thread::sleep(Duration::from_millis(2));
                 }
             });
-            assert!(p.wait_quiet(|| ops.load(Ordering::Relaxed), || true));
+            let waited = p.wait_quiet(|| ops.load(Ordering::Relaxed), || true);
             // Once it is no longer background work, it stops waiting.
-            assert!(!p.wait_quiet(|| ops.load(Ordering::Relaxed), || false));
+            let fg = p.wait_quiet(|| ops.load(Ordering::Relaxed), || false);
             stop.store(true, Ordering::Relaxed);
+            (waited, fg)
         });
+        assert!(waited);
+        assert!(!waited_when_foreground);
     }
 
     #[test]
