@@ -1881,9 +1881,10 @@ fn cold_reading_a_small_file_brings_its_small_neighbours_in_the_same_request() {
         b"x = 0\n"
     );
     let snap = f.fs.stats().snapshot();
-    // src/: five modules and its .gitignore; nothing from docs/.
-    assert_eq!(snap.files_packed, 6, "{snap:?}");
-    assert_eq!(snap.bytes_fetched, 5 * 6 + 6);
+    // src/ (five modules, its .gitignore), then outwards: docs/ and the root's .gitignore;
+    // not git's internals.
+    assert_eq!(snap.files_packed, 12, "{snap:?}");
+    assert_eq!(snap.bytes_fetched, 5 * 6 + 6 + 5 * 8 + 4);
     for i in 1..5 {
         let want = format!("x = {i}\n");
         assert_eq!(
@@ -1892,10 +1893,14 @@ fn cold_reading_a_small_file_brings_its_small_neighbours_in_the_same_request() {
             want.as_bytes()
         );
     }
-    assert_eq!(f.fs.stats().snapshot().bytes_fetched, snap.bytes_fetched);
     assert_eq!(
         f.fs.read_at(f.ino("docs/d0.md"), 0, 0, 4096).unwrap(),
         b"# doc 0\n"
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, snap.bytes_fetched);
+    assert_eq!(
+        f.fs.read_at(f.ino(".git/HEAD"), 0, 0, 4096).unwrap(),
+        b"ref: refs/heads/main\n"
     );
     assert!(f.fs.stats().snapshot().bytes_fetched > snap.bytes_fetched);
 }
@@ -2047,14 +2052,17 @@ fn cold_hydration_waits_while_an_on_demand_fetch_is_in_flight() {
 }
 
 #[test]
-fn cold_a_small_files_window_reaches_into_the_directories_below_it_and_no_further() {
+fn cold_a_small_files_window_goes_down_first_then_outwards_within_its_budget() {
     let f = fixture(false, |r| {
         std::fs::create_dir_all(r.join("pkg/sub/deeper")).unwrap();
         std::fs::create_dir_all(r.join("other")).unwrap();
         std::fs::write(r.join("pkg/__init__.py"), "a\n").unwrap();
         std::fs::write(r.join("pkg/sub/mod.py"), "bb\n").unwrap();
         std::fs::write(r.join("pkg/sub/deeper/leaf.py"), "ccc\n").unwrap();
-        std::fs::write(r.join("other/w.py"), "dddd\n").unwrap();
+        // Six files of 200 KiB beside pkg/: five fit in the 1 MiB window, the sixth not.
+        for i in 0..6 {
+            std::fs::write(r.join(format!("other/w{i}.py")), vec![b'w'; 200 << 10]).unwrap();
+        }
     });
     f.fs.set_no_open();
     f.fs.set_hydrate_policy(HydratePolicy::First);
@@ -2063,22 +2071,26 @@ fn cold_a_small_files_window_reaches_into_the_directories_below_it_and_no_furthe
         b"a\n"
     );
     let snap = f.fs.stats().snapshot();
-    assert_eq!((snap.files_packed, snap.bytes_fetched), (3, 2 + 3 + 4));
+    assert_eq!(snap.files_packed, 3 + 5, "{snap:?}");
+    assert_eq!(snap.bytes_fetched, 2 + 3 + 4 + 5 * (200 << 10));
     assert_eq!(
         f.fs.read_at(f.ino("pkg/sub/deeper/leaf.py"), 0, 0, 64)
             .unwrap(),
         b"ccc\n"
     );
     assert_eq!(
-        f.fs.stats().snapshot().bytes_fetched,
-        9,
-        "fetched with the first"
+        f.fs.read_at(f.ino("other/w4.py"), 0, 0, 4).unwrap(),
+        b"wwww"
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, snap.bytes_fetched);
+    assert_eq!(
+        f.fs.read_at(f.ino("other/w5.py"), 0, 0, 4).unwrap(),
+        b"wwww"
     );
     assert_eq!(
-        f.fs.read_at(f.ino("other/w.py"), 0, 0, 64).unwrap(),
-        b"dddd\n"
+        f.fs.stats().snapshot().bytes_fetched,
+        snap.bytes_fetched + (200 << 10)
     );
-    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 9 + 5);
 }
 
 #[test]

@@ -576,7 +576,8 @@ impl AwcpFs {
 
     /// The small remote files near `ino`, at most [`NEIGHBOUR_BYTES`] / [`NEIGHBOUR_FILES`]
     /// in all: first its own directory's (after it in name order, then before it), then
-    /// those of the directories below that one, breadth first. A test run, an import or a
+    /// those of the directories below that one, breadth first, then outwards (the parent's
+    /// other subtrees, and so on up). A test run, an import or a
     /// build reads a directory's files together and then goes down into its subdirectories
     /// (`os.walk`, a package's subpackages), so one request brings what the next reads will
     /// want. At most [`NEIGHBOUR_VISIT`] entries are looked at (under the inode table's
@@ -597,7 +598,11 @@ impl AwcpFs {
             visited.set(visited.get() + 1);
             let Some(n) = table.get(i) else { return true };
             if n.kind == Kind::Dir {
-                dirs.push_back(i);
+                // Git's internals are not what a test run or a build reads (hydration
+                // fetches what git needs first).
+                if n.name != ".git" {
+                    dirs.push_back(i);
+                }
                 return true;
             }
             if n.kind != Kind::File
@@ -619,18 +624,43 @@ impl AwcpFs {
                 return out;
             }
         }
-        while let Some(d) = dirs.pop_front() {
-            if visited.get() >= NEIGHBOUR_VISIT {
-                break;
+        // Then outwards: once the directories below are exhausted, those below the parent
+        // (the siblings' subtrees), and so on up — a walk that reached a leaf goes on with
+        // the next directory nearby, not with one request per leaf.
+        let mut seen: std::collections::HashSet<Ino> = std::collections::HashSet::new();
+        seen.insert(parent.ino);
+        let mut up = parent.ino;
+        loop {
+            while let Some(d) = dirs.pop_front() {
+                if visited.get() >= NEIGHBOUR_VISIT {
+                    return out;
+                }
+                if !seen.insert(d) {
+                    continue;
+                }
+                let Some(dir) = table.get(d) else { continue };
+                for i in dir.children.values() {
+                    if !take(*i, &mut dirs) {
+                        return out;
+                    }
+                }
             }
-            let Some(dir) = table.get(d) else { continue };
+            let Some(next) = table.get(up).map(|n| n.parent).filter(|p| *p != up) else {
+                return out;
+            };
+            up = next;
+            if !seen.insert(up) {
+                return out;
+            }
+            let Some(dir) = table.get(up) else {
+                return out;
+            };
             for i in dir.children.values() {
-                if !take(*i, &mut dirs) {
+                if !seen.contains(i) && !take(*i, &mut dirs) {
                     return out;
                 }
             }
         }
-        out
     }
 
     /// Size and pack offset of `ino` if it is a regular file whose content is remote.
