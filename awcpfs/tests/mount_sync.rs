@@ -1903,6 +1903,17 @@ fn cold_reading_a_small_file_brings_its_small_neighbours_in_the_same_request() {
         b"ref: refs/heads/main\n"
     );
     assert!(f.fs.stats().snapshot().bytes_fetched > snap.bytes_fetched);
+
+    // A first command's file brings only its own directory's neighbours: reading the
+    // root's .gitignore on a fresh mount fetches nothing from src/ or docs/.
+    let f = fixture(false, git_tree);
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::First);
+    assert_eq!(
+        f.fs.read_at(f.ino(".gitignore"), 0, 0, 64).unwrap(),
+        b"*.o\n"
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 4);
 }
 
 #[test]

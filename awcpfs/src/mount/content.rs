@@ -624,6 +624,14 @@ impl AwcpFs {
                 return out;
             }
         }
+        // A first command's file (git's, an ignore file) is read on that command's critical
+        // path, before hydration has it: its window stays in its own directory.
+        if table
+            .path_of(ino)
+            .is_some_and(|p| super::hydrate::is_first_command_file(&p) || p.starts_with(".git/"))
+        {
+            return out;
+        }
         // Then outwards: once the directories below are exhausted, those below the parent
         // (the siblings' subtrees), and so on up — a walk that reached a leaf goes on with
         // the next directory nearby, not with one request per leaf.
