@@ -23,12 +23,15 @@ usage: bash scripts/bench.sh [options]
   --files N           files in the synthetic repository (default 20000; 100000 = large case)
   --runs N            timed runs per cell; each figure is their median (default 5)
   --only LIST         comma-separated workloads:
-                      delegate,git,stat,read,seq,fio,make,loop,pyc,visible,aecp
+                      delegate,git,stat,read,seq,fio,make,loop,pyc,visible,aecp,cold
                       (loop: edit 5 C files -> make -j2 -> run the program -> git commit,
                       and append to 200 files -> git add -A -> git commit;
                       pyc: python3 -m compileall of ~1,800 modules, a write-heavy build;
                       aecp: git status and the stat walk on a mount with AECP on - 10,000
-                      artifacts in its replica - against one with AECP off)
+                      artifacts in its replica - against one with AECP off;
+                      cold: the agent's first commands on a fresh mount: time to a
+                      usable mount, the first git status, the first test run's reads,
+                      and copying those files through the same link as the baseline)
   --big-mib N         size of the sequential-read file in MiB (default 512)
   --c-units N         C compilation units (default 300)
   --fio-secs N        length of each fio job in seconds (default 5)
@@ -48,10 +51,19 @@ usage: bash scripts/bench.sh [options]
                       the CPUs idle, at most 10*S in all (default 30; 10 with --quick;
                       0 = don't wait); cells measured on a busy machine are counted
   --mount-opts "..."  extra options for `awcpfs mount` (e.g. "--passthrough",
-                      "--writeback-cache")
+                      "--writeback-cache", "--hydrate none")
   --warm-only         skip the cold cells (fresh mounts, dropped caches): for comparing
                       mount options on the warm loop quickly
-  --no-sshfs          measure native and awcpfs only (no sshd, no sshfs column)
+  --link-delay-ms N   emulate a network link between the Executor and the Delegator:
+                      N ms round trip (each direction delayed N/2 ms) for the awcpfs
+                      data plane and for sshfs's ssh connection, through a userspace
+                      TCP proxy (scripts/bench/linkproxy.py); default 0 = loopback
+  --no-sshfs          leave out the sshfs arms of every cell (their figures do not depend
+                      on awcpfs: useful to re-measure awcpfs alone; sshd still runs for
+                      the cold workload's copy baseline)
+  --link-mbit M       the emulated link's bandwidth, M Mbit/s each way, shared by all
+                      connections (default 0 = unlimited); e.g. --link-delay-ms 20
+                      --link-mbit 200 for a 20 ms / 200 Mbit/s link
   --cell-budget S     stop repeating a cell once its runs took this long, keeping the
                       samples so far (default 300; 60 with --quick); the table marks
                       cells with fewer than --runs samples
@@ -74,6 +86,7 @@ HELPERS=$REPO_DIR/scripts/bench
 
 FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0 FLEET= WARM_ONLY=0 NO_SSHFS=0
 SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET= IDLE_WAIT= MOUNT_OPTS=
+LINK_DELAY_MS=0 LINK_MBIT=0 NO_SSHFS=0
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
 OUT_DIR=${AWCP_BENCH_OUT_DIR:-/var/tmp/awcpfs-bench-results}
@@ -101,6 +114,8 @@ while [[ $# -gt 0 ]]; do
         --idle-wait) need_arg "$@"; IDLE_WAIT=$2; shift ;;
         --mount-opts) need_arg "$@"; MOUNT_OPTS=$2; shift ;;
         --fleet) need_arg "$@"; FLEET=$2; shift ;;
+        --link-delay-ms) need_arg "$@"; LINK_DELAY_MS=$2; shift ;;
+        --link-mbit) need_arg "$@"; LINK_MBIT=$2; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "bench: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -116,7 +131,14 @@ for v in FILES BIG_MIB C_UNITS RUNS FIO_SECS SAMPLES STEP_TIMEOUT CELL_BUDGET; d
 done
 [[ $IDLE_WAIT =~ ^[0-9]+$ ]] || { echo "bench: --idle-wait must be a whole number" >&2; exit 2; }
 [[ $TTL_SLEEP =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "bench: --ttl-sleep must be a number" >&2; exit 2; }
-ALL_WORKLOADS=(delegate git stat read seq fio make loop pyc visible aecp)
+for v in LINK_DELAY_MS LINK_MBIT; do
+    [[ ${!v} =~ ^[0-9]+(\.[0-9]+)?$ ]] || { o=${v,,}; echo "bench: --${o//_/-} must be a number" >&2; exit 2; }
+done
+LINK=0
+[[ $LINK_DELAY_MS != 0 || $LINK_MBIT != 0 ]] && LINK=1
+LINK_DESC=loopback
+((LINK)) && LINK_DESC="emulated link: ${LINK_DELAY_MS} ms round trip, ${LINK_MBIT} Mbit/s each way (0: unlimited)"
+ALL_WORKLOADS=(delegate git stat read seq fio make loop pyc visible aecp cold)
 if [[ -n $ONLY ]]; then
     IFS=, read -r -a WORKLOADS <<<"$ONLY"
     for w in "${WORKLOADS[@]}"; do
@@ -153,7 +175,8 @@ fi
 log() { printf '[bench %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-declare -A EXPORT_PID=() MOUNT_PID=() STATE_OF=() SRC_OF=()
+declare -A EXPORT_PID=() MOUNT_PID=() STATE_OF=() SRC_OF=() LINK_PID=() MOUNT_HANDLE=()
+SSH_LINK_PID=
 CTL_PIDS=()
 SSHD_PID=
 SSHFS_MNT=
@@ -201,6 +224,7 @@ cleanup() {
     local n
     for n in "${!MOUNT_PID[@]}"; do stop_pid "${MOUNT_PID[$n]}" 60; done
     for n in "${!EXPORT_PID[@]}"; do stop_pid "${EXPORT_PID[$n]}" 10; done
+    for n in "${!LINK_PID[@]}"; do stop_pid "${LINK_PID[$n]}" 10 TERM; done
     local p
     for p in "${CTL_PIDS[@]}"; do stop_pid "$p" 60; done
     if [[ -n ${WORK:-} ]]; then   # anything still mounted below the work directory, deepest first
@@ -209,6 +233,7 @@ cleanup() {
     fi
     force_unmount "$SSHFS_MNT"
     stop_pid "$SSHD_PID" 10 TERM
+    stop_pid "$SSH_LINK_PID" 10 TERM
     if ((rc != 0)) && [[ -n ${LOGS:-} && -d $LOGS ]]; then
         local keep_logs
         keep_logs=$OUT_DIR/failed-$(date +%Y%m%d-%H%M%S).logs
@@ -387,17 +412,45 @@ awcpfs_export_up() {
         >>"$LOGS/awcpfs-$name-export.log" 2>&1 &
     EXPORT_PID[$name]=$!
     wait_for "awcpfs export of $src" 900 "${EXPORT_PID[$name]}" \
-        python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$RUN/$name.handle"
+        python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$RUN/$name.handle" || return 1
+    MOUNT_HANDLE[$name]=$RUN/$name.handle
+    if ((LINK)); then
+        # The mount reaches the export through the emulated link: a proxy in front of the
+        # export's port, and a copy of the handle naming the proxy.
+        local port
+        port=$(python3 -c 'import json,sys,urllib.parse as u; print(u.urlsplit(json.load(open(sys.argv[1]))["endpoint"]).port)' "$h") || return 1
+        link_proxy_up "$port" "$RUN/$name.proxy-port" >>"$LOGS/linkproxy-$name.log" 2>&1 || return 1
+        LINK_PID[$name]=$LINK_PROXY_PID
+        python3 - "$h" "$h.link" "$(cat "$RUN/$name.proxy-port")" <<'PY' || return 1
+import json, sys, urllib.parse as u
+h = json.load(open(sys.argv[1]))
+e = u.urlsplit(h["endpoint"])
+h["endpoint"] = u.urlunsplit((e.scheme, f"{e.hostname}:{sys.argv[3]}", e.path, e.query, e.fragment))
+json.dump(h, open(sys.argv[2], "w"))
+PY
+        MOUNT_HANDLE[$name]=$h.link
+    fi
+}
+# link_proxy_up TARGET_PORT PORT_FILE: start the link emulator in front of 127.0.0.1:TARGET_PORT
+# -> LINK_PROXY_PID; its own port is written to PORT_FILE
+link_proxy_up() {
+    rm -f "$2"
+    python3 "$HELPERS/linkproxy.py" --target "127.0.0.1:$1" --rtt-ms "$LINK_DELAY_MS" \
+        --mbit "$LINK_MBIT" --port-file "$2" &
+    LINK_PROXY_PID=$!
+    wait_for "link proxy to port $1" 30 "$LINK_PROXY_PID" test -s "$2"
 }
 # awcpfs_mount_up NAME: mount NAME's export at $MNT/NAME with an empty state directory
 awcpfs_mount_up() {
     local name=$1 mnt=$MNT/$1 st=${STATE_OF[$1]}
     mkdir -p "$mnt"
     # shellcheck disable=SC2086 # MOUNT_OPTS is a list of options
-    "$AWCPFS" mount "$RUN/$name.handle" "$mnt" --state-dir "$st/mount" $MOUNT_OPTS \
+    local t0=${EPOCHREALTIME/./}
+    "$AWCPFS" mount "${MOUNT_HANDLE[$name]}" "$mnt" --state-dir "$st/mount" $MOUNT_OPTS \
         >>"$LOGS/awcpfs-$name-mount.log" 2>&1 &
     MOUNT_PID[$name]=$!
-    wait_for "awcpfs mount at $mnt" 300 "${MOUNT_PID[$name]}" mount_ready "$mnt" "${SRC_OF[$name]}"
+    wait_for "awcpfs mount at $mnt" 300 "${MOUNT_PID[$name]}" mount_ready "$mnt" "${SRC_OF[$name]}" || return 1
+    MOUNT_US=$((${EPOCHREALTIME/./} - t0))
 }
 awcpfs_up() { awcpfs_export_up "$1" "$2" && awcpfs_mount_up "$1"; }
 # mount_ready MOUNTPOINT SOURCE: mounted, and listing it shows files when the source has any
@@ -420,6 +473,10 @@ awcpfs_down() {
     if [[ -n ${EXPORT_PID[$name]:-} ]]; then
         stop_pid "${EXPORT_PID[$name]}" 30
         unset "EXPORT_PID[$name]"
+    fi
+    if [[ -n ${LINK_PID[$name]:-} ]]; then
+        stop_pid "${LINK_PID[$name]}" 10 TERM
+        unset "LINK_PID[$name]"
     fi
     [[ -n $st ]] && rm -rf "$st"
     unset "STATE_OF[$name]" "SRC_OF[$name]"
@@ -473,12 +530,20 @@ EOF
     SSHFS_MNT=$MNT/sshfs
     mkdir -p "$SSHFS_MNT"
     log "sshd listening on 127.0.0.1:$SSH_PORT"
+    SSH_LINK_PORT=$SSH_PORT
+    if ((LINK)); then
+        link_proxy_up "$SSH_PORT" "$RUN/sshd.proxy-port" >>"$LOGS/linkproxy-sshd.log" 2>&1 ||
+            die "the link proxy in front of sshd did not start (see $LOGS/linkproxy-sshd.log)"
+        SSH_LINK_PID=$LINK_PROXY_PID
+        SSH_LINK_PORT=$(cat "$RUN/sshd.proxy-port")
+        log "sshfs and copies reach sshd through the link emulator on port $SSH_LINK_PORT"
+    fi
 }
 
 sshfs_up() {
     local d=$WORK/sshd
-    timeout 60 sshfs -o "IdentityFile=$d/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,port=$SSH_PORT,BatchMode=yes,LogLevel=ERROR" \
-        "root@127.0.0.1:$D_SSH" "$SSHFS_MNT" 2>>"$LOGS/sshfs.log" || return 1
+    timeout 60 sshfs -o "IdentityFile=$d/client_key,StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,BatchMode=yes,LogLevel=ERROR" \
+        -o "port=$SSH_LINK_PORT" "root@127.0.0.1:$D_SSH" "$SSHFS_MNT" 2>>"$LOGS/sshfs.log" || return 1
     wait_for "sshfs mount" 30 - mount_ready "$SSHFS_MNT" "$D_SSH"
 }
 sshfs_down() { force_unmount "$SSHFS_MNT"; }
@@ -962,6 +1027,48 @@ wl_pyc() {
     for d in "$D_NAT" "$D_AW" "$D_SSH"; do pyc_clean "$d/pytree"; done
 }
 
+# The agent's first commands on a fresh mount, each run from scratch (page cache dropped,
+# fresh export and mount; for sshfs a fresh mount): how long until the mount is usable, the
+# first `git status` on it, and the first test run - the reads of one subtree's files
+# ($COLD_TEST_DIR) - against copying those same files through the same link (tar over ssh).
+COLD_TEST_DIR=d01
+TEST_CMD="python3 '$HELPERS/testrun.py' $COLD_TEST_DIR >/dev/null"
+cold_mount_aw() {
+    awcpfs_down repo && git_refresh "$D_AW/repo" && awcpfs_cold repo "$D_AW/repo" || return 1
+    us_to_s s "$MOUNT_US"
+    record cold mount awcpfs s "$s"
+}
+cold_mount_ssh() {
+    sshfs_down
+    drop_caches
+    local t0=${EPOCHREALTIME/./}
+    sshfs_up || return 1
+    us_to_s s $((${EPOCHREALTIME/./} - t0))
+    record cold mount sshfs s "$s"
+}
+COPY_DIR=
+copy_prep() { rm -rf "$COPY_DIR" && mkdir -p "$COPY_DIR" && drop_caches; }
+wl_cold() {
+    log "workload: the first commands on a fresh mount ($LINK_DESC)"
+    cell cold git
+    arm native "$D_NAT/repo" "drop_caches" "$GIT_CMD"
+    arm awcpfs "$MNT/repo" "cold_mount_aw" "$GIT_CMD"
+    arm sshfs "$SSHFS_MNT/repo" "git_refresh '$D_SSH/repo' && cold_mount_ssh" "$GIT_CMD"
+    run_cell
+    awcpfs_down repo
+    COPY_DIR=$RUN/copy
+    cell cold test
+    arm native "$D_NAT/repo" "drop_caches" "$TEST_CMD"
+    arm awcpfs "$MNT/repo" "awcpfs_down repo && awcpfs_cold repo '$D_AW/repo'" "$TEST_CMD"
+    arm sshfs "$SSHFS_MNT/repo" "sshfs_fresh && drop_caches" "$TEST_CMD"
+    arm copy "$COPY_DIR" copy_prep "ssh -o BatchMode=yes -o IdentityFile='$WORK/sshd/client_key' \
+-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -p $SSH_LINK_PORT \
+root@127.0.0.1 \"tar -C '$D_SSH/repo' -cf - $COLD_TEST_DIR\" | tar -xf -"
+    run_cell
+    awcpfs_down repo
+    rm -rf "$COPY_DIR"
+}
+
 wl_visible() {
     log "workload: close -> visible at the Delegator ($SAMPLES samples)"
     local out=$RUN/visible.txt c mdir sdir v
@@ -1054,7 +1161,7 @@ log "machine: $MACHINE"
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 log "binaries: $BIN_DIR; work dir: $WORK; runs per cell: $RUNS; workloads: ${WORKLOADS[*]}"
 measure_overhead
-if ((NO_SSHFS == 0)) && { wants git || wants stat || wants read || wants seq || wants fio || wants make || wants loop || wants pyc || wants visible; }; then
+if { ((NO_SSHFS == 0)) && { wants git || wants stat || wants read || wants seq || wants fio || wants make || wants loop || wants pyc || wants visible; }; } || wants cold; then
     sshd_start
     sshfs_up || die "sshfs mount failed (see $LOGS/sshfs.log)"
 fi
@@ -1069,14 +1176,16 @@ RESULT_MD=$OUT_DIR/results-$STAMP_T.md
 RESULT_TSV=$OUT_DIR/results-$STAMP_T.tsv
 cp "$RAW" "$RESULT_TSV"
 cp -r "$LOGS" "$OUT_DIR/results-$STAMP_T.logs" 2>/dev/null || true
-printf '{"files": %d, "big_bytes": %d, "runs": %d, "samples": %d}\n' "$FILES" "$BIG_BYTES" "$RUNS" "$SAMPLES" >"$RUN/meta.json"
+printf '{"files": %d, "big_bytes": %d, "runs": %d, "samples": %d, "link": "%s"}\n' "$FILES" "$BIG_BYTES" "$RUNS" "$SAMPLES" \
+    "$( ((LINK)) && echo "${LINK_DELAY_MS} ms RTT, ${LINK_MBIT} Mbit/s" || echo loopback)" >"$RUN/meta.json"
 ELAPSED=$((SECONDS - T_START))
 {
     echo "# awcpfs benchmark, $(date -u +%Y-%m-%dT%H:%MZ)"
     echo
     echo "* machine: $MACHINE"
     echo "* awcpfs mount options: ${MOUNT_OPTS:-(defaults)}$( ((WARM_ONLY)) && echo "; warm cells only")$( ((NO_SSHFS)) && echo "; no sshfs")"
-    echo "* command: \`bash scripts/bench.sh$([[ $QUICK == 1 ]] && echo " --quick") --files $FILES --runs $RUNS --big-mib $BIG_MIB --c-units $C_UNITS --fio-secs $FIO_SECS${ONLY:+ --only $ONLY}\`"
+    echo "* network: $LINK_DESC"
+    echo "* command: \`bash scripts/bench.sh$([[ $QUICK == 1 ]] && echo " --quick") --files $FILES --runs $RUNS --big-mib $BIG_MIB --c-units $C_UNITS --fio-secs $FIO_SECS${ONLY:+ --only $ONLY}$( ((LINK)) && echo " --link-delay-ms $LINK_DELAY_MS --link-mbit $LINK_MBIT")${MOUNT_OPTS:+ --mount-opts \"$MOUNT_OPTS\"}\`"
     if [[ $BUILT == 1 ]]; then
         echo "* awcpfs: $("$AWCPFS" --version 2>/dev/null || echo '?'), built from this workspace at $(git -C "$REPO_DIR" describe --always --dirty 2>/dev/null || echo '?')"
     else

@@ -346,6 +346,16 @@ struct ExecutorArgs {
     /// cannot stop reads on files opened before it.
     #[arg(long)]
     passthrough: bool,
+    /// What each mount fetches before it is read. `none`: nothing (every byte crosses the
+    /// network only when read). `first`: the files first commands read (git's index,
+    /// HEAD, config, refs, pack indexes, .gitignore files) at once, a small file's small
+    /// neighbours with it, large files block by block as read. `all[:SIZE]`: that, then
+    /// every file up to SIZE (default 256K) in the background, and large files streamed
+    /// whole from their first read. The agent's reads always go first. Default: `all` for
+    /// a Delegator on this machine, `first` for one across a network. Progress shows in
+    /// `awcp-ctl status`.
+    #[arg(long, value_name = "none|first|all[:SIZE]")]
+    hydrate: Option<awcpfs::mount::hydrate::HydratePolicy>,
     /// Have each mount ask at every open and close of an existing file (two round trips
     /// per file): a file is then written back when its last writer closes it, and a
     /// Delegator-side change never replaces a file open for writing. By default the kernel
@@ -750,6 +760,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.max_concurrent = a.max_concurrent;
             cfg.keep_cache = a.keep_cache;
             cfg.passthrough = a.passthrough;
+            cfg.hydrate = a.hydrate;
             cfg.track_opens = a.track_opens;
             cfg.writeback_cache = a.writeback_cache;
             cfg.renew_margin = a.renew_margin;
@@ -981,6 +992,25 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                                 .as_str()
                                 .or_else(|| s["lastSyncError"].as_str())
                                 .unwrap_or("write-back is failing")
+                        );
+                    }
+                    if let Some(h) = m.get("hydration").filter(|h| h["policy"].is_string()) {
+                        let n = |k: &str| h.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+                        println!(
+                            "hydration   {}: {} of {} file(s) ({} of {} bytes) fetched ahead, {} file(s) ({} bytes) to go{}; yielded to the agent {} time(s)",
+                            h["policy"].as_str().unwrap_or("?"),
+                            n("filesDone"),
+                            n("filesPlanned"),
+                            n("bytesDone"),
+                            n("bytesPlanned"),
+                            n("filesRemaining"),
+                            n("bytesRemaining"),
+                            if h["finished"].as_bool() == Some(true) {
+                                ", finished"
+                            } else {
+                                ""
+                            },
+                            n("yielded")
                         );
                     }
                     println!(

@@ -49,6 +49,9 @@ pub struct ExecutorConfig {
     /// Serve read-only opens with FUSE passthrough (faster; a revocation cannot stop reads
     /// on files opened before it).
     pub passthrough: bool,
+    /// Each mount's hydration policy (`None`: the mount's default for where the export
+    /// is, see [`awcpfs::mount::hydrate::HydratePolicy::default_for`]).
+    pub hydrate: Option<awcpfs::mount::hydrate::HydratePolicy>,
     /// Ask the mount at every open and close of an existing file (see
     /// [`awcpfs::mount::KernelOptions::no_open`]).
     pub track_opens: bool,
@@ -165,6 +168,7 @@ impl ExecutorConfig {
             max_concurrent: 8,
             keep_cache: false,
             passthrough: false,
+            hydrate: None,
             track_opens: false,
             writeback_cache: false,
             renew_margin: None,

@@ -115,6 +115,18 @@ enum Command {
         /// files' modes allow. Default: only the user who mounts it.
         #[arg(long)]
         allow_other: bool,
+        /// What to fetch before it is read. `none`: nothing — every byte crosses the
+        /// network only when read (least traffic; each first read of a file costs a round
+        /// trip). `first`: the files the first commands read (git's index, HEAD, config,
+        /// refs, pack indexes, .gitignore files) right away; reads of a small file bring its
+        /// small neighbours in the same request; a large file is fetched block by block as
+        /// it is read. `all[:SIZE]`: like `first`, then every file up to SIZE (default
+        /// 256K) in the background, and a large file is streamed whole from its first read.
+        /// The agent's own reads always go before background fetches. Default: `all` when
+        /// the export is on this machine (loopback), `first` otherwise (a metered or slow
+        /// link carries what is used). Progress: `hydration` in status.json.
+        #[arg(long, value_name = "none|first|all[:SIZE]")]
+        hydrate: Option<awcpfs::mount::hydrate::HydratePolicy>,
     },
 }
 
@@ -362,6 +374,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             writeback_cache,
             read_timeout_secs,
             allow_other,
+            hydrate,
         } => {
             let h = read_handle(&handle)?;
             let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
@@ -381,6 +394,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.kernel.no_open = !track_opens;
             cfg.kernel.writeback_cache = writeback_cache;
             cfg.allow_other = allow_other;
+            if let Some(policy) = hydrate {
+                cfg.hydrate = policy;
+            }
             let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
             eprintln!(
                 "awcpfs: mounted at {}; Ctrl-C unmounts (after writing changes back)",

@@ -15,6 +15,7 @@ pub mod content;
 pub mod error;
 pub mod fs;
 mod fuse;
+pub mod hydrate;
 pub use fuse::KernelOptions;
 pub mod inode;
 pub mod journal;

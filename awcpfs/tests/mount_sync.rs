@@ -1730,3 +1730,406 @@ fn rounds_never_take_a_file_created_but_not_yet_written() {
         "files committed between their creation and their first write: {taken_empty:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// The first command on a cold mount: hydration policies, the agent's fetches first, ranged
+// reads of large files (issue 21).
+
+use awcpfs::mount::hydrate::{Batch, HydratePolicy};
+
+/// A workspace with a git directory (made by hand: only its shape matters), sources in two
+/// directories, ignore files and a large pack.
+fn git_tree(root: &Path) {
+    for d in [
+        ".git/refs/heads",
+        ".git/objects/pack",
+        ".git/info",
+        "src",
+        "docs",
+    ] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    std::fs::write(root.join(".git/HEAD"), "ref: refs/heads/main\n").unwrap();
+    std::fs::write(root.join(".git/config"), "[core]\n\tbare = false\n").unwrap();
+    std::fs::write(root.join(".git/refs/heads/main"), "0123456789\n").unwrap();
+    std::fs::write(root.join(".git/info/exclude"), "# nothing\n").unwrap();
+    // An index larger than the pack file takes (fetched whole, into its upper file).
+    std::fs::write(root.join(".git/index"), vec![b'i'; 300 << 10]).unwrap();
+    std::fs::write(root.join(".git/objects/pack/p.idx"), vec![b'x'; 2000]).unwrap();
+    std::fs::write(root.join(".git/objects/pack/p.pack"), vec![b'p'; 600 << 10]).unwrap();
+    std::fs::write(root.join(".gitignore"), "*.o\n").unwrap();
+    std::fs::write(root.join("src/.gitignore"), "*.tmp\n").unwrap();
+    for i in 0..5 {
+        std::fs::write(root.join(format!("src/m{i}.py")), format!("x = {i}\n")).unwrap();
+        std::fs::write(root.join(format!("docs/d{i}.md")), format!("# doc {i}\n")).unwrap();
+    }
+}
+
+/// Every regular file below `root`, relative path -> size.
+fn file_sizes(root: &Path) -> std::collections::BTreeMap<String, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            let t = e.file_type().unwrap();
+            if t.is_dir() {
+                stack.push(e.path());
+            } else if t.is_file() {
+                let rel = e.path().strip_prefix(root).unwrap().display().to_string();
+                out.insert(rel, e.metadata().unwrap().len());
+            }
+        }
+    }
+    out
+}
+
+/// Run a policy's whole plan, in order, on this thread.
+fn hydrate_all(f: &Fixture, policy: HydratePolicy) -> Vec<Batch> {
+    f.fs.set_hydrate_policy(policy);
+    let plan: Vec<Batch> = f.fs.hydration_plan(policy).into_iter().collect();
+    for b in &plan {
+        f.fs.hydrate(b).unwrap();
+    }
+    f.fs.hydration_finished();
+    plan
+}
+
+#[test]
+fn cold_policy_none_fetches_nothing_first_the_git_entry_points_all_every_small_file() {
+    let sizes = {
+        let t = tempfile::tempdir().unwrap();
+        git_tree(t.path());
+        file_sizes(t.path())
+    };
+    let sum = |pred: &dyn Fn(&str, u64) -> bool| -> u64 {
+        sizes
+            .iter()
+            .filter(|(p, s)| pred(p, **s))
+            .map(|(_, s)| *s)
+            .sum()
+    };
+    let first_bytes = sum(&|p, _| awcpfs::mount::hydrate::is_first_command_file(p));
+    let all_bytes = sum(&|p, s| awcpfs::mount::hydrate::is_first_command_file(p) || s <= 256 << 10);
+
+    // none: nothing unasked; a read fetches that file and nothing else (no neighbours).
+    let f = fixture(false, git_tree);
+    f.fs.set_no_open();
+    assert!(hydrate_all(&f, HydratePolicy::None).is_empty());
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 0);
+    assert_eq!(
+        f.fs.read_at(f.ino("src/m1.py"), 0, 0, 4096).unwrap(),
+        b"x = 1\n"
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 6);
+    let p = f.fs.hydration().snapshot();
+    assert_eq!(
+        (p.policy.as_str(), p.files_planned, p.finished),
+        ("none", 0, true)
+    );
+
+    // first: git's entry points and the ignore files, the index (too large for the pack)
+    // whole, and no source file, no pack.
+    let f = fixture(false, git_tree);
+    let plan = hydrate_all(&f, HydratePolicy::First);
+    assert!(
+        plan.contains(&Batch::Whole(f.ino(".git/index"))),
+        "{plan:?}"
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, first_bytes);
+    let p = f.fs.hydration().snapshot();
+    assert_eq!(p.files_planned, 8, "{p:?}");
+    assert_eq!((p.files_done, p.bytes_done), (8, first_bytes));
+    assert_eq!(
+        (p.files_remaining, p.bytes_remaining, p.finished),
+        (0, 0, true)
+    );
+    // They read without another fetch.
+    f.fs.set_no_open();
+    assert_eq!(
+        f.fs.read_at(f.ino(".git/HEAD"), 0, 0, 4096).unwrap(),
+        b"ref: refs/heads/main\n"
+    );
+    assert_eq!(f.read(".git/index"), vec![b'i'; 300 << 10]);
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, first_bytes);
+
+    // all: every small file too, but never the large pack.
+    let f = fixture(false, git_tree);
+    hydrate_all(&f, HydratePolicy::default());
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, all_bytes);
+    assert!(all_bytes > first_bytes);
+    assert!(
+        all_bytes < sizes.values().sum::<u64>(),
+        "the pack stays remote"
+    );
+    f.fs.set_no_open();
+    assert_eq!(
+        f.fs.read_at(f.ino("docs/d3.md"), 0, 0, 4096).unwrap(),
+        b"# doc 3\n"
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, all_bytes);
+    assert_eq!(f.sync().changes, 0, "hydration is not a change");
+}
+
+#[test]
+fn cold_reading_a_small_file_brings_its_small_neighbours_in_the_same_request() {
+    let f = fixture(false, git_tree);
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::First);
+    assert_eq!(
+        f.fs.read_at(f.ino("src/m0.py"), 0, 0, 4096).unwrap(),
+        b"x = 0\n"
+    );
+    let snap = f.fs.stats().snapshot();
+    // src/ (five modules, its .gitignore), then outwards: docs/ and the root's .gitignore;
+    // not git's internals.
+    assert_eq!(snap.files_packed, 12, "{snap:?}");
+    assert_eq!(snap.bytes_fetched, 5 * 6 + 6 + 5 * 8 + 4);
+    for i in 1..5 {
+        let want = format!("x = {i}\n");
+        assert_eq!(
+            f.fs.read_at(f.ino(&format!("src/m{i}.py")), 0, 0, 4096)
+                .unwrap(),
+            want.as_bytes()
+        );
+    }
+    assert_eq!(
+        f.fs.read_at(f.ino("docs/d0.md"), 0, 0, 4096).unwrap(),
+        b"# doc 0\n"
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, snap.bytes_fetched);
+    assert_eq!(
+        f.fs.read_at(f.ino(".git/HEAD"), 0, 0, 4096).unwrap(),
+        b"ref: refs/heads/main\n"
+    );
+    assert!(f.fs.stats().snapshot().bytes_fetched > snap.bytes_fetched);
+
+    // A first command's file brings only its own directory's neighbours: reading the
+    // root's .gitignore on a fresh mount fetches nothing from src/ or docs/.
+    let f = fixture(false, git_tree);
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::First);
+    assert_eq!(
+        f.fs.read_at(f.ino(".gitignore"), 0, 0, 64).unwrap(),
+        b"*.o\n"
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 4);
+}
+
+#[test]
+fn cold_a_large_file_read_fetches_only_the_blocks_it_covers_and_a_write_still_fetches_it_whole() {
+    // Large enough to be streamed under `all` (the fixture's export uses 4 KiB blocks).
+    let big: Vec<u8> = (0..(5u32 << 20)).map(|i| (i % 251) as u8).collect();
+    let f = fixture(false, |r| {
+        git_tree(r);
+        std::fs::write(r.join(".git/objects/pack/p.pack"), &big).unwrap();
+    });
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::First);
+    let pack = f.ino(".git/objects/pack/p.pack");
+    let at = 3 << 20;
+    assert_eq!(
+        f.fs.read_at(pack, 0, at + 100, 5000).unwrap(),
+        &big[(at + 100) as usize..(at + 5100) as usize]
+    );
+    // Two 4 KiB blocks cover it: that is all that was fetched.
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 8192);
+    // The kernel's next piece of the same blocks costs no request.
+    assert_eq!(
+        f.fs.read_at(pack, 0, at + 4096, 100).unwrap(),
+        &big[(at + 4096) as usize..(at + 4196) as usize]
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 8192);
+    // A write needs the whole file first: fetched whole, changed, written back whole.
+    f.fs.write_at(pack, 0, 10, b"CHANGED").unwrap();
+    let mut want = big.clone();
+    want[10..17].copy_from_slice(b"CHANGED");
+    assert_eq!(f.fs.read_at(pack, 0, 0, 64).unwrap(), &want[..64]);
+    f.fs.flush_at(0).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        f.sync();
+        if std::fs::read(f.root.join(".git/objects/pack/p.pack")).unwrap() == want {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "not written back");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn cold_an_on_demand_read_is_served_while_a_hydration_request_is_held() {
+    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
+    let g2 = gate.clone();
+    let f = Arc::new(fixture_with(false, git_tree, move |inner| {
+        let g = Gated::new(inner, false, 0);
+        *g2.lock() = Some(g.clone());
+        g
+    }));
+    let gated = gate.lock().clone().unwrap();
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::None);
+    // Pass the agent's file through the gate, hold everything else (hydration).
+    let wanted = f
+        .manifest
+        .entries
+        .iter()
+        .find(|e| e.path == "docs/d2.md")
+        .unwrap();
+    *gated.pass.lock() = Some(wanted.blocks[0].clone());
+    let plan: Vec<Batch> =
+        f.fs.hydration_plan(HydratePolicy::default())
+            .into_iter()
+            .collect();
+    let hydrating = {
+        let f = f.clone();
+        std::thread::spawn(move || {
+            for b in &plan {
+                f.fs.hydrate(b).unwrap();
+            }
+        })
+    };
+    // Wait until hydration's request is at the export (held there).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while gated.fetches.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The agent's read is answered while hydration's request is still held.
+    assert_eq!(
+        f.fs.read_at(f.ino("docs/d2.md"), 0, 0, 4096).unwrap(),
+        b"# doc 2\n"
+    );
+    assert!(
+        !hydrating.is_finished(),
+        "hydration was held the whole time"
+    );
+    gated.release();
+    hydrating.join().unwrap();
+    // Everything reads correct content afterwards.
+    for i in 0..5 {
+        let want = format!("x = {i}\n");
+        assert_eq!(f.read(&format!("src/m{i}.py")), want.as_bytes());
+    }
+    assert_eq!(f.read(".git/HEAD"), b"ref: refs/heads/main\n");
+}
+
+#[test]
+fn cold_hydration_waits_while_an_on_demand_fetch_is_in_flight() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
+    let g2 = gate.clone();
+    let f = Arc::new(fixture_with(false, git_tree, move |inner| {
+        let g = Gated::new(inner, false, 0);
+        *g2.lock() = Some(g.clone());
+        g
+    }));
+    let gated = gate.lock().clone().unwrap();
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::None);
+    // Hold the agent's fetch (docs/d2.md); let anything asking for src/m0.py through.
+    let pass = f
+        .manifest
+        .entries
+        .iter()
+        .find(|e| e.path == "src/m0.py")
+        .unwrap();
+    *gated.pass.lock() = Some(pass.blocks[0].clone());
+    let ino = f.ino("docs/d2.md");
+    let reader = {
+        let f = f.clone();
+        std::thread::spawn(move || f.fs.read_at(ino, 0, 0, 4096).unwrap())
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while gated.fetches.load(SeqCst) == 0 {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A hydration request (which the gate would let through) waits for the agent's.
+    let m0 = f.ino("src/m0.py");
+    let hydrating = {
+        let f = f.clone();
+        std::thread::spawn(move || f.fs.hydrate(&Batch::Packed(vec![m0])).unwrap())
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(gated.fetches.load(SeqCst), 1, "hydration did not go first");
+    assert!(!hydrating.is_finished());
+    gated.release();
+    assert_eq!(reader.join().unwrap(), b"# doc 2\n");
+    hydrating.join().unwrap();
+    assert_eq!(gated.fetches.load(SeqCst), 2);
+    assert_eq!(f.fs.hydration().snapshot().yielded, 1);
+    assert_eq!(f.fs.read_at(m0, 0, 0, 4096).unwrap(), b"x = 0\n");
+}
+
+#[test]
+fn cold_a_small_files_window_goes_down_first_then_outwards_within_its_budget() {
+    let f = fixture(false, |r| {
+        std::fs::create_dir_all(r.join("pkg/sub/deeper")).unwrap();
+        std::fs::create_dir_all(r.join("other")).unwrap();
+        std::fs::write(r.join("pkg/__init__.py"), "a\n").unwrap();
+        std::fs::write(r.join("pkg/sub/mod.py"), "bb\n").unwrap();
+        std::fs::write(r.join("pkg/sub/deeper/leaf.py"), "ccc\n").unwrap();
+        // Six files of 200 KiB beside pkg/: five fit in the 1 MiB window, the sixth not.
+        for i in 0..6 {
+            std::fs::write(r.join(format!("other/w{i}.py")), vec![b'w'; 200 << 10]).unwrap();
+        }
+    });
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::First);
+    assert_eq!(
+        f.fs.read_at(f.ino("pkg/__init__.py"), 0, 0, 64).unwrap(),
+        b"a\n"
+    );
+    let snap = f.fs.stats().snapshot();
+    assert_eq!(snap.files_packed, 3 + 5, "{snap:?}");
+    assert_eq!(snap.bytes_fetched, 2 + 3 + 4 + 5 * (200 << 10));
+    assert_eq!(
+        f.fs.read_at(f.ino("pkg/sub/deeper/leaf.py"), 0, 0, 64)
+            .unwrap(),
+        b"ccc\n"
+    );
+    assert_eq!(
+        f.fs.read_at(f.ino("other/w4.py"), 0, 0, 4).unwrap(),
+        b"wwww"
+    );
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, snap.bytes_fetched);
+    assert_eq!(
+        f.fs.read_at(f.ino("other/w5.py"), 0, 0, 4).unwrap(),
+        b"wwww"
+    );
+    assert_eq!(
+        f.fs.stats().snapshot().bytes_fetched,
+        snap.bytes_fetched + (200 << 10)
+    );
+}
+
+#[test]
+fn cold_first_fetches_the_head_of_a_large_pack_and_reads_there_cost_no_request() {
+    let big: Vec<u8> = (0..(5u32 << 20)).map(|i| (i % 253) as u8).collect();
+    let f = fixture(false, |r| {
+        git_tree(r);
+        std::fs::write(r.join(".git/objects/pack/p.pack"), &big).unwrap();
+    });
+    f.fs.set_no_open();
+    let plan = hydrate_all(&f, HydratePolicy::First);
+    let pack = f.ino(".git/objects/pack/p.pack");
+    assert!(plan.contains(&Batch::PackHead(pack)), "{plan:?}");
+    let fetched = f.fs.stats().snapshot().bytes_fetched;
+    // The fixture's export has 4 KiB blocks: the first two are here.
+    assert_eq!(f.fs.read_at(pack, 0, 12, 8000).unwrap(), &big[12..8012]);
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, fetched);
+    // Past them, a read fetches its own block.
+    assert_eq!(f.fs.read_at(pack, 0, 8192, 10).unwrap(), &big[8192..8202]);
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, fetched + 4096);
+    // `all` streams large files whole instead: no head is planned.
+    let f = fixture(false, |r| {
+        git_tree(r);
+        std::fs::write(r.join(".git/objects/pack/p.pack"), &big).unwrap();
+    });
+    let plan = f.fs.hydration_plan(HydratePolicy::default());
+    assert!(
+        !plan.iter().any(|b| matches!(b, Batch::PackHead(_))),
+        "{plan:?}"
+    );
+}

@@ -81,7 +81,8 @@ fn setup(timeout: Duration) -> Setup {
     let mut cfg = MountConfig::new(&proxy.url(), "outage", "tok", &mnt, &state);
     cfg.manifest_digest = Some(export.manifest_digest());
     cfg.request_timeout = timeout;
-    cfg.hydrate_max_size = 0;
+    // No background hydration (everything stays cold), large files streamed whole.
+    cfg.hydrate = awcpfs::mount::hydrate::HydratePolicy::All { max_size: 0 };
     let mount = Mount::start(cfg).unwrap();
     Setup {
         _tmp: tmp,

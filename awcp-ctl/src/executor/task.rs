@@ -723,6 +723,9 @@ fn mount_config(ex: &Executor, p: &MountPlan, received: std::time::Instant) -> M
     mcfg.read_only = p.read_only;
     mcfg.keep_cache = ex.cfg.keep_cache;
     mcfg.kernel.passthrough = ex.cfg.passthrough;
+    if let Some(policy) = ex.cfg.hydrate {
+        mcfg.hydrate = policy;
+    }
     mcfg.kernel.no_open = !ex.cfg.track_opens;
     mcfg.kernel.writeback_cache = ex.cfg.writeback_cache;
     mcfg.renew_margin = ex.cfg.renew_margin;

@@ -37,6 +37,16 @@ const FETCH_LANES: usize = 2;
 /// Blocks a fetch lane may have received and not yet handed to the writer.
 const LANE_QUEUE: usize = 4;
 
+/// Most bytes of neighbours an on-demand fetch of a small file brings along (about 8 ms
+/// at 1 Gbit/s, 40 ms at 200 Mbit/s: less than one more round trip on such links).
+const NEIGHBOUR_BYTES: u64 = 1 << 20;
+
+/// Most neighbours an on-demand fetch of a small file brings along.
+const NEIGHBOUR_FILES: usize = 255;
+
+/// Most entries looked at to find a small file's neighbours.
+const NEIGHBOUR_VISIT: usize = 4096;
+
 /// Attribute changes requested by `setattr`.
 #[derive(Debug, Default, Clone)]
 pub struct SetAttr {
@@ -116,12 +126,20 @@ pub(super) struct Stream {
 struct StreamState {
     /// Bytes written to the temporary file so far, from offset 0.
     written: u64,
+    /// Readers waiting for bytes not written yet: while there are any, the stream's
+    /// requests are the agent's and do not yield to other foreground fetches.
+    waiting: usize,
     /// The fetch ended (with `failed` set if it failed).
     done: bool,
     failed: bool,
 }
 
 impl Stream {
+    /// Whether no reader waits on the stream now (its next request is background work).
+    fn unwaited(&self) -> bool {
+        self.state.lock().waiting == 0
+    }
+
     fn advance(&self, written: u64) {
         self.state.lock().written = written;
         self.cv.notify_all();
@@ -163,6 +181,18 @@ impl AwcpFs {
                 _ => return Ok(None),
             }
         };
+        if !self.streams_whole.load(Ordering::Relaxed) {
+            // Ranged: only the blocks this read covers (a block is the window around the
+            // miss), each verified against its hash, kept a while for the kernel's next
+            // piece of the same block. Nothing is stored as the file's content: an open for
+            // writing still fetches the whole file first, so write-back is unchanged.
+            let want = offset.saturating_add(u64::from(size)).min(file_size);
+            let started = Instant::now();
+            self.check_failed_fetch(ino, started)?;
+            let r = self.read_remote_blocks(ino, offset, want);
+            self.note_fetch(ino, started, &r);
+            return r;
+        }
         let stream = {
             let mut streams = self.streams.lock();
             match streams.get(&ino) {
@@ -207,9 +237,11 @@ impl AwcpFs {
             }
         }
         let mut st = stream.state.lock();
+        st.waiting += 1;
         while st.written < want && !st.done {
             stream.cv.wait(&mut st);
         }
+        st.waiting -= 1;
         let (reached, failed) = (st.written >= want, st.failed);
         drop(st);
         self.check()?;
@@ -233,7 +265,7 @@ impl AwcpFs {
     /// Bytes `offset..want` of remote file `ino`, from the blocks that hold them (the block
     /// cache first, then one request; every block verified). `None` if the file is no
     /// longer remote content.
-    fn read_remote_blocks(
+    pub(super) fn read_remote_blocks(
         &self,
         ino: Ino,
         offset: u64,
@@ -244,7 +276,7 @@ impl AwcpFs {
         }
         let block_size = self.block_size();
         let (first, last) = (offset / block_size, (want - 1) / block_size);
-        let hashes: Vec<String> = {
+        let wanted: Vec<Hash> = {
             let table = self.table.lock();
             let range = match table.get(ino).map(|n| &n.data) {
                 Some(d @ Data::Remote { packed: None, .. }) => {
@@ -253,11 +285,43 @@ impl AwcpFs {
                 _ => None,
             };
             match range {
-                Some(range) => range.iter().map(hex::encode).collect(),
+                Some(range) => range.to_vec(),
                 None => return Ok(None),
             }
         };
-        let blocks = self.remote.fetch_blocks(&hashes)?;
+        // Blocks fetched lately (verified then) are not asked for again.
+        let mut blocks: Vec<Option<Arc<Vec<u8>>>> = {
+            let mut recent = self.recent_blocks.lock();
+            wanted.iter().map(|h| recent.get(h).cloned()).collect()
+        };
+        let missing: Vec<String> = wanted
+            .iter()
+            .zip(&blocks)
+            .filter(|(_, b)| b.is_none())
+            .map(|(h, _)| hex::encode(h))
+            .collect();
+        if !missing.is_empty() {
+            let fetched = {
+                let _fg = self.priority.foreground();
+                self.remote.fetch_blocks(&missing)?
+            };
+            self.stats.add_fetched(
+                fetched.iter().map(|b| b.len() as u64).sum(),
+                fetched.len() as u64,
+            );
+            let mut fetched = fetched.into_iter().map(Arc::new);
+            let mut recent = self.recent_blocks.lock();
+            for (h, b) in wanted.iter().zip(blocks.iter_mut()) {
+                if b.is_none() {
+                    let data = fetched.next().ok_or_else(|| RemoteError::Protocol {
+                        what: "fewer blocks than asked for".into(),
+                    })?;
+                    recent.put(*h, data.clone());
+                    *b = Some(data);
+                }
+            }
+        }
+        let blocks: Vec<Arc<Vec<u8>>> = blocks.into_iter().flatten().collect();
         let mut out = Vec::with_capacity((want - offset) as usize);
         for (i, block) in blocks.iter().enumerate() {
             let start = (first + i as u64) * block_size;
@@ -273,9 +337,15 @@ impl AwcpFs {
     /// to `stream`.
     fn fetch_local(&self, ino: Ino, stream: Option<&Stream>) -> Result<(), FsError> {
         let started = Instant::now();
-        let r = self.fetch_local_inner(ino, stream, started);
+        let r = self.fetch_local_inner(ino, stream, false, started);
         self.note_fetch(ino, started, &r);
         r
+    }
+
+    /// Fetch `ino` whole into its upper file as background work (hydration of a
+    /// first-command file too large for the pack): every request yields to the agent's.
+    pub(super) fn fetch_whole_in_background(&self, ino: Ino) -> Result<(), FsError> {
+        self.fetch_local_inner(ino, None, true, Instant::now())
     }
 
     /// Remember when an on-demand fetch of `ino` that began at `started` failed on the
@@ -310,6 +380,7 @@ impl AwcpFs {
         &self,
         ino: Ino,
         stream: Option<&Stream>,
+        background: bool,
         started: Instant,
     ) -> Result<(), FsError> {
         let lock = {
@@ -355,7 +426,16 @@ impl AwcpFs {
             // and the blocks are the manifest's for this content: no second pass over it.
             None => {
                 let chunks: Vec<&[String]> = blocks.chunks(FETCH_BATCH).collect();
-                self.fetch_chunks(&chunks, |block| publish(&block))
+                // Whose requests these are: the agent's (an open, a write), or background
+                // work (hydration; a stream's blocks that no reader waits for yet).
+                let yields = |_: usize| match stream {
+                    Some(s) => s.unwaited(),
+                    None => background,
+                };
+                // A stream's unwaited blocks also wait for the agent to pause; a first-command
+                // file fetched whole in the background (git's index) only for its fetches.
+                let quiet = stream.is_some();
+                self.fetch_chunks(&chunks, yields, quiet, |block| publish(&block))
             }
         };
         drop(out);
@@ -389,9 +469,17 @@ impl AwcpFs {
     /// written. Each lane streams its answer into a small queue; the mount-wide fetch budget
     /// is taken per chunk, in file order, so the chunk being written always holds its grant
     /// and a fetch never waits on budget its own later chunks hold.
+    ///
+    /// `yields(chunk)` says whether a chunk's request is background work: it then waits its
+    /// turn behind the agent's fetches ([`super::hydrate::Priority`]) before taking its
+    /// turn and budget; otherwise the request counts as a foreground fetch while on the
+    /// wire. With `quiet`, a background request also waits for the agent's requests to
+    /// pause ([`AwcpFs::background_turn`]).
     fn fetch_chunks(
         &self,
         chunks: &[&[String]],
+        yields: impl Fn(usize) -> bool + Sync,
+        quiet: bool,
         mut write: impl FnMut(Vec<u8>) -> Result<(), FsError>,
     ) -> Result<(), FsError> {
         /// The turn counter's value once a lane gave up: every lane stops.
@@ -410,9 +498,19 @@ impl AwcpFs {
             for lane in 0..lanes {
                 let (tx, rx) = std::sync::mpsc::sync_channel::<Item>(LANE_QUEUE);
                 queues.push(rx);
-                let (turn, abort) = (&turn, &abort);
+                let (turn, abort, yields) = (&turn, &abort, &yields);
                 scope.spawn(move || {
                     for (c, chunk) in chunks.iter().enumerate().skip(lane).step_by(lanes) {
+                        // Before the turn and the budget: a waiting background lane holds
+                        // nothing a foreground fetch could need.
+                        if yields(c) {
+                            if quiet {
+                                self.background_turn(|| yields(c));
+                            } else {
+                                self.priority.wait_turn_while(|| yields(c));
+                            }
+                        }
+                        let background = yields(c);
                         let mut grant = {
                             let mut next = turn.0.lock();
                             while *next != c && *next != ABORTED {
@@ -427,6 +525,7 @@ impl AwcpFs {
                             Some(g)
                         };
                         let last = chunk.len().saturating_sub(1);
+                        let _fg = (!background).then(|| self.priority.foreground());
                         let fetched = self.check().and_then(|()| {
                             self.remote
                                 .fetch_blocks_each(chunk, &mut |i, block| {
@@ -472,7 +571,104 @@ impl AwcpFs {
     /// Files someone else is fetching right now, or that became local or packed meanwhile,
     /// are skipped. Returns the number of files packed.
     pub fn prefetch(&self, files: &[Ino]) -> Result<usize, FsError> {
-        self.fetch_packed(files, false)
+        self.fetch_packed(files, None)
+    }
+
+    /// The small remote files near `ino`, at most [`NEIGHBOUR_BYTES`] / [`NEIGHBOUR_FILES`]
+    /// in all: first its own directory's (after it in name order, then before it), then
+    /// those of the directories below that one, breadth first, then outwards (the parent's
+    /// other subtrees, and so on up). A test run, an import or a
+    /// build reads a directory's files together and then goes down into its subdirectories
+    /// (`os.walk`, a package's subpackages), so one request brings what the next reads will
+    /// want. At most [`NEIGHBOUR_VISIT`] entries are looked at (under the inode table's
+    /// lock).
+    fn small_neighbours(&self, ino: Ino) -> Vec<Ino> {
+        let table = self.table.lock();
+        let Some(parent) = table.get(ino).and_then(|n| table.get(n.parent)) else {
+            return Vec::new();
+        };
+        let names: Vec<Ino> = parent.children.values().copied().collect();
+        let at = names.iter().position(|i| *i == ino).unwrap_or(0);
+        let mut out = Vec::new();
+        let mut bytes = 0u64;
+        let visited = std::cell::Cell::new(0usize);
+        let mut dirs: std::collections::VecDeque<Ino> = std::collections::VecDeque::new();
+        // Returns false once the budget is spent.
+        let mut take = |i: Ino, dirs: &mut std::collections::VecDeque<Ino>| -> bool {
+            visited.set(visited.get() + 1);
+            let Some(n) = table.get(i) else { return true };
+            if n.kind == Kind::Dir {
+                // Git's internals are not what a test run or a build reads (hydration
+                // fetches what git needs first).
+                if n.name != ".git" {
+                    dirs.push_back(i);
+                }
+                return true;
+            }
+            if n.kind != Kind::File
+                || n.size > PACK_MAX
+                || !matches!(n.data, Data::Remote { packed: None, .. })
+                || table.is_withheld(i)
+            {
+                return true;
+            }
+            if bytes + n.size > NEIGHBOUR_BYTES || out.len() >= NEIGHBOUR_FILES {
+                return false;
+            }
+            bytes += n.size;
+            out.push(i);
+            true
+        };
+        for i in names[at + 1..].iter().chain(names[..at].iter()) {
+            if !take(*i, &mut dirs) {
+                return out;
+            }
+        }
+        // A first command's file (git's, an ignore file) is read on that command's critical
+        // path, before hydration has it: its window stays in its own directory.
+        if table
+            .path_of(ino)
+            .is_some_and(|p| super::hydrate::is_first_command_file(&p) || p.starts_with(".git/"))
+        {
+            return out;
+        }
+        // Then outwards: once the directories below are exhausted, those below the parent
+        // (the siblings' subtrees), and so on up — a walk that reached a leaf goes on with
+        // the next directory nearby, not with one request per leaf.
+        let mut seen: std::collections::HashSet<Ino> = std::collections::HashSet::new();
+        seen.insert(parent.ino);
+        let mut up = parent.ino;
+        loop {
+            while let Some(d) = dirs.pop_front() {
+                if visited.get() >= NEIGHBOUR_VISIT {
+                    return out;
+                }
+                if !seen.insert(d) {
+                    continue;
+                }
+                let Some(dir) = table.get(d) else { continue };
+                for i in dir.children.values() {
+                    if !take(*i, &mut dirs) {
+                        return out;
+                    }
+                }
+            }
+            let Some(next) = table.get(up).map(|n| n.parent).filter(|p| *p != up) else {
+                return out;
+            };
+            up = next;
+            if !seen.insert(up) {
+                return out;
+            }
+            let Some(dir) = table.get(up) else {
+                return out;
+            };
+            for i in dir.children.values() {
+                if !seen.contains(i) && !take(*i, &mut dirs) {
+                    return out;
+                }
+            }
+        }
     }
 
     /// Size and pack offset of `ino` if it is a regular file whose content is remote.
@@ -500,7 +696,11 @@ impl AwcpFs {
             None if len <= PACK_MAX && self.pack.has_room(len) => {
                 let started = Instant::now();
                 self.check_failed_fetch(ino, started)?;
-                let r = self.fetch_packed(&[ino], true);
+                let mut files = vec![ino];
+                if self.neighbours.load(Ordering::Relaxed) {
+                    files.extend(self.small_neighbours(ino));
+                }
+                let r = self.fetch_packed(&files, Some(ino));
                 self.note_fetch(ino, started, &r);
                 r?;
                 match self.remote_of(ino) {
@@ -516,8 +716,9 @@ impl AwcpFs {
     }
 
     /// Fetch `files` (those still remote without a copy) in one request and store each in
-    /// the pack. A file someone else is fetching is skipped, or, with `wait`, waited for.
-    fn fetch_packed(&self, files: &[Ino], wait: bool) -> Result<usize, FsError> {
+    /// the pack. A file someone else is fetching is skipped, except `wait_for`, which is
+    /// waited for (a read needs it; the request is then a foreground one).
+    fn fetch_packed(&self, files: &[Ino], wait_for: Option<Ino>) -> Result<usize, FsError> {
         self.check()?;
         let mut wanted: Vec<(Ino, Hash, Vec<String>)> = Vec::with_capacity(files.len());
         {
@@ -552,7 +753,12 @@ impl AwcpFs {
                 .sum()
         };
         let _grant = self.fetch_budget.acquire(bytes);
-        let data = self.remote.fetch_blocks(&hashes)?;
+        // `wait_for`: a read is waiting for this (foreground); otherwise it is hydration,
+        // which waited its turn before it was called.
+        let data = {
+            let _fg = wait_for.map(|_| self.priority.foreground());
+            self.remote.fetch_blocks(&hashes)?
+        };
         let by_hash: std::collections::HashMap<&str, &[u8]> = hashes
             .iter()
             .map(String::as_str)
@@ -562,7 +768,7 @@ impl AwcpFs {
         for (ino, hash, blocks) in wanted {
             let lock = self.fetch_lock(ino);
             // An on-demand open is fetching it: leave it to that (or wait for it).
-            let guard = if wait {
+            let guard = if wait_for == Some(ino) {
                 Some(lock.lock())
             } else {
                 lock.try_lock()

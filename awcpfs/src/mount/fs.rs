@@ -53,6 +53,10 @@ pub struct Handle {
 /// Directory listings kept for readdir without opendir (least recently listed go first).
 const DIR_SNAPS: usize = 512;
 
+/// Blocks kept for reads of large files that are not streamed whole (16 MiB at the default
+/// block size): the kernel reads a block in pieces (its read-ahead is at most 1 MiB).
+const RECENT_BLOCKS: usize = 16;
+
 /// A directory's listing as last read, and its generation.
 #[derive(Debug)]
 struct DirSnap {
@@ -129,6 +133,18 @@ pub struct AwcpFs {
     pub(super) pack: super::pack::Pack,
     /// AECP: the access observer and the `.aecp/` tree (`mount/aecp.rs`).
     pub(super) aecp: super::aecp::MountAecp,
+    /// The agent's fetches before background ones (`mount/hydrate.rs`).
+    pub(super) priority: super::hydrate::Priority,
+    /// Background hydration's plan and progress (`mount/hydrate.rs`).
+    pub(super) hydration: super::hydrate::Progress,
+    /// A large file's first read streams all of it (hydration `all`); otherwise each read
+    /// fetches the blocks it covers.
+    pub(super) streams_whole: AtomicBool,
+    /// An on-demand fetch of a small file brings its small neighbours along.
+    pub(super) neighbours: AtomicBool,
+    /// Blocks fetched lately for reads of large files that are not streamed whole, so the
+    /// kernel's reads of one block in pieces cost one request.
+    pub(super) recent_blocks: Mutex<lru::LruCache<[u8; 32], Arc<Vec<u8>>>>,
 }
 
 /// Writes without a handle (no-open) to one file: how many are under way, and when the
@@ -241,6 +257,13 @@ impl AwcpFs {
             streams: Mutex::new(HashMap::new()),
             pack: super::pack::Pack::new(opts.upper_dir.join(".pack"), pack_limit),
             aecp: super::aecp::MountAecp::new(opts.uid, opts.gid),
+            priority: Default::default(),
+            hydration: Default::default(),
+            streams_whole: AtomicBool::new(true),
+            neighbours: AtomicBool::new(false),
+            recent_blocks: Mutex::new(lru::LruCache::new(
+                std::num::NonZeroUsize::new(RECENT_BLOCKS).expect("nonzero"),
+            )),
             opts,
         }
     }

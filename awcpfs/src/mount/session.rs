@@ -29,6 +29,7 @@ use awcp_protocol::dataplane::{ExportEvent, LeaseState, ManifestEntry};
 use super::error::EndReason;
 use super::fs::{AwcpFs, FsOptions};
 use super::fuse::{FuseAdapter, KernelOptions};
+use super::hydrate::{Batch, HydratePolicy};
 use super::inode::InodeTable;
 use super::journal::Journal;
 use super::remote::{HttpRemote, Remote, RemoteError, StreamItem};
@@ -72,9 +73,12 @@ pub struct MountConfig {
     pub block_cache: Option<Arc<crate::cache::BlockCache>>,
     /// Kernel caching and passthrough.
     pub kernel: KernelOptions,
-    /// Fetch files up to this size in the background, many per request, so that a tree
-    /// walk that reads everything finds it local (0: off). On-demand reads go first.
-    pub hydrate_max_size: u64,
+    /// What to fetch in the background before it is asked for (`mount/hydrate.rs`):
+    /// nothing, the files first commands read, or those and every file up to a size, many
+    /// per request. On-demand reads always go first. Also decides how a read of a large
+    /// file is served: with `all`, the whole file is streamed in the background from its
+    /// first read; otherwise each read fetches only the blocks it covers.
+    pub hydrate: HydratePolicy,
     /// Renew the lease with the export when less than this is left (`None`: never; the
     /// Delegator then decides alone, with `awcp-ctl renew`).
     pub renew_margin: Option<Duration>,
@@ -115,7 +119,7 @@ impl MountConfig {
             keep_cache: false,
             block_cache: None,
             kernel: KernelOptions::default(),
-            hydrate_max_size: 256 << 10,
+            hydrate: HydratePolicy::default_for(endpoint),
             renew_margin: None,
             allow_other: false,
             owner: None,
@@ -209,6 +213,9 @@ pub struct MountStatus {
     pub sync_error: Option<String>,
     /// Counters.
     pub stats: StatsSnapshot,
+    /// Background hydration: its policy, plan and progress.
+    #[serde(default)]
+    pub hydration: super::hydrate::ProgressSnapshot,
 }
 
 /// Callbacks run once the mount has ended.
@@ -513,15 +520,30 @@ impl Mount {
                 .spawn(move || m.renewer(margin))
                 .expect("spawning a thread");
         }
-        if self.inner.cfg.hydrate_max_size > 0 {
-            let batches = Arc::new(Mutex::new(self.hydration_batches()));
-            for _ in 0..HYDRATE_WORKERS {
-                let (m, batches) = (self.clone(), batches.clone());
-                std::thread::Builder::new()
-                    .name("awcpfs-hydrate".into())
-                    .spawn(move || m.hydrate_small_files(&batches))
-                    .expect("spawning a thread");
-            }
+        let policy = self.inner.cfg.hydrate;
+        self.inner.fs.set_hydrate_policy(policy);
+        if policy == HydratePolicy::None {
+            // An empty plan, reported as finished.
+            self.inner.fs.hydration_plan(policy);
+        } else {
+            let m = self.clone();
+            std::thread::Builder::new()
+                .name("awcpfs-hydrate".into())
+                .spawn(move || {
+                    // The plan is made here, not before the mount is up: listing the tree
+                    // takes the inode table's lock, which the agent's first requests need.
+                    let batches = Arc::new(Mutex::new(m.inner.fs.hydration_plan(policy)));
+                    let left = Arc::new(std::sync::atomic::AtomicUsize::new(HYDRATE_WORKERS));
+                    for _ in 1..HYDRATE_WORKERS {
+                        let (m, batches, left) = (m.clone(), batches.clone(), left.clone());
+                        std::thread::Builder::new()
+                            .name("awcpfs-hydrate".into())
+                            .spawn(move || m.hydrate_worker(&batches, &left))
+                            .expect("spawning a thread");
+                    }
+                    m.hydrate_worker(&batches, &left);
+                })
+                .expect("spawning a thread");
         }
         let m = self.clone();
         std::thread::Builder::new()
@@ -549,37 +571,24 @@ impl Mount {
             .expect("spawning a thread");
     }
 
-    /// The small files to hydrate, in tree order, in batches of at most 1 MiB / 256 files
-    /// (one request each).
-    fn hydration_batches(&self) -> std::collections::VecDeque<Vec<u64>> {
-        const BATCH_BYTES: u64 = 1 << 20;
-        const BATCH_FILES: usize = 256;
-        let mut batches = std::collections::VecDeque::new();
-        let mut batch: Vec<u64> = Vec::new();
-        let mut bytes = 0u64;
-        for (ino, size) in self
-            .inner
-            .fs
-            .remote_small_files(self.inner.cfg.hydrate_max_size)
-        {
-            batch.push(ino);
-            bytes += size;
-            if bytes >= BATCH_BYTES || batch.len() >= BATCH_FILES {
-                batches.push_back(std::mem::take(&mut batch));
-                bytes = 0;
-            }
+    /// Background hydration, one of [`HYDRATE_WORKERS`]: takes the plan's requests in
+    /// order until none is left, so one worker's request is answered while another's files
+    /// are written; each request waits its turn behind the agent's fetches. A batch the
+    /// export refuses (a file changed on the Delegator) is skipped; any other failure stops
+    /// this worker (on-demand fetches still work then). The last worker to stop marks the
+    /// plan finished.
+    fn hydrate_worker(
+        &self,
+        batches: &Mutex<std::collections::VecDeque<Batch>>,
+        left: &std::sync::atomic::AtomicUsize,
+    ) {
+        self.hydrate_batches(batches);
+        if left.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.inner.fs.hydration_finished();
         }
-        if !batch.is_empty() {
-            batches.push_back(batch);
-        }
-        batches
     }
 
-    /// Background hydration, one of [`HYDRATE_WORKERS`]: takes batches in order until none
-    /// is left, so one worker's request is answered while another's files are written. A
-    /// batch the export refuses (a file changed on the Delegator) is skipped; any other
-    /// failure stops this worker (on-demand fetches still work then).
-    fn hydrate_small_files(&self, batches: &Mutex<std::collections::VecDeque<Vec<u64>>>) {
+    fn hydrate_batches(&self, batches: &Mutex<std::collections::VecDeque<Batch>>) {
         let started = Instant::now();
         let mut done = 0usize;
         loop {
@@ -589,8 +598,8 @@ impl Mount {
             if self.inner.ending.load(Ordering::SeqCst) {
                 return;
             }
-            match self.inner.fs.prefetch(&batch) {
-                Ok(n) => done += n,
+            match self.inner.fs.hydrate(&batch) {
+                Ok(()) => done += 1,
                 // A file of the batch changed on the Delegator (its block is gone): skip the
                 // batch; those files fail or conflict when opened, the others are fetched
                 // on demand.
@@ -603,7 +612,7 @@ impl Mount {
                 }
             }
         }
-        tracing::debug!(files = done, elapsed = ?started.elapsed(), "small files hydrated by this worker");
+        tracing::debug!(requests = done, elapsed = ?started.elapsed(), "hydration requests done by this worker");
     }
 
     /// Renew the lease whenever less than `margin` is left. Its own thread, so a slow or
@@ -803,6 +812,7 @@ impl Mount {
             unsynced,
             sync_error,
             stats,
+            hydration: self.inner.fs.hydration().snapshot(),
         }
     }
 

@@ -201,6 +201,12 @@ impl Stats {
         }
     }
 
+    /// FUSE requests served so far, all operations together (background work compares two
+    /// readings to tell whether the agent is active).
+    pub fn ops_total(&self) -> u64 {
+        self.ops.iter().map(|n| n.load(Ordering::Relaxed)).sum()
+    }
+
     /// Count a block-cache lookup: a hit of `bytes`, or a miss.
     pub fn add_cache(&self, hit: bool, bytes: u64) {
         if hit {
