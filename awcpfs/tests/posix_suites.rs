@@ -13,6 +13,7 @@
 //! Where one is missing the test skips loudly, except under `CI=true`, where it fails.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -283,6 +284,29 @@ fn pjdfstest_on(extra: &[&str]) {
     // afterwards: in the same process, a remount can find the mount busy.
     let second = fs.tmp.path().join("second-fs");
     std::fs::create_dir_all(&second).unwrap();
+    // The read-only cases remount with `mount -o remount,ro MNT`. Where the `fuse3` package
+    // is installed (sshfs pulls it in), mount(8) hands a FUSE remount to its
+    // `/sbin/mount.fuse` helper, which takes the mount's source (`awcpfs:exp_…`) for a
+    // program to run and fails. A `mount` first on the suite's PATH that passes `-i`
+    // (`--internal-only`: no helper) remounts with mount(2) itself, as without `fuse3`.
+    let bin = fs.tmp.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let real_mount = ["/usr/bin/mount", "/bin/mount"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("mount(8) is needed for pjdfstest's read-only cases");
+    let wrapper = bin.join("mount");
+    std::fs::write(
+        &wrapper,
+        format!("#!/bin/sh\nexec {real_mount} -i \"$@\"\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
     let run = |remount: bool, patterns: &[&str]| {
         let config = fs.tmp.path().join(format!("pjdfstest-{remount}.toml"));
         std::fs::write(
@@ -304,6 +328,7 @@ fn pjdfstest_on(extra: &[&str]) {
             .args(patterns)
             .env("NO_COLOR", "1")
             .env("RUST_BACKTRACE", "0")
+            .env("PATH", &path)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
