@@ -148,6 +148,12 @@ async fn git_sees_a_delegator_commit(writeback_cache: bool) {
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
     assert!(appears(&out.path().join("ready"), Duration::from_secs(30)).await);
+    // The agent's `git status` refreshed the index's stat data, and the mount writes that
+    // back (a mode-only change). Let it land before the Delegator commits: when the two
+    // cross, the export keeps the Delegator's index (a conflict with nothing to keep) and
+    // the mount keeps its own copy instead of taking the Delegator's — a known gap, see
+    // docs/SEMANTICS.md ("Known gaps"), not what this test is about.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     sh(
         &repo,
         "sed -i 's/a + b/b + a/' calc/ops.py && git -c user.email=d@x -c user.name=delegator commit -qam 'delegator: swap'",
