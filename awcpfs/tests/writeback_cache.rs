@@ -33,6 +33,14 @@ struct Setup {
     _rt: tokio::runtime::Runtime,
 }
 
+// Unmount at the end of every test, passed or failed: a mount left behind outlives the
+// test process as a dead FUSE mount.
+impl Drop for Setup {
+    fn drop(&mut self) {
+        self.mount.end(awcpfs::mount::EndReason::Unmounted, None);
+    }
+}
+
 /// An export of a small tree and a mount of it with the writeback cache on.
 fn setup() -> Setup {
     let tmp = tempfile::tempdir().unwrap();
