@@ -331,47 +331,28 @@ async fn locate(
     Extension(export): Extension<Arc<Export>>,
     req: Request,
 ) -> Result<Json<BlockLocations>, ApiError> {
-    let body = read_body(req, HASH_LIST_LIMIT).await?;
-    let request: BlockRequest = parse_json("POST /locate", &body)?;
-    let hashes = parse_hashes(&request.hashes)?;
-    let Some(tier) = export.tier().cloned() else {
-        return Ok(Json(BlockLocations {
-            block_store: false,
-            expires_at: None,
-            urls: Vec::new(),
-        }));
-    };
-    let ttl = url_ttl(&export, &tier);
-    let expires = chrono::Utc::now()
-        + chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::seconds(1));
-    let urls: Vec<Option<String>> = futures::stream::iter(hashes)
-        .map(|hash| {
-            let tier = tier.clone();
-            let export = export.clone();
-            async move {
-                let reader = export.clone();
-                let (present, uploaded) = tier.ensure(hash, move || reader.read_block(&hash)).await;
-                export.note_store_upload(uploaded);
-                if !present {
-                    return None;
-                }
-                tier.presign(&hash, ttl).await
+    let answer = tier_urls(&export, req, "POST /locate", |tier, hash, ttl| {
+        let export = export.clone();
+        async move {
+            let reader = export.clone();
+            let (present, uploaded) = tier.ensure(hash, move || reader.read_block(&hash)).await;
+            export.note_store_upload(uploaded);
+            if !present {
+                return None;
             }
-        })
-        .buffered(super::tier::LOCATE_CONCURRENCY)
-        .collect()
-        .await;
-    // A revoke while this answer was prepared: hand out nothing.
-    export.lease().check_access()?;
-    Stats::add(
-        &export.stats.store_urls,
-        urls.iter().filter(|u| u.is_some()).count() as u64,
-    );
-    Ok(Json(BlockLocations {
-        block_store: true,
-        expires_at: Some(expires.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
-        urls,
-    }))
+            tier.presign(&hash, ttl).await
+        }
+    })
+    .await?;
+    if answer.block_store {
+        // A revoke while this answer was prepared: hand out nothing.
+        export.lease().check_access()?;
+        Stats::add(
+            &export.stats.store_urls,
+            answer.urls.iter().filter(|u| u.is_some()).count() as u64,
+        );
+    }
+    Ok(Json(answer))
 }
 
 /// `POST /upload-urls` (write gate): presigned `PUT` URLs for blocks the Executor is about
@@ -381,32 +362,52 @@ async fn upload_urls(
     Extension(export): Extension<Arc<Export>>,
     req: Request,
 ) -> Result<Json<BlockLocations>, ApiError> {
+    let answer = tier_urls(
+        &export,
+        req,
+        "POST /upload-urls",
+        |tier, hash, ttl| async move { tier.presign_put(&hash, ttl).await },
+    )
+    .await?;
+    Ok(Json(answer))
+}
+
+/// What `/locate` and `/upload-urls` share: the asked hashes, "no tier" (`blockStore:
+/// false`) without one, else one URL or `null` per hash from `url` (given the tier, the hash
+/// and the URLs' lifetime, [`url_ttl`]), a few hashes at a time, in the asked order.
+async fn tier_urls<F, Fut>(
+    export: &Export,
+    req: Request,
+    route: &'static str,
+    url: F,
+) -> Result<BlockLocations, ApiError>
+where
+    F: Fn(Arc<super::tier::BlockTier>, BlockHash, Duration) -> Fut,
+    Fut: std::future::Future<Output = Option<String>>,
+{
     let body = read_body(req, HASH_LIST_LIMIT).await?;
-    let request: BlockRequest = parse_json("POST /upload-urls", &body)?;
+    let request: BlockRequest = parse_json(route, &body)?;
     let hashes = parse_hashes(&request.hashes)?;
     let Some(tier) = export.tier().cloned() else {
-        return Ok(Json(BlockLocations {
+        return Ok(BlockLocations {
             block_store: false,
             expires_at: None,
             urls: Vec::new(),
-        }));
+        });
     };
-    let ttl = url_ttl(&export, &tier);
+    let ttl = url_ttl(export, &tier);
     let expires = chrono::Utc::now()
         + chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::seconds(1));
     let urls = futures::stream::iter(hashes)
-        .map(|hash| {
-            let tier = tier.clone();
-            async move { tier.presign_put(&hash, ttl).await }
-        })
+        .map(|hash| url(tier.clone(), hash, ttl))
         .buffered(super::tier::LOCATE_CONCURRENCY)
         .collect()
         .await;
-    Ok(Json(BlockLocations {
+    Ok(BlockLocations {
         block_store: true,
         expires_at: Some(expires.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
         urls,
-    }))
+    })
 }
 
 /// `POST /adopt` (write gate): take blocks the Executor put in the block tier — fetched
