@@ -892,7 +892,7 @@ impl Mount {
         self.inner.fs.fence(reason.clone());
         let started = Instant::now();
         if let (Some(root), Some(budget)) = (root, flush_budget) {
-            self.sync_kernel(root, budget);
+            self.drain_kernel(root, budget);
             self.inner.fs.set_draining(false);
         }
         // The write-back above spent part of the budget.
@@ -1057,6 +1057,54 @@ impl Mount {
         }
     }
 
+    /// [`Self::sync_kernel`] at the end of the mount (fenced: the kernel's write-back
+    /// requests are the only ones served), and then until they are all served.
+    fn drain_kernel(&self, root: std::fs::File, budget: Duration) -> bool {
+        let started = Instant::now();
+        let conn = fuse_connection_dir(&root);
+        if !self.sync_kernel(root, budget) {
+            return false;
+        }
+        self.await_kernel_requests(conn.as_deref(), started + budget)
+    }
+
+    /// `syncfs` returns once the kernel has *sent* the write-back requests; awcpfs may not
+    /// have served them yet (seen in one run of ~15 under load: the final flush then took
+    /// the file without the pages). Waits until the kernel counts no request of this
+    /// mount as waiting for an answer (`/sys/fs/fuse/connections/<dev>/waiting`; while the
+    /// mount is fenced every other request is answered at once) — or, where that file is
+    /// not there, until no request has come for [`KERNEL_QUIET`] — or until `deadline`.
+    fn await_kernel_requests(&self, conn: Option<&Path>, deadline: Instant) -> bool {
+        let stats = &self.inner.fs.stats;
+        let mut last = (stats.ops_total(), Instant::now());
+        loop {
+            let waiting = conn
+                .and_then(|c| std::fs::read_to_string(c.join("waiting")).ok())
+                .and_then(|w| w.trim().parse::<u64>().ok());
+            let now = Instant::now();
+            let ops = stats.ops_total();
+            if ops != last.0 {
+                last = (ops, now);
+            }
+            match waiting {
+                Some(0) => return true,
+                None if now.duration_since(last.1) >= KERNEL_QUIET => return true,
+                // Something else is waiting (a read stuck on the network): the write-back
+                // requests are served once the requests stop coming.
+                Some(_) if now.duration_since(last.1) >= KERNEL_QUIET * 4 => return true,
+                _ => {}
+            }
+            if now >= deadline {
+                tracing::warn!(
+                    ?waiting,
+                    "the kernel's write-back requests were not all served in time"
+                );
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
     /// Have the kernel write every dirty page of this mount to the filesystem (`syncfs` on
     /// `root`), waiting at most `budget`; true if it finished in time. Runs on a thread of
     /// its own: the FUSE threads serve the writes it causes, and a stuck connection cannot
@@ -1140,6 +1188,18 @@ impl Mount {
 /// How long a batch of Delegator-side changes waits for the kernel to write back its dirty
 /// pages (writeback cache) before it is applied.
 const UPSTREAM_SYNC_BOUND: Duration = Duration::from_secs(5);
+
+/// How long no FUSE request may come before the kernel's write-back counts as served, where
+/// the kernel's count of waiting requests cannot be read.
+const KERNEL_QUIET: Duration = Duration::from_millis(50);
+
+/// The kernel's control directory of the FUSE connection `root` is on
+/// (`/sys/fs/fuse/connections/<minor device number>`, where `fusectl` is mounted).
+fn fuse_connection_dir(root: &std::fs::File) -> Option<PathBuf> {
+    let dev = root.metadata().ok()?.dev();
+    let dir = Path::new("/sys/fs/fuse/connections").join(libc::minor(dev).to_string());
+    dir.join("waiting").exists().then_some(dir)
+}
 
 /// Background hydration workers: two requests in flight, so the export reads the next batch
 /// while this side writes the last one.
