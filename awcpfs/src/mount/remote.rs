@@ -13,9 +13,11 @@ use std::time::Duration;
 
 use awcp_protocol::dataplane::{
     BlockLocations, BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent,
-    MISSING_BLOCK, Manifest, MissingBlocks, encode_block_frame,
+    LocateRequest, MISSING_BLOCK, Manifest, MissingBlocks, encode_block_frame,
 };
 use awcp_protocol::manifest_bin;
+
+use crate::blockobj;
 
 /// Why a data-plane request failed.
 #[derive(Debug, thiserror::Error)]
@@ -162,6 +164,9 @@ pub struct StoreCounters {
     pub refused: AtomicU64,
     /// Block bytes written back through the store (the export took them from there).
     pub bytes_put: AtomicU64,
+    /// `GET`s sent to the store (a ranged read of a pack counts once, however many blocks
+    /// it brings).
+    pub requests: AtomicU64,
 }
 
 /// A block to write back: its hash and its bytes.
@@ -177,6 +182,11 @@ const STORE_FETCHERS: usize = 16;
 const LOCATE_ANSWER_MAX: u64 = 64 << 20;
 /// Largest object a store fetch reads (a block of the largest size, uncompressible).
 const STORE_OBJECT_MAX: u64 = (64 << 20) + 4096;
+/// Blocks of one pack at most this far apart are read in one ranged `GET` (the bytes
+/// between them are read and dropped: cheaper than a request of their own).
+const RANGE_GAP: u64 = 64 << 10;
+/// Most bytes one ranged `GET` reads.
+const RANGE_SPAN: u64 = 16 << 20;
 
 /// One item of the export's event stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -322,9 +332,11 @@ impl HttpRemote {
 
 impl HttpRemote {
     /// The blocks of `hashes` the block tier gives intact, by index (`None`: ask the
-    /// export). Asks `POST /locate` unless the export said it has no tier; fetches the URLs
-    /// a few at a time, verifies each block against its hash. Only an error that ends
-    /// access (token refused, lease over) is returned; anything else falls back.
+    /// export). Asks `POST /locate` (announcing that ranges of packs are understood) unless
+    /// the export said it has no tier; reads the blocks of one pack that lie close together
+    /// in one ranged `GET`, and blocks stored on their own one `GET` each, a few at a time;
+    /// verifies each block against its hash. Only an error that ends access (token refused,
+    /// lease over) is returned; anything else falls back.
     fn fetch_from_store(&self, hashes: &[String]) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
         let none = || (0..hashes.len()).map(|_| None).collect();
         if hashes.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF {
@@ -334,8 +346,9 @@ impl HttpRemote {
             .agent
             .post(&format!("{}/locate", self.base))
             .set("Authorization", &self.auth)
-            .send_json(BlockRequest {
+            .send_json(LocateRequest {
                 hashes: hashes.to_vec(),
+                ranges: true,
             });
         let locs: BlockLocations = match answer {
             // At most 65,536 URLs of a few hundred bytes each: 64 MiB bounds the answer.
@@ -371,20 +384,18 @@ impl HttpRemote {
             return Ok(none());
         }
         self.tier.store(TIER_ON, Ordering::Relaxed);
-        if locs.urls.len() != hashes.len() {
+        if locs.urls.len() != hashes.len()
+            || !(locs.ranges.is_empty() || locs.ranges.len() == hashes.len())
+        {
             tracing::warn!(
                 asked = hashes.len(),
                 got = locs.urls.len(),
-                "/locate answered a different number of URLs; fetching from the export"
+                ranges = locs.ranges.len(),
+                "/locate answered a different number of places; fetching from the export"
             );
             return Ok(none());
         }
-        let jobs: Vec<(usize, &str)> = locs
-            .urls
-            .iter()
-            .enumerate()
-            .filter_map(|(i, u)| u.as_deref().map(|u| (i, u)))
-            .collect();
+        let jobs = store_jobs(&locs);
         let out: Vec<parking_lot::Mutex<Option<Vec<u8>>>> = (0..hashes.len())
             .map(|_| parking_lot::Mutex::new(None))
             .collect();
@@ -392,17 +403,25 @@ impl HttpRemote {
         std::thread::scope(|s| {
             for _ in 0..STORE_FETCHERS.min(jobs.len()) {
                 s.spawn(|| {
-                    while let Some(&(i, url)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
-                        match self.fetch_object(url, &hashes[i]) {
-                            Some(block) => {
-                                self.store.blocks.fetch_add(1, Ordering::Relaxed);
-                                self.store
-                                    .bytes
-                                    .fetch_add(block.len() as u64, Ordering::Relaxed);
-                                *out[i].lock() = Some(block);
+                    while let Some(job) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let got = match job {
+                            StoreJob::Own(i, url) => {
+                                vec![(*i, self.fetch_object(url, &hashes[*i]))]
                             }
-                            None => {
-                                self.store.refused.fetch_add(1, Ordering::Relaxed);
+                            StoreJob::Range(url, read) => self.fetch_range(url, read, hashes),
+                        };
+                        for (i, block) in got {
+                            match block {
+                                Some(block) => {
+                                    self.store.blocks.fetch_add(1, Ordering::Relaxed);
+                                    self.store
+                                        .bytes
+                                        .fetch_add(block.len() as u64, Ordering::Relaxed);
+                                    *out[i].lock() = Some(block);
+                                }
+                                None => {
+                                    self.store.refused.fetch_add(1, Ordering::Relaxed);
+                                }
                             }
                         }
                     }
@@ -541,10 +560,11 @@ impl HttpRemote {
 
     /// One block from a presigned URL, decoded and verified; `None` (logged) otherwise.
     fn fetch_object(&self, url: &str, hash: &str) -> Option<Vec<u8>> {
-        if !(url.starts_with("http://") || url.starts_with("https://")) {
+        if !is_http(url) {
             tracing::warn!(hash, "the block tier URL is not http(s); ignoring it");
             return None;
         }
+        self.store.requests.fetch_add(1, Ordering::Relaxed);
         let object = match self.store_agent.get(url).call() {
             Ok(resp) => read_body(resp, STORE_OBJECT_MAX).ok()?,
             Err(e) => {
@@ -552,16 +572,126 @@ impl HttpRemote {
                 return None;
             }
         };
-        let block = crate::blockobj::decode(object, crate::export::MAX_BLOCK_SIZE as usize)?;
-        if verify_block(hash, &block).is_err() {
-            tracing::warn!(
-                hash,
-                "the block tier gave content that does not match its hash; asking the export"
-            );
-            return None;
-        }
-        Some(block)
+        decode_verified(object, hash)
     }
+
+    /// The blocks of one ranged read of a pack (`Range: bytes=…` on its presigned URL),
+    /// each decoded and verified; `None` for each block the answer did not give intact.
+    fn fetch_range(
+        &self,
+        url: &str,
+        read: &blockobj::RangeRead,
+        hashes: &[String],
+    ) -> Vec<(usize, Option<Vec<u8>>)> {
+        let failed = || read.blocks.iter().map(|b| (b.0, None)).collect();
+        if !is_http(url) {
+            tracing::warn!("the block tier URL of a pack is not http(s); ignoring it");
+            return failed();
+        }
+        self.store.requests.fetch_add(1, Ordering::Relaxed);
+        let resp = match self
+            .store_agent
+            .get(url)
+            .set("Range", &format!("bytes={}-{}", read.start, read.end - 1))
+            .call()
+        {
+            Ok(resp) => resp,
+            Err(e) => {
+                tracing::debug!(error = %e, "ranged fetch from the block tier failed; asking the export");
+                return failed();
+            }
+        };
+        // 206: the range. A store that ignores `Range` answers 200 and the whole object:
+        // read up to the range's end and skip to its start.
+        let whole = resp.status() == 200;
+        let Ok(mut body) = read_body(
+            resp,
+            if whole {
+                read.end
+            } else {
+                read.end - read.start
+            },
+        ) else {
+            return failed();
+        };
+        if whole {
+            body.drain(..(read.start as usize).min(body.len()));
+        }
+        blockobj::split_range(read, &body)
+            .into_iter()
+            .map(|(i, object)| {
+                let block = object.and_then(|o| decode_verified(o.to_vec(), &hashes[i]));
+                (i, block)
+            })
+            .collect()
+    }
+}
+
+/// One fetch from the block tier: a block's own object, or a ranged read of a pack.
+enum StoreJob<'a> {
+    Own(usize, &'a str),
+    Range(&'a str, blockobj::RangeRead),
+}
+
+/// The fetches a `/locate` answer calls for: the packed blocks of each pack grouped into
+/// ranged reads ([`blockobj::coalesce`]), largest first, then the blocks stored on their
+/// own. Places that make no sense (a pack that is not listed, an oversized range) are left
+/// out: those blocks come from the export.
+fn store_jobs(locs: &BlockLocations) -> Vec<StoreJob<'_>> {
+    let mut by_pack: std::collections::BTreeMap<usize, Vec<(usize, u64, u32)>> = Default::default();
+    let mut own = Vec::new();
+    for (i, url) in locs.urls.iter().enumerate() {
+        match locs.ranges.get(i).copied().flatten() {
+            Some([pack, offset, len])
+                if (pack as usize) < locs.packs.len()
+                    && len <= STORE_OBJECT_MAX
+                    && offset.checked_add(len).is_some() =>
+            {
+                by_pack
+                    .entry(pack as usize)
+                    .or_default()
+                    .push((i, offset, len as u32));
+            }
+            Some(_) => {}
+            None => {
+                if let Some(u) = url {
+                    own.push(StoreJob::Own(i, u.as_str()));
+                }
+            }
+        }
+    }
+    let mut jobs: Vec<StoreJob<'_>> = by_pack
+        .into_iter()
+        .flat_map(|(pack, ranges)| {
+            let url = locs.packs[pack].as_str();
+            blockobj::coalesce(ranges, RANGE_GAP, RANGE_SPAN)
+                .into_iter()
+                .map(move |r| StoreJob::Range(url, r))
+        })
+        .collect();
+    jobs.sort_by_key(|j| match j {
+        StoreJob::Range(_, r) => std::cmp::Reverse(r.end - r.start),
+        StoreJob::Own(..) => std::cmp::Reverse(0),
+    });
+    jobs.extend(own);
+    jobs
+}
+
+fn is_http(url: &str) -> bool {
+    url.starts_with("http://") || url.starts_with("https://")
+}
+
+/// A block out of its stored object, if it decodes and matches `hash` (logged if not).
+fn decode_verified(object: Vec<u8>, hash: &str) -> Option<Vec<u8>> {
+    let block = blockobj::decode(object, crate::export::MAX_BLOCK_SIZE as usize)?;
+    if verify_block(hash, &block).is_err() {
+        tracing::warn!(
+            hash,
+            "the block tier gave content that does not match its hash; asking the export"
+        );
+        return None;
+    }
+    Some(block)
 }
 
 /// Read one block frame (`decode_block_frames`' format) from `r`: `None` at a clean end of
