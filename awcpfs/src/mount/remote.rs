@@ -950,6 +950,63 @@ mod tests {
     use super::*;
 
     #[test]
+    fn locate_answers_become_ranged_reads_and_own_gets() {
+        let locs = BlockLocations {
+            block_store: true,
+            expires_at: None,
+            urls: vec![
+                None,
+                Some("http://s/b3/x".into()),
+                None,
+                None,
+                None,
+                None,
+                None,
+            ],
+            packs: vec!["http://s/p3/a".into(), "http://s/p3/b".into()],
+            ranges: vec![
+                Some([0, 0, 100]),
+                None,
+                Some([0, 100, 100]),
+                Some([1, 0, 50]),
+                // Not a listed pack, an oversized range: left to the export.
+                Some([7, 0, 10]),
+                Some([1, 0, STORE_OBJECT_MAX + 1]),
+                // Far from the others in pack 0: a read of its own.
+                Some([0, 1 << 20, 10]),
+            ],
+        };
+        let jobs = store_jobs(&locs);
+        let mut reads: Vec<(&str, Vec<usize>)> = jobs
+            .iter()
+            .filter_map(|j| match j {
+                StoreJob::Range(url, r) => Some((*url, r.blocks.iter().map(|b| b.0).collect())),
+                StoreJob::Own(..) => None,
+            })
+            .collect();
+        reads.sort();
+        assert_eq!(
+            reads,
+            vec![
+                ("http://s/p3/a", vec![0, 2]),
+                ("http://s/p3/a", vec![6]),
+                ("http://s/p3/b", vec![3]),
+            ]
+        );
+        let own: Vec<usize> = jobs
+            .iter()
+            .filter_map(|j| match j {
+                StoreJob::Own(i, _) => Some(*i),
+                StoreJob::Range(..) => None,
+            })
+            .collect();
+        assert_eq!(own, vec![1]);
+        // Largest reads first, own objects last.
+        assert!(matches!(&jobs[0], StoreJob::Range(_, r) if r.blocks.len() == 2));
+        assert!(matches!(jobs.last(), Some(StoreJob::Own(1, _))));
+    }
+
+    #[test]
     fn sse_parser_reads_data_lines_only() {
         let text = ": comment\nid: 1\nevent: lease\ndata: {\"type\":\"lease\",\"state\":\"revoked\",\"expiresAt\":\"x\",\"remainingMs\":0}\n\ndata: garbage\n\n";
         let mut it = SseEvents {
