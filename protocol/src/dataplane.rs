@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `GET  /manifest` | — | [`Manifest`] (JSON) |
 //! | `POST /blocks` | [`BlockRequest`] | block frames (see [`encode_block_frame`]) |
-//! | `POST /locate` | [`BlockRequest`] | [`BlockLocations`] (the block tier; ours) |
+//! | `POST /locate` | [`LocateRequest`] | [`BlockLocations`] (the block tier; ours) |
 //! | `POST /missing` | [`BlockRequest`] | [`MissingBlocks`] |
 //! | `POST /upload` | block frames | [`UploadResult`] |
 //! | `POST /commit` | [`ChangeSet`] | [`CommitResult`] |
@@ -122,12 +122,26 @@ pub struct BlockRequest {
     pub hashes: Vec<String>,
 }
 
+/// `POST /locate` body (ours): the blocks wanted, and whether the mount reads blocks out of
+/// pack objects by range. An export that predates `ranges` ignores it (and answers a URL
+/// per block), so a mount may always send it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LocateRequest {
+    /// blake3 hashes (hex).
+    pub hashes: Vec<String>,
+    /// The mount understands [`BlockLocations::packs`] and [`BlockLocations::ranges`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ranges: bool,
+}
+
 /// Answer to `POST /locate` (the block tier, ours): where the Executor may fetch each asked
 /// block without the Delegator's process serving its bytes — a short-lived presigned `GET`
-/// URL of an object store. `urls[i]` answers `hashes[i]`; `null` means "ask `/blocks`".
-/// Whatever the store returns is verified against the block's hash by the mount, which
-/// falls back to `/blocks` on a mismatch or a failed fetch. An export without a block tier
-/// answers `blockStore: false` and no URLs, and the mount stops asking.
+/// URL of an object store. `urls[i]` answers `hashes[i]`; `null` means "ask `/blocks`" —
+/// unless `ranges[i]` places the block in a pack. Whatever the store returns is verified
+/// against the block's hash by the mount, which falls back to `/blocks` on a mismatch or a
+/// failed fetch. An export without a block tier answers `blockStore: false` and no URLs,
+/// and the mount stops asking. (`/upload-urls` answers the same shape, without packs.)
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct BlockLocations {
@@ -136,9 +150,17 @@ pub struct BlockLocations {
     /// When the URLs stop working (ISO 8601); absent without URLs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<String>,
-    /// One entry per asked hash, in order: a URL, or `null`.
+    /// One entry per asked hash, in order: a URL of the block's own object, or `null`.
     #[serde(default)]
     pub urls: Vec<Option<String>>,
+    /// Presigned `GET` URLs of the pack objects `ranges` point into (only when the request
+    /// asked for `ranges`; absent when no asked block is packed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub packs: Vec<String>,
+    /// Empty, or one entry per asked hash: `[pack, offset, length]` — the block's object
+    /// is bytes `offset..offset+length` of `packs[pack]` — or `null` (see `urls[i]`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranges: Vec<Option<[u64; 3]>>,
 }
 
 /// Answer to `POST /missing`: the subset of the asked hashes the export does not have.

@@ -130,6 +130,10 @@ pub struct FleetReport {
     pub fetched: u64,
     /// Blocks the store did not give intact (fetched from the Delegator instead).
     pub store_refused: u64,
+    /// Blocks the Executors got from the store.
+    pub blocks_from_store: u64,
+    /// `GET`s the Executors sent to the store (a ranged read of a pack counts once).
+    pub store_requests: u64,
     /// Presigned URLs the export handed out.
     pub urls: u64,
     /// From the first agent's start to the last agent's end of reading.
@@ -254,6 +258,8 @@ pub async fn run(
         report.fetched += get("bytesFetched");
         report.from_store += get("bytesFromStore");
         report.store_refused += get("storeRefused");
+        report.blocks_from_store += get("blocksFromStore");
+        report.store_requests += get("storeRequests");
     }
     std::fs::write(&release, b"").unwrap();
     for id in &ids {

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use awcpfs::blockobj::PackEntry;
 use awcpfs::export::tier::BlockTierConfig;
 
 /// The server's access key (tests only).
@@ -131,17 +132,69 @@ impl S3Server {
         p.join("b3").join(hash)
     }
 
-    /// How many block objects are stored under `prefix`.
+    /// How many block objects of their own are stored under `prefix`.
     pub fn block_count(&self, prefix: &str) -> usize {
-        let dir = self.block_object(prefix, "");
-        std::fs::read_dir(&dir)
-            .map(|d| {
-                d.filter_map(Result::ok)
-                    .filter(|e| is_hash(&e.file_name().to_string_lossy()))
-                    .count()
-            })
-            .unwrap_or(0)
+        hash_names(&self.block_object(prefix, "")).len()
     }
+
+    /// Where pack `name` (hex) under `prefix` is on disk (its index: the same with `.idx`).
+    pub fn pack_object(&self, prefix: &str, name: &str) -> PathBuf {
+        let mut p = self.root.join(BUCKET);
+        if !prefix.is_empty() {
+            p = p.join(prefix);
+        }
+        p.join("p3").join(name)
+    }
+
+    /// Every pack under `prefix` that has its index, and the index's entries (checked as a
+    /// Delegator reading them at start does; a malformed index panics).
+    pub fn packs(&self, prefix: &str) -> Vec<(String, Vec<PackEntry>)> {
+        let mut out = Vec::new();
+        for name in hash_names(&self.pack_object(prefix, "")) {
+            let pack = self.pack_object(prefix, &name);
+            let Ok(index) = std::fs::read(pack.with_extension("idx")) else {
+                continue;
+            };
+            let size = std::fs::metadata(&pack).unwrap().len();
+            let mut hash = [0u8; 32];
+            hex::decode_to_slice(&name, &mut hash).unwrap();
+            let entries = awcpfs::blockobj::decode_pack_index(&index, &hash, size)
+                .unwrap_or_else(|| panic!("malformed index of pack {name}"));
+            out.push((name, entries));
+        }
+        out
+    }
+
+    /// Every block stored under `prefix` (hex), once per copy: objects of their own and
+    /// entries of pack indexes.
+    pub fn stored_blocks(&self, prefix: &str) -> Vec<String> {
+        let mut out = hash_names(&self.block_object(prefix, ""));
+        for (_, entries) in self.packs(prefix) {
+            out.extend(entries.iter().map(|e| hex::encode(e.hash)));
+        }
+        out
+    }
+
+    /// Where block `hash` (hex) sits in a pack under `prefix`: the pack's file, and the
+    /// offset and length of the block's object in it.
+    pub fn packed_block(&self, prefix: &str, hash: &str) -> Option<(PathBuf, u64, u32)> {
+        self.packs(prefix).into_iter().find_map(|(name, entries)| {
+            let e = entries.iter().find(|e| hex::encode(e.hash) == hash)?;
+            Some((self.pack_object(prefix, &name), e.offset, e.len))
+        })
+    }
+}
+
+/// The names in `dir` that are 64 hex digits.
+fn hash_names(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| is_hash(n))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn is_hash(name: &str) -> bool {

@@ -1,7 +1,9 @@
 //! The block tier (`serve --blocks s3://…`) against a real S3-compatible server (`s3s-fs`,
-//! started by the harness): fleet hydration with the bytes of both tiers counted, a corrupted
-//! object refused by hash and fetched from the Delegator, a revoke that ends store access,
-//! and a second delegation of a workspace already in the store.
+//! started by the harness): fleet hydration with the bytes of both tiers and the store's
+//! `GET`s counted, small blocks packed and read by range, a corrupted object or pack region
+//! refused by hash and fetched from the Delegator, a restarted daemon that finds the packs,
+//! a revoke that ends store access, a second delegation of a workspace already in the
+//! store, and mounts that do not read ranges still served a URL per block.
 //!
 //! Skipped loudly where FUSE or `s3s-fs` is missing, failed under `CI=true`.
 
@@ -56,8 +58,9 @@ async fn s3blocks_fleet_hydration_counts_both_tiers() {
     };
     let work = tempfile::tempdir().unwrap();
     let ws = work.path().join("ws");
-    // 300 files of 16 KiB and one of 2.5 MiB: small files and multi-block ones.
-    fleet::make_workspace(&ws, 300, 16 << 10, (5 << 20) / 2);
+    // 2,000 files of 4 KiB and one of 2.5 MiB: small files (packed) and multi-block ones
+    // (large blocks stay objects of their own).
+    fleet::make_workspace(&ws, 2000, 4 << 10, (5 << 20) / 2);
     let daemon = fleet::start_delegator(
         &work.path().join("delegator"),
         Some((&s3, "fleet")),
@@ -92,31 +95,88 @@ async fn s3blocks_fleet_hydration_counts_both_tiers() {
     );
     assert!(r.urls > 0);
     assert_eq!(r.store_refused, 0, "no object should have been refused");
-    // Every block is in the store exactly once.
+    // Every block is in the store exactly once, the small ones in packs.
     let blocks = block_hashes(&ws, BLOCK);
-    assert_eq!(s3.block_count("fleet"), blocks.len());
+    assert_stored_once(&s3, "fleet", &blocks);
+    assert_eq!(
+        s3.block_count("fleet"),
+        3,
+        "big.bin's three blocks on their own"
+    );
+    // Packs are read by range, near blocks together: the store saw a small fraction of
+    // a GET per block (one per block before packing).
+    assert!(
+        r.blocks_from_store >= n as u64 * 2000,
+        "only {} blocks came from the store",
+        r.blocks_from_store
+    );
+    assert!(
+        r.store_requests * 20 <= r.blocks_from_store,
+        "{} GETs for {} blocks from the store",
+        r.store_requests,
+        r.blocks_from_store
+    );
+    // One URL per pack in an answer, not one per block.
+    assert!(
+        r.urls * 20 <= r.blocks_from_store,
+        "{} URLs signed for {} blocks",
+        r.urls,
+        r.blocks_from_store
+    );
     daemon.stop().await;
 }
 
-/// Delegate `ws` once (its agent reads everything, which puts every block in the store),
-/// optionally corrupt the store's copy of `big.bin`'s second block, then delegate again
-/// and return the second delegation's view and what its agent read of `big.bin`.
+/// The store under `prefix` holds each of `blocks` exactly once (on its own or in a pack)
+/// and nothing else.
+fn assert_stored_once(s3: &S3Server, prefix: &str, blocks: &std::collections::BTreeSet<String>) {
+    let mut stored = s3.stored_blocks(prefix);
+    stored.sort();
+    assert_eq!(
+        stored,
+        blocks.iter().cloned().collect::<Vec<_>>(),
+        "the store does not hold each block once"
+    );
+    assert!(!s3.packs(prefix).is_empty(), "no pack was written");
+}
+
+/// What to do to the store between the two delegations of [`second_delegation`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Between {
+    /// Nothing.
+    Nothing,
+    /// Corrupt `big.bin`'s second block (an object of its own).
+    CorruptObject,
+    /// Corrupt the region of one small file's block in its pack.
+    CorruptPackRegion,
+    /// Stop the daemon and start a new one on the same prefix.
+    Restart,
+}
+
+/// The small file whose packed block [`Between::CorruptPackRegion`] corrupts.
+const CORRUPTED_FILE: &str = "d000/f00007.bin";
+
+/// Delegate a workspace once (its agent reads everything, which puts every block in the
+/// store), do `between`, then delegate it again and return the second delegation's view,
+/// what its agent read of `big.bin` and [`CORRUPTED_FILE`], and the originals.
 async fn second_delegation(
     s3: &S3Server,
     prefix: &str,
-    corrupt: bool,
+    between: Between,
 ) -> (awcp_ctl::daemon::api::DelegationView, Vec<u8>, Vec<u8>) {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
     let agent = format!(
-        "find . -type f -exec cat {{}} + > /dev/null && cat big.bin > {}/$AWCP_DELEGATION_ID",
+        "find . -type f -exec cat {{}} + > /dev/null && \
+         cat big.bin {CORRUPTED_FILE} > {}/$AWCP_DELEGATION_ID",
         out.display()
     );
-    let h = harness(s3, prefix, Duration::from_secs(10), &agent).await;
-    let ws = h.path("ws");
+    let mut h = harness(s3, prefix, Duration::from_secs(10), &agent).await;
+    let ws = tmp.path().join("ws");
     fleet::make_workspace(&ws, 40, 8 << 10, 3 * BLOCK + 1000);
-    let original = std::fs::read(ws.join("big.bin")).unwrap();
+    let mut original = std::fs::read(ws.join("big.bin")).unwrap();
+    let big = original.clone();
+    original.extend(std::fs::read(ws.join(CORRUPTED_FILE)).unwrap());
     let first = h.delegate(&ws, AccessMode::Ro, 300).await;
     assert_eq!(
         h.wait_end(&first, Duration::from_secs(120)).await,
@@ -124,20 +184,51 @@ async fn second_delegation(
     );
     let blocks = block_hashes(&ws, BLOCK);
     assert!(
-        awcp_tests::eventually(Duration::from_secs(30), || s3.block_count(prefix)
-            == blocks.len())
+        awcp_tests::eventually(Duration::from_secs(30), || s3.stored_blocks(prefix).len()
+            >= blocks.len())
         .await,
         "the store holds {} of {} blocks",
-        s3.block_count(prefix),
+        s3.stored_blocks(prefix).len(),
         blocks.len()
     );
-    if corrupt {
-        let second_block = blake3::hash(&original[BLOCK..2 * BLOCK])
-            .to_hex()
-            .to_string();
-        let obj = s3.block_object(prefix, &second_block);
-        let len = std::fs::metadata(&obj).unwrap().len() as usize;
-        std::fs::write(&obj, vec![0x5a; len]).unwrap();
+    assert_stored_once(s3, prefix, &blocks);
+    match between {
+        Between::Nothing => {}
+        Between::CorruptObject => {
+            let second_block = blake3::hash(&big[BLOCK..2 * BLOCK]).to_hex().to_string();
+            let obj = s3.block_object(prefix, &second_block);
+            let len = std::fs::metadata(&obj).unwrap().len() as usize;
+            std::fs::write(&obj, vec![0x5a; len]).unwrap();
+        }
+        Between::CorruptPackRegion => {
+            let data = std::fs::read(ws.join(CORRUPTED_FILE)).unwrap();
+            let hash = blake3::hash(&data).to_hex().to_string();
+            let (pack, offset, len) = s3
+                .packed_block(prefix, &hash)
+                .expect("the small file's block is in a pack");
+            let mut bytes = std::fs::read(&pack).unwrap();
+            bytes[offset as usize..(offset + u64::from(len)) as usize].fill(0x5a);
+            std::fs::write(&pack, bytes).unwrap();
+        }
+        Between::Restart => {
+            h.stop().await;
+            // What the new daemon's tier learns from one listing and the indexes.
+            let tier =
+                awcpfs::export::tier::BlockTier::open(s3.tier(prefix, Duration::from_secs(10)))
+                    .await
+                    .unwrap();
+            let stats = tier.stats();
+            let packed: usize = s3.packs(prefix).iter().map(|(_, e)| e.len()).sum();
+            assert_eq!(stats.blocks_in_store, blocks.len() as u64, "{stats:?}");
+            assert_eq!(stats.blocks_in_packs, packed as u64, "{stats:?}");
+            assert_eq!(stats.packs, s3.packs(prefix).len() as u64, "{stats:?}");
+            assert!(
+                blocks
+                    .iter()
+                    .all(|b| tier.contains(&awcpfs::mount::remote::parse_hash(b).unwrap()))
+            );
+            h = harness(s3, prefix, Duration::from_secs(10), &agent).await;
+        }
     }
     let id = h.delegate(&ws, AccessMode::Ro, 300).await;
     assert_eq!(
@@ -150,30 +241,45 @@ async fn second_delegation(
     (view, copy, original)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn s3blocks_second_delegation_serves_only_the_manifest() {
-    let Some(s3) = setup() else { return };
-    let (view, copy, original) = second_delegation(&s3, "again", false).await;
-    assert!(copy == original, "big.bin read back wrong");
+/// The Delegator served no block and uploaded nothing: everything came from the store.
+fn assert_all_from_store(view: &awcp_ctl::daemon::api::DelegationView) {
     assert_eq!(
-        transfer(&view, "bytesServed"),
+        transfer(view, "bytesServed"),
         0,
         "the Delegator served blocks: {:?}",
         view.transfer
     );
-    assert_eq!(transfer(&view, "storeBytesUploaded"), 0);
-    assert!(transfer(&view, "manifestFetches") >= 1);
+    assert_eq!(transfer(view, "storeBytesUploaded"), 0);
+    assert!(transfer(view, "manifestFetches") >= 1);
     assert!(
-        transfer(&view, "storeUrls") >= 4,
+        transfer(view, "storeUrls") >= 4,
         "the mount did not use the store: {:?}",
         view.transfer
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3blocks_second_delegation_serves_only_the_manifest() {
+    let Some(s3) = setup() else { return };
+    let (view, copy, original) = second_delegation(&s3, "again", Between::Nothing).await;
+    assert!(copy == original, "big.bin read back wrong");
+    assert_all_from_store(&view);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3blocks_restarted_daemon_finds_the_packs() {
+    let Some(s3) = setup() else { return };
+    let (view, copy, original) = second_delegation(&s3, "restart", Between::Restart).await;
+    assert!(copy == original, "big.bin read back wrong");
+    // The new daemon knew every block was stored (packs included): nothing uploaded again,
+    // nothing served.
+    assert_all_from_store(&view);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn s3blocks_corrupted_object_is_refused_and_fetched_from_the_delegator() {
     let Some(s3) = setup() else { return };
-    let (view, copy, original) = second_delegation(&s3, "corrupt", true).await;
+    let (view, copy, original) = second_delegation(&s3, "corrupt", Between::CorruptObject).await;
     assert!(
         copy == original,
         "the corrupted block reached the agent, or the read failed"
@@ -186,6 +292,26 @@ async fn s3blocks_corrupted_object_is_refused_and_fetched_from_the_delegator() {
         view.transfer
     );
     assert_eq!(transfer(&view, "blocksServed"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3blocks_corrupted_pack_region_falls_back_for_that_block_only() {
+    let Some(s3) = setup() else { return };
+    let (view, copy, original) =
+        second_delegation(&s3, "corruptpack", Between::CorruptPackRegion).await;
+    assert!(
+        copy == original,
+        "the corrupted block reached the agent, or the read failed"
+    );
+    // Only the block whose region was corrupted came from the Delegator — the rest of the
+    // ranged read that brought it was good.
+    assert_eq!(
+        transfer(&view, "bytesServed"),
+        8 << 10,
+        "{:?}",
+        view.transfer
+    );
+    assert_eq!(transfer(&view, "blocksServed"), 1, "{:?}", view.transfer);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -234,6 +360,96 @@ async fn s3blocks_revoke_ends_store_access() {
         403,
         "a URL from before the revoke still works"
     );
+    h.stop().await;
+}
+
+/// `/locate` answers ranges of packs (one URL per pack) only to a mount that asks for them;
+/// a presigned pack URL serves a block's range; a mount that does not ask (one that predates
+/// packs) gets a URL of each block's own object, which the export puts for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3blocks_locate_answers_ranges_only_to_mounts_that_ask() {
+    let Some(s3) = setup() else { return };
+    let h = harness(&s3, "ranges", Duration::from_secs(10), "sleep 120").await;
+    let ws = h.path("ws");
+    fleet::make_workspace(&ws, 30, 4096, BLOCK + 10);
+    let id = h.delegate(&ws, AccessMode::Ro, 300).await;
+    let token = h.proof(&id).await;
+    let hashes: Vec<String> = block_hashes(&ws, BLOCK).into_iter().collect();
+    // The background upload packs the workspace.
+    assert!(
+        awcp_tests::eventually(Duration::from_secs(30), || s3.stored_blocks("ranges").len()
+            >= hashes.len())
+        .await,
+        "the background upload did not store the workspace"
+    );
+    let big_block = blake3::hash(&std::fs::read(ws.join("big.bin")).unwrap()[..BLOCK])
+        .to_hex()
+        .to_string();
+    let locate = format!("{}/v1/exports/{id}/locate", h.daemon.daemon.export_url());
+    let http = reqwest::Client::new();
+    let ask = |body: serde_json::Value| {
+        let req = http.post(&locate).bearer_auth(&token).json(&body).send();
+        async move {
+            req.await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    let fetch = |url: String, range: Option<(u64, u64)>| {
+        let mut req = http.get(url);
+        if let Some((a, len)) = range {
+            req = req.header("Range", format!("bytes={a}-{}", a + len - 1));
+        }
+        async move {
+            let resp = req.send().await.unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.bytes().await.unwrap().to_vec())
+        }
+    };
+
+    // A mount that reads ranges.
+    let answer = ask(serde_json::json!({ "hashes": hashes, "ranges": true })).await;
+    assert_eq!(answer["blockStore"], true, "{answer}");
+    let packs = answer["packs"].as_array().expect("pack URLs");
+    let ranges = answer["ranges"].as_array().expect("ranges");
+    let urls = answer["urls"].as_array().unwrap();
+    assert_eq!(ranges.len(), hashes.len());
+    assert_eq!(packs.len(), s3.packs("ranges").len(), "one URL per pack");
+    for (i, hash) in hashes.iter().enumerate() {
+        if *hash == big_block {
+            // A large block is an object of its own.
+            assert!(ranges[i].is_null() && urls[i].is_string(), "{answer}");
+            continue;
+        }
+        assert!(urls[i].is_null(), "a packed block got a URL of its own");
+        let r: Vec<u64> = serde_json::from_value(ranges[i].clone()).unwrap();
+        let pack = packs[r[0] as usize].as_str().unwrap().to_owned();
+        let (status, object) = fetch(pack, Some((r[1], r[2]))).await;
+        assert_eq!(status, 206, "a ranged GET of a presigned pack URL");
+        assert_eq!(object.len() as u64, r[2]);
+        let block = awcpfs::blockobj::decode(object, BLOCK).unwrap();
+        assert_eq!(blake3::hash(&block).to_hex().as_str(), hash);
+    }
+    assert_eq!(s3.block_count("ranges"), 1, "big.bin's first block only");
+
+    // A mount that does not: a URL per block, each an object of its own.
+    let answer = ask(serde_json::json!({ "hashes": hashes })).await;
+    assert!(
+        answer.get("packs").is_none() && answer.get("ranges").is_none(),
+        "{answer}"
+    );
+    let urls = answer["urls"].as_array().unwrap();
+    assert_eq!(urls.len(), hashes.len());
+    for (url, hash) in urls.iter().zip(&hashes) {
+        let url = url.as_str().expect("a URL for every block").to_owned();
+        let (status, object) = fetch(url, None).await;
+        assert_eq!(status, 200);
+        let block = awcpfs::blockobj::decode(object, BLOCK).unwrap();
+        assert_eq!(blake3::hash(&block).to_hex().as_str(), hash);
+    }
+    assert_eq!(s3.block_count("ranges"), hashes.len());
     h.stop().await;
 }
 

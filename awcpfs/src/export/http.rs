@@ -41,14 +41,16 @@ use tracing::Instrument;
 
 use awcp_lease::{LeaseSnapshot, LeaseState, rfc3339_millis};
 use awcp_protocol::dataplane::{
-    BlockLocations, BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks,
-    UploadResult, block_frame_head, decode_block_frames,
+    BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks, UploadResult,
+    block_frame_head, decode_block_frames,
 };
 use awcp_protocol::manifest_bin;
 
 use super::error::ApiError;
 use super::store::{BlockHash, hash_hex, parse_hash};
 use super::{Export, ExportRegistry, MAX_BLOCK_SIZE, Stats, commit};
+
+mod tier;
 
 /// Largest JSON body of `/blocks` and `/missing` (a hash list).
 const HASH_LIST_LIMIT: usize = 8 << 20;
@@ -77,7 +79,7 @@ pub(crate) fn router(reg: ExportRegistry) -> Router {
     let read = Router::new()
         .route("/v1/exports/{id}/manifest", get(manifest))
         .route("/v1/exports/{id}/blocks", post(blocks))
-        .route("/v1/exports/{id}/locate", post(locate))
+        .route("/v1/exports/{id}/locate", post(tier::locate))
         .route("/v1/exports/{id}/events", get(events))
         .route("/v1/exports/{id}/renew", post(renew))
         .route("/v1/exports/{id}/aecp/delivered", post(aecp_delivered))
@@ -88,8 +90,8 @@ pub(crate) fn router(reg: ExportRegistry) -> Router {
     let write = Router::new()
         .route("/v1/exports/{id}/upload", post(upload))
         .route("/v1/exports/{id}/commit", post(commit))
-        .route("/v1/exports/{id}/upload-urls", post(upload_urls))
-        .route("/v1/exports/{id}/adopt", post(adopt))
+        .route("/v1/exports/{id}/upload-urls", post(tier::upload_urls))
+        .route("/v1/exports/{id}/adopt", post(tier::adopt))
         .route_layer(from_fn_with_state((reg, Gate::Write), gate));
     read.merge(flush).merge(write)
 }
@@ -320,157 +322,6 @@ async fn blocks(
         Body::from_stream(frames),
     )
         .into_response())
-}
-
-/// `POST /locate`: presigned URLs of the block tier for the asked blocks (see
-/// [`BlockLocations`]). A block the store lacks is uploaded first (once, however many mounts
-/// ask); one that cannot be uploaded gets `null`, and the mount asks `/blocks`. URLs live
-/// for the tier's URL lifetime capped at the lease's flush grace, so a revoke ends store
-/// access within the grace; none is handed out once the lease has ended.
-async fn locate(
-    Extension(export): Extension<Arc<Export>>,
-    req: Request,
-) -> Result<Json<BlockLocations>, ApiError> {
-    let answer = tier_urls(&export, req, "POST /locate", |tier, hash, ttl| {
-        let export = export.clone();
-        async move {
-            let reader = export.clone();
-            let (present, uploaded) = tier.ensure(hash, move || reader.read_block(&hash)).await;
-            export.note_store_upload(uploaded);
-            if !present {
-                return None;
-            }
-            tier.presign(&hash, ttl).await
-        }
-    })
-    .await?;
-    if answer.block_store {
-        // A revoke while this answer was prepared: hand out nothing.
-        export.lease().check_access()?;
-        Stats::add(
-            &export.stats.store_urls,
-            answer.urls.iter().filter(|u| u.is_some()).count() as u64,
-        );
-    }
-    Ok(Json(answer))
-}
-
-/// `POST /upload-urls` (write gate): presigned `PUT` URLs for blocks the Executor is about
-/// to write back, so their bytes go to the block tier instead of this process; `null` for a
-/// block the store already has (then `/adopt` finds it) or without a tier.
-async fn upload_urls(
-    Extension(export): Extension<Arc<Export>>,
-    req: Request,
-) -> Result<Json<BlockLocations>, ApiError> {
-    let answer = tier_urls(
-        &export,
-        req,
-        "POST /upload-urls",
-        |tier, hash, ttl| async move { tier.presign_put(&hash, ttl).await },
-    )
-    .await?;
-    Ok(Json(answer))
-}
-
-/// What `/locate` and `/upload-urls` share: the asked hashes, "no tier" (`blockStore:
-/// false`) without one, else one URL or `null` per hash from `url` (given the tier, the hash
-/// and the URLs' lifetime, [`url_ttl`]), a few hashes at a time, in the asked order.
-async fn tier_urls<F, Fut>(
-    export: &Export,
-    req: Request,
-    route: &'static str,
-    url: F,
-) -> Result<BlockLocations, ApiError>
-where
-    F: Fn(Arc<super::tier::BlockTier>, BlockHash, Duration) -> Fut,
-    Fut: std::future::Future<Output = Option<String>>,
-{
-    let body = read_body(req, HASH_LIST_LIMIT).await?;
-    let request: BlockRequest = parse_json(route, &body)?;
-    let hashes = parse_hashes(&request.hashes)?;
-    let Some(tier) = export.tier().cloned() else {
-        return Ok(BlockLocations {
-            block_store: false,
-            expires_at: None,
-            urls: Vec::new(),
-        });
-    };
-    let ttl = url_ttl(export, &tier);
-    let expires = chrono::Utc::now()
-        + chrono::Duration::from_std(ttl).unwrap_or(chrono::Duration::seconds(1));
-    let urls = futures::stream::iter(hashes)
-        .map(|hash| url(tier.clone(), hash, ttl))
-        .buffered(super::tier::LOCATE_CONCURRENCY)
-        .collect()
-        .await;
-    Ok(BlockLocations {
-        block_store: true,
-        expires_at: Some(expires.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
-        urls,
-    })
-}
-
-/// `POST /adopt` (write gate): take blocks the Executor put in the block tier — fetched
-/// with the Delegator's credentials, verified, staged as `/upload` would — and answer those
-/// still missing (`MissingBlocks`), which the Executor then uploads here.
-async fn adopt(
-    Extension(export): Extension<Arc<Export>>,
-    req: Request,
-) -> Result<Json<MissingBlocks>, ApiError> {
-    let body = read_body(req, HASH_LIST_LIMIT).await?;
-    let request: BlockRequest = parse_json("POST /adopt", &body)?;
-    let mut hashes = parse_hashes(&request.hashes)?;
-    let mut seen = std::collections::HashSet::new();
-    hashes.retain(|h| seen.insert(*h));
-    let Some(tier) = export.tier().cloned() else {
-        return Ok(Json(MissingBlocks {
-            missing: hashes.iter().map(hash_hex).collect(),
-        }));
-    };
-    let missing: Vec<Option<String>> = futures::stream::iter(hashes)
-        .map(|hash| {
-            let tier = tier.clone();
-            let export = export.clone();
-            async move {
-                let e = export.clone();
-                let have = tokio::task::spawn_blocking(move || e.blocks.has_block(&hash))
-                    .await
-                    .unwrap_or(false);
-                if have {
-                    return None;
-                }
-                let Some(block) = tier.adopt(&hash).await else {
-                    return Some(hash_hex(&hash));
-                };
-                let n = block.len() as u64;
-                let e = export.clone();
-                let stored =
-                    tokio::task::spawn_blocking(move || e.blocks.staging.store(&hash, &block))
-                        .await
-                        .map(|r| r.is_ok())
-                        .unwrap_or(false);
-                if !stored {
-                    return Some(hash_hex(&hash));
-                }
-                Stats::add(&export.stats.store_bytes_adopted, n);
-                None
-            }
-        })
-        .buffered(super::tier::LOCATE_CONCURRENCY)
-        .collect()
-        .await;
-    Ok(Json(MissingBlocks {
-        missing: missing.into_iter().flatten().collect(),
-    }))
-}
-
-/// How long a URL of the block tier lives: the tier's lifetime, capped at the lease's flush
-/// grace, at least 1 s.
-fn url_ttl(export: &Export, tier: &super::tier::BlockTier) -> Duration {
-    let grace = export.lease().terms().flush_grace;
-    tier.url_ttl()
-        .min(grace.max(Duration::from_secs(1)))
-        .max(Duration::from_secs(1))
 }
 
 async fn missing(

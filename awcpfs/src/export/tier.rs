@@ -1,20 +1,28 @@
 //! The block tier: the Delegator's blocks in an S3-compatible object store, so Executors
 //! fetch content from the store instead of from the Delegator's process.
 //!
-//! * **What the store holds**: one object per distinct block, under
-//!   `<prefix>/b3/<blake3 hex>`, encoded by [`crate::blockobj`] (zstd where it pays). Content
-//!   addressing makes every object immutable and shared: by every export (delegation) of this
-//!   Delegator, and by any Delegator writing to the same prefix.
-//! * **Who writes**: the export, with the Delegator's credentials, which never leave it. A
-//!   block is uploaded in the background after its export is registered, or at once when a
-//!   mount asks where it is (`POST /locate`) before the background upload got to it. The
-//!   tier knows which blocks the store has (a listing at start, then every upload and every
-//!   `HEAD` that found one); a block is uploaded once however many mounts ask at the same
-//!   time (uploads in flight are shared).
+//! * **What the store holds**: every distinct block once, encoded by [`crate::blockobj`]
+//!   (zstd where it pays). Small blocks (at most [`blockobj::PACK_BLOCK_MAX`]) go many to a
+//!   **pack** object, `<prefix>/p3/<blake3 of the pack>` (up to [`blockobj::PACK_TARGET`]),
+//!   beside its index object `<prefix>/p3/<same>.idx` (hash → offset, length), put after
+//!   the pack; larger blocks are objects of their own, `<prefix>/b3/<blake3 hex>`, and so
+//!   is a block a mount that does not read packs asks for. Content addressing makes every
+//!   object immutable and shared: by every export (delegation) of this Delegator, and by any
+//!   Delegator writing to the same prefix.
+//! * **Who writes**: the export, with the Delegator's credentials, which never leave it.
+//!   After its export is registered, the background upload packs the blocks the store lacks
+//!   in manifest order (so a directory's files sit side by side in a pack); a mount asking
+//!   where blocks are (`POST /locate`) before the upload got to them has them packed (or
+//!   put) at once. The tier knows which blocks the store has (a listing of the prefix and
+//!   every pack index at start, then every upload and every `HEAD` that found one); a block
+//!   is uploaded once however many mounts ask at the same time (uploads in flight are
+//!   shared, and a block being packed is waited for, not packed again).
 //! * **Who reads**: mounts, through presigned `GET` URLs the export hands out on
-//!   `POST /locate` — behind the export's lease gate, valid for at most the URL lifetime
-//!   ([`BlockTierConfig::url_ttl`], capped by the lease's flush grace). A revoke stops the
-//!   handing out at once; URLs already handed out expire within the flush grace.
+//!   `POST /locate` — one per pack in the answer, with each block's byte range, for a mount
+//!   that reads ranges; one per block otherwise — behind the export's lease gate, valid for
+//!   at most the URL lifetime ([`BlockTierConfig::url_ttl`], capped by the lease's flush
+//!   grace). A revoke stops the handing out at once; URLs already handed out expire within
+//!   the flush grace.
 //! * **Trust**: none in the store. The mount verifies every block against its hash and asks
 //!   the export (`POST /blocks`) for anything the store did not give it intact.
 
@@ -23,7 +31,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::future::{BoxFuture, Shared};
+use futures::{FutureExt, StreamExt};
 use object_store::ObjectStore;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjPath;
@@ -32,11 +41,55 @@ use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
 use super::store::{BlockHash, hash_hex, parse_hash};
+use crate::blockobj::{self, PackBuilder, PackEntry};
 
 /// Concurrent uploads of one export's background upload.
 const WARM_CONCURRENCY: usize = 8;
 /// Concurrent uploads and signatures while answering one `POST /locate`.
 pub(crate) const LOCATE_CONCURRENCY: usize = 16;
+/// Packs one export's background upload builds and puts at once (one is read while the
+/// other is on the wire).
+const WARM_PACKS: usize = 2;
+/// The background upload's first pack (it doubles up to [`blockobj::PACK_TARGET`]): the
+/// mounts that start with the export wait for the first blocks, so those come soonest.
+const WARM_FIRST_PACK: u64 = 1 << 20;
+
+/// Reads a block of the export (blocking; on the blocking pool).
+pub(crate) type BlockReader = Arc<dyn Fn(&BlockHash) -> Option<Vec<u8>> + Send + Sync>;
+
+/// Where a packed block is: its pack (an index into the tier's pack names), offset and
+/// length of its object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PackSlot {
+    pub pack: u32,
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// The packs the tier knows of, and where each packed block is.
+#[derive(Debug, Default)]
+struct PackTable {
+    names: Vec<BlockHash>,
+    at: HashMap<BlockHash, PackSlot>,
+}
+
+impl PackTable {
+    /// Record a pack; a block already known in another pack keeps its first place.
+    fn add(&mut self, name: BlockHash, entries: &[PackEntry]) {
+        let pack = self.names.len() as u32;
+        self.names.push(name);
+        for e in entries {
+            self.at.entry(e.hash).or_insert(PackSlot {
+                pack,
+                offset: e.offset,
+                len: e.len,
+            });
+        }
+    }
+}
+
+/// A pack upload in flight, shared by every block it holds: resolves to the bytes put.
+type PackingFuture = Shared<BoxFuture<'static, u64>>;
 
 /// Where the block tier is and how it behaves.
 #[derive(Debug, Clone)]
@@ -89,10 +142,16 @@ pub enum TierError {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TierStats {
-    /// Blocks the tier knows the store holds.
+    /// Blocks the tier knows the store holds (as objects of their own or in packs).
     pub blocks_in_store: u64,
-    /// Objects this process uploaded.
+    /// Of those, blocks in packs.
+    pub blocks_in_packs: u64,
+    /// Packs the tier knows of.
+    pub packs: u64,
+    /// Objects this process uploaded (packs and their indexes included).
     pub objects_uploaded: u64,
+    /// Packs this process uploaded.
+    pub packs_uploaded: u64,
     /// Bytes of those objects (compressed where it paid).
     pub bytes_uploaded: u64,
     /// Presigned URLs handed out.
@@ -107,9 +166,14 @@ pub struct BlockTier {
     url: String,
     prefix: String,
     url_ttl: Duration,
+    /// Blocks stored as objects of their own.
     present: RwLock<HashSet<BlockHash>>,
+    packed: RwLock<PackTable>,
     inflight: Mutex<HashMap<BlockHash, Arc<tokio::sync::OnceCell<bool>>>>,
+    /// Blocks being packed, and the upload that will store them.
+    packing: Mutex<HashMap<BlockHash, PackingFuture>>,
     objects_uploaded: AtomicU64,
+    packs_uploaded: AtomicU64,
     bytes_uploaded: AtomicU64,
     urls_issued: AtomicU64,
     upload_errors: AtomicU64,
@@ -166,42 +230,110 @@ impl BlockTier {
             prefix,
             url_ttl: cfg.url_ttl.max(Duration::from_secs(1)),
             present: RwLock::default(),
+            packed: RwLock::default(),
             inflight: Mutex::default(),
+            packing: Mutex::default(),
             objects_uploaded: AtomicU64::new(0),
+            packs_uploaded: AtomicU64::new(0),
             bytes_uploaded: AtomicU64::new(0),
             urls_issued: AtomicU64::new(0),
             upload_errors: AtomicU64::new(0),
         };
-        let dir = ObjPath::from(tier.key_prefix());
-        let mut listing = tier.s3.list(Some(&dir));
+        let unreachable = |e: object_store::Error| TierError::Unreachable {
+            url: cfg.url.clone(),
+            message: e.to_string(),
+        };
         let mut found = HashSet::new();
+        let mut listing = tier.s3.list(Some(&ObjPath::from(tier.key_prefix("b3"))));
         while let Some(item) = listing.next().await {
-            let meta = item.map_err(|e| TierError::Unreachable {
-                url: cfg.url.clone(),
-                message: e.to_string(),
-            })?;
+            let meta = item.map_err(unreachable)?;
             if let Some(h) = meta.location.filename().and_then(parse_hash) {
                 found.insert(h);
             }
         }
         drop(listing);
-        tracing::info!(url = %cfg.url, blocks = found.len(), "block tier opened");
+        // Packs, and their indexes (an index is put after its pack: one without its pack
+        // is left over from a failed upload and ignored).
+        let mut pack_sizes = HashMap::new();
+        let mut indexes = Vec::new();
+        let mut listing = tier.s3.list(Some(&ObjPath::from(tier.key_prefix("p3"))));
+        while let Some(item) = listing.next().await {
+            let meta = item.map_err(unreachable)?;
+            let Some(name) = meta.location.filename() else {
+                continue;
+            };
+            if let Some(h) = name.strip_suffix(".idx").and_then(parse_hash) {
+                indexes.push(h);
+            } else if let Some(h) = parse_hash(name) {
+                pack_sizes.insert(h, meta.size);
+            }
+        }
+        drop(listing);
+        let tier = Arc::new(tier);
+        let read: Vec<_> = futures::stream::iter(indexes)
+            .filter_map(|name| {
+                let size = pack_sizes.get(&name).copied();
+                async move { size.map(|s| (name, s)) }
+            })
+            .map(|(name, size)| {
+                let tier = tier.clone();
+                async move { (name, tier.read_index(&name, size).await) }
+            })
+            .buffer_unordered(LOCATE_CONCURRENCY)
+            .collect()
+            .await;
+        {
+            let mut table = tier.packed.write();
+            for (name, entries) in read {
+                if let Some(entries) = entries {
+                    table.add(name, &entries);
+                }
+            }
+        }
+        let (packs, packed) = {
+            let t = tier.packed.read();
+            (t.names.len(), t.at.len())
+        };
+        tracing::info!(url = %cfg.url, blocks = found.len(), packs, packed, "block tier opened");
         *tier.present.write() = found;
-        Ok(Arc::new(tier))
+        Ok(tier)
     }
 
-    /// The key prefix of block objects.
-    fn key_prefix(&self) -> String {
+    /// A pack's index from the store, checked against the pack's size; `None` (logged) if
+    /// it cannot be read or is malformed.
+    async fn read_index(&self, name: &BlockHash, pack_size: u64) -> Option<Vec<PackEntry>> {
+        let key = ObjPath::from(format!("{}.idx", self.pack_key(name)));
+        let data = match self.s3.get(&key).await {
+            Ok(g) => g.bytes().await.ok()?,
+            Err(e) => {
+                tracing::warn!(key = %key, error = %e, "block tier: cannot read a pack index");
+                return None;
+            }
+        };
+        let entries = blockobj::decode_pack_index(&data, name, pack_size);
+        if entries.is_none() {
+            tracing::warn!(key = %key, "block tier: a malformed pack index; ignoring its pack");
+        }
+        entries
+    }
+
+    /// The key prefix of block objects (`b3`) or packs (`p3`).
+    fn key_prefix(&self, kind: &str) -> String {
         if self.prefix.is_empty() {
-            "b3".to_owned()
+            kind.to_owned()
         } else {
-            format!("{}/b3", self.prefix)
+            format!("{}/{kind}", self.prefix)
         }
     }
 
-    /// The object key of a block.
+    /// The object key of a block stored on its own.
     pub fn key(&self, hash: &[u8; 32]) -> String {
-        format!("{}/{}", self.key_prefix(), hash_hex(hash))
+        format!("{}/{}", self.key_prefix("b3"), hash_hex(hash))
+    }
+
+    /// The object key of a pack (its index is the same with `.idx`).
+    pub fn pack_key(&self, name: &[u8; 32]) -> String {
+        format!("{}/{}", self.key_prefix("p3"), hash_hex(name))
     }
 
     /// How long a URL stays valid at most.
@@ -209,33 +341,53 @@ impl BlockTier {
         self.url_ttl
     }
 
-    /// Whether the tier knows the store holds this block.
+    /// Whether the tier knows the store holds this block (on its own or in a pack).
     pub fn contains(&self, hash: &[u8; 32]) -> bool {
+        self.present.read().contains(hash) || self.packed.read().at.contains_key(hash)
+    }
+
+    /// Whether the store holds this block as an object of its own.
+    pub(crate) fn has_object(&self, hash: &[u8; 32]) -> bool {
         self.present.read().contains(hash)
+    }
+
+    /// Where this block is packed, if it is.
+    pub(crate) fn slot(&self, hash: &[u8; 32]) -> Option<PackSlot> {
+        self.packed.read().at.get(hash).copied()
     }
 
     /// Current counters.
     pub fn stats(&self) -> TierStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let (packs, in_packs, both) = {
+            let p = self.packed.read();
+            let present = self.present.read();
+            let both = p.at.keys().filter(|h| present.contains(*h)).count();
+            (p.names.len(), p.at.len(), both)
+        };
         TierStats {
-            blocks_in_store: self.present.read().len() as u64,
+            blocks_in_store: (self.present.read().len() + in_packs - both) as u64,
+            blocks_in_packs: in_packs as u64,
+            packs: packs as u64,
             objects_uploaded: get(&self.objects_uploaded),
+            packs_uploaded: get(&self.packs_uploaded),
             bytes_uploaded: get(&self.bytes_uploaded),
             urls_issued: get(&self.urls_issued),
             upload_errors: get(&self.upload_errors),
         }
     }
 
-    /// Make sure the store holds `hash`, uploading what `read` gives (on the blocking
-    /// pool) if it does not; one upload however many callers ask at once. Returns whether
-    /// the store holds it now, and the bytes this call uploaded (0 when it was there or
-    /// another caller uploaded it).
+    /// Make sure the store holds `hash` as an object of its own (what a mount that does not
+    /// read packs fetches), uploading what `read` gives (on the blocking pool) if it does
+    /// not; one upload however many callers ask at once. Returns whether the store holds it
+    /// now, and the bytes this call uploaded (0 when it was there or another caller
+    /// uploaded it).
     pub(crate) async fn ensure(
         self: &Arc<Self>,
         hash: BlockHash,
         read: impl FnOnce() -> Option<Vec<u8>> + Send + 'static,
     ) -> (bool, u64) {
-        if self.contains(&hash) {
+        if self.has_object(&hash) {
             return (true, 0);
         }
         let cell = self.inflight.lock().entry(hash).or_default().clone();
@@ -259,7 +411,7 @@ impl BlockTier {
         hash: BlockHash,
         read: impl FnOnce() -> Option<Vec<u8>> + Send + 'static,
     ) -> Result<u64, ()> {
-        if self.contains(&hash) {
+        if self.has_object(&hash) {
             return Ok(0);
         }
         let key = ObjPath::from(self.key(&hash));
@@ -302,7 +454,18 @@ impl BlockTier {
 
     /// A presigned `GET` URL of a block's object, valid for `ttl` (1 s at least).
     pub(crate) async fn presign(&self, hash: &BlockHash, ttl: Duration) -> Option<String> {
-        let key = ObjPath::from(self.key(hash));
+        self.presign_get(ObjPath::from(self.key(hash)), ttl).await
+    }
+
+    /// A presigned `GET` URL of pack number `pack`, valid for `ttl` (1 s at least); a mount
+    /// reads its blocks by range.
+    pub(crate) async fn presign_pack(&self, pack: u32, ttl: Duration) -> Option<String> {
+        let name = *self.packed.read().names.get(pack as usize)?;
+        self.presign_get(ObjPath::from(self.pack_key(&name)), ttl)
+            .await
+    }
+
+    async fn presign_get(&self, key: ObjPath, ttl: Duration) -> Option<String> {
         match self
             .s3
             .signed_url(reqwest_method_get(), &key, ttl.max(Duration::from_secs(1)))
@@ -352,6 +515,11 @@ impl BlockTier {
     /// (an Executor must not leave garbage under a block's name for the others); `None`
     /// then, and when there is no such object.
     pub(crate) async fn adopt(&self, hash: &BlockHash) -> Option<Vec<u8>> {
+        if !self.has_object(hash)
+            && let Some(block) = self.read_packed(hash).await
+        {
+            return Some(block);
+        }
         let key = ObjPath::from(self.key(hash));
         let got = match self.s3.get(&key).await {
             Ok(g) => g,
@@ -389,8 +557,180 @@ impl BlockTier {
         }
     }
 
+    /// A packed block read back with the Delegator's credentials (a ranged `GET`),
+    /// decoded and verified; `None` if it is not packed or does not verify (the pack is
+    /// left alone: other blocks live in it).
+    async fn read_packed(&self, hash: &BlockHash) -> Option<Vec<u8>> {
+        let slot = self.slot(hash)?;
+        let name = *self.packed.read().names.get(slot.pack as usize)?;
+        let key = ObjPath::from(self.pack_key(&name));
+        let range = slot.offset..slot.offset + u64::from(slot.len);
+        let object = match self.s3.get_range(&key, range).await {
+            Ok(b) => b.to_vec(),
+            Err(e) => {
+                tracing::warn!(key = %key, error = %e, "block tier: ranged GET of a pack failed");
+                return None;
+            }
+        };
+        let hash = *hash;
+        let block = tokio::task::spawn_blocking(move || {
+            blockobj::decode(object, super::MAX_BLOCK_SIZE as usize)
+                .filter(|b| blake3::hash(b).as_bytes() == &hash)
+        })
+        .await
+        .ok()
+        .flatten();
+        if block.is_none() {
+            tracing::warn!(key = %key, "block tier: a packed block does not match its hash");
+        }
+        block
+    }
+
+    /// Make sure the store holds every block of `hashes`, packing the small ones it lacks
+    /// (read with `read` on the blocking pool) and putting the large ones on their own. A
+    /// block another caller is already uploading is waited for, not uploaded again. Returns
+    /// the bytes this call put; afterwards [`BlockTier::contains`] says which blocks the
+    /// store holds (not those that could not be read or put).
+    pub(crate) async fn ensure_packed(
+        self: &Arc<Self>,
+        hashes: &[BlockHash],
+        read: BlockReader,
+    ) -> u64 {
+        let mut waits: Vec<PackingFuture> = Vec::new();
+        let mine = {
+            let mut packing = self.packing.lock();
+            let mut claim = Vec::new();
+            let mut seen = HashSet::new();
+            for h in hashes {
+                if !seen.insert(*h) || self.contains(h) {
+                    continue;
+                }
+                match packing.get(h) {
+                    // Many blocks share one upload: wait for each upload once.
+                    Some(f) if !waits.iter().any(|w| w.ptr_eq(f)) => waits.push(f.clone()),
+                    Some(_) => {}
+                    None => claim.push(*h),
+                }
+            }
+            if claim.is_empty() {
+                None
+            } else {
+                // The upload runs as a task of its own: it finishes (and resolves every
+                // waiter) even if this caller goes away.
+                let task = tokio::spawn(self.clone().upload_packs(claim.clone(), read));
+                let fut: PackingFuture = async move { task.await.unwrap_or(0) }.boxed().shared();
+                for h in claim {
+                    packing.insert(h, fut.clone());
+                }
+                Some(fut)
+            }
+        };
+        futures::future::join_all(waits).await;
+        match mine {
+            Some(f) => f.await,
+            None => 0,
+        }
+    }
+
+    /// Read `claim` in order, put its large blocks on their own and pack the small ones
+    /// (packs of up to [`blockobj::PACK_TARGET`]); then release the claim. The bytes put.
+    async fn upload_packs(self: Arc<Self>, claim: Vec<BlockHash>, read: BlockReader) -> u64 {
+        enum Item {
+            Small(BlockHash, Vec<u8>),
+            Put(u64),
+        }
+        let mut items = futures::stream::iter(claim.clone())
+            .map(|hash| {
+                let read = read.clone();
+                let tier = self.clone();
+                async move {
+                    // Read, check and encode off the runtime.
+                    let got = tokio::task::spawn_blocking(move || {
+                        let data = read(&hash)?;
+                        if blake3::hash(&data).as_bytes() != &hash {
+                            return None;
+                        }
+                        Some(if data.len() > blockobj::PACK_BLOCK_MAX {
+                            (false, data)
+                        } else {
+                            (true, blockobj::encode(&data).into_owned())
+                        })
+                    })
+                    .await
+                    .ok()
+                    .flatten();
+                    // A block that cannot be read (changed since the manifest) is left
+                    // out, as `upload` does; a failed upload is counted by `upload`.
+                    match got {
+                        Some((true, object)) => Item::Small(hash, object),
+                        Some((false, block)) => {
+                            Item::Put(tier.upload(hash, move || Some(block)).await.unwrap_or(0))
+                        }
+                        None => Item::Put(0),
+                    }
+                }
+            })
+            .buffered(WARM_CONCURRENCY);
+        let mut put = 0;
+        let mut pack = PackBuilder::default();
+        while let Some(item) = items.next().await {
+            match item {
+                Item::Small(hash, object) => {
+                    pack.push_encoded(hash, &object);
+                    if pack.len() >= blockobj::PACK_TARGET {
+                        put += self.put_pack(std::mem::take(&mut pack)).await;
+                    }
+                }
+                Item::Put(n) => put += n,
+            }
+        }
+        drop(items);
+        if !pack.is_empty() {
+            put += self.put_pack(pack).await;
+        }
+        // Recorded as stored (or not) before the claim goes: a caller that finds neither
+        // asks again.
+        let mut packing = self.packing.lock();
+        for h in &claim {
+            packing.remove(h);
+        }
+        put
+    }
+
+    /// Put a pack, then its index; record where its blocks are. The bytes put (0 if
+    /// either failed: its blocks are then not in the store).
+    async fn put_pack(&self, pack: PackBuilder) -> u64 {
+        let (name, body, entries) = pack.finish();
+        let index = blockobj::encode_pack_index(&name, &entries);
+        let n = (body.len() + index.len()) as u64;
+        let key = ObjPath::from(self.pack_key(&name));
+        let index_key = ObjPath::from(format!("{}.idx", self.pack_key(&name)));
+        let put = async {
+            self.s3.put(&key, bytes::Bytes::from(body).into()).await?;
+            self.s3
+                .put(&index_key, bytes::Bytes::from(index).into())
+                .await
+        };
+        match put.await {
+            Ok(_) => {
+                self.packed.write().add(name, &entries);
+                self.objects_uploaded.fetch_add(2, Ordering::Relaxed);
+                self.packs_uploaded.fetch_add(1, Ordering::Relaxed);
+                self.bytes_uploaded.fetch_add(n, Ordering::Relaxed);
+                n
+            }
+            Err(e) => {
+                tracing::warn!(key = %key, blocks = entries.len(), error = %e, "block tier: PUT of a pack failed");
+                self.upload_errors.fetch_add(1, Ordering::Relaxed);
+                0
+            }
+        }
+    }
+
     /// Upload every block of `export` the store lacks, in the background, while its lease
-    /// is active. Needs a tokio runtime (registration runs on the blocking pool of one).
+    /// is active: in manifest order, packed (large blocks on their own), a few packs at a
+    /// time, the first ones smaller so the blocks mounts want first are stored soonest.
+    /// Needs a tokio runtime (registration runs on the blocking pool of one).
     pub(crate) fn warm(self: &Arc<Self>, export: &Arc<super::Export>) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(export = %export.id, "block tier: no runtime for the background upload; blocks are uploaded as they are asked for");
@@ -399,28 +739,45 @@ impl BlockTier {
         let tier = self.clone();
         let export = export.clone();
         rt.spawn(async move {
+            let bs = u64::from(export.block_size()).max(1);
             let mut seen = HashSet::new();
-            let hashes: Vec<BlockHash> = export
-                .manifest
-                .entries
-                .iter()
-                .flat_map(|e| e.blocks.iter())
-                .filter_map(|h| parse_hash(h))
-                .filter(|h| seen.insert(*h) && !tier.contains(h))
-                .collect();
-            let total = hashes.len();
+            let mut chunks: Vec<Vec<BlockHash>> = Vec::new();
+            let (mut chunk, mut bytes, mut target) = (Vec::new(), 0u64, WARM_FIRST_PACK);
+            for e in &export.manifest.entries {
+                let n = e.blocks.len() as u64;
+                for (i, h) in e.blocks.iter().enumerate() {
+                    let Some(h) = parse_hash(h) else { continue };
+                    if !seen.insert(h) || tier.contains(&h) {
+                        continue;
+                    }
+                    let i = i as u64;
+                    bytes += if i + 1 < n { bs } else { e.size - bs * i };
+                    chunk.push(h);
+                    if bytes >= target {
+                        chunks.push(std::mem::take(&mut chunk));
+                        bytes = 0;
+                        target = (target * 2).min(blockobj::PACK_TARGET as u64);
+                    }
+                }
+            }
+            if !chunk.is_empty() {
+                chunks.push(chunk);
+            }
+            let total: usize = chunks.iter().map(Vec::len).sum();
             let started = std::time::Instant::now();
-            futures::stream::iter(hashes)
+            let reader = export.clone();
+            let read: BlockReader = Arc::new(move |h: &BlockHash| reader.read_block(h));
+            futures::stream::iter(chunks)
                 .take_while(|_| {
                     let active = export.lease().check_access().is_ok();
                     async move { active }
                 })
-                .for_each_concurrent(WARM_CONCURRENCY, |h| {
+                .for_each_concurrent(WARM_PACKS, |chunk| {
                     let tier = tier.clone();
                     let export = export.clone();
+                    let read = read.clone();
                     async move {
-                        let reader = export.clone();
-                        let (_, n) = tier.ensure(h, move || reader.read_block(&h)).await;
+                        let n = tier.ensure_packed(&chunk, read).await;
                         export.note_store_upload(n);
                     }
                 })
@@ -439,6 +796,22 @@ fn reqwest_method_get() -> axum::http::Method {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_in_two_packs_keeps_its_first_place() {
+        let e = |h: u8, offset| PackEntry {
+            hash: [h; 32],
+            offset,
+            len: 10,
+        };
+        let mut t = PackTable::default();
+        t.add([1; 32], &[e(1, 0), e(2, 10)]);
+        t.add([2; 32], &[e(2, 0), e(3, 10)]);
+        assert_eq!(t.names, vec![[1; 32], [2; 32]]);
+        let slot = |h: u8| t.at[&[h; 32]];
+        assert_eq!((slot(2).pack, slot(2).offset), (0, 10));
+        assert_eq!((slot(3).pack, slot(3).offset), (1, 10));
+    }
 
     #[test]
     fn urls_name_a_bucket_and_a_clean_prefix() {

@@ -13,9 +13,14 @@ use std::time::Duration;
 
 use awcp_protocol::dataplane::{
     BlockLocations, BlockRequest, ChangeSet, CommitResult, DataPlaneError, ExportEvent,
-    MISSING_BLOCK, Manifest, MissingBlocks, encode_block_frame,
+    LocateRequest, MISSING_BLOCK, Manifest, MissingBlocks, encode_block_frame,
 };
 use awcp_protocol::manifest_bin;
+
+use crate::blockobj;
+
+mod store;
+use store::{StoreJob, decode_verified, is_http, store_jobs};
 
 /// Why a data-plane request failed.
 #[derive(Debug, thiserror::Error)]
@@ -162,6 +167,9 @@ pub struct StoreCounters {
     pub refused: AtomicU64,
     /// Block bytes written back through the store (the export took them from there).
     pub bytes_put: AtomicU64,
+    /// `GET`s sent to the store (a ranged read of a pack counts once, however many blocks
+    /// it brings).
+    pub requests: AtomicU64,
 }
 
 /// A block to write back: its hash and its bytes.
@@ -177,7 +185,6 @@ const STORE_FETCHERS: usize = 16;
 const LOCATE_ANSWER_MAX: u64 = 64 << 20;
 /// Largest object a store fetch reads (a block of the largest size, uncompressible).
 const STORE_OBJECT_MAX: u64 = (64 << 20) + 4096;
-
 /// One item of the export's event stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamItem {
@@ -322,9 +329,11 @@ impl HttpRemote {
 
 impl HttpRemote {
     /// The blocks of `hashes` the block tier gives intact, by index (`None`: ask the
-    /// export). Asks `POST /locate` unless the export said it has no tier; fetches the URLs
-    /// a few at a time, verifies each block against its hash. Only an error that ends
-    /// access (token refused, lease over) is returned; anything else falls back.
+    /// export). Asks `POST /locate` (announcing that ranges of packs are understood) unless
+    /// the export said it has no tier; reads the blocks of one pack that lie close together
+    /// in one ranged `GET`, and blocks stored on their own one `GET` each, a few at a time;
+    /// verifies each block against its hash. Only an error that ends access (token refused,
+    /// lease over) is returned; anything else falls back.
     fn fetch_from_store(&self, hashes: &[String]) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
         let none = || (0..hashes.len()).map(|_| None).collect();
         if hashes.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF {
@@ -334,8 +343,9 @@ impl HttpRemote {
             .agent
             .post(&format!("{}/locate", self.base))
             .set("Authorization", &self.auth)
-            .send_json(BlockRequest {
+            .send_json(LocateRequest {
                 hashes: hashes.to_vec(),
+                ranges: true,
             });
         let locs: BlockLocations = match answer {
             // At most 65,536 URLs of a few hundred bytes each: 64 MiB bounds the answer.
@@ -371,20 +381,18 @@ impl HttpRemote {
             return Ok(none());
         }
         self.tier.store(TIER_ON, Ordering::Relaxed);
-        if locs.urls.len() != hashes.len() {
+        if locs.urls.len() != hashes.len()
+            || !(locs.ranges.is_empty() || locs.ranges.len() == hashes.len())
+        {
             tracing::warn!(
                 asked = hashes.len(),
                 got = locs.urls.len(),
-                "/locate answered a different number of URLs; fetching from the export"
+                ranges = locs.ranges.len(),
+                "/locate answered a different number of places; fetching from the export"
             );
             return Ok(none());
         }
-        let jobs: Vec<(usize, &str)> = locs
-            .urls
-            .iter()
-            .enumerate()
-            .filter_map(|(i, u)| u.as_deref().map(|u| (i, u)))
-            .collect();
+        let jobs = store_jobs(&locs);
         let out: Vec<parking_lot::Mutex<Option<Vec<u8>>>> = (0..hashes.len())
             .map(|_| parking_lot::Mutex::new(None))
             .collect();
@@ -392,17 +400,25 @@ impl HttpRemote {
         std::thread::scope(|s| {
             for _ in 0..STORE_FETCHERS.min(jobs.len()) {
                 s.spawn(|| {
-                    while let Some(&(i, url)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
-                        match self.fetch_object(url, &hashes[i]) {
-                            Some(block) => {
-                                self.store.blocks.fetch_add(1, Ordering::Relaxed);
-                                self.store
-                                    .bytes
-                                    .fetch_add(block.len() as u64, Ordering::Relaxed);
-                                *out[i].lock() = Some(block);
+                    while let Some(job) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let got = match job {
+                            StoreJob::Own(i, url) => {
+                                vec![(*i, self.fetch_object(url, &hashes[*i]))]
                             }
-                            None => {
-                                self.store.refused.fetch_add(1, Ordering::Relaxed);
+                            StoreJob::Range(url, read) => self.fetch_range(url, read, hashes),
+                        };
+                        for (i, block) in got {
+                            match block {
+                                Some(block) => {
+                                    self.store.blocks.fetch_add(1, Ordering::Relaxed);
+                                    self.store
+                                        .bytes
+                                        .fetch_add(block.len() as u64, Ordering::Relaxed);
+                                    *out[i].lock() = Some(block);
+                                }
+                                None => {
+                                    self.store.refused.fetch_add(1, Ordering::Relaxed);
+                                }
                             }
                         }
                     }
@@ -541,10 +557,11 @@ impl HttpRemote {
 
     /// One block from a presigned URL, decoded and verified; `None` (logged) otherwise.
     fn fetch_object(&self, url: &str, hash: &str) -> Option<Vec<u8>> {
-        if !(url.starts_with("http://") || url.starts_with("https://")) {
+        if !is_http(url) {
             tracing::warn!(hash, "the block tier URL is not http(s); ignoring it");
             return None;
         }
+        self.store.requests.fetch_add(1, Ordering::Relaxed);
         let object = match self.store_agent.get(url).call() {
             Ok(resp) => read_body(resp, STORE_OBJECT_MAX).ok()?,
             Err(e) => {
@@ -552,15 +569,58 @@ impl HttpRemote {
                 return None;
             }
         };
-        let block = crate::blockobj::decode(object, crate::export::MAX_BLOCK_SIZE as usize)?;
-        if verify_block(hash, &block).is_err() {
-            tracing::warn!(
-                hash,
-                "the block tier gave content that does not match its hash; asking the export"
-            );
-            return None;
+        decode_verified(object, hash)
+    }
+
+    /// The blocks of one ranged read of a pack (`Range: bytes=…` on its presigned URL),
+    /// each decoded and verified; `None` for each block the answer did not give intact.
+    fn fetch_range(
+        &self,
+        url: &str,
+        read: &blockobj::RangeRead,
+        hashes: &[String],
+    ) -> Vec<(usize, Option<Vec<u8>>)> {
+        let failed = || read.blocks.iter().map(|b| (b.0, None)).collect();
+        if !is_http(url) {
+            tracing::warn!("the block tier URL of a pack is not http(s); ignoring it");
+            return failed();
         }
-        Some(block)
+        self.store.requests.fetch_add(1, Ordering::Relaxed);
+        let resp = match self
+            .store_agent
+            .get(url)
+            .set("Range", &format!("bytes={}-{}", read.start, read.end - 1))
+            .call()
+        {
+            Ok(resp) => resp,
+            Err(e) => {
+                tracing::debug!(error = %e, "ranged fetch from the block tier failed; asking the export");
+                return failed();
+            }
+        };
+        // 206: the range. A store that ignores `Range` answers 200 and the whole object:
+        // read up to the range's end and skip to its start.
+        let whole = resp.status() == 200;
+        let Ok(mut body) = read_body(
+            resp,
+            if whole {
+                read.end
+            } else {
+                read.end - read.start
+            },
+        ) else {
+            return failed();
+        };
+        if whole {
+            body.drain(..(read.start as usize).min(body.len()));
+        }
+        blockobj::split_range(read, &body)
+            .into_iter()
+            .map(|(i, object)| {
+                let block = object.and_then(|o| decode_verified(o.to_vec(), &hashes[i]));
+                (i, block)
+            })
+            .collect()
     }
 }
 

@@ -125,6 +125,10 @@ pub struct StatsSnapshot {
     /// matching its hash), fetched from the export instead.
     #[serde(default)]
     pub store_refused: u64,
+    /// `GET`s sent to the block tier (a ranged read of a pack counts once, however many
+    /// blocks it brought).
+    #[serde(default)]
+    pub store_requests: u64,
     /// Block bytes written back through the block tier (put in the store, taken from there
     /// by the export; included in `bytesUploaded`).
     #[serde(default)]
@@ -262,6 +266,7 @@ impl Stats {
             blocks_from_store: store(|c| &c.blocks),
             bytes_from_store: store(|c| &c.bytes),
             store_refused: store(|c| &c.refused),
+            store_requests: store(|c| &c.requests),
             bytes_to_store: store(|c| &c.bytes_put),
             bytes_fetched: self.bytes_fetched.load(Ordering::Relaxed),
             blocks_fetched: self.blocks_fetched.load(Ordering::Relaxed),

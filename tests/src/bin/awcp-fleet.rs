@@ -5,7 +5,8 @@
 //! on the now warm store (a second delegation of the same workspace), and one alone on the
 //! warm store. Prints a Markdown
 //! table: bytes the Delegator's process sent (blocks served + objects uploaded), bytes the
-//! Executors got from the store, and the time until every Executor had read everything.
+//! Executors got from the store and in how many `GET`s (small blocks are packed and read by
+//! range), and the time until every Executor had read everything.
 //!
 //! usage: awcp-fleet --executors N [--files F] [--size BYTES] [--big BYTES] [--work DIR]
 
@@ -94,17 +95,19 @@ async fn main() {
         mib(size_total)
     );
     println!(
-        "| run | Delegator sent (MiB) | × workspace | served by export | uploaded to store | from store (MiB) | store refused | all hydrated (s) | × one alone |"
+        "| run | Delegator sent (MiB) | × workspace | served by export | uploaded to store | from store (MiB) | store GETs / blocks | store refused | all hydrated (s) | × one alone |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for (name, r) in &rows {
         println!(
-            "| {name} | {} | {:.2} | {} | {} | {} | {} | {:.2} | {:.2} |",
+            "| {name} | {} | {:.2} | {} | {} | {} | {} / {} | {} | {:.2} | {:.2} |",
             mib(r.delegator_total()),
             r.delegator_total() as f64 / size_total.max(1) as f64,
             mib(r.delegator_served),
             mib(r.delegator_uploaded),
             mib(r.from_store),
+            r.store_requests,
+            r.blocks_from_store,
             r.store_refused,
             r.all_hydrated.as_secs_f64(),
             r.all_hydrated.as_secs_f64() / alone.max(1e-9)
