@@ -3,8 +3,9 @@
 //! * [`WorkerHook::on_access`] — called on lookup of a path; [`WorkerHook::on_use`] on open
 //!   and read (which also register the worker as a consumer of a contracted module it
 //!   reads or imports: a [`Note::Uses`], once per module). Neither may ever
-//!   block on I/O: with no artifacts it is one atomic load; otherwise one short lock and a
-//!   hash lookup per directory level of the path. What it delivers is appended to the
+//!   block on I/O: when this worker has received every artifact of the index (or there is
+//!   none) and watches for no contracted module, it is one atomic load; otherwise one
+//!   short lock and a hash lookup per directory level of the path. What it delivers is appended to the
 //!   in-memory inbox and sent, as a [`Note`], down an unbounded channel (a send never
 //!   blocks) that the mount drains on its own thread: it records deliveries back to the
 //!   daemon and streams them to the worker's socket.
@@ -28,7 +29,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::index::{ArtifactIndex, IndexEvent};
-use crate::knowledge::{Artifact, Delivery};
+use crate::knowledge::{Artifact, ArtifactId, Delivery};
 use crate::policy::{Delivered, Policy};
 use crate::revision::{ContractView, RevisionNotice, Standing, module_of_cached};
 
@@ -85,12 +86,40 @@ struct State {
     /// Violation events already announced in the inbox and on the socket (a reconnect's
     /// catch-up sends them all again).
     announced: std::collections::HashSet<String>,
+    /// How many artifacts of the index this worker could still receive (deliverable by
+    /// the policy): once it has received all of them, an access costs one atomic load.
+    pending: usize,
 }
 
 impl State {
-    /// Whether the observer has anything to do.
+    /// Whether the observer has anything to do: an artifact left to deliver, or a
+    /// contracted module to watch for.
     fn active(&self) -> bool {
-        !self.index.is_empty() || !self.unused.is_empty()
+        self.pending > 0 || !self.unused.is_empty()
+    }
+
+    fn is_pending(&self, policy: &Policy, id: ArtifactId) -> bool {
+        self.index
+            .get(id)
+            .is_some_and(|a| policy.deliverable(a, &self.delivered))
+    }
+
+    /// Runs `change` (of the index or of what was delivered) on artifact `id`, keeping
+    /// [`State::pending`] right.
+    fn change<T>(
+        &mut self,
+        policy: &Policy,
+        id: ArtifactId,
+        change: impl FnOnce(&mut Self) -> T,
+    ) -> T {
+        let before = self.is_pending(policy, id);
+        let out = change(self);
+        match (before, self.is_pending(policy, id)) {
+            (false, true) => self.pending += 1,
+            (true, false) => self.pending -= 1,
+            _ => {}
+        }
+        out
     }
 }
 
@@ -98,8 +127,11 @@ impl State {
 pub struct WorkerHook {
     worker: String,
     policy: Policy,
-    /// Whether the index holds anything: the hot path's only cost when it does not.
+    /// Whether the observer has anything to do ([`State::active`]): the hot path's only
+    /// cost when it does not.
     active: AtomicBool,
+    /// Whether the index holds any artifact (`user.aecp.findings` exists only then).
+    populated: AtomicBool,
     state: Mutex<State>,
     notes: mpsc::Sender<Note>,
 }
@@ -120,6 +152,7 @@ impl WorkerHook {
             worker: worker.to_owned(),
             policy,
             active: AtomicBool::new(false),
+            populated: AtomicBool::new(false),
             state: Mutex::new(State::default()),
             notes: tx,
         };
@@ -174,22 +207,22 @@ impl WorkerHook {
                     self.active.store(st.active(), Ordering::Release);
                 }
             }
-            let State {
-                index,
-                delivered,
-                inbox,
-                ..
-            } = st;
-            for a in self.policy.select(index.bound_to(path), delivered) {
-                delivered.insert(a.id, a.revision);
-                let delivery = self.policy.delivery(a);
-                inbox.extend_from_slice(delivery.to_line().as_bytes());
+            let chosen: Vec<(ArtifactId, u32, Delivery)> = self
+                .policy
+                .select(st.index.bound_to(path), &st.delivered)
+                .into_iter()
+                .map(|a| (a.id, a.revision, self.policy.delivery(a)))
+                .collect();
+            for (id, revision, delivery) in chosen {
+                st.change(&self.policy, id, |st| st.delivered.insert(id, revision));
+                st.inbox.extend_from_slice(delivery.to_line().as_bytes());
                 notes.push(Note::Delivery(DeliveryNote {
                     delivery,
-                    revision: a.revision,
+                    revision,
                     path: Some(path.to_owned()),
                 }));
             }
+            self.active.store(st.active(), Ordering::Release);
         }
         let n = notes
             .iter()
@@ -212,32 +245,34 @@ impl WorkerHook {
                 IndexEvent::Artifact { artifact } => {
                     let bound = artifact.bound.clone();
                     let deliverable = self.policy.deliverable(&artifact, &st.delivered);
-                    let changed = st.index.upsert(artifact);
+                    let changed =
+                        st.change(&self.policy, artifact.id, |st| st.index.upsert(artifact));
                     self.active.store(st.active(), Ordering::Release);
+                    self.populated
+                        .store(!st.index.is_empty(), Ordering::Release);
                     (changed && deliverable).then_some(bound)
                 }
                 IndexEvent::Delivered { id, revision } => {
-                    let r = st.delivered.entry(id).or_insert(revision);
-                    *r = (*r).max(revision);
+                    st.change(&self.policy, id, |st| {
+                        let r = st.delivered.entry(id).or_insert(revision);
+                        *r = (*r).max(revision);
+                    });
+                    self.active.store(st.active(), Ordering::Release);
                     None
                 }
                 IndexEvent::Forward { id } => {
-                    let State {
-                        index,
-                        delivered,
-                        inbox,
-                        ..
-                    } = &mut *st;
-                    if let Some(a) = index
+                    let chosen = st
+                        .index
                         .get(id)
-                        .filter(|a| self.policy.deliverable(a, delivered))
-                    {
-                        delivered.insert(a.id, a.revision);
-                        let delivery = self.policy.delivery(a);
-                        inbox.extend_from_slice(delivery.to_line().as_bytes());
+                        .filter(|a| self.policy.deliverable(a, &st.delivered))
+                        .map(|a| (a.revision, self.policy.delivery(a)));
+                    if let Some((revision, delivery)) = chosen {
+                        st.change(&self.policy, id, |st| st.delivered.insert(id, revision));
+                        self.active.store(st.active(), Ordering::Release);
+                        st.inbox.extend_from_slice(delivery.to_line().as_bytes());
                         forwarded = Some(Note::Delivery(DeliveryNote {
                             delivery,
-                            revision: a.revision,
+                            revision,
                             path: None,
                         }));
                     }
@@ -371,7 +406,7 @@ impl WorkerHook {
     /// The attribute value of `user.aecp.findings` for `path`, `None` when nothing is bound
     /// there (the attribute then does not exist: `ENODATA`).
     pub fn xattr(&self, path: &str) -> Option<Vec<u8>> {
-        if !self.active.load(Ordering::Acquire) {
+        if !self.populated.load(Ordering::Acquire) {
             return None;
         }
         let v = self.findings(path, self.policy.per_lookup);
@@ -485,6 +520,86 @@ mod tests {
             (1, 1, Some("pkg/a.py"))
         );
         assert!(notes.try_recv().is_err());
+    }
+
+    #[test]
+    fn the_observer_goes_quiet_once_everything_is_delivered_and_wakes_for_a_change() {
+        let (hook, _notes) = WorkerHook::new("B", Policy::default());
+        hook.apply(IndexEvent::Artifact {
+            artifact: art(1, "pkg/a.py", 5),
+        });
+        hook.apply(IndexEvent::Artifact {
+            artifact: art(2, "pkg/b.py", 6),
+        });
+        let refuted = Artifact {
+            status: WitnessStatus::Refuted,
+            ..art(3, "pkg/c.py", 7)
+        };
+        hook.apply(IndexEvent::Artifact { artifact: refuted });
+        assert!(hook.active());
+        assert_eq!(hook.on_access("pkg/a.py"), 1);
+        assert!(hook.active(), "pkg/b.py's artifact is still to come");
+        // The export's record of a delivery made before (a reconnect's catch-up).
+        hook.apply(IndexEvent::Delivered { id: 2, revision: 1 });
+        assert!(
+            !hook.active(),
+            "everything received (a refuted one never is): one atomic load per access"
+        );
+        assert_eq!(hook.on_access("pkg/b.py"), 0);
+        assert!(
+            hook.xattr("pkg/a.py").is_some(),
+            "the findings attribute still reads the index"
+        );
+        // A new revision is delivered again.
+        hook.apply(IndexEvent::Artifact {
+            artifact: Artifact {
+                revision: 2,
+                ..art(1, "pkg/a.py", 5)
+            },
+        });
+        assert!(hook.active());
+        hook.apply(IndexEvent::Forward { id: 1 });
+        assert!(!hook.active(), "forwarded: received");
+        assert_eq!(hook.on_access("pkg/a.py"), 0);
+        // An older revision of what was received changes nothing.
+        hook.apply(IndexEvent::Artifact {
+            artifact: art(2, "pkg/b.py", 6),
+        });
+        assert!(!hook.active());
+    }
+
+    proptest::proptest! {
+        /// The observer's "anything to do" flag, kept incrementally, always equals what a
+        /// count over the whole index says.
+        #[test]
+        fn the_pending_count_matches_a_recount(
+            ops in proptest::collection::vec((0u8..4, 0u64..6, 1u32..4, proptest::bool::ANY), 0..60),
+        ) {
+            let (hook, _notes) = WorkerHook::new("B", Policy::default());
+            let paths = ["a", "a/b.py", "c.py"];
+            for (op, id, rev, refuted) in ops {
+                let path = paths[(id % 3) as usize];
+                match op {
+                    0 => {
+                        let status = if refuted { WitnessStatus::Refuted } else { WitnessStatus::Checked };
+                        hook.apply(IndexEvent::Artifact {
+                            artifact: Artifact { revision: rev, status, ..art(id, path, id) },
+                        });
+                    }
+                    1 => { hook.apply(IndexEvent::Delivered { id, revision: rev }); }
+                    2 => { hook.apply(IndexEvent::Forward { id }); }
+                    _ => { hook.on_access(path); }
+                }
+                let st = hook.state.lock();
+                let recount = st
+                    .index
+                    .all()
+                    .filter(|a| hook.policy.deliverable(a, &st.delivered))
+                    .count();
+                proptest::prop_assert_eq!(st.pending, recount);
+                proptest::prop_assert_eq!(hook.active(), recount > 0);
+            }
+        }
     }
 
     #[test]
