@@ -699,8 +699,12 @@ run_cell() {
     for ((k = 0; k < n; k++)); do live[k]=1 spent[k]=0; done
     wait_idle
     log "  $CELL_W/$CELL_V on ${ARM_C[*]}: ${ARM_CMD[0]}"
+    # The arms take turns in alternating order (A B, B A, A B, ...): what one run leaves in
+    # the CPU caches or the kernel's lists favours neither arm.
+    local j
     for ((i = 1; i <= RUNS; i++)); do
-        for ((k = 0; k < n; k++)); do
+        for ((j = 0; j < n; j++)); do
+            if ((i % 2)); then k=$j; else k=$((n - 1 - j)); fi
             ((live[k])) || continue
             t=$SECONDS
             run_one "$k" "$i" || live[k]=0
