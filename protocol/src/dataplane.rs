@@ -339,6 +339,36 @@ pub struct CommitResult {
     /// conflicting — it sends them again with its next change there).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub held: Vec<Held>,
+    /// What the export has now at the paths of the conflicts where the Delegator's state won
+    /// and nothing of the Executor's change was kept (a removal, `mkdir`, `rmdir`, `chmod` or
+    /// symlink that met a Delegator-side change), described as a `changed` event at `seq`
+    /// would describe them, so the Executor can show the Delegator's version instead of
+    /// keeping its own discarded one. Absent when there are none, from exports that predate
+    /// it, and for a path the export could not describe (the Executor then waits for the
+    /// path's next `changed` event); an older client ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current: Option<CurrentState>,
+}
+
+/// The Delegator's state of some paths, as a `changed` event carries it: see
+/// [`CommitResult::current`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CurrentState {
+    /// Entries present, as the manifest would list them (a directory with its subtree),
+    /// parents before children.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub entries: Vec<ManifestEntry>,
+    /// Paths that do not exist on the export.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removed: Vec<String>,
+}
+
+impl CurrentState {
+    /// Whether it describes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty() && self.removed.is_empty()
+    }
 }
 
 /// State of the lease as the export sees it.

@@ -197,6 +197,13 @@ impl ChangeFeed {
         (events, seq)
     }
 
+    /// What a file is known as: its content hash (hex), size and modification time.
+    pub(crate) fn known_file(&self, path: &str) -> Option<(String, u64, i64)> {
+        let st = self.state.lock();
+        let s = st.known.get(path).filter(|s| s.kind == EntryKind::File)?;
+        Some((s.content.clone()?, s.size, s.mtime_ns))
+    }
+
     /// What a path is known as, if anything.
     fn known_kind(&self, path: &str) -> Option<EntryKind> {
         self.state.lock().known.get(path).map(|s| s.kind)
@@ -573,7 +580,7 @@ fn watch(
     }
 }
 
-fn params_of(export: &Export) -> ManifestParams {
+pub(crate) fn params_of(export: &Export) -> ManifestParams {
     ManifestParams {
         export_id: export.id().to_owned(),
         block_size: export.block_size(),
