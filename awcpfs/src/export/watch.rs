@@ -743,7 +743,7 @@ mod tests {
         };
         let stamp = |name: &str| {
             let st = fstatat(
-                &std::fs::File::open(dir.path()).unwrap(),
+                std::fs::File::open(dir.path()).unwrap(),
                 name,
                 AtFlags::AT_SYMLINK_NOFOLLOW,
             )

@@ -26,6 +26,18 @@
 //! whatever the mount has there now, a file removed since included (it would come back,
 //! and the retry would find nothing to remove). The retry learns the commit's sequence.
 //!
+//! A change of the mount's that loses to the Delegator's (a `chmod`, removal, `mkdir`,
+//! `rmdir` or symlink that met a Delegator-side change: nothing of it is kept) would leave
+//! the mount showing its own, discarded version while the event that described the
+//! Delegator's was refused. Two things prevent that, both applied after the round
+//! ([`Syncer::apply_settled`]): the commit's answer describes the Delegator's state at such
+//! paths (`CommitResult::current`), shown at the commit's sequence where the path is still
+//! what the commit sent; and every refused event is remembered (the latest per path) and
+//! judged again, so it is shown once the path is clean — which is also how a mount learns
+//! the Delegator's version from an export that predates `current`. A refused event older
+//! than a commit of the mount's that landed at its path is dropped, and so is one at a path
+//! whose write conflicted: the mount keeps its version there.
+//!
 //! Every applied change is journaled ([`Record::Upstream`], [`Record::Unlink`]) and logged
 //! to `synced.log`, so crash recovery rebuilds the same tree and does not mistake the
 //! Delegator's change for one of ours. The kernel is told after the tables are unlocked
