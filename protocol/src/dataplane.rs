@@ -681,6 +681,30 @@ pub fn decode_bundle(buf: &[u8]) -> Result<(ChangeSet, BundleBlocks), BundleDeco
 }
 
 #[cfg(test)]
+mod commit_result_tests {
+    use super::*;
+
+    // `current` is additive: an answer without it (an older export) parses, one with it
+    // round-trips, and an empty one is not sent.
+    #[test]
+    fn current_is_optional_and_round_trips() {
+        let old = r#"{"commitId":"c","applied":1,"conflicts":[],"seq":5}"#;
+        let r: CommitResult = serde_json::from_str(old).unwrap();
+        assert_eq!(r.current, None);
+        assert!(!serde_json::to_string(&r).unwrap().contains("current"));
+        let with = r#"{"commitId":"c","applied":0,"conflicts":[{"path":"f","reason":"x"}],"seq":5,
+            "current":{"entries":[{"path":"f","kind":"file","mode":420,"size":1,"mtimeNs":7,"hash":"aa","blocks":["aa"]}],"removed":["g"]}}"#;
+        let r: CommitResult = serde_json::from_str(with).unwrap();
+        let current = r.current.clone().unwrap();
+        assert_eq!(current.entries[0].path, "f");
+        assert_eq!(current.removed, vec!["g".to_string()]);
+        let again: CommitResult =
+            serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(again, r);
+    }
+}
+
+#[cfg(test)]
 mod bundle_tests {
     use super::*;
 
