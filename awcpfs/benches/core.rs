@@ -156,6 +156,7 @@ impl awcpfs::mount::remote::Remote for AcceptAll {
             conflicts: Vec::new(),
             seq: None,
             held: Vec::new(),
+            current: None,
         })
     }
     fn renew(&self) -> Result<ExportEvent, RemoteError> {

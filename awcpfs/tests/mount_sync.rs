@@ -26,6 +26,8 @@ struct Fixture {
     fs: Arc<AwcpFs>,
     syncer: Syncer,
     manifest: awcp_protocol::dataplane::Manifest,
+    /// The mount's remote (as wrapped).
+    remote: Arc<dyn Remote>,
     _rt: tokio::runtime::Runtime,
 }
 
@@ -82,6 +84,7 @@ fn fixture_with(
     ));
     let (manifest, _) = remote.manifest().unwrap();
     let remote = wrap(remote);
+    let mount_remote = remote.clone();
     let table = InodeTable::from_manifest(&manifest, 0, 0).unwrap();
     let fs = Arc::new(AwcpFs::new(
         table,
@@ -105,6 +108,7 @@ fn fixture_with(
         fs,
         syncer,
         manifest,
+        remote: mount_remote,
         _rt: rt,
     }
 }
@@ -2132,4 +2136,261 @@ fn cold_first_fetches_the_head_of_a_large_pack_and_reads_there_cost_no_request()
         !plan.iter().any(|b| matches!(b, Batch::PackHead(_))),
         "{plan:?}"
     );
+}
+
+/// The export's `changed` events, as they come: a thread reads the event stream.
+fn changed_events(
+    remote: Arc<dyn Remote>,
+) -> std::sync::mpsc::Receiver<(
+    u64,
+    Vec<awcp_protocol::dataplane::ManifestEntry>,
+    Vec<String>,
+)> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let Ok(items) = remote.events() else { return };
+        for item in items {
+            if let awcpfs::mount::remote::StreamItem::Event(
+                awcp_protocol::dataplane::ExportEvent::Changed {
+                    seq,
+                    entries,
+                    removed,
+                },
+            ) = item
+                && tx.send((seq, entries, removed)).is_err()
+            {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// The first `changed` event that lists `path`, applied to the mount: how it was judged.
+fn apply_event_for(
+    f: &Fixture,
+    events: &std::sync::mpsc::Receiver<(
+        u64,
+        Vec<awcp_protocol::dataplane::ManifestEntry>,
+        Vec<String>,
+    )>,
+    path: &str,
+) -> awcpfs::mount::upstream::UpstreamReport {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let (seq, entries, removed) = events
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("no changed event for {path}"));
+        let lists = entries.iter().any(|e| e.path == path) || removed.iter().any(|p| p == path);
+        let (_, report) = f.syncer.apply_upstream(seq, &entries, &removed);
+        if lists {
+            return report;
+        }
+    }
+}
+
+/// A remote that answers commits as an export from before `current` did (the refused
+/// event is then what the mount has to go on).
+struct WithoutCurrent(Arc<dyn Remote>);
+
+impl Remote for WithoutCurrent {
+    fn manifest(
+        &self,
+    ) -> Result<(awcp_protocol::dataplane::Manifest, String), awcpfs::mount::remote::RemoteError>
+    {
+        self.0.manifest()
+    }
+    fn fetch_blocks(
+        &self,
+        hashes: &[String],
+    ) -> Result<Vec<Vec<u8>>, awcpfs::mount::remote::RemoteError> {
+        self.0.fetch_blocks(hashes)
+    }
+    fn missing(
+        &self,
+        hashes: &[String],
+    ) -> Result<Vec<String>, awcpfs::mount::remote::RemoteError> {
+        self.0.missing(hashes)
+    }
+    fn upload(
+        &self,
+        blocks: &[([u8; 32], &[u8])],
+    ) -> Result<(), awcpfs::mount::remote::RemoteError> {
+        self.0.upload(blocks)
+    }
+    fn commit(
+        &self,
+        changes: &awcp_protocol::dataplane::ChangeSet,
+    ) -> Result<awcp_protocol::dataplane::CommitResult, awcpfs::mount::remote::RemoteError> {
+        let mut r = self.0.commit(changes)?;
+        r.current = None;
+        Ok(r)
+    }
+    fn renew(
+        &self,
+    ) -> Result<awcp_protocol::dataplane::ExportEvent, awcpfs::mount::remote::RemoteError> {
+        self.0.renew()
+    }
+    fn events(
+        &self,
+    ) -> Result<
+        Box<dyn Iterator<Item = awcpfs::mount::remote::StreamItem> + Send>,
+        awcpfs::mount::remote::RemoteError,
+    > {
+        self.0.events()
+    }
+}
+
+/// How the mount's own change to `src/a.txt` crosses the Delegator's rewrite of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Crossing {
+    /// `chmod` only (sent without a time: applied, on content it was not based on).
+    Mode,
+    /// `chmod` and a new modification time (`git status` refreshing `.git/index`): a
+    /// conflict, the Delegator's version kept, nothing of the mount's.
+    ModeAndTime,
+    /// A new modification time alone, through an export that does not describe its state
+    /// in the answer: the refused event is all the mount has (no later event comes, as
+    /// the mode does not change on the Delegator).
+    TimeOldExport,
+    /// Removed on the mount: a conflict, the Delegator's file kept.
+    Unlink,
+}
+
+/// The race `tests/tests/upstream.rs` once slept to dodge, made deterministic: the mount
+/// changes a file (metadata only, or removes it), the Delegator rewrites it, and the
+/// Delegator's `changed` event reaches the mount before the write-back, so it is refused
+/// (the mount has a change of its own there). The write-back then loses to the Delegator's
+/// version, and the mount must show that version — content and mode — journaled, with
+/// nothing left to send. Regression: the mount kept showing its own older content.
+fn a_local_change_crossing_a_delegator_rewrite(crossing: Crossing) {
+    use std::os::unix::fs::MetadataExt;
+    let f = if crossing == Crossing::TimeOldExport {
+        fixture_with(false, tree, |r| Arc::new(WithoutCurrent(r)))
+    } else {
+        fixture(false, tree)
+    };
+    let events = changed_events(f.remote.clone());
+    // The mount has the old content locally.
+    assert_eq!(f.read("src/a.txt"), b"alpha\n");
+    let ino = f.ino("src/a.txt");
+    let t = std::time::UNIX_EPOCH + Duration::from_secs(1_500_000_000);
+    match crossing {
+        Crossing::Mode => {
+            f.fs.setattr(
+                ino,
+                SetAttr {
+                    mode: Some(0o600),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        }
+        Crossing::ModeAndTime => {
+            f.fs.setattr(
+                ino,
+                SetAttr {
+                    mode: Some(0o600),
+                    mtime: Some(t),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        }
+        Crossing::TimeOldExport => {
+            f.fs.setattr(
+                ino,
+                SetAttr {
+                    mtime: Some(t),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        }
+        Crossing::Unlink => f.fs.unlink(f.ino("src"), o("a.txt")).unwrap(),
+    }
+    std::fs::write(f.root.join("src/a.txt"), "the Delegator's\n").unwrap();
+    let delegator_mtime = std::fs::metadata(f.root.join("src/a.txt")).unwrap().mtime();
+    let judged = apply_event_for(&f, &events, "src/a.txt");
+    assert_eq!(
+        (judged.applied, judged.kept_local),
+        (0, 1),
+        "the event must meet the mount's own change: {judged:?}"
+    );
+
+    let report = f.sync();
+    let expect_conflict = crossing != Crossing::Mode;
+    assert_eq!(
+        report.conflicts.len(),
+        usize::from(expect_conflict),
+        "{report:?}"
+    );
+    // The Delegator keeps its content.
+    assert_eq!(
+        std::fs::read(f.root.join("src/a.txt")).unwrap(),
+        b"the Delegator's\n"
+    );
+    let on_delegator = std::fs::metadata(f.root.join("src/a.txt")).unwrap();
+    assert_eq!(on_delegator.mtime(), delegator_mtime, "{crossing:?}");
+    let mode = match crossing {
+        Crossing::Mode | Crossing::ModeAndTime => 0o600,
+        Crossing::TimeOldExport | Crossing::Unlink => 0o644,
+    };
+    assert_eq!(on_delegator.mode() & 0o7777, mode, "{crossing:?}");
+    // The mount shows it: content, size, mode and time.
+    assert_eq!(f.read("src/a.txt"), b"the Delegator's\n", "{crossing:?}");
+    let ino = f.ino("src/a.txt");
+    let attr = f.fs.getattr(ino).unwrap();
+    assert_eq!(attr.size, 16);
+    assert_eq!(attr.perm, mode as u16);
+    assert_eq!(
+        attr.mtime,
+        std::time::UNIX_EPOCH
+            + Duration::new(
+                on_delegator.mtime() as u64,
+                on_delegator.mtime_nsec() as u32
+            )
+    );
+    // Nothing of the mount's is left to write back, and the Delegator's file stays.
+    let again = f.sync();
+    assert_eq!((again.changes, again.conflicts.len()), (0, 0), "{again:?}");
+    assert_eq!(
+        std::fs::read(f.root.join("src/a.txt")).unwrap(),
+        b"the Delegator's\n"
+    );
+    // Journaled: a replay (crash recovery) rebuilds the Delegator's version, not the old one.
+    let records = Journal::read_all(&f.state.join("journal.log")).unwrap();
+    let mut replayed = InodeTable::from_manifest(&f.manifest, 0, 0).unwrap();
+    journal::replay(&mut replayed, &records, 0, 0);
+    let node = replayed
+        .get(replayed.resolve("src/a.txt").expect("replayed"))
+        .unwrap();
+    assert_eq!((node.size, node.perm), (16, mode as u16), "{crossing:?}");
+    assert!(
+        matches!(&node.data, awcpfs::mount::inode::Data::Remote { hash, .. }
+            if *hash == *blake3::hash(b"the Delegator's\n").as_bytes()),
+        "{crossing:?}: {:?}",
+        node.data
+    );
+}
+
+#[test]
+fn a_mode_change_crossing_a_delegator_rewrite_shows_the_delegators_content() {
+    a_local_change_crossing_a_delegator_rewrite(Crossing::Mode);
+}
+
+#[test]
+fn a_mode_and_time_change_crossing_a_delegator_rewrite_shows_the_delegators_content() {
+    a_local_change_crossing_a_delegator_rewrite(Crossing::ModeAndTime);
+}
+
+#[test]
+fn with_an_older_export_the_refused_event_is_shown_once_the_mounts_change_loses() {
+    a_local_change_crossing_a_delegator_rewrite(Crossing::TimeOldExport);
+}
+
+#[test]
+fn a_removal_crossing_a_delegator_rewrite_brings_the_delegators_file_back() {
+    a_local_change_crossing_a_delegator_rewrite(Crossing::Unlink);
 }

@@ -361,6 +361,36 @@ pub struct CommitResult {
     /// conflicting — it sends them again with its next change there).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub held: Vec<Held>,
+    /// What the export has now at the paths of the conflicts where the Delegator's state won
+    /// and nothing of the Executor's change was kept (a removal, `mkdir`, `rmdir`, `chmod` or
+    /// symlink that met a Delegator-side change), described as a `changed` event at `seq`
+    /// would describe them, so the Executor can show the Delegator's version instead of
+    /// keeping its own discarded one. Absent when there are none, from exports that predate
+    /// it, and for a path the export could not describe (the Executor then waits for the
+    /// path's next `changed` event); an older client ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current: Option<CurrentState>,
+}
+
+/// The Delegator's state of some paths, as a `changed` event carries it: see
+/// [`CommitResult::current`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CurrentState {
+    /// Entries present, as the manifest would list them (a directory with its subtree),
+    /// parents before children.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub entries: Vec<ManifestEntry>,
+    /// Paths that do not exist on the export.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removed: Vec<String>,
+}
+
+impl CurrentState {
+    /// Whether it describes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty() && self.removed.is_empty()
+    }
 }
 
 /// State of the lease as the export sees it.
@@ -670,6 +700,30 @@ pub fn decode_bundle(buf: &[u8]) -> Result<(ChangeSet, BundleBlocks), BundleDeco
         }
     }
     Ok((changes, blocks))
+}
+
+#[cfg(test)]
+mod commit_result_tests {
+    use super::*;
+
+    // `current` is additive: an answer without it (an older export) parses, one with it
+    // round-trips, and an empty one is not sent.
+    #[test]
+    fn current_is_optional_and_round_trips() {
+        let old = r#"{"commitId":"c","applied":1,"conflicts":[],"seq":5}"#;
+        let r: CommitResult = serde_json::from_str(old).unwrap();
+        assert_eq!(r.current, None);
+        assert!(!serde_json::to_string(&r).unwrap().contains("current"));
+        let with = r#"{"commitId":"c","applied":0,"conflicts":[{"path":"f","reason":"x"}],"seq":5,
+            "current":{"entries":[{"path":"f","kind":"file","mode":420,"size":1,"mtimeNs":7,"hash":"aa","blocks":["aa"]}],"removed":["g"]}}"#;
+        let r: CommitResult = serde_json::from_str(with).unwrap();
+        let current = r.current.clone().unwrap();
+        assert_eq!(current.entries[0].path, "f");
+        assert_eq!(current.removed, vec!["g".to_string()]);
+        let again: CommitResult =
+            serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(again, r);
+    }
 }
 
 #[cfg(test)]

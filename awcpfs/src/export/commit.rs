@@ -40,21 +40,22 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use awcp_protocol::dataplane::{
-    Change, ChangeSet, CommitResult, Conflict, Held, validate_rel_path,
+    Change, ChangeSet, CommitResult, Conflict, CurrentState, EntryKind, Held, validate_rel_path,
 };
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat, readlinkat, renameat};
 use nix::sys::stat::{
-    FchmodatFlags, Mode, UtimensatFlags, fchmod, fchmodat, futimens, mkdirat, utimensat,
+    FchmodatFlags, Mode, UtimensatFlags, fchmod, fchmodat, fstatat, futimens, mkdirat, utimensat,
 };
 use nix::sys::time::TimeSpec;
 use nix::unistd::{UnlinkatFlags, fsync, linkat, symlinkat, syncfs, unlinkat};
 
 use super::Export;
 use super::error::ApiError;
+use super::manifest;
 use super::rootfs::{FsError, NodeKind, RootDir, hash_file_at, kind_at, open_file_at, os};
 use super::screen::{CommitScreen, MAX_SCREENED_BYTES, Screening, Watched};
-use super::store::{BlockHash, BlockLoc, TMP_PREFIX, hash_hex, parse_hash, tmp_name};
+use super::store::{BlockHash, BlockLoc, Stamp, TMP_PREFIX, hash_hex, parse_hash, tmp_name};
 
 /// How many commit results are remembered for idempotent retries. A mount re-sends only
 /// its last unanswered commit, so this is far more than one mount needs; it bounds what
@@ -268,6 +269,10 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
     let mut conflicts = Vec::new();
     let mut held: Vec<Held> = Vec::new();
     let mut written: Vec<Written> = Vec::new();
+    // Changes other than writes that were not applied (the Delegator's state stays there
+    // and nothing of the change is kept), and `chmod`s applied to content other than their
+    // base: the answer describes what is there now.
+    let mut lost: Vec<&Change> = Vec::new();
     let screen = screening(export, &cs.changes);
     for (i, change) in cs.changes.iter().enumerate() {
         if let (Some(sc), Some(s)) = (&screen, staged.get(&i))
@@ -288,8 +293,25 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
             other => apply_other(root, other, &mut durable),
         };
         match outcome {
-            Ok(Outcome::Applied) => applied += 1,
+            Ok(Outcome::Applied) => {
+                applied += 1;
+                if let Change::Chmod {
+                    path,
+                    base: Some(base),
+                    mtime_ns: None,
+                    ..
+                } = change
+                    && content_moved(export, path, base)
+                {
+                    // The mode landed on content the mount did not base it on (the
+                    // Delegator rewrote the file): the answer describes what is there.
+                    lost.push(change);
+                }
+            }
             Ok(Outcome::Conflict { reason, kept_as }) => {
+                if !matches!(change, Change::Write { .. }) {
+                    lost.push(change);
+                }
                 let c = Conflict {
                     path: change.path().to_owned(),
                     reason,
@@ -300,6 +322,9 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
                 conflicts.push(c);
             }
             Err(e) => {
+                if !matches!(change, Change::Write { .. }) {
+                    lost.push(change);
+                }
                 let c = Conflict {
                     path: change.path().to_owned(),
                     reason: format!("not applied: {}", chain(&e)),
@@ -338,13 +363,22 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
         super::Stats::add(&export.stats.bytes_written, *size);
     }
     drop(index);
-    // Held paths are unchanged on the export: nothing to describe to mounts there.
+    let current = describe_current(export, &lost);
+    // Held paths are unchanged on the export: nothing to describe to mounts there. A mode
+    // set on content the Delegator rewrote is left to the watcher too, which then describes
+    // that content (with the new mode) to every mount, instead of taking the file as the
+    // commit's own.
     let unchanged: Vec<Conflict> = conflicts
         .iter()
         .cloned()
         .chain(held.iter().map(|h| Conflict {
             path: h.path.clone(),
             reason: h.reason.clone(),
+            kept_as: None,
+        }))
+        .chain(lost.iter().map(|c| Conflict {
+            path: c.path().to_owned(),
+            reason: String::new(),
             kept_as: None,
         }))
         .collect();
@@ -361,7 +395,92 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
         conflicts,
         seq: Some(seq),
         held,
+        current,
     })
+}
+
+/// Most entries [`describe_current`] gives one path (a directory with a larger subtree is
+/// not described: the mount waits for its `changed` events instead).
+const MAX_CURRENT_ENTRIES: usize = super::watch::MAX_EVENT_ENTRIES;
+
+/// What the tree holds now at the paths of `lost` changes (not applied, nothing of them
+/// kept), for the commit's answer ([`CommitResult::current`]): each path's entry as the
+/// manifest lists it — with its subtree for a refused `rmdir` —, or its removal. A path
+/// that cannot be described is left out; so is a directory found where the change was not
+/// an `rmdir` (it is described only with its subtree, which may be large), and one whose
+/// subtree has more than [`MAX_CURRENT_ENTRIES`] entries.
+fn describe_current(export: &Export, lost: &[&Change]) -> Option<CurrentState> {
+    if lost.is_empty() {
+        return None;
+    }
+    let root = &export.blocks.root;
+    let params = super::watch::params_of(export);
+    let mut out = CurrentState::default();
+    for change in lost {
+        let path = change.path();
+        let deep = matches!(change, Change::Rmdir { .. });
+        let built = match manifest::describe(root, &params, None, &[(path.to_owned(), deep)]) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::debug!(path, error = %e, "cannot describe a conflicting path");
+                continue;
+            }
+        };
+        let entries = built.manifest.entries;
+        match entries.first() {
+            Some(e) if e.path == path => {
+                if (e.kind == EntryKind::Dir && !deep) || entries.len() > MAX_CURRENT_ENTRIES {
+                    continue;
+                }
+                // Its blocks are served from now on (the watcher would add them later).
+                export.blocks.index.write().merge(built.index);
+                out.entries.extend(entries);
+            }
+            // Not described: absent, or there but hidden or unreadable (only a path that
+            // is really gone counts as removed).
+            _ => {
+                if is_absent(root, path) {
+                    out.removed.push(path.to_owned());
+                }
+            }
+        }
+    }
+    // Parents before children, each path once (a file whose removal was refused may also
+    // lie in a directory whose removal was).
+    out.entries.sort_by(|a, b| a.path.cmp(&b.path));
+    out.entries.dedup_by(|a, b| a.path == b.path);
+    out.removed.sort();
+    out.removed.dedup();
+    (!out.is_empty()).then_some(out)
+}
+
+/// Whether the regular file at `path` holds content other than `base` (hex): the feed's
+/// record answers when it knows the file with that content and the file's size and
+/// modification time still match it; otherwise the file is hashed.
+fn content_moved(export: &Export, path: &str, base: &str) -> bool {
+    let Ok((dir, name)) = export.blocks.root.open_parent(path) else {
+        return false;
+    };
+    let name = os(name);
+    let Ok(st) = fstatat(&dir, &*name, AtFlags::AT_SYMLINK_NOFOLLOW) else {
+        return false;
+    };
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return false;
+    }
+    let stamp = Stamp::of(&st);
+    if export.feed.known_file(path) == Some((base.to_owned(), stamp.size, stamp.mtime_ns)) {
+        return false;
+    }
+    hash_file_at(dir.as_fd(), &name, path).is_ok_and(|h| h.to_hex().as_str() != base)
+}
+
+/// Whether nothing is at `path` (nor at one of its parents).
+fn is_absent(root: &RootDir, path: &str) -> bool {
+    match root.open_parent(path) {
+        Ok((dir, name)) => matches!(kind_at(dir.as_fd(), &os(name), path), Ok(NodeKind::Absent)),
+        Err(e) => e.is_not_found(),
+    }
 }
 
 /// The export's screen, its worker and what it watches in this commit; `None` when there is
@@ -1398,6 +1517,7 @@ mod tests {
                 conflicts: vec![],
                 seq: None,
                 held: Vec::new(),
+                current: None,
             });
         }
         assert!(log.find("c0").is_none());
@@ -1415,6 +1535,7 @@ mod tests {
             conflicts: vec![],
             seq: Some(i as u64),
             held: Vec::new(),
+            current: None,
         };
         // Bounded at 8 here (4,096 in use): each result is synced to disk.
         let cap = 8;

@@ -281,6 +281,7 @@ impl ChangeStage {
                 conflicts: Vec::new(),
                 seq: None,
                 held: Vec::new(),
+                current: None,
             }
         } else {
             commit::run_live(export, &plan).map_err(|e| StageError::Commit {
@@ -389,6 +390,7 @@ impl ChangeStage {
             // Nothing reached the tree: staged changes leave the change feed alone.
             seq: Some(export.feed.seq()),
             held: Vec::new(),
+            current: None,
         })
     }
 

@@ -197,6 +197,13 @@ impl ChangeFeed {
         (events, seq)
     }
 
+    /// What a file is known as: its content hash (hex), size and modification time.
+    pub(crate) fn known_file(&self, path: &str) -> Option<(String, u64, i64)> {
+        let st = self.state.lock();
+        let s = st.known.get(path).filter(|s| s.kind == EntryKind::File)?;
+        Some((s.content.clone()?, s.size, s.mtime_ns))
+    }
+
     /// What a path is known as, if anything.
     fn known_kind(&self, path: &str) -> Option<EntryKind> {
         self.state.lock().known.get(path).map(|s| s.kind)
@@ -304,6 +311,14 @@ impl ChangeFeed {
                 continue;
             }
             let stamp = stamp_of(path);
+            if let (Change::Chmod { mtime_ns, .. }, Some(now)) = (c, stamp)
+                && !chmod_left(st.known.get(path), *mtime_ns, now)
+            {
+                // Not what the `chmod` left: the Delegator replaced the file right after
+                // it (git renaming its new index into place, say). The watcher describes
+                // it; taking it as the commit's own would hide that change from mounts.
+                continue;
+            }
             // What the commit left at `path`, as the manifest would list it.
             let left = |kind, mode: u32| ManifestEntry {
                 path: path.to_owned(),
@@ -385,6 +400,20 @@ impl ChangeFeed {
             }
         }
         seq
+    }
+}
+
+/// Whether a file found with stamp `now` after a `chmod` (setting `mtime_ns`, if given) is
+/// the one the `chmod` changed, as far as the feed can tell: its modification time is the
+/// one set, or, with none set, the size and time of the file the feed `known` there.
+/// Directories and symlinks always are.
+fn chmod_left(known: Option<&Sig>, mtime_ns: Option<i64>, now: Stamp) -> bool {
+    let Some(k) = known.filter(|k| k.kind == EntryKind::File) else {
+        return true;
+    };
+    match mtime_ns {
+        Some(t) => now.mtime_ns == t,
+        None => now.size == k.size && now.mtime_ns == k.mtime_ns,
     }
 }
 
@@ -573,7 +602,7 @@ fn watch(
     }
 }
 
-fn params_of(export: &Export) -> ManifestParams {
+pub(crate) fn params_of(export: &Export) -> ManifestParams {
     ManifestParams {
         export_id: export.id().to_owned(),
         block_size: export.block_size(),
@@ -684,6 +713,59 @@ mod tests {
             root_mtime_ns: 0,
             entries: Vec::new(),
         }
+    }
+
+    // A `chmod` from a mount, and the Delegator replacing the file right after it (git
+    // renaming its new index into place) before the commit notes what it left: the new file
+    // must not be taken as the commit's own, or the watcher skips it and no mount learns
+    // of it (the mount then kept its old index).
+    #[test]
+    fn a_file_replaced_right_after_a_chmod_is_not_the_commits_own() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("index"), "old index").unwrap();
+        std::fs::write(dir.path().join("other"), "other").unwrap();
+        let root = RootDir::open(dir.path()).unwrap();
+        let params = ManifestParams {
+            export_id: "t".into(),
+            block_size: 4096,
+            read_only: false,
+            filter: None,
+            progress: None,
+        };
+        let built = manifest::build(&root, &params, None).unwrap();
+        let feed = ChangeFeed::new(&built.manifest);
+        let chmod = |path: &str, mtime_ns| Change::Chmod {
+            path: path.into(),
+            mode: 0o600,
+            mtime_ns,
+            base: None,
+            xattrs: None,
+        };
+        let stamp = |name: &str| {
+            let st = fstatat(
+                std::fs::File::open(dir.path()).unwrap(),
+                name,
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .unwrap();
+            Some(Stamp::of(&st))
+        };
+        // The mode landed on `index`; then the Delegator renamed a new one over it.
+        std::fs::write(dir.path().join("index.lock"), "the Delegator's new index").unwrap();
+        std::fs::rename(dir.path().join("index.lock"), dir.path().join("index")).unwrap();
+        feed.note_commit(&root, &[chmod("index", None)], &[]);
+        assert!(!feed.take_own("index", stamp("index")));
+        assert_eq!(
+            feed.known_file("index").map(|(_, size, _)| size),
+            Some(9),
+            "the feed still knows the old file: the watcher reports the new one"
+        );
+        // With a time set: the same, told by the time.
+        feed.note_commit(&root, &[chmod("index", Some(1_000_000_000))], &[]);
+        assert!(!feed.take_own("index", stamp("index")));
+        // A file the `chmod` did change is the commit's own.
+        feed.note_commit(&root, &[chmod("other", None)], &[]);
+        assert!(feed.take_own("other", stamp("other")));
     }
 
     // A mount keeps the sequences an export handed out; the same export registered again

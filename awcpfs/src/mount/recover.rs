@@ -267,6 +267,7 @@ impl Remote for Capture {
             conflicts: Vec::new(),
             seq: None,
             held: Vec::new(),
+            current: None,
         })
     }
     fn events(

@@ -35,7 +35,7 @@ use super::journal::Journal;
 use super::remote::{HttpRemote, Remote, RemoteError, StreamItem};
 use super::stats::{Stats, StatsSnapshot};
 use super::sync::{RoundReport, SyncError, SyncSignal, Syncer};
-use super::upstream::Inval;
+use super::upstream::{Inval, UpstreamReport};
 
 /// Everything a mount needs.
 #[derive(Debug, Clone)]
@@ -496,6 +496,14 @@ impl Mount {
     }
 
     fn spawn_threads(&self) {
+        // After each round: show what it learned of the Delegator's state (a weak
+        // reference: the syncer belongs to the mount).
+        let weak = Arc::downgrade(&self.inner);
+        self.inner.syncer.set_after_round(Box::new(move || {
+            if let Some(inner) = weak.upgrade() {
+                Mount { inner }.apply_settled();
+            }
+        }));
         let syncer = self.inner.syncer.clone();
         let signal = self.inner.signal.clone();
         let debounce = self.inner.cfg.sync_debounce;
@@ -981,11 +989,48 @@ impl Mount {
     }
 
     fn apply_upstream(&self, seq: u64, entries: &[ManifestEntry], removed: &[String]) {
+        self.show_upstream(!entries.is_empty(), |s| {
+            let (invals, report) = s.apply_upstream(seq, entries, removed);
+            tracing::info!(
+                seq,
+                applied = report.applied,
+                kept_local = report.kept_local,
+                stale = report.stale,
+                "Delegator-side changes"
+            );
+            (invals, report)
+        });
+    }
+
+    /// After a round: the Delegator's state that commit answers described where it won
+    /// over a change of the mount's, and events refused earlier that may apply now.
+    fn apply_settled(&self) {
+        self.show_upstream(true, |s| {
+            let (invals, report) = s.apply_settled();
+            if report != UpstreamReport::default() {
+                tracing::info!(
+                    applied = report.applied,
+                    kept_local = report.kept_local,
+                    stale = report.stale,
+                    "Delegator-side changes settled after a write-back"
+                );
+            }
+            (invals, report)
+        });
+    }
+
+    /// Apply Delegator-side changes with `apply` (`entries`: it may change files) and make
+    /// the kernel forget what it cached about them.
+    fn show_upstream(
+        &self,
+        entries: bool,
+        apply: impl FnOnce(&Syncer) -> (Vec<Inval>, UpstreamReport),
+    ) {
         if self.inner.fs.fenced().is_some() {
             return;
         }
         if self.inner.fs.writeback_cache()
-            && !entries.is_empty()
+            && entries
             && let Some(root) = self.open_root()
         {
             // Pages the kernel holds dirty are writes the mount has not seen: have them
@@ -993,18 +1038,11 @@ impl Mount {
             // conflict) instead of being replaced under them.
             self.sync_kernel(root, UPSTREAM_SYNC_BOUND);
         }
-        let (invals, report) = self.inner.syncer.apply_upstream(seq, entries, removed);
+        let (invals, report) = apply(&self.inner.syncer);
         self.inner
             .fs
             .stats
             .add_upstream(report.applied as u64, report.kept_local as u64);
-        tracing::info!(
-            seq,
-            applied = report.applied,
-            kept_local = report.kept_local,
-            stale = report.stale,
-            "Delegator-side changes"
-        );
         let notifier = match self.inner.session.lock().as_ref() {
             Some(s) => s.notifier(),
             None => return,

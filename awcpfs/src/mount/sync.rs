@@ -40,7 +40,8 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use awcp_protocol::dataplane::{
-    Change, ChangeSet, CommitResult, Conflict, EntryKind, Held, Manifest,
+    Change, ChangeSet, CommitResult, Conflict, CurrentState, EntryKind, Held, Manifest,
+    ManifestEntry,
 };
 
 use super::fs::AwcpFs;
@@ -522,6 +523,18 @@ pub struct Syncer {
     /// file keeps that content, sent again once it changes or the export releases the path
     /// ([`Syncer::release`]). The export still has the state in `synced` there.
     held: Mutex<HashMap<String, Hash>>,
+    /// Delegator-side changes refused because the mount had a change of its own there (see
+    /// `upstream`): per path, the latest one's sequence and entry (`None`: removed). Judged
+    /// again after every round, so one whose path turns out clean (the mount's change was
+    /// dropped in a conflict, or was no change after all) is not lost. Taken last.
+    pub(super) refused: Mutex<BTreeMap<String, (u64, Option<ManifestEntry>)>>,
+    /// The Delegator's state described by commit answers (`CommitResult::current`) with
+    /// their sequences, shown after the round ([`Syncer::apply_settled`]).
+    pub(super) answered: Mutex<Vec<(u64, CurrentState)>>,
+    /// Run after every round with the syncer's locks released, to show what the round
+    /// learned of the Delegator's state (the mount installs it: it tells the kernel);
+    /// without one, the round shows it itself.
+    after_round: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     log: Option<SyncedLog>,
     seq: AtomicU64,
     instance: String,
@@ -561,6 +574,9 @@ impl Syncer {
             seen: Mutex::new(BTreeMap::new()),
             pending: Mutex::new(None),
             held: Mutex::new(HashMap::new()),
+            refused: Mutex::new(BTreeMap::new()),
+            answered: Mutex::new(Vec::new()),
+            after_round: std::sync::OnceLock::new(),
             log: None,
             seq: AtomicU64::new(0),
             instance: hex::encode(rand::random::<[u8; 8]>()),
@@ -774,6 +790,26 @@ impl Syncer {
     /// Run one round: commit every change since the last one. `final_flush` includes files
     /// still open for writing.
     pub fn round(&self, final_flush: bool) -> Result<RoundReport, SyncError> {
+        let result = self.round_locked(final_flush);
+        // What the round learned of the Delegator's state, and events refused earlier that
+        // may apply now: shown with the syncer's locks released.
+        if self.has_settled() {
+            match self.after_round.get() {
+                Some(f) => f(),
+                None => {
+                    let _ = self.apply_settled();
+                }
+            }
+        }
+        result
+    }
+
+    /// Install what runs after every round (see `after_round`); only the first is kept.
+    pub fn set_after_round(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.after_round.set(f);
+    }
+
+    fn round_locked(&self, final_flush: bool) -> Result<RoundReport, SyncError> {
         let mut synced = self.synced.lock();
         // First the commit whose answer never came: what it left is the base of this round.
         let earlier = self.settle_pending(&mut synced)?;
@@ -989,7 +1025,9 @@ impl Syncer {
                                     path: path.clone(),
                                     mode: f.mode,
                                     mtime_ns: new_time.then_some(f.mtime_ns),
-                                    base: new_time.then(|| hex::encode(hash)),
+                                    // Always: an export that finds other content there
+                                    // describes it in its answer (the mount shows it).
+                                    base: Some(hex::encode(hash)),
                                     xattrs: delta,
                                 });
                                 next.push((
@@ -1334,6 +1372,29 @@ impl Syncer {
                 Some(s) => synced.insert(rec.path.clone(), s.clone()),
                 None => synced.remove(&rec.path),
             };
+        }
+        if let Some(current) = &r.current
+            && !current.is_empty()
+        {
+            // Where the Delegator's state won and nothing of ours was kept: shown after the
+            // round, at the commit's sequence (an export that gives `current` gives `seq`).
+            self.answered
+                .lock()
+                .push((r.seq.unwrap_or(0), current.clone()));
+        }
+        {
+            // An event refused at a path this commit changed is older than the commit: the
+            // mount's change landed (or a write that conflicted keeps the mount's version
+            // here, as documented), so it is not shown later. Where another change of the
+            // mount's lost to the Delegator's state, it is judged again after the round.
+            let mut refused = self.refused.lock();
+            for c in &pending.set.changes {
+                let lost = !matches!(c, Change::Write { .. })
+                    && r.conflicts.iter().any(|k| k.path == c.path());
+                if !lost && !held.contains(c.path()) {
+                    refused.remove(c.path());
+                }
+            }
         }
         if let Some(seq) = r.seq {
             // A conflicting path holds the Delegator's version, not ours: its events stay

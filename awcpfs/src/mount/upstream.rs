@@ -26,6 +26,18 @@
 //! whatever the mount has there now, a file removed since included (it would come back,
 //! and the retry would find nothing to remove). The retry learns the commit's sequence.
 //!
+//! A change of the mount's that loses to the Delegator's (a `chmod`, removal, `mkdir`,
+//! `rmdir` or symlink that met a Delegator-side change: nothing of it is kept) would leave
+//! the mount showing its own, discarded version while the event that described the
+//! Delegator's was refused. Two things prevent that, both applied after the round
+//! ([`Syncer::apply_settled`]): the commit's answer describes the Delegator's state at such
+//! paths (`CommitResult::current`), shown at the commit's sequence where the path is still
+//! what the commit sent; and every refused event is remembered (the latest per path) and
+//! judged again, so it is shown once the path is clean — which is also how a mount learns
+//! the Delegator's version from an export that predates `current`. A refused event older
+//! than a commit of the mount's that landed at its path is dropped, and so is one at a path
+//! whose write conflicted: the mount keeps its version there.
+//!
 //! Every applied change is journaled ([`Record::Upstream`], [`Record::Unlink`]) and logged
 //! to `synced.log`, so crash recovery rebuilds the same tree and does not mistake the
 //! Delegator's change for one of ours. The kernel is told after the tables are unlocked
@@ -75,8 +87,14 @@ pub struct UpstreamReport {
 /// Whether an event of sequence `seq` is stale at `path`: the mount knows of a state at
 /// least as new at the path, at one of its parents, or below it.
 pub(super) fn is_stale(seen: &BTreeMap<String, u64>, path: &str, seq: u64) -> bool {
+    seen.get(path).is_some_and(|s| *s >= seq) || is_stale_around(seen, path, seq)
+}
+
+/// Whether an event of sequence `seq` is stale at `path` for what the mount knows of the
+/// path's parents or of anything below it.
+fn is_stale_around(seen: &BTreeMap<String, u64>, path: &str, seq: u64) -> bool {
     let newer = |p: &str| seen.get(p).is_some_and(|s| *s >= seq);
-    if newer(path) || path.match_indices('/').any(|(i, _)| newer(&path[..i])) {
+    if path.match_indices('/').any(|(i, _)| newer(&path[..i])) {
         return true;
     }
     let prefix = format!("{path}/");
@@ -226,16 +244,102 @@ fn all_clean(
     })
 }
 
+/// Where a description of the Delegator's state comes from, which decides when it is
+/// stale at a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// A `changed` event: stale where the mount knows of a state as new at the path, a
+    /// parent or below it (see [`is_stale`]).
+    Event,
+    /// An event refused earlier, judged again: as an event, except that at the path itself
+    /// only a newer state makes it stale (its own refusal noted its sequence there; a
+    /// commit of the mount's that landed at the path forgets it instead, see
+    /// `Syncer::finish_commit`).
+    Refused,
+    /// A commit's answer, where the Delegator's state won over the mount's change
+    /// (`CommitResult::current`), at the commit's sequence: described after everything
+    /// that sequence covers, so stale only where the mount took a newer event at that very
+    /// path since. Paths that the same commit changed around it do not make it stale.
+    Answer,
+}
+
 impl Syncer {
     /// Apply one `changed` event of sequence `seq`; returns what the kernel must forget
     /// and what was done. Paths where the event is stale (see the module docs) are left
-    /// alone.
+    /// alone; paths left alone because the mount has its own change there are remembered
+    /// and judged again after each round (see [`Syncer::apply_settled`]).
     pub fn apply_upstream(
         &self,
         seq: u64,
         entries: &[ManifestEntry],
         removed: &[String],
     ) -> (Vec<Inval>, UpstreamReport) {
+        self.judge(Source::Event, seq, entries, removed)
+    }
+
+    /// Whether a round has something to show afterwards ([`Syncer::apply_settled`]).
+    pub(super) fn has_settled(&self) -> bool {
+        !self.answered.lock().is_empty() || !self.refused.lock().is_empty()
+    }
+
+    /// Show what rounds learned of the Delegator's state: the state commit answers
+    /// described where the Delegator's version won over a change of the mount's (a `chmod`,
+    /// removal, `mkdir`, `rmdir` or symlink that met a Delegator-side change, nothing of it
+    /// kept), then every event refused earlier, judged again (it applies where the path is
+    /// clean now: the mount's change there was dropped, or was no change after all; it is
+    /// dropped where a commit of the mount's since makes it stale). Called after each
+    /// round, with the syncer's locks released; returns what the kernel must forget and
+    /// what was done (`kept_local` counts only answers: refused events were counted when
+    /// they came).
+    pub fn apply_settled(&self) -> (Vec<Inval>, UpstreamReport) {
+        let mut invals = Vec::new();
+        let mut report = UpstreamReport::default();
+        let answered = std::mem::take(&mut *self.answered.lock());
+        for (seq, current) in answered {
+            let (i, r) = self.judge(Source::Answer, seq, &current.entries, &current.removed);
+            invals.extend(i);
+            report.applied += r.applied;
+            report.kept_local += r.kept_local;
+            report.stale += r.stale;
+        }
+        // Judged again in the order they came (a path's latest one only), each at its own
+        // sequence; those still refused are remembered again.
+        let refused = std::mem::take(&mut *self.refused.lock());
+        let mut by_seq: BTreeMap<u64, (Vec<ManifestEntry>, Vec<String>)> = BTreeMap::new();
+        for (path, (seq, entry)) in refused {
+            let (entries, removed) = by_seq.entry(seq).or_default();
+            match entry {
+                Some(e) => entries.push(e),
+                None => removed.push(path),
+            }
+        }
+        for (seq, (entries, removed)) in by_seq {
+            let (i, r) = self.judge(Source::Refused, seq, &entries, &removed);
+            invals.extend(i);
+            report.applied += r.applied;
+            report.stale += r.stale;
+        }
+        (invals, report)
+    }
+
+    fn judge(
+        &self,
+        source: Source,
+        seq: u64,
+        entries: &[ManifestEntry],
+        removed: &[String],
+    ) -> (Vec<Inval>, UpstreamReport) {
+        let stale = |seen: &BTreeMap<String, u64>, path: &str| match source {
+            Source::Event => is_stale(seen, path, seq),
+            Source::Refused => {
+                seen.get(path).is_some_and(|s| *s > seq) || is_stale_around(seen, path, seq)
+            }
+            Source::Answer => seen.get(path).is_some_and(|s| *s > seq),
+        };
+        // Paths left alone for a change of the mount's (events only: an answer is as new
+        // as anything the mount has refused there), and paths settled otherwise.
+        let mut refused_now: Vec<(String, Option<ManifestEntry>)> = Vec::new();
+        let mut settled: Vec<&str> = Vec::new();
         let mut synced = self.synced.lock();
         // Taken under `synced`: a round holds it while it sends, so the pending commit
         // cannot change until this event is judged.
@@ -255,15 +359,18 @@ impl Syncer {
             if awcp_protocol::dataplane::validate_rel_path(path).is_err() {
                 continue;
             }
-            if is_stale(&seen, path, seq) {
+            if stale(&seen, path) {
                 report.stale += 1;
+                settled.push(path);
                 continue;
             }
             fresh.push(path);
             if is_pending(&pending, path) {
                 report.kept_local += 1;
+                refused_now.push((path.clone(), None));
                 continue;
             }
+            settled.push(path);
             match table.resolve(path) {
                 None => {
                     // Gone here too (removed or moved away locally): the syncer must not
@@ -274,6 +381,8 @@ impl Syncer {
                     let nodes = subtree(&table, path, ino);
                     if !all_clean(fs, &table, &synced, &nodes) {
                         report.kept_local += 1;
+                        settled.pop();
+                        refused_now.push((path.clone(), None));
                         continue;
                     }
                     remove_subtree(fs, &mut table, &nodes, &mut records, &mut invals);
@@ -287,8 +396,9 @@ impl Syncer {
             if awcp_protocol::dataplane::validate_rel_path(&e.path).is_err() {
                 continue;
             }
-            if is_stale(&seen, &e.path, seq) {
+            if stale(&seen, &e.path) {
                 report.stale += 1;
+                settled.push(&e.path);
                 continue;
             }
             if e.kind == EntryKind::File && e.hash.is_none() {
@@ -302,6 +412,7 @@ impl Syncer {
                 // commit's own echo (a file removed here since would come back) or older.
                 // The retry learns what the export has there.
                 report.kept_local += 1;
+                refused_now.push((e.path.clone(), Some(e.clone())));
                 continue;
             }
             let (parent_path, name) = match e.path.rsplit_once('/') {
@@ -317,6 +428,7 @@ impl Syncer {
             else {
                 // The directory is gone here (or never came): the entry has nowhere to go.
                 report.kept_local += 1;
+                refused_now.push((e.path.clone(), Some(e.clone())));
                 continue;
             };
             let want = state_of_entry(e);
@@ -326,6 +438,7 @@ impl Syncer {
                         // Removed or renamed away here: that change is still to be written
                         // back (and meets the Delegator's as a conflict).
                         report.kept_local += 1;
+                        refused_now.push((e.path.clone(), Some(e.clone())));
                         continue;
                     }
                     create(
@@ -351,6 +464,7 @@ impl Syncer {
                                 state: Some(want),
                             });
                         }
+                        settled.push(&e.path);
                         continue;
                     }
                     // Same kind: only the node itself changes. Another kind: the node and
@@ -364,6 +478,7 @@ impl Syncer {
                     };
                     if !all_clean(fs, &table, &synced, &nodes) {
                         report.kept_local += 1;
+                        refused_now.push((e.path.clone(), Some(e.clone())));
                         continue;
                     }
                     if same_kind {
@@ -393,6 +508,7 @@ impl Syncer {
                 path: e.path.clone(),
                 state: Some(want),
             });
+            settled.push(&e.path);
             report.applied += 1;
         }
         drop(table);
@@ -400,6 +516,21 @@ impl Syncer {
             note_seen(&mut seen, path, seq);
         }
         drop(seen);
+        {
+            let mut refused = self.refused.lock();
+            for path in settled {
+                if refused.get(path).is_some_and(|(s, _)| *s <= seq) {
+                    refused.remove(path);
+                }
+            }
+            if source != Source::Answer {
+                for (path, entry) in refused_now {
+                    if refused.get(&path).is_none_or(|(s, _)| *s <= seq) {
+                        refused.insert(path, (seq, entry));
+                    }
+                }
+            }
+        }
         if let Err(e) = fs.journal(&records) {
             tracing::warn!(error = %e, "cannot journal the Delegator's changes");
         }
