@@ -122,14 +122,18 @@ impl MountAecp {
         self.virt.lock().by_ino.keys().copied().collect()
     }
 
-    /// The observer: `ino` was looked up, opened or read.
-    pub fn observe(&self, table: &InodeTable, ino: u64) {
+    /// The observer, first half: the path of `ino` (looked up) if the observer has
+    /// anything to do, for [`MountAecp::observe_path`] once the table is unlocked.
+    pub fn observed_path(&self, table: &InodeTable, ino: u64) -> Option<String> {
         if !self.hook_active() {
-            return;
+            return None;
         }
-        if let Some(path) = table.path_of(ino) {
-            self.hook.on_access(&path);
-        }
+        table.path_of(ino)
+    }
+
+    /// The observer, second half: `path` was looked up.
+    pub fn observe_path(&self, path: &str) {
+        self.hook.on_access(path);
     }
 
     /// The observer on an open or read (`ino` was used): delivers like

@@ -598,8 +598,15 @@ impl AwcpFs {
         }
         let ino = table.child(parent, &name).ok_or(FsError::NotFound)?;
         let node = table.get(ino).ok_or(FsError::NotFound)?;
-        self.aecp.observe(&table, ino);
-        Ok(self.attr_of(node))
+        let attr = self.attr_of(node);
+        // The observer's path is taken under the table's lock; its lookup and delivery run
+        // after it is released, so the other FUSE threads do not wait for them.
+        let observed = self.aecp.observed_path(&table, ino);
+        drop(table);
+        if let Some(path) = observed {
+            self.aecp.observe_path(&path);
+        }
+        Ok(attr)
     }
 
     /// `getattr`. A file open for writing may be written by the kernel directly (FUSE
