@@ -2,11 +2,12 @@
 //! `user.aecp.findings` attribute. The logic is in `aecp-hooks` ([`WorkerHook`]); this module
 //! only adapts it to inodes, and each call from `fs.rs`/`content.rs`/`posix.rs` is one line.
 //!
-//! * **Observer.** [`MountAecp::observe`] runs on lookup, [`MountAecp::observe_ino`] on open
-//!   and read of a workspace path (a read or import of a contracted module also notes the
-//!   worker as its consumer, once).
-//!   With an empty replica it is one atomic load; otherwise the path of the inode (from the
-//!   inode table, already locked by the caller) and a hash lookup per directory level. It
+//! * **Observer.** [`MountAecp::observed_path`] then [`MountAecp::observe_path`] run on
+//!   lookup, [`MountAecp::observe_ino`] on open and read of a workspace path (a read or
+//!   import of a contracted module also notes the worker as its consumer, once).
+//!   With nothing to do (every artifact of the replica received, no contracted module to
+//!   watch for) it is one atomic load; otherwise the path of the inode (from the inode
+//!   table, under its lock) and, after the lock, a hash lookup per directory level. It
 //!   never waits on the network: deliveries go to the in-memory inbox, and a [`Note`] goes
 //!   down a channel that the `awcpfs-aecp` thread drains (reporting to the export,
 //!   streaming to the worker's socket).
@@ -137,7 +138,7 @@ impl MountAecp {
     }
 
     /// The observer on an open or read (`ino` was used): delivers like
-    /// [`MountAecp::observe`], and notes a read or import of a contracted module (the
+    /// [`MountAecp::observe_path`], and notes a read or import of a contracted module (the
     /// daemon registers the worker as its consumer). For callers without the table locked:
     /// it is locked only when AECP has something to do.
     pub fn observe_ino(&self, table: &Mutex<InodeTable>, ino: u64) {
