@@ -511,6 +511,52 @@ fn a_manifest_the_mount_cannot_build_is_refused_and_leaves_no_state() {
 }
 
 #[test]
+fn a_batch_leaves_out_the_files_another_batch_is_fetching() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let gate = Arc::new(parking_lot::Mutex::new(None::<Arc<Gated>>));
+    let g2 = gate.clone();
+    let f = fixture_with(false, tree, move |inner| {
+        let g = Gated::new(inner, false, 0);
+        // Every fetch is held until released (none asks for this block).
+        *g.pass.lock() = Some("no such block".into());
+        *g2.lock() = Some(g.clone());
+        g
+    });
+    let gated = gate.lock().clone().unwrap();
+    let inos: Vec<u64> =
+        f.fs.remote_small_files(64 << 10)
+            .iter()
+            .map(|(i, _)| *i)
+            .collect();
+    assert_eq!(inos.len(), 4);
+    // Background hydration asks for the four files and waits at the gate.
+    let first = {
+        let (fs, inos) = (f.fs.clone(), inos.clone());
+        std::thread::spawn(move || fs.prefetch(&inos))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while gated.fetches.load(SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first batch never fetched"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A second batch of the same files (a read's neighbours) leaves all four to it.
+    assert_eq!(f.fs.prefetch(&inos).unwrap(), 0);
+    assert_eq!(
+        gated.fetches.load(SeqCst),
+        1,
+        "the files were fetched twice"
+    );
+    gated.release();
+    assert_eq!(first.join().unwrap().unwrap(), 4);
+    // Given back once stored: nothing is claimed any more, and every file reads right.
+    assert_eq!(f.read("src/deep/b.txt"), b"beta\n");
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 6 + 5 + 8 + 10_000);
+}
+
+#[test]
 fn background_hydration_fetches_small_files_in_one_request() {
     let f = fixture(false, tree);
     let small = f.fs.remote_small_files(64 << 10);

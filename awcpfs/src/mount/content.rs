@@ -733,6 +733,21 @@ impl AwcpFs {
                 }
             }
         }
+        // What another batch is fetching right now is left to it (hydration and a read's
+        // neighbours often ask for the same files at once); the file a read waits for is
+        // fetched regardless — it never waits behind a background batch.
+        let _claim = {
+            let mut fetching = self.fetching.lock();
+            wanted.retain(|w| Some(w.0) == wait_for || !fetching.contains(&w.0));
+            FetchClaim {
+                set: &self.fetching,
+                inos: wanted
+                    .iter()
+                    .map(|w| w.0)
+                    .filter(|i| fetching.insert(*i))
+                    .collect(),
+            }
+        };
         // In tree order, each block once: the export then reads the files in the order they
         // sit in their directories (and mostly on its disk), not in hash order.
         let mut seen = std::collections::HashSet::new();
@@ -1353,6 +1368,22 @@ pub(super) fn mark_dirty(node: &mut super::inode::Node) {
         hash: None,
         generation,
     };
+}
+
+/// Files a batch fetch claimed in [`AwcpFs::fetching`](super::fs::AwcpFs), given back
+/// when it ends (stored, skipped or failed).
+struct FetchClaim<'a> {
+    set: &'a parking_lot::Mutex<std::collections::HashSet<Ino>>,
+    inos: Vec<Ino>,
+}
+
+impl Drop for FetchClaim<'_> {
+    fn drop(&mut self) {
+        let mut set = self.set.lock();
+        for i in &self.inos {
+            set.remove(i);
+        }
+    }
 }
 
 /// Read up to `size` bytes at `offset` from `file` (short only at its end).

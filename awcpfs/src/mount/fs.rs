@@ -109,6 +109,9 @@ pub struct AwcpFs {
     pub(super) opts: FsOptions,
     pub(super) fenced: RwLock<Option<EndReason>>,
     pub(super) hydrating: Mutex<HashMap<Ino, Arc<Mutex<()>>>>,
+    /// Small files a batch fetch has asked the export (or the store) for and not stored
+    /// yet: another batch leaves them out instead of fetching them a second time.
+    pub(super) fetching: Mutex<std::collections::HashSet<Ino>>,
     /// When an on-demand fetch of a file last failed on the network (see
     /// [`FAILED_FETCH_MEMO`](super::content::FAILED_FETCH_MEMO)).
     pub(super) failed_fetches: Mutex<HashMap<Ino, Instant>>,
@@ -247,6 +250,7 @@ impl AwcpFs {
             journal,
             fenced: RwLock::new(None),
             hydrating: Mutex::new(HashMap::new()),
+            fetching: Mutex::new(std::collections::HashSet::new()),
             failed_fetches: Mutex::new(HashMap::new()),
             sync,
             stats,
