@@ -513,16 +513,9 @@ fn a_manifest_the_mount_cannot_build_is_refused_and_leaves_no_state() {
 #[test]
 fn a_batch_leaves_out_the_files_another_batch_is_fetching() {
     use std::sync::atomic::Ordering::SeqCst;
-    let gate = Arc::new(parking_lot::Mutex::new(None::<Arc<Gated>>));
-    let g2 = gate.clone();
-    let f = fixture_with(false, tree, move |inner| {
-        let g = Gated::new(inner, false, 0);
-        // Every fetch is held until released (none asks for this block).
-        *g.pass.lock() = Some("no such block".into());
-        *g2.lock() = Some(g.clone());
-        g
-    });
-    let gated = gate.lock().clone().unwrap();
+    let (f, gated) = gated_fixture(tree, false);
+    // Every fetch is held until released (none asks for this block).
+    *gated.pass.lock() = Some("no such block".into());
     let inos: Vec<u64> =
         f.fs.remote_small_files(64 << 10)
             .iter()
@@ -1490,6 +1483,20 @@ struct Gated {
     pass: parking_lot::Mutex<Option<String>>,
 }
 
+/// A fixture whose remote is behind a [`Gated`] gate, `open` or held shut (see
+/// [`Gated::new`]), and the gate.
+fn gated_fixture(build: impl FnOnce(&Path), open: bool) -> (Fixture, Arc<Gated>) {
+    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
+    let g2 = gate.clone();
+    let f = fixture_with(false, build, move |inner| {
+        let g = Gated::new(inner, open, 0);
+        *g2.lock() = Some(g.clone());
+        g
+    });
+    let gated = gate.lock().clone().unwrap();
+    (f, gated)
+}
+
 impl Gated {
     /// `inner` behind a gate, `open` or held shut after the first fetch, failing fetch
     /// number `fail_nth` (from 1; 0: none).
@@ -1582,18 +1589,7 @@ fn gated_big_file(shift: u32) -> (Fixture, Vec<u8>, Arc<Gated>, u64) {
     let big: Vec<u8> = (0..5u32 << 20)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> shift) as u8)
         .collect();
-    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
-    let g2 = gate.clone();
-    let f = fixture_with(
-        false,
-        |r| std::fs::write(r.join("big.bin"), &big).unwrap(),
-        move |inner| {
-            let g = Gated::new(inner, false, 0);
-            *g2.lock() = Some(g.clone());
-            g
-        },
-    );
-    let gated = gate.lock().clone().unwrap();
+    let (f, gated) = gated_fixture(|r| std::fs::write(r.join("big.bin"), &big).unwrap(), false);
     f.fs.set_no_open();
     let ino = f.fs.lookup(ROOT_INO, o("big.bin")).unwrap().ino.0;
     (f, big, gated, ino)
@@ -1727,18 +1723,7 @@ fn a_fetch_failing_in_a_later_batch_fails_the_open_cleanly_and_a_retry_succeeds(
 /// the lock joins its dirty set unmarked.
 #[test]
 fn rounds_never_take_a_file_created_but_not_yet_written() {
-    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
-    let g2 = gate.clone();
-    let f = fixture_with(
-        false,
-        |r| std::fs::create_dir_all(r.join("w")).unwrap(),
-        move |inner| {
-            let g = Gated::new(inner, true, 0);
-            *g2.lock() = Some(g.clone());
-            g
-        },
-    );
-    let gated = gate.lock().clone().unwrap();
+    let (f, gated) = gated_fixture(|r| std::fs::create_dir_all(r.join("w")).unwrap(), true);
     f.fs.set_no_open();
     let dir = f.ino("w");
     let stop = std::sync::atomic::AtomicBool::new(false);
@@ -2009,14 +1994,8 @@ fn cold_a_large_file_read_fetches_only_the_blocks_it_covers_and_a_write_still_fe
 
 #[test]
 fn cold_an_on_demand_read_is_served_while_a_hydration_request_is_held() {
-    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
-    let g2 = gate.clone();
-    let f = Arc::new(fixture_with(false, git_tree, move |inner| {
-        let g = Gated::new(inner, false, 0);
-        *g2.lock() = Some(g.clone());
-        g
-    }));
-    let gated = gate.lock().clone().unwrap();
+    let (f, gated) = gated_fixture(git_tree, false);
+    let f = Arc::new(f);
     f.fs.set_no_open();
     f.fs.set_hydrate_policy(HydratePolicy::None);
     // Pass the agent's file through the gate, hold everything else (hydration).
@@ -2067,14 +2046,8 @@ fn cold_an_on_demand_read_is_served_while_a_hydration_request_is_held() {
 #[test]
 fn cold_hydration_waits_while_an_on_demand_fetch_is_in_flight() {
     use std::sync::atomic::Ordering::SeqCst;
-    let gate: Arc<parking_lot::Mutex<Option<Arc<Gated>>>> = Arc::default();
-    let g2 = gate.clone();
-    let f = Arc::new(fixture_with(false, git_tree, move |inner| {
-        let g = Gated::new(inner, false, 0);
-        *g2.lock() = Some(g.clone());
-        g
-    }));
-    let gated = gate.lock().clone().unwrap();
+    let (f, gated) = gated_fixture(git_tree, false);
+    let f = Arc::new(f);
     f.fs.set_no_open();
     f.fs.set_hydrate_policy(HydratePolicy::None);
     // Hold the agent's fetch (docs/d2.md); let anything asking for src/m0.py through.
