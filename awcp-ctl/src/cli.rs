@@ -400,10 +400,18 @@ struct ExecutorArgs {
     /// token on every other request.
     #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// Let EVERY user of this machine into the mounted workspaces (FUSE allow_other, with
-    /// default_permissions: the files' mode bits decide, so a 0644 file, `.git` included,
-    /// is readable by all). Default: only the Executor's user (or --agent-user).
-    #[arg(long)]
+    /// Who may use the mounted workspaces. `path` (default): every process that gets
+    /// through the Executor's 0700 work directory — the Executor's user, --agent-user, and
+    /// the agent's own processes that switch user inside (a test suite dropping to
+    /// `nobody`) — served by the files' modes, like a local directory; if the work
+    /// directory is opened to others, only the Executor's user. `owner`: only the
+    /// Executor's user, always (not with --agent-user). `all`: every user who can reach a
+    /// mount (FUSE allow_other; a 0644 file, `.git` included, is then readable by all who
+    /// get there — the work directory itself stays 0700).
+    #[arg(long, value_enum, default_value_t = awcpfs::mount::MountAccess::Path)]
+    mount_access: awcpfs::mount::MountAccess,
+    /// The same as `--mount-access all`.
+    #[arg(long, hide = true, conflicts_with = "mount_access")]
     allow_other: bool,
     /// Run the agent as this non-root user (name or uid): the mounts' files are its own,
     /// and it alone (besides root) can enter the work directory.
@@ -769,7 +777,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
             cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
             cfg.token = a.token;
-            cfg.allow_other = a.allow_other;
+            cfg.mount_access = if a.allow_other {
+                awcpfs::mount::MountAccess::All
+            } else {
+                a.mount_access
+            };
             cfg.agent_user = a
                 .agent_user
                 .as_deref()
@@ -1162,6 +1174,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             checks.push(doctor::file_modes(&daemon_state, &executor_dir));
             checks.push(doctor::mount_access(
                 &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
+                doctor::mount_gate,
             ));
             for e in &executor {
                 checks.push(doctor::executor(e, executor_token.as_deref()).await);

@@ -2,6 +2,7 @@
 //! device, the privileges to mount, kernel passthrough support, the daemon and Executors
 //! being reachable — and say how to fix each problem found.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -327,33 +328,70 @@ pub fn file_modes(daemon_state: &std::path::Path, executor_dir: &std::path::Path
     )
 }
 
-/// Are awcpfs mounts on this machine open to every user (`allow_other`)?
-pub fn mount_access(mountinfo: &str) -> Check {
+/// Are awcpfs mounts on this machine open to other users? A mount with `allow_other` is
+/// fine behind a gate — a directory above it that only its users and root may search (the
+/// Executor's 0700 work directory; `gate_of` finds it, see `awcpfs::mount::access`) — and
+/// a warning without one.
+pub fn mount_access(
+    mountinfo: &str,
+    gate_of: impl Fn(&std::path::Path) -> Option<PathBuf>,
+) -> Check {
     const NAME: &str = "mount access";
-    let open: Vec<&str> = mountinfo
+    let mut gated = Vec::new();
+    let mut open = Vec::new();
+    for l in mountinfo
         .lines()
         .filter(|l| l.contains(" fuse.awcpfs ") && l.contains("allow_other"))
-        .filter_map(|l| l.split(' ').nth(4))
-        .collect();
-    if open.is_empty() {
-        check(
-            NAME,
-            Status::Ok,
-            "no awcpfs mount here lets other users in (no allow_other)".into(),
-            None,
-        )
-    } else {
-        check(
+    {
+        let Some(mp) = l.split(' ').nth(4) else {
+            continue;
+        };
+        // mountinfo escapes space, tab, newline and backslash as octal.
+        let mp = mp
+            .replace("\\040", " ")
+            .replace("\\011", "\t")
+            .replace("\\012", "\n")
+            .replace("\\134", "\\");
+        match gate_of(std::path::Path::new(&mp)) {
+            Some(gate) => gated.push(format!("{mp} (behind {})", gate.display())),
+            None => open.push(mp),
+        }
+    }
+    if !open.is_empty() {
+        return check(
             NAME,
             Status::Warn,
             format!(
-                "awcpfs mounts open to every user (allow_other): {} (with --agent-user that \
-                 is expected; the work directory keeps others out)",
+                "awcpfs mounts open to every user who can reach them (allow_other, no private \
+                 directory above): {}",
                 open.join(", ")
             ),
-            Some("run the Executor without --allow-other"),
-        )
+            Some(
+                "run the Executor with the default --mount-access path and keep its work \
+                 directory 0700 (a standalone mount: --access path below a 0700 directory)",
+            ),
+        );
     }
+    let detail = if gated.is_empty() {
+        "no awcpfs mount here lets other users in (no allow_other)".into()
+    } else {
+        format!(
+            "awcpfs mounts served like local directories, other users kept out by the path: {}",
+            gated.join(", ")
+        )
+    };
+    check(NAME, Status::Ok, detail, None)
+}
+
+/// The gate of a mount seen in mountinfo: judged for the mounting user (`user_id`, root
+/// here) and the owner of the mount's root (an Executor's `--agent-user`).
+pub fn mount_gate(mountpoint: &std::path::Path) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut users = vec![nix::unistd::geteuid().as_raw()];
+    if let Ok(m) = std::fs::metadata(mountpoint) {
+        users.push(m.uid());
+    }
+    awcpfs::mount::access::gate(mountpoint, &users)
 }
 
 /// Is this Executor's AWCP endpoint there?
@@ -419,11 +457,30 @@ mod tests {
         );
 
         let closed = "36 25 0:50 / /x/work/dlg_1 rw,nosuid,nodev - fuse.awcpfs awcpfs:dlg_1 rw,user_id=0,group_id=0,default_permissions";
-        assert_eq!(mount_access(closed).status, Status::Ok);
+        let no_gate = |_: &std::path::Path| None;
+        assert_eq!(mount_access(closed, no_gate).status, Status::Ok);
         let open = format!("{closed},allow_other");
-        let w = mount_access(&open);
+        let w = mount_access(&open, no_gate);
         assert_eq!(w.status, Status::Warn);
         assert!(w.detail.contains("/x/work/dlg_1"), "{}", w.detail);
+        // Behind a private directory it is what the default asks for.
+        let behind = mount_access(&open, |p: &std::path::Path| {
+            p.parent().map(std::path::Path::to_path_buf)
+        });
+        assert_eq!(behind.status, Status::Ok);
+        assert!(
+            behind.detail.contains("behind /x/work"),
+            "{}",
+            behind.detail
+        );
+        // Escaped names come back whole.
+        let spaced = open.replace("dlg_1 rw,nosuid", "my\\040ws rw,nosuid");
+        let seen = std::cell::RefCell::new(Vec::new());
+        mount_access(&spaced, |p: &std::path::Path| {
+            seen.borrow_mut().push(p.to_path_buf());
+            None
+        });
+        assert_eq!(seen.into_inner(), [PathBuf::from("/x/work/my ws")]);
     }
 
     #[test]

@@ -81,10 +81,11 @@ pub struct ExecutorConfig {
     /// When set, INVITE must carry it as `auth.credential` (else `AUTH_FAILED`), and every
     /// other request to `/awcp` as `Authorization: Bearer <token>` (else 401).
     pub token: Option<String>,
-    /// Let every user of this machine into the mounts (`executor --allow-other`: FUSE
-    /// `allow_other` with `default_permissions`). Off: only the Executor's user, or the
-    /// agent user, gets in.
-    pub allow_other: bool,
+    /// Who the kernel lets into the mounts (`executor --mount-access`, see
+    /// [`awcpfs::mount::access`]): by default every process that reaches a mount through
+    /// the 0700 work directory (the Executor's user, the agent user, and processes of the
+    /// agent that change user inside), served by the files' modes.
+    pub mount_access: awcpfs::mount::MountAccess,
     /// Run the agent as this (non-root) user; the mounts' files are then its own.
     pub agent_user: Option<AgentUser>,
 }
@@ -184,7 +185,7 @@ impl ExecutorConfig {
             },
             max_body_bytes: 512 << 20,
             token: None,
-            allow_other: false,
+            mount_access: awcpfs::mount::MountAccess::Path,
             agent_user: None,
         }
     }
@@ -300,6 +301,12 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
     // Absolute, so ACCEPT's executorWorkDir and the agent's AWCP_WORKSPACE are usable anywhere.
     cfg.work_dir = std::path::absolute(&cfg.work_dir)?;
     cfg.state_dir = std::path::absolute(&cfg.state_dir)?;
+    anyhow::ensure!(
+        !(cfg.agent_user.is_some() && cfg.mount_access == awcpfs::mount::MountAccess::Owner),
+        "--mount-access owner keeps --agent-user out of its own mounts (root mounts them): \
+         use the default --mount-access path, which lets in only who passes the 0700 work \
+         directory"
+    );
     // Private (0700): mount state holds handles (tokens), journals and workspace content;
     // the work directory leads into the mounts.
     for dir in [&cfg.work_dir, &cfg.state_dir] {

@@ -13,7 +13,7 @@ use awcp_lease::{Lease, LeaseTerms, SystemClock};
 use awcp_protocol::TransportHandle;
 use awcp_protocol::transport::AwcpfsHandle;
 use awcpfs::export::{ExportConfig, ExportRegistry};
-use awcpfs::mount::{Mount, MountConfig};
+use awcpfs::mount::{Mount, MountAccess, MountConfig};
 
 /// Project a directory onto another machine with FUSE: lazy content, live write-back,
 /// access bounded by a lease.
@@ -110,10 +110,16 @@ enum Command {
         /// when the export does not answer; also the bound on each data-plane request.
         #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
         read_timeout_secs: u64,
-        /// Let every user of this machine into the mount (FUSE allow_other, with the
-        /// kernel checking mode bits): they can then read the workspace wherever its
-        /// files' modes allow. Default: only the user who mounts it.
-        #[arg(long)]
+        /// Who may use the mount. `path` (default): like a local directory at the
+        /// mountpoint — when a directory above it keeps other users out (0700, say), every
+        /// process that gets in (a test suite that switches to `nobody` inside, `sudo -u`)
+        /// is served by the files' modes; where the path is open to others, only you.
+        /// `owner`: only you, always. `all`: every user who can reach the mountpoint, the
+        /// files' modes deciding (FUSE allow_other).
+        #[arg(long, value_enum, default_value_t = MountAccess::Path)]
+        access: MountAccess,
+        /// The same as `--access all`.
+        #[arg(long, hide = true, conflicts_with = "access")]
         allow_other: bool,
         /// What to fetch before it is read. `none`: nothing — every byte crosses the
         /// network only when read (least traffic; each first read of a file costs a round
@@ -373,6 +379,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             track_opens,
             writeback_cache,
             read_timeout_secs,
+            access,
             allow_other,
             hydrate,
         } => {
@@ -393,14 +400,21 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.kernel.passthrough = passthrough;
             cfg.kernel.no_open = !track_opens;
             cfg.kernel.writeback_cache = writeback_cache;
-            cfg.allow_other = allow_other;
+            cfg.access = if allow_other {
+                MountAccess::All
+            } else {
+                access
+            };
             if let Some(policy) = hydrate {
                 cfg.hydrate = policy;
             }
+            let access_choice = cfg.access;
             let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
             eprintln!(
-                "awcpfs: mounted at {}; Ctrl-C unmounts (after writing changes back)",
-                mountpoint.display()
+                "awcpfs: mounted at {}; Ctrl-C unmounts (after writing changes back)\n\
+                 awcpfs: access: {}",
+                mountpoint.display(),
+                mount.access().describe(access_choice)
             );
             let m = mount.clone();
             let ended = tokio::task::spawn_blocking(move || {

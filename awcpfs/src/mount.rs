@@ -2,12 +2,14 @@
 //!
 //! Layers, top to bottom:
 //! * [`session`] — a mount's life: start, lease watching, fencing, final flush, unmount;
+//! * [`access`] — who the kernel lets in (`allow_other` only behind a private path);
 //! * `fuse` — the thin `fuser::Filesystem` adapter (no logic);
 //! * [`fs`] and [`content`] — the operations as plain functions over the inode table;
 //! * [`posix`] — extended attributes and `fallocate`;
 //! * [`inode`], [`journal`], [`sync`] — the namespace, its durable log, and write-back;
 //! * [`remote`] — the data-plane client behind a trait.
 
+pub mod access;
 pub mod aecp;
 pub mod budget;
 pub mod cached;
@@ -29,5 +31,6 @@ pub mod stats;
 pub mod sync;
 pub mod upstream;
 
+pub use access::MountAccess;
 pub use error::{EndReason, FsError};
 pub use session::{Mount, MountConfig, MountError, MountStatus};

@@ -3,7 +3,7 @@
 //! daemon API, the Executor's routes of a running delegation, the state files on disk and
 //! the mount. (Issue 18: the daemon took any local caller, anyone could fetch, delete or
 //! cancel a delegation on the Executor, the state directory was 0755 with tokens in a 0644
-//! WAL, and the mount was opened with `allow_other`.)
+//! WAL, and the mount was opened with `allow_other` where every user could reach it.)
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -210,11 +210,29 @@ async fn another_local_user_gets_nothing_from_the_daemon_the_executor_the_disk_o
     nobody_cannot_read(&daemon_state.join("delegator.db-wal"));
     nobody_cannot_read(&token_file);
 
-    // The mount: even with every directory above it opened, another uid gets EACCES.
-    std::fs::set_permissions(exec.join("work"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The mount: the 0700 work directory keeps another uid out of it, by name...
     let mp = h.mountpoint(&id);
     nobody_cannot_read(&mp);
     nobody_cannot_read(&mp.join("README.md"));
+    // ...while a process of the agent that drops to another uid inside the workspace (a
+    // test suite run as root does) is served by the files' modes, as in a local directory
+    // behind the same 0700 directory: it reads a 0644 file and may not write.
+    let inside = Command::new("setpriv")
+        .args([
+            format!("--reuid={NOBODY}"),
+            format!("--regid={NOBODY}"),
+            "--clear-groups".into(),
+        ])
+        .args(["sh", "-c", "cat README.md && ! touch nobodys 2>/dev/null"])
+        .current_dir(&mp)
+        .output()
+        .unwrap();
+    assert!(
+        inside.status.success() && !inside.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&inside.stderr)
+    );
+    assert!(!mp.join("nobodys").exists());
     // Root, the mounting user, still works there.
     assert_eq!(
         std::fs::read_to_string(mp.join("kept.txt")).unwrap(),

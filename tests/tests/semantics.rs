@@ -62,12 +62,12 @@ async fn operations_match(passthrough: bool, writeback_cache: bool) {
         "python3 {s} . > ../../../mount.out 2>&1; python3 {s} ../../../native > ../../../native.out 2>&1",
         s = script.display()
     );
-    // Some checks act as another user (a non-owner's write clearing set-user-ID), which
-    // needs the mount opened to other users, as a native directory is.
+    // Some checks act as another user (a non-owner's write clearing set-user-ID): the
+    // default mount access serves them, as a native directory does, since the Executor's
+    // 0700 work directory keeps every other user out.
     let h = Harness::start_with(&agent, |c| {
         c.passthrough = passthrough;
         c.writeback_cache = writeback_cache;
-        c.allow_other = true;
     })
     .await;
     let repo = h.path("repo");
@@ -202,8 +202,9 @@ async fn special_files_owners_and_long_names_match_a_native_directory() {
         s = script.display()
     );
     // The script acts as other users on the mount too (chown/chmod rules, sticky
-    // directories), which needs the mount opened to them.
-    let h = Harness::start_with(&agent, |c| c.allow_other = true).await;
+    // directories), from its working directory there: the default mount access serves
+    // them by the files' modes, as a native directory would.
+    let h = Harness::start(&agent).await;
     let repo = h.path("repo");
     std::fs::create_dir_all(&repo).unwrap();
     // A Delegator file that the mount replaces with a FIFO.

@@ -732,9 +732,10 @@ fn mount_config(ex: &Executor, p: &MountPlan, received: std::time::Instant) -> M
     mcfg.request_timeout = ex.cfg.read_timeout;
     mcfg.sync_debounce = ex.cfg.sync_debounce;
     mcfg.block_cache = ex.block_cache.clone();
-    // The kernel lets only the mounting uid (root) in without allow_other: an agent user
-    // needs it, and is kept the only other user by the 0700 work directory it owns.
-    mcfg.allow_other = ex.cfg.allow_other || ex.cfg.agent_user.is_some();
+    // The kernel lets only the mounting uid (root) in without allow_other: an agent user,
+    // and the agent's processes that change user, need it; the 0700 work directory keeps
+    // everyone else out (the mount checks that it does, see awcpfs::mount::access).
+    mcfg.access = ex.cfg.mount_access;
     mcfg.owner = ex.cfg.agent_user.as_ref().map(|u| (u.uid, u.gid));
     mcfg
 }

@@ -82,10 +82,11 @@ pub struct MountConfig {
     /// Renew the lease with the export when less than this is left (`None`: never; the
     /// Delegator then decides alone, with `awcp-ctl renew`).
     pub renew_margin: Option<Duration>,
-    /// Let every user of this machine use the mount (FUSE `allow_other`; the kernel then
-    /// checks the mode bits, `default_permissions`). Off: only the mounting user (and
-    /// with `owner`, the mount's owner through a private parent directory) gets in.
-    pub allow_other: bool,
+    /// Who the kernel lets in ([`super::access`]): by default every process that can
+    /// reach the mountpoint when a private directory above it keeps other users out (FUSE
+    /// `allow_other`, the kernel checking mode bits with `default_permissions`), else only
+    /// the mounting user and `owner`.
+    pub access: super::MountAccess,
     /// Who owns every file and directory of the mount (uid, gid); default the mounting
     /// process's effective ids.
     pub owner: Option<(u32, u32)>,
@@ -121,7 +122,7 @@ impl MountConfig {
             kernel: KernelOptions::default(),
             hydrate: HydratePolicy::default_for(endpoint),
             renew_margin: None,
-            allow_other: false,
+            access: super::MountAccess::default(),
             owner: None,
         }
     }
@@ -235,6 +236,8 @@ struct Inner {
     ended_cv: Condvar,
     unsynced: AtomicBool,
     hooks: Mutex<Vec<EndHook>>,
+    /// Who the kernel lets in, as decided at start.
+    access: super::access::Decision,
 }
 
 /// A running mount. Cheap to clone; all clones control the same mount.
@@ -311,6 +314,12 @@ fn ensure_fusectl() {
 }
 
 impl Mount {
+    /// Who the kernel lets into this mount, and the directory that keeps others out
+    /// (decided at start from [`MountConfig::access`]).
+    pub fn access(&self) -> &super::access::Decision {
+        &self.inner.access
+    }
+
     /// Mount the export described by `cfg` over HTTP.
     pub fn start(cfg: MountConfig) -> Result<Mount, MountError> {
         let remote = Arc::new(HttpRemote::new(
@@ -437,8 +446,16 @@ impl Mount {
         let mut fcfg = fuser::Config::default();
         fcfg.mount_options = options;
         // Without allow_other the kernel (and fuser) let only the mounting uid in: the
-        // workspace is not every local user's to read.
-        fcfg.acl = if cfg.allow_other {
+        // workspace is not every local user's to read. With it, a private directory above
+        // the mountpoint (or the user's explicit --access all) keeps others out.
+        let users = [nix::unistd::geteuid().as_raw(), uid];
+        let access = super::access::decide(cfg.access, &cfg.mountpoint, &users);
+        tracing::info!(
+            mountpoint = %cfg.mountpoint.display(),
+            "mount access: {}",
+            access.describe(cfg.access)
+        );
+        fcfg.acl = if access.allow_other {
             fuser::SessionACL::All
         } else {
             fuser::SessionACL::Owner
@@ -481,6 +498,7 @@ impl Mount {
             ended_cv: Condvar::new(),
             unsynced: AtomicBool::new(false),
             hooks: Mutex::new(Vec::new()),
+            access,
         });
         let mount = Mount { inner };
         mount.spawn_threads();
