@@ -29,6 +29,7 @@ pub mod session;
 pub mod special;
 pub mod stats;
 pub mod sync;
+pub mod upper;
 pub mod upstream;
 
 pub use access::MountAccess;

@@ -1051,7 +1051,7 @@ impl AwcpFs {
                 return Err(FsError::Exists);
             }
             let ino = table.alloc_ino();
-            std::fs::File::create(self.upper_path(ino))?;
+            self.upper.create(ino)?;
             let node = self.new_node(
                 &table,
                 caller,
@@ -1338,7 +1338,7 @@ impl AwcpFs {
             }
             if node.unlinked && node.open_handles == 0 {
                 table.remove(h.ino);
-                let _ = std::fs::remove_file(self.upper_path(h.ino));
+                self.upper.remove(h.ino);
             }
         }
         drop(table);

@@ -134,6 +134,8 @@ pub struct AwcpFs {
     pub(super) streams: Mutex<HashMap<Ino, Arc<super::content::Stream>>>,
     /// Copies of remote files fetched for reading (`upper/.pack`).
     pub(super) pack: super::pack::Pack,
+    /// The upper files, with the pool of emptied ones ([`super::upper`]).
+    pub(super) upper: super::upper::UpperFiles,
     /// AECP: the access observer and the `.aecp/` tree (`mount/aecp.rs`).
     pub(super) aecp: super::aecp::MountAecp,
     /// The agent's fetches before background ones (`mount/hydrate.rs`).
@@ -260,6 +262,7 @@ impl AwcpFs {
             recent_writes: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             pack: super::pack::Pack::new(opts.upper_dir.join(".pack"), pack_limit),
+            upper: super::upper::UpperFiles::new(opts.upper_dir.clone()),
             aecp: super::aecp::MountAecp::new(opts.uid, opts.gid),
             priority: Default::default(),
             hydration: Default::default(),
@@ -326,7 +329,7 @@ impl AwcpFs {
             drop(table);
             self.recent_writes.lock().remove(&ino);
             if kind == Kind::File {
-                let _ = std::fs::remove_file(self.upper_path(ino));
+                self.upper.remove(ino);
             }
         }
     }
@@ -493,7 +496,7 @@ impl AwcpFs {
     }
 
     pub(super) fn upper_path(&self, ino: Ino) -> PathBuf {
-        self.opts.upper_dir.join(ino.to_string())
+        self.upper.path(ino)
     }
 
     fn dir_mut(table: &mut InodeTable, ino: Ino) -> Result<&mut Node, FsError> {
@@ -720,7 +723,7 @@ impl AwcpFs {
             table.remove(ino);
             if kind == Kind::File {
                 // The upper file may not exist (never fetched): nothing to remove then.
-                let _ = std::fs::remove_file(self.upper_path(ino));
+                self.upper.remove(ino);
             }
         }
     }

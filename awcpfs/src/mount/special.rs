@@ -68,7 +68,7 @@ impl AwcpFs {
         }
         let ino = table.alloc_ino();
         if kind == Kind::File {
-            std::fs::File::create(self.upper_path(ino))?;
+            self.upper.create(ino)?;
         }
         let node = self.new_node(
             &table,

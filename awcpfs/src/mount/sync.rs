@@ -780,6 +780,11 @@ impl Syncer {
                 break;
             }
         }
+        // The node's upper file is recycled for another new file only after the node left
+        // the table (`super::upper`): if it is still there now, what was read was its own.
+        if self.fs.table.lock().get(ino).is_none() {
+            return Ok(None);
+        }
         Ok(Some(Hashed {
             hash: *whole.finalize().as_bytes(),
             size,
