@@ -213,9 +213,10 @@ fn files_under_options(
     files
         .into_iter()
         .filter(|(k, _)| {
-            !explicit.contains(k)
-                && !(credentials && matches!(k, AccessKeyId | SecretAccessKey | Token))
-                && !(endpoint && matches!(k, AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp)))
+            let dropped = explicit.contains(k)
+                || (credentials && matches!(k, AccessKeyId | SecretAccessKey | Token))
+                || (endpoint && matches!(k, AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp)));
+            !dropped
         })
         .collect()
 }
