@@ -299,8 +299,13 @@ struct ServeArgs {
     /// region and credentials come from the usual AWS variables:
     /// AWS_ENDPOINT_URL (a non-AWS store), AWS_REGION, AWS_ACCESS_KEY_ID,
     /// AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ALLOW_HTTP=true (an http:// endpoint),
-    /// or web-identity/container/instance credentials. The Executors never get these keys.
-    /// See docs/SCALING.md, "Block tier".
+    /// web identity; what they leave unset, from the AWS shared files of profile
+    /// AWS_PROFILE (else default), as the AWS CLI reads them: aws_access_key_id,
+    /// aws_secret_access_key, aws_session_token of ~/.aws/credentials
+    /// (AWS_SHARED_CREDENTIALS_FILE), region and endpoint_url of ~/.aws/config
+    /// (AWS_CONFIG_FILE); last, container or instance credentials. Keys come as a group
+    /// from one place. The Executors never get these keys. See docs/SCALING.md, "Block
+    /// tier".
     #[arg(long, value_name = "s3://BUCKET/PREFIX")]
     blocks: Option<String>,
     /// Block tier: how long a presigned URL stays valid. Never longer than the lease's

@@ -3,7 +3,8 @@
 //! `GET`s counted, small blocks packed and read by range, a corrupted object or pack region
 //! refused by hash and fetched from the Delegator, a restarted daemon that finds the packs,
 //! a revoke that ends store access, a second delegation of a workspace already in the
-//! store, and mounts that do not read ranges still served a URL per block.
+//! store, mounts that do not read ranges still served a URL per block, and an `awcp-ctl
+//! serve --blocks` whose only credentials, region and endpoint are in the AWS shared files.
 //!
 //! Skipped loudly where FUSE or `s3s-fs` is missing, failed under `CI=true`.
 
@@ -525,5 +526,160 @@ async fn s3blocks_write_back_goes_through_the_store() {
             "block {hash} of new.bin is not in the store"
         );
     }
+    h.stop().await;
+}
+
+/// A Delegator whose only word on the store is in the AWS shared files: `awcp-ctl serve
+/// --blocks` with no `AWS_*` credentials, region or endpoint in its environment, but a
+/// profile (`AWS_PROFILE`) with the keys in `$HOME/.aws/credentials` and the region and
+/// the `http://` endpoint in `$HOME/.aws/config`, opens the tier and the Executor reads the
+/// workspace from the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3blocks_credentials_from_the_aws_shared_files() {
+    let Some(s3) = setup() else { return };
+    let Some(bin) = fleet::awcp_ctl_bin() else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "this test needs the awcp-ctl binary beside the tests (cargo nextest run --workspace builds it)"
+        );
+        eprintln!(
+            "\n!!!!!!!! SKIPPING the shared-files test: no awcp-ctl binary beside the tests (cargo build -p awcp-ctl) !!!!!!!!\n"
+        );
+        return;
+    };
+    let prefix = "sharedfiles";
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(home.join(".aws")).unwrap();
+    std::fs::write(
+        home.join(".aws/credentials"),
+        format!(
+            "[default]\naws_access_key_id = WRONG\naws_secret_access_key = WRONG\n\n\
+             # the Delegator's keys\n[awcp-tier]\naws_access_key_id = {}\naws_secret_access_key = {}\n",
+            awcp_tests::s3::ACCESS_KEY,
+            awcp_tests::s3::SECRET_KEY
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        home.join(".aws/config"),
+        format!(
+            "[profile awcp-tier]\nregion = {}\nendpoint_url = {}\n",
+            awcp_tests::s3::REGION,
+            s3.endpoint
+        ),
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    // The Executor (in this process; its daemon idles) keeps no block cache.
+    let agent = format!("cat big.bin > {}/$AWCP_DELEGATION_ID", out.display());
+    let h = Harness::start_full(&agent, |_| {}, |e| e.block_cache = None).await;
+
+    let port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (api, export) = (port(), port());
+    let state = tmp.path().join("delegator");
+    let log = tmp.path().join("serve.log");
+    let log_file = std::fs::File::create(&log).unwrap();
+    let mut cmd = std::process::Command::new(&bin);
+    cmd.args(["serve", "--listen", &format!("127.0.0.1:{api}")])
+        .args(["--export-listen", &format!("127.0.0.1:{export}")])
+        .arg("--state-dir")
+        .arg(&state)
+        .args([
+            "--blocks",
+            &format!("s3://{}/{prefix}", awcp_tests::s3::BUCKET),
+        ])
+        .env("HOME", &home)
+        .env("AWS_PROFILE", "awcp-tier")
+        .stdout(log_file.try_clone().unwrap())
+        .stderr(log_file);
+    for (k, _) in std::env::vars_os() {
+        if k.to_str()
+            .is_some_and(|k| k.starts_with("AWS_") && k != "AWS_PROFILE")
+        {
+            cmd.env_remove(k);
+        }
+    }
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut serve = Kill(cmd.spawn().unwrap());
+    let token_file = state.join("api-token");
+    let health = format!("http://127.0.0.1:{api}/health");
+    let up = awcp_tests::eventually(Duration::from_secs(30), || {
+        serve.0.try_wait().unwrap().is_some()
+            || (token_file.is_file() && std::net::TcpStream::connect(("127.0.0.1", api)).is_ok())
+    })
+    .await
+        && serve.0.try_wait().unwrap().is_none();
+    assert!(
+        up && reqwest::get(&health)
+            .await
+            .is_ok_and(|r| r.status().is_success()),
+        "the daemon did not start with the tier from the shared files: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let token = std::fs::read_to_string(&token_file).unwrap();
+    let client = awcp_ctl::client::DaemonClient::new(&format!("http://127.0.0.1:{api}"))
+        .with_token(Some(token.trim().to_owned()));
+
+    let ws = tmp.path().join("ws");
+    fleet::make_workspace(&ws, 1, 100, 3 * BLOCK + 1000);
+    let req = awcp_tests::request(
+        h.executor.awcp_url(),
+        &[("workspace", &ws, AccessMode::Ro)],
+        300,
+    );
+    let id = client
+        .delegate(&req)
+        .await
+        .expect("delegate")
+        .delegation_id
+        .as_str()
+        .to_string();
+    let view = loop {
+        let v = client.get(&id).await.expect("status");
+        if v.record.state.is_terminal() {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(view.record.state, DelegationState::Completed, "{view:?}");
+    assert!(
+        std::fs::read(out.join(&id)).unwrap() == std::fs::read(ws.join("big.bin")).unwrap(),
+        "big.bin read back wrong"
+    );
+    // The mount read through the store the daemon reached with the files' keys.
+    assert!(
+        transfer(&view, "storeUrls") >= 1,
+        "the mount did not use the store: {:?}",
+        view.transfer
+    );
+    let blocks = block_hashes(&ws, BLOCK);
+    assert!(
+        awcp_tests::eventually(Duration::from_secs(30), || s3.stored_blocks(prefix).len()
+            >= blocks.len())
+        .await,
+        "the store holds {} of {} blocks",
+        s3.stored_blocks(prefix).len(),
+        blocks.len()
+    );
+    let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !log_text.contains(awcp_tests::s3::SECRET_KEY),
+        "the daemon logged the secret"
+    );
+    drop(serve);
     h.stop().await;
 }

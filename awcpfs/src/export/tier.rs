@@ -33,15 +33,17 @@ use std::time::Duration;
 
 use futures::future::{BoxFuture, Shared};
 use futures::{FutureExt, StreamExt};
-use object_store::ObjectStore;
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path as ObjPath;
 use object_store::signer::Signer;
+use object_store::{ClientConfigKey, ObjectStore};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
 use super::store::{BlockHash, hash_hex, parse_hash};
 use crate::blockobj::{self, PackBuilder, PackEntry};
+
+pub mod awsfiles;
 
 /// Concurrent uploads of one export's background upload.
 const WARM_CONCURRENCY: usize = 8;
@@ -94,10 +96,16 @@ type PackingFuture = Shared<BoxFuture<'static, u64>>;
 /// Where the block tier is and how it behaves.
 #[derive(Debug, Clone)]
 pub struct BlockTierConfig {
-    /// `s3://bucket` or `s3://bucket/prefix`. Endpoint, region and credentials come from the
-    /// usual AWS environment variables (`AWS_ENDPOINT_URL`, `AWS_REGION`,
-    /// `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP`,
-    /// web identity, container and instance credentials), unless `options` sets them.
+    /// `s3://bucket` or `s3://bucket/prefix`. Endpoint, region and credentials come, first
+    /// found first, from `options`, from the usual AWS environment variables
+    /// (`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+    /// `AWS_SESSION_TOKEN`, `AWS_ALLOW_HTTP`, web identity), from the AWS shared files of
+    /// profile `AWS_PROFILE` (else `default`) — `aws_access_key_id`,
+    /// `aws_secret_access_key`, `aws_session_token` of `~/.aws/credentials` (or
+    /// `AWS_SHARED_CREDENTIALS_FILE`), else of the config file; `region` and `endpoint_url`
+    /// of `~/.aws/config` (or `AWS_CONFIG_FILE`), an `http://` one allowing plain HTTP; see
+    /// [`awsfiles`] — and last from the container or instance metadata service. Credentials
+    /// are taken as a group, from one place only.
     pub url: String,
     /// How long a presigned URL stays valid (at least 1 s); the export caps it further at
     /// the lease's flush grace.
@@ -128,7 +136,7 @@ pub enum TierError {
     },
     /// The store did not answer a listing of the prefix.
     #[error(
-        "cannot list {url} (check AWS_ENDPOINT_URL, AWS_REGION and the credentials in the environment): {message}"
+        "cannot list {url} (check the endpoint, region and credentials: AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID… in the environment, or the profile in ~/.aws/config and ~/.aws/credentials): {message}"
     )]
     Unreachable {
         /// The URL given.
@@ -188,6 +196,31 @@ impl std::fmt::Debug for BlockTier {
     }
 }
 
+/// The settings from the AWS shared files that `options` (explicit settings) leave to them:
+/// none of the credentials when `options` has any (a key and a secret from two places never
+/// meet), no endpoint (nor the plain HTTP that came with it) when `options` has one, and no
+/// key `options` has.
+fn files_under_options(
+    files: Vec<(AmazonS3ConfigKey, String)>,
+    options: impl Iterator<Item = AmazonS3ConfigKey>,
+) -> Vec<(AmazonS3ConfigKey, String)> {
+    use AmazonS3ConfigKey::{AccessKeyId, Endpoint, SecretAccessKey, Token};
+    let explicit: HashSet<AmazonS3ConfigKey> = options.collect();
+    let credentials = [AccessKeyId, SecretAccessKey, Token]
+        .iter()
+        .any(|k| explicit.contains(k));
+    let endpoint = explicit.contains(&Endpoint);
+    files
+        .into_iter()
+        .filter(|(k, _)| {
+            let dropped = explicit.contains(k)
+                || (credentials && matches!(k, AccessKeyId | SecretAccessKey | Token))
+                || (endpoint && matches!(k, AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp)));
+            !dropped
+        })
+        .collect()
+}
+
 /// Split `s3://bucket/prefix` into the bucket and the prefix (without slashes at its ends).
 fn parse_url(url: &str) -> Option<(String, String)> {
     let rest = url.strip_prefix("s3://")?;
@@ -210,14 +243,31 @@ impl BlockTier {
         let (bucket, prefix) = parse_url(&cfg.url).ok_or_else(|| TierError::BadUrl {
             url: cfg.url.clone(),
         })?;
+        let config_error = |message: String| TierError::Config {
+            url: cfg.url.clone(),
+            message,
+        };
+        let options = cfg
+            .options
+            .iter()
+            .map(|(k, v)| Ok((k.parse::<AmazonS3ConfigKey>()?, v)))
+            .collect::<Result<Vec<_>, object_store::Error>>()
+            .map_err(|e| config_error(e.to_string()))?;
+        // Precedence: `options`, then the environment, then the AWS shared files.
+        let files =
+            awsfiles::shared_config(|k| std::env::var(k).ok(), |p| std::fs::read_to_string(p))
+                .map_err(|e| config_error(e.to_string()))?;
+        let files = files_under_options(files, options.iter().map(|(k, _)| *k));
+        if !files.is_empty() {
+            // The key names only: the values hold secrets.
+            let keys: Vec<&str> = files.iter().map(|(k, _)| k.as_ref()).collect();
+            tracing::info!(?keys, "block tier: settings from the AWS shared files");
+        }
         let mut builder = AmazonS3Builder::from_env().with_bucket_name(&bucket);
-        for (k, v) in &cfg.options {
-            let key = k
-                .parse()
-                .map_err(|e: object_store::Error| TierError::Config {
-                    url: cfg.url.clone(),
-                    message: e.to_string(),
-                })?;
+        for (key, v) in files {
+            builder = builder.with_config(key, v);
+        }
+        for (key, v) in options {
             builder = builder.with_config(key, v);
         }
         let s3 = builder.build().map_err(|e| TierError::Config {
@@ -811,6 +861,38 @@ mod tests {
         let slot = |h: u8| t.at[&[h; 32]];
         assert_eq!((slot(2).pack, slot(2).offset), (0, 10));
         assert_eq!((slot(3).pack, slot(3).offset), (1, 10));
+    }
+
+    #[test]
+    fn explicit_options_win_over_the_shared_files_without_mixing() {
+        use AmazonS3ConfigKey::{AccessKeyId, Endpoint, Region, SecretAccessKey, Token};
+        let http = AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp);
+        let files = || {
+            [
+                (AccessKeyId, "AKIA1"),
+                (SecretAccessKey, "s1"),
+                (Token, "t1"),
+                (Region, "eu-west-1"),
+                (Endpoint, "http://files.example"),
+                (http, "true"),
+            ]
+            .map(|(k, v)| (k, v.to_owned()))
+            .to_vec()
+        };
+        let kept = |options: &[AmazonS3ConfigKey]| -> Vec<AmazonS3ConfigKey> {
+            files_under_options(files(), options.iter().copied())
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect()
+        };
+        assert_eq!(kept(&[]).len(), 6);
+        // A secret alone in the options: no key id (nor token) from the files.
+        assert_eq!(kept(&[SecretAccessKey]), vec![Region, Endpoint, http]);
+        // An endpoint in the options: the file's, and its plain HTTP, are not used.
+        assert_eq!(
+            kept(&[Endpoint, Region]),
+            vec![AccessKeyId, SecretAccessKey, Token]
+        );
     }
 
     #[test]
