@@ -43,6 +43,11 @@ impl Drop for Setup {
 
 /// An export of a small tree and a mount of it with the writeback cache on.
 fn setup() -> Setup {
+    setup_with(|_| {})
+}
+
+/// [`setup`], with the mount's configuration adjusted by `adjust`.
+fn setup_with(adjust: impl FnOnce(&mut MountConfig)) -> Setup {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     let mnt = tmp.path().join("mnt");
@@ -88,6 +93,7 @@ fn setup() -> Setup {
     cfg.manifest_digest = Some(export.manifest_digest());
     cfg.remaining = Some(Duration::from_secs(600));
     cfg.kernel.writeback_cache = true;
+    adjust(&mut cfg);
     let mount = Mount::start(cfg).unwrap();
     assert!(
         mount.fs().writeback_cache(),
@@ -270,5 +276,41 @@ fn wbcache_a_delegator_change_under_a_cached_file_shows_on_the_mount() {
     eventually("the Delegator has the Executor's new mine.txt", || {
         read(&s.src.join("mine.txt")).as_deref()
             == Some(b"written again on the Executor\n".as_slice())
+    });
+}
+
+#[test]
+fn wbcache_appends_land_once_when_the_kernel_writes_a_page_back_twice() {
+    if !fuse_available() {
+        return;
+    }
+    // Opens reach the mount (`--track-opens`), which opens its upper file for each. The
+    // kernel places appends itself under the cache and writes the page back from offset
+    // 0, once at the fsync and again at the close.
+    let s = setup_with(|c| c.kernel.no_open = false);
+    let p = s.mnt.join("log.txt");
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(&p)
+        .unwrap();
+    f.write_all(b"first line\n").unwrap();
+    f.sync_all().unwrap();
+    f.write_all(b"second line\n").unwrap();
+    nix::unistd::close(f).unwrap();
+    let want = b"first line\nsecond line\n".to_vec();
+    let ino = std::fs::metadata(&p).unwrap().ino();
+    assert_eq!(s.mount.fs().getattr(ino).unwrap().size, want.len() as u64);
+    // What the mount serves, past the kernel's pages.
+    nix::fcntl::posix_fadvise(
+        std::fs::File::open(&p).unwrap(),
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .unwrap();
+    assert_eq!(read(&p), Some(want.clone()));
+    eventually("the Delegator has log.txt once", || {
+        read(&s.src.join("log.txt")).as_ref() == Some(&want)
     });
 }

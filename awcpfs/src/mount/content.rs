@@ -943,7 +943,13 @@ impl AwcpFs {
         Ok(attr)
     }
 
-    fn open_upper(&self, ino: Ino, mode: OpenMode) -> Result<u64, FsError> {
+    fn open_upper(&self, ino: Ino, mut mode: OpenMode) -> Result<u64, FsError> {
+        // Under the writeback cache the kernel places appends itself and writes whole
+        // pages back at their offsets: an upper file opened `O_APPEND` would append each
+        // page again (Linux `pwrite` ignores the offset then).
+        if self.writeback_cache() {
+            mode.append = false;
+        }
         let file = OpenOptions::new()
             .read(true)
             .write(mode.write)
