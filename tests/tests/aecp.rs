@@ -38,13 +38,25 @@ fn xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_finding_reaches_the_other_worker_at_the_point_of_use_until_refuted() {
+    finding_reaches_the_point_of_use(false).await;
+}
+
+/// Under the kernel's writeback cache the kernel keeps a cached file's size over the
+/// mount's: `.aecp/inbox` must still show each delivery at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wbcache_a_finding_reaches_the_other_worker_at_the_point_of_use_until_refuted() {
+    finding_reaches_the_point_of_use(true).await;
+}
+
+async fn finding_reaches_the_point_of_use(writeback_cache: bool) {
     if !fuse_available() {
         return;
     }
     // The agents only keep their mounts alive; the test plays both agents.
-    let h = Harness::start("sleep 600").await;
+    let h = Harness::start_with("sleep 600", |c| c.writeback_cache = writeback_cache).await;
     let mut cfg_b = ExecutorConfig::new("sleep 600".into(), h.path("executor-b"));
     cfg_b.listen = "127.0.0.1:0".parse().unwrap();
+    cfg_b.writeback_cache = writeback_cache;
     let executor_b = awcp_ctl::executor::start(cfg_b).await.unwrap();
 
     let ws = h.path("ws");

@@ -59,6 +59,10 @@ pub struct MountAecp {
 struct Virt {
     by_path: HashMap<String, u64>,
     by_ino: HashMap<u64, String>,
+    /// The size a lookup last gave for a virtual file's inode.
+    sizes: HashMap<u64, u64>,
+    /// The next inode number, above [`AECP_INO`].
+    next: u64,
 }
 
 impl std::fmt::Debug for MountAecp {
@@ -80,6 +84,7 @@ impl MountAecp {
         let mut virt = Virt::default();
         virt.by_path.insert(String::new(), AECP_INO);
         virt.by_ino.insert(AECP_INO, String::new());
+        virt.next = AECP_INO + 1;
         MountAecp {
             hook,
             notes: Mutex::new(Some(notes)),
@@ -154,14 +159,27 @@ impl MountAecp {
         self.hook.active()
     }
 
-    fn ino_for(&self, path: &str) -> u64 {
+    /// The inode of virtual path `vp`. A lookup passes the file's `size`: when it differs
+    /// from the one the inode was last looked up with, the path gets a new inode. Under
+    /// the writeback cache the kernel keeps a cached regular file's size over ours, even
+    /// after `inval_inode` (and with no-open it reads through its page cache up to that
+    /// size); a new inode number is a new kernel inode, built with the new size. (Virtual
+    /// entries are never cached, so every path walk looks them up.) The old number keeps
+    /// answering for the same path, for descriptors open on it.
+    fn ino_for(&self, path: &str, size: Option<u64>) -> u64 {
         let mut v = self.virt.lock();
-        if let Some(i) = v.by_path.get(path) {
-            return *i;
+        if let Some(&i) = v.by_path.get(path)
+            && (size.is_none() || v.sizes.get(&i) == size.as_ref())
+        {
+            return i;
         }
-        let ino = AECP_INO + v.by_path.len() as u64;
+        let ino = v.next;
+        v.next += 1;
         v.by_path.insert(path.to_owned(), ino);
         v.by_ino.insert(ino, path.to_owned());
+        if let Some(size) = size {
+            v.sizes.insert(ino, size);
+        }
         ino
     }
 
@@ -296,7 +314,13 @@ impl MountAecp {
             return None;
         };
         Some(match self.node(table, &vp) {
-            Some(n) => Ok(self.attr(self.ino_for(&vp), &n)),
+            Some(n) => {
+                let size = match &n {
+                    Node::File(b) => Some(b.len() as u64),
+                    Node::Dir(_) => None,
+                };
+                Ok(self.attr(self.ino_for(&vp, size), &n))
+            }
             None => Err(FsError::NotFound),
         })
     }
@@ -344,7 +368,7 @@ impl MountAecp {
                     };
                     let kind = if dir { Kind::Dir } else { Kind::File };
                     out.push(DirEntry {
-                        ino: self.ino_for(&child),
+                        ino: self.ino_for(&child, None),
                         kind,
                         name,
                     });
