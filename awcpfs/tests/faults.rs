@@ -114,6 +114,11 @@ fn setup(state_dir: Option<&Path>) -> Setup {
 }
 
 fn setup_with(state_dir: Option<&Path>, ttl: Duration) -> Setup {
+    setup_full(state_dir, ttl, false)
+}
+
+/// [`setup_with`], with the kernel's writeback cache on (`writeback_cache`).
+fn setup_full(state_dir: Option<&Path>, ttl: Duration, writeback_cache: bool) -> Setup {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     let mnt = tmp.path().join("mnt");
@@ -164,7 +169,9 @@ fn setup_with(state_dir: Option<&Path>, ttl: Duration) -> Setup {
     cfg.expires_at = Some("2099-01-01T00:00:00.000Z".into());
     cfg.remaining = Some(ttl);
     cfg.request_timeout = Duration::from_secs(2);
+    cfg.kernel.writeback_cache = writeback_cache;
     let mount = Mount::start(cfg).unwrap();
+    assert_eq!(mount.fs().writeback_cache(), writeback_cache);
     Setup {
         _tmp: tmp,
         src,
@@ -362,6 +369,17 @@ fn resets_fail_fast_and_a_slow_network_only_slows_things_down() {
 
 #[test]
 fn a_full_disk_gives_the_writer_enospc_and_nothing_breaks() {
+    full_disk(false);
+}
+
+/// Under the writeback cache `write(2)` only fills the kernel's pages: the mount's
+/// `ENOSPC` comes back from `fsync` (and `close`), the calls that promise the data.
+#[test]
+fn wbcache_a_full_disk_gives_the_writer_enospc_at_fsync_and_nothing_breaks() {
+    full_disk(true);
+}
+
+fn full_disk(writeback_cache: bool) {
     if !fuse_available() {
         return;
     }
@@ -382,12 +400,21 @@ fn a_full_disk_gives_the_writer_enospc_and_nothing_breaks() {
         }
     }
     let _guard = Unmount(small.path());
-    let s = setup(Some(&small.path().join("state")));
+    let s = setup_full(
+        Some(&small.path().join("state")),
+        Duration::from_secs(600),
+        writeback_cache,
+    );
     std::fs::write(s.mnt.join("small.txt"), "fits\n").unwrap();
-    let err = match std::fs::write(s.mnt.join("huge.bin"), vec![7u8; 4 << 20]) {
+    let mut huge = std::fs::File::create(s.mnt.join("huge.bin")).unwrap();
+    let err = match std::io::Write::write_all(&mut huge, &vec![7u8; 4 << 20]) {
+        Ok(()) if writeback_cache => huge
+            .sync_all()
+            .expect_err("fsync of 4 MiB on a 2 MiB disk succeeded"),
         Ok(()) => panic!("4 MiB written to a 2 MiB disk"),
         Err(e) => e,
     };
+    drop(huge);
     assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
     // Space comes back: writing works again, and what fit is intact. The kernel opens
     // files itself (no-open), so the mount keeps an unlinked file for descriptors it is not
