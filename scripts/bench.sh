@@ -51,7 +51,7 @@ usage: bash scripts/bench.sh [options]
                       the CPUs idle, at most 10*S in all (default 30; 10 with --quick;
                       0 = don't wait); cells measured on a busy machine are counted
   --mount-opts "..."  extra options for `awcpfs mount` (e.g. "--passthrough",
-                      "--writeback-cache", "--hydrate none")
+                      "--no-writeback-cache", "--hydrate none")
   --warm-only         skip the cold cells (fresh mounts, dropped caches): for comparing
                       mount options on the warm loop quickly
   --link-delay-ms N   emulate a network link between the Executor and the Delegator:

@@ -55,7 +55,7 @@ pub struct ExecutorConfig {
     /// Ask the mount at every open and close of an existing file (see
     /// [`awcpfs::mount::KernelOptions::no_open`]).
     pub track_opens: bool,
-    /// Let the kernel cache writes (see
+    /// Let the kernel cache writes (on by default; see
     /// [`awcpfs::mount::KernelOptions::writeback_cache`]).
     pub writeback_cache: bool,
     /// Renew each lease with the Delegator's export when less than this is left (`None`:
@@ -171,7 +171,7 @@ impl ExecutorConfig {
             passthrough: false,
             hydrate: None,
             track_opens: false,
-            writeback_cache: false,
+            writeback_cache: true,
             renew_margin: None,
             read_timeout: Duration::from_secs(30),
             sync_debounce: Duration::from_millis(50),

@@ -50,12 +50,13 @@ fn recover(handle: &Path, state: &Path) -> std::process::Output {
         .unwrap()
 }
 
+/// Without the kernel's writeback cache, a `write(2)` that returned is the mount's.
 #[test]
 fn kill_9_mid_stream_then_recover_loses_no_acknowledged_write() {
-    kill_9_mid_stream(&[]);
+    kill_9_mid_stream(&["--no-writeback-cache"]);
 }
 
-/// The same with the kernel's writeback cache: written data sits in the kernel's page cache
+/// The same with the kernel's writeback cache (the default): written data sits in the kernel's page cache
 /// until `close` or `fsync` hands it to the mount, and what they returned for must survive.
 #[test]
 fn wbcache_kill_9_mid_stream_loses_no_write_close_or_fsync_returned_for() {

@@ -314,3 +314,30 @@ fn wbcache_appends_land_once_when_the_kernel_writes_a_page_back_twice() {
         read(&s.src.join("log.txt")).as_ref() == Some(&want)
     });
 }
+
+#[test]
+fn wbcache_a_file_kept_open_reaches_the_delegator_without_a_close() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup();
+    // A log a process keeps writing without closing or syncing: the kernel would keep the
+    // pages 30 s (`dirty_expire`); the mount has it write them back every second.
+    let mut f = std::fs::File::create(s.mnt.join("app.log")).unwrap();
+    f.write_all(b"started\n").unwrap();
+    let start = Instant::now();
+    eventually("the Delegator has the open file's first line", || {
+        read(&s.src.join("app.log")).as_deref() == Some(b"started\n".as_slice())
+    });
+    f.write_all(b"still running\n").unwrap();
+    eventually("the Delegator has the open file's second line", || {
+        read(&s.src.join("app.log")).as_deref() == Some(b"started\nstill running\n".as_slice())
+    });
+    let took = start.elapsed();
+    // Still open: nothing but the periodic write-back can have sent it.
+    nix::unistd::close(f).unwrap();
+    assert!(
+        took < Duration::from_secs(10),
+        "the open file took {took:?} to reach the Delegator"
+    );
+}

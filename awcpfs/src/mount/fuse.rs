@@ -53,8 +53,9 @@ pub struct KernelOptions {
     /// `security.capability` lookups that follow one. `close` and `fsync` still write the
     /// file's dirty pages to the filesystem before they return; a Delegator-side change
     /// makes the kernel forget the inode; the end of the lease writes dirty pages back
-    /// (`syncfs`, within the flush grace) before the mount is fenced. Ignored with
-    /// `passthrough`.
+    /// (`syncfs`, within the flush grace) before the mount is fenced, and the mount has the
+    /// kernel write back every [`KERNEL_WRITEBACK_EVERY`](super::session::KERNEL_WRITEBACK_EVERY)
+    /// meanwhile. On by default; ignored with `passthrough`.
     pub writeback_cache: bool,
 }
 
@@ -65,7 +66,7 @@ impl Default for KernelOptions {
             passthrough: false,
             no_opendir: true,
             no_open: true,
-            writeback_cache: false,
+            writeback_cache: true,
         }
     }
 }

@@ -587,6 +587,11 @@ impl Mount {
             .expect("spawning a thread");
         let m = self.clone();
         std::thread::Builder::new()
+            .name("awcpfs-wbflush".into())
+            .spawn(move || m.kernel_writeback())
+            .expect("spawning a thread");
+        let m = self.clone();
+        std::thread::Builder::new()
             .name("awcpfs-status".into())
             .spawn(move || {
                 while m.wait(Duration::from_millis(500)).is_none() {
@@ -682,6 +687,34 @@ impl Mount {
                     tracing::debug!(error = %e, "lease renewal failed; retrying");
                     std::thread::sleep(Duration::from_millis(500));
                 }
+            }
+        }
+    }
+
+    /// Under the writeback cache, every [`KERNEL_WRITEBACK_EVERY`] until the mount ends:
+    /// have the kernel write back what it holds dirty, so a write to a file that stays open
+    /// reaches the mount (and the syncer, which writes it back) within about that long.
+    /// The root is opened for each round, so no descriptor of this process keeps the mount
+    /// busy.
+    fn kernel_writeback(&self) {
+        while self.wait(KERNEL_WRITEBACK_EVERY).is_none() {
+            if !self.inner.fs.writeback_cache()
+                || self.inner.ending.load(Ordering::SeqCst)
+                || self.inner.fs.fenced().is_some()
+            {
+                continue;
+            }
+            let Ok(root) = std::fs::File::open(&self.inner.cfg.mountpoint) else {
+                continue;
+            };
+            // Unmounted meanwhile, the path is the directory below: never sync that.
+            let fuse = nix::sys::statfs::fstatfs(&root)
+                .is_ok_and(|st| st.filesystem_type() == nix::sys::statfs::FUSE_SUPER_MAGIC);
+            if !fuse {
+                continue;
+            }
+            if let Err(e) = nix::unistd::syncfs(&root) {
+                tracing::debug!(error = %e, "periodic write-back of the kernel's dirty pages failed");
             }
         }
     }
@@ -1240,6 +1273,12 @@ impl Mount {
         }
     }
 }
+
+/// Under the writeback cache, how often the mount has the kernel write back its dirty pages
+/// (`syncfs`): the bound on how long a write to a file that stays open (a log, a file a
+/// process writes without closing) is the kernel's alone, instead of its 30 s
+/// `dirty_expire`. `close` and `fsync` write back at once either way.
+pub const KERNEL_WRITEBACK_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a batch of Delegator-side changes waits for the kernel to write back its dirty
 /// pages (writeback cache) before it is applied.
