@@ -171,8 +171,7 @@ fn setup_full(state_dir: Option<&Path>, ttl: Duration, writeback_cache: bool) ->
     cfg.request_timeout = Duration::from_secs(2);
     cfg.kernel.writeback_cache = writeback_cache;
     let mount = Mount::start(cfg).unwrap();
-    assert_eq!(mount.fs().writeback_cache(), writeback_cache);
-    Setup {
+    let s = Setup {
         _tmp: tmp,
         src,
         mnt,
@@ -181,6 +180,16 @@ fn setup_full(state_dir: Option<&Path>, ttl: Duration, writeback_cache: bool) ->
         lease,
         export_addr,
         _rt: rt,
+    };
+    assert_eq!(s.mount.fs().writeback_cache(), writeback_cache);
+    s
+}
+
+// Unmount at the end of every test, passed or failed (after a test's own end this waits
+// for nothing): a mount left behind outlives the test process as a dead FUSE mount.
+impl Drop for Setup {
+    fn drop(&mut self) {
+        self.mount.end(awcpfs::mount::EndReason::Unmounted, None);
     }
 }
 
