@@ -182,6 +182,7 @@ fn setup_full(state_dir: Option<&Path>, ttl: Duration, writeback_cache: bool) ->
         _rt: rt,
     };
     assert_eq!(s.mount.fs().writeback_cache(), writeback_cache);
+    assert_eq!(s.mount.status().writeback_cache, writeback_cache);
     s
 }
 

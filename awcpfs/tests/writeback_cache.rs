@@ -99,6 +99,10 @@ fn setup_with(adjust: impl FnOnce(&mut MountConfig)) -> Setup {
         mount.fs().writeback_cache(),
         "the kernel refused FUSE_WRITEBACK_CACHE"
     );
+    assert!(
+        mount.status().writeback_cache,
+        "status.json does not say so"
+    );
     Setup {
         _tmp: tmp,
         src,

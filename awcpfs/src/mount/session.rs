@@ -217,6 +217,10 @@ pub struct MountStatus {
     /// Background hydration: its policy, plan and progress.
     #[serde(default)]
     pub hydration: super::hydrate::ProgressSnapshot,
+    /// Whether the kernel's writeback cache is on (asked for and granted): written data
+    /// reaches the mount at `close`, `fsync` or within about a second.
+    #[serde(default)]
+    pub writeback_cache: bool,
 }
 
 /// Callbacks run once the mount has ended.
@@ -872,6 +876,7 @@ impl Mount {
             sync_error,
             stats,
             hydration: self.inner.fs.hydration().snapshot(),
+            writeback_cache: self.inner.fs.writeback_cache(),
         }
     }
 
