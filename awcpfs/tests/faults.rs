@@ -430,8 +430,15 @@ fn full_disk(writeback_cache: bool) {
     // files itself (no-open), so the mount keeps an unlinked file for descriptors it is not
     // told about until the kernel forgets the inode, which it does right after the unlink.
     std::fs::remove_file(s.mnt.join("huge.bin")).unwrap();
+    // Checked through `fsync`: under the writeback cache a failed write-back shows there
+    // (and at `close`, whose answer `std::fs::write` drops), not in `write(2)`.
+    let write_synced = |path: &Path, data: &[u8]| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(path)?;
+        std::io::Write::write_all(&mut f, data)?;
+        f.sync_all()
+    };
     let deadline = Instant::now() + Duration::from_secs(5);
-    while let Err(e) = std::fs::write(s.mnt.join("after.txt"), "after\n") {
+    while let Err(e) = write_synced(&s.mnt.join("after.txt"), b"after\n") {
         assert!(
             Instant::now() < deadline,
             "no space after removing the file that filled the disk: {e}"
