@@ -168,10 +168,15 @@ impl MountAecp {
     /// answering for the same path, for descriptors open on it.
     fn ino_for(&self, path: &str, size: Option<u64>) -> u64 {
         let mut v = self.virt.lock();
-        if let Some(&i) = v.by_path.get(path)
+        let current = v.by_path.get(path).copied();
+        if let Some(i) = current
             && (size.is_none() || v.sizes.get(&i) == size.as_ref())
         {
             return i;
+        }
+        // Only the path's current inode is compared: the old one's size is not needed.
+        if let Some(old) = current {
+            v.sizes.remove(&old);
         }
         let ino = v.next;
         v.next += 1;

@@ -589,11 +589,13 @@ impl Mount {
                 super::aecp::report(&m.inner.fs, &*m.inner.remote, &socket, invalidate, ended);
             })
             .expect("spawning a thread");
-        let m = self.clone();
-        std::thread::Builder::new()
-            .name("awcpfs-wbflush".into())
-            .spawn(move || m.kernel_writeback())
-            .expect("spawning a thread");
+        if self.inner.cfg.kernel.writeback_cache {
+            let m = self.clone();
+            std::thread::Builder::new()
+                .name("awcpfs-wbflush".into())
+                .spawn(move || m.kernel_writeback())
+                .expect("spawning a thread");
+        }
         let m = self.clone();
         std::thread::Builder::new()
             .name("awcpfs-status".into())
@@ -708,13 +710,21 @@ impl Mount {
             {
                 continue;
             }
-            let Ok(root) = std::fs::File::open(&self.inner.cfg.mountpoint) else {
+            let mountpoint = &self.inner.cfg.mountpoint;
+            let Ok(root) = std::fs::File::open(mountpoint) else {
                 continue;
             };
-            // Unmounted meanwhile, the path is the directory below: never sync that.
-            let fuse = nix::sys::statfs::fstatfs(&root)
-                .is_ok_and(|st| st.filesystem_type() == nix::sys::statfs::FUSE_SUPER_MAGIC);
-            if !fuse {
+            // Unmounted meanwhile, the path is the directory below (on its parent's
+            // device): never sync that. `fstat` is answered from the kernel's attributes,
+            // where `fstatfs` would be a request to this mount every second.
+            let parent_dev = mountpoint
+                .parent()
+                .and_then(|p| std::fs::metadata(p).ok())
+                .map(|m| m.dev());
+            if root
+                .metadata()
+                .map_or(true, |m| Some(m.dev()) == parent_dev)
+            {
                 continue;
             }
             if let Err(e) = nix::unistd::syncfs(&root) {
