@@ -147,6 +147,9 @@ pub struct AwcpFs {
     pub(super) streams_whole: AtomicBool,
     /// An on-demand fetch of a small file brings its small neighbours along.
     pub(super) neighbours: AtomicBool,
+    /// The export is on this machine: background hydration runs beside the agent's reads
+    /// (`mount/hydrate.rs`).
+    pub(super) export_local: AtomicBool,
     /// Blocks fetched lately for reads of large files that are not streamed whole, so the
     /// kernel's reads of one block in pieces cost one request.
     pub(super) recent_blocks: Mutex<lru::LruCache<[u8; 32], Arc<Vec<u8>>>>,
@@ -268,6 +271,7 @@ impl AwcpFs {
             hydration: Default::default(),
             streams_whole: AtomicBool::new(true),
             neighbours: AtomicBool::new(false),
+            export_local: AtomicBool::new(false),
             recent_blocks: Mutex::new(lru::LruCache::new(
                 std::num::NonZeroUsize::new(RECENT_BLOCKS).expect("nonzero"),
             )),

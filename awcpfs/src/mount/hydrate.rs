@@ -24,7 +24,12 @@
 //! in the last [`QUIET`] (a cold `git status` is some 20,000 lookups and a dozen reads; the
 //! lookups are served locally, but hydration's work — the export reading and hashing, the
 //! mount writing the pack — takes the same CPUs). So that a busy agent does not stop
-//! hydration for good, such a request waits at most [`ACTIVITY_MAX_WAIT`].
+//! hydration for good, such a request waits at most [`ACTIVITY_MAX_WAIT`]. With the export
+//! on this machine (loopback), where a background request takes no link time from the
+//! agent's, that work waits only for the agent's requests other than reads, and runs beside
+//! its reads and fetches: a read of the whole tree then gets hydration's help instead of
+//! fetching every file itself, one window after another
+//! ([`Priority::background_turn`]).
 //!
 //! **Progress** ([`Progress`]): the plan's files and bytes, what was hydrated, and how often
 //! hydration yielded to the agent, in `status.json` as `hydration`.
@@ -78,6 +83,27 @@ impl Default for HydratePolicy {
     }
 }
 
+/// Whether the export at `endpoint` is on this machine (`localhost`, `127.0.0.1`, `[::1]`,
+/// with or without a scheme, port and path).
+pub fn is_loopback_endpoint(endpoint: &str) -> bool {
+    let host = endpoint
+        .split("://")
+        .nth(1)
+        .unwrap_or(endpoint)
+        .split('/')
+        .next()
+        .unwrap_or("");
+    // `[::1]:3101`, `127.0.0.1:3101`, `localhost:3101`
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 impl HydratePolicy {
     /// The default for an export at `endpoint`: `all` (small files up to 256 KiB) when the
     /// export is on this machine (loopback: fetching costs no link time and the agent's
@@ -85,23 +111,7 @@ impl HydratePolicy {
     /// the agent reads, the files its first commands need, and a window of neighbours
     /// around each small file it reads; see `docs/CONFIGURATION.md`).
     pub fn default_for(endpoint: &str) -> HydratePolicy {
-        let host = endpoint
-            .split("://")
-            .nth(1)
-            .unwrap_or(endpoint)
-            .split('/')
-            .next()
-            .unwrap_or("");
-        // `[::1]:3101`, `127.0.0.1:3101`, `localhost:3101`
-        let host = match host.strip_prefix('[') {
-            Some(v6) => v6.split(']').next().unwrap_or(""),
-            None => host.rsplit_once(':').map_or(host, |(h, _)| h),
-        };
-        let loopback = host.eq_ignore_ascii_case("localhost")
-            || host
-                .parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback());
-        if loopback {
+        if is_loopback_endpoint(endpoint) {
             HydratePolicy::default()
         } else {
             HydratePolicy::First
@@ -323,6 +333,32 @@ impl Priority {
         }
     }
 
+    /// Wait before a background request that the agent's first commands do not need:
+    /// while a foreground fetch is in flight, and until the agent's requests (counted in
+    /// `stats`) pause, at most [`ACTIVITY_MAX_WAIT`]. Stops waiting once
+    /// `still_background()` is false. Returns whether it waited.
+    ///
+    /// With the export on this machine (`export_local`), a background request takes no link
+    /// time from the agent's, and its cost is CPU: it then waits only until the agent's
+    /// requests other than reads pause (lookups and attribute requests, served from memory,
+    /// are what the hydration's work would slow), and runs beside the agent's reads and
+    /// fetches — a read of the whole tree never pauses, and would otherwise get every file by
+    /// its own on-demand fetches, one after another.
+    pub fn background_turn(
+        &self,
+        stats: &super::stats::Stats,
+        export_local: bool,
+        still_background: impl Fn() -> bool,
+    ) -> bool {
+        if export_local {
+            return self.wait_quiet(|| stats.ops_except_reads(), &still_background);
+        }
+        let a = self.wait_turn_while(&still_background);
+        let b = self.wait_quiet(|| stats.ops_total(), &still_background);
+        let c = self.wait_turn_while(&still_background);
+        a || b || c
+    }
+
     /// [`Priority::wait_turn`], ending early once `still_background()` is false (a reader
     /// started waiting for this request: it is the agent's now).
     pub fn wait_turn_while(&self, still_background: impl Fn() -> bool) -> bool {
@@ -375,6 +411,12 @@ impl AwcpFs {
             .store(policy.streams_large_files(), Ordering::Relaxed);
         self.neighbours
             .store(policy.fetches_neighbours(), Ordering::Relaxed);
+    }
+
+    /// Tell background work whether the export is on this machine (see
+    /// [`AwcpFs::background_turn`]). Set before the mount serves.
+    pub fn set_export_local(&self, local: bool) {
+        self.export_local.store(local, Ordering::Relaxed);
     }
 
     /// Hydration's progress counters.
@@ -486,17 +528,14 @@ impl AwcpFs {
         p.finished.store(files == 0, Ordering::Relaxed);
     }
 
-    /// Wait before a background request that the agent's first commands do not need:
-    /// while a foreground fetch is in flight, and until the agent's requests pause (at most
-    /// [`ACTIVITY_MAX_WAIT`]). Stops waiting once `still_background()` is false. Returns
-    /// whether it waited.
+    /// Wait before a background request that the agent's first commands do not need (see
+    /// [`Priority::background_turn`]).
     pub(super) fn background_turn(&self, still_background: impl Fn() -> bool) -> bool {
-        let a = self.priority.wait_turn_while(&still_background);
-        let b = self
-            .priority
-            .wait_quiet(|| self.stats.ops_total(), &still_background);
-        let c = self.priority.wait_turn_while(&still_background);
-        a || b || c
+        self.priority.background_turn(
+            &self.stats,
+            self.export_local.load(Ordering::Relaxed),
+            still_background,
+        )
     }
 
     /// Mark the plan through.
@@ -666,6 +705,60 @@ mod tests {
         });
         assert!(waited);
         assert!(!waited_when_foreground);
+    }
+
+    #[test]
+    fn on_a_local_export_background_runs_beside_the_agents_reads_but_not_its_lookups() {
+        use std::sync::atomic::AtomicBool;
+        let p = Priority::default();
+        let stats = crate::mount::stats::Stats::default();
+        // The agent keeps making requests of one kind, every 2 ms, while background work
+        // asks for its turn.
+        let turn = |op: &str, local: bool| {
+            let stop = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                stats.count_op(op);
+                s.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        stats.count_op(op);
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                });
+                // A foreground fetch in flight too: a read that missed. (Bounded: without
+                // the local rule it would wait for as long as the guard is held.)
+                let g = p.foreground();
+                let t0 = Instant::now();
+                let waited = p.background_turn(&stats, local, || {
+                    t0.elapsed() < Duration::from_millis(300)
+                });
+                drop(g);
+                stop.store(true, Ordering::Relaxed);
+                waited
+            })
+        };
+        assert!(!turn("read", true), "local export: reads and fetches do not hold it");
+        assert!(turn("lookup", true), "local export: the agent's lookups do");
+        std::thread::sleep(QUIET);
+        // Over a link it waits for the fetch in flight (the guard is dropped only after
+        // `background_turn` returns here, so give it a timeout through still_background).
+        let started = Instant::now();
+        let stop = AtomicBool::new(false);
+        let waited = std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    stats.count_op("read");
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            });
+            let g = p.foreground();
+            let w = p.background_turn(&stats, false, || {
+                started.elapsed() < Duration::from_millis(200)
+            });
+            drop(g);
+            stop.store(true, Ordering::Relaxed);
+            w
+        });
+        assert!(waited, "over a link: the agent's fetch in flight and its reads hold it");
     }
 
     #[test]

@@ -552,6 +552,9 @@ impl Mount {
         }
         let policy = self.inner.cfg.hydrate;
         self.inner.fs.set_hydrate_policy(policy);
+        self.inner
+            .fs
+            .set_export_local(super::hydrate::is_loopback_endpoint(&self.inner.cfg.endpoint));
         if policy == HydratePolicy::None {
             // An empty plan, reported as finished.
             self.inner.fs.hydration_plan(policy);

@@ -211,6 +211,18 @@ impl Stats {
         self.ops.iter().map(|n| n.load(Ordering::Relaxed)).sum()
     }
 
+    /// FUSE requests served so far other than `read`s: the agent's metadata work, which
+    /// is served from memory and so competes with background work for the CPUs.
+    pub fn ops_except_reads(&self) -> u64 {
+        let read = OPS.iter().position(|o| *o == "read");
+        self.ops
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| Some(*i) != read)
+            .map(|(_, n)| n.load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// Count a block-cache lookup: a hit of `bytes`, or a miss.
     pub fn add_cache(&self, hit: bool, bytes: u64) {
         if hit {
@@ -311,5 +323,8 @@ mod tests {
         assert_eq!(snap.ops.get("lookup"), Some(&2));
         assert_eq!(snap.ops.get("read"), Some(&1));
         assert_eq!(snap.ops.len(), 2, "{:?}", snap.ops);
+        assert_eq!(s.ops_total(), 3);
+        // What background work on a local export watches: everything but reads.
+        assert_eq!(s.ops_except_reads(), 2);
     }
 }
