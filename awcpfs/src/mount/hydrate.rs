@@ -728,15 +728,17 @@ mod tests {
                 // the local rule it would wait for as long as the guard is held.)
                 let g = p.foreground();
                 let t0 = Instant::now();
-                let waited = p.background_turn(&stats, local, || {
-                    t0.elapsed() < Duration::from_millis(300)
-                });
+                let waited =
+                    p.background_turn(&stats, local, || t0.elapsed() < Duration::from_millis(300));
                 drop(g);
                 stop.store(true, Ordering::Relaxed);
                 waited
             })
         };
-        assert!(!turn("read", true), "local export: reads and fetches do not hold it");
+        assert!(
+            !turn("read", true),
+            "local export: reads and fetches do not hold it"
+        );
         assert!(turn("lookup", true), "local export: the agent's lookups do");
         std::thread::sleep(QUIET);
         // Over a link it waits for the fetch in flight (the guard is dropped only after
@@ -758,7 +760,10 @@ mod tests {
             stop.store(true, Ordering::Relaxed);
             w
         });
-        assert!(waited, "over a link: the agent's fetch in flight and its reads hold it");
+        assert!(
+            waited,
+            "over a link: the agent's fetch in flight and its reads hold it"
+        );
     }
 
     #[test]

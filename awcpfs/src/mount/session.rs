@@ -554,7 +554,9 @@ impl Mount {
         self.inner.fs.set_hydrate_policy(policy);
         self.inner
             .fs
-            .set_export_local(super::hydrate::is_loopback_endpoint(&self.inner.cfg.endpoint));
+            .set_export_local(super::hydrate::is_loopback_endpoint(
+                &self.inner.cfg.endpoint,
+            ));
         if policy == HydratePolicy::None {
             // An empty plan, reported as finished.
             self.inner.fs.hydration_plan(policy);
