@@ -414,7 +414,7 @@ impl AwcpFs {
     }
 
     /// Tell background work whether the export is on this machine (see
-    /// [`AwcpFs::background_turn`]). Set before the mount serves.
+    /// [`Priority::background_turn`]). Set before the mount serves.
     pub fn set_export_local(&self, local: bool) {
         self.export_local.store(local, Ordering::Relaxed);
     }
