@@ -137,7 +137,9 @@ impl Stats {
         a.store(a.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
     }
 }
-static STATS: OnceLock<Mutex<Vec<(String, Arc<Stats>)>>> = OnceLock::new();
+/// Every thread's counters, by name, for SIGUSR1.
+type NamedStats = Vec<(String, Arc<Stats>)>;
+static STATS: OnceLock<Mutex<NamedStats>> = OnceLock::new();
 fn new_stats(name: &str) -> Arc<Stats> {
     let s = Stats::new();
     STATS
@@ -703,39 +705,32 @@ fn parse_args() -> Args {
         dirs: 200,
         files: 100,
     };
-    let v: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < v.len() {
-        let next = |i: usize| v.get(i + 1).cloned().expect("missing value");
-        match v[i].as_str() {
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        if !arg.starts_with("--") && a.mnt.is_empty() {
+            a.mnt = arg;
+            continue;
+        }
+        let value = args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
+        let number = || -> usize {
+            value
+                .parse()
+                .unwrap_or_else(|_| panic!("{arg}: not a number: {value}"))
+        };
+        match arg.as_str() {
             "--transport" => {
-                a.uring = match next(i).as_str() {
+                a.uring = match value.as_str() {
                     "uring" => true,
                     "legacy" => false,
                     t => panic!("unknown transport {t}"),
-                };
-                i += 1
+                }
             }
-            "--threads" => {
-                a.threads = next(i).parse().unwrap();
-                i += 1
-            }
-            "--depth" => {
-                a.depth = next(i).parse().unwrap();
-                i += 1
-            }
-            "--dirs" => {
-                a.dirs = next(i).parse().unwrap();
-                i += 1
-            }
-            "--files" => {
-                a.files = next(i).parse().unwrap();
-                i += 1
-            }
-            s if !s.starts_with("--") && a.mnt.is_empty() => a.mnt = s.to_string(),
+            "--threads" => a.threads = number(),
+            "--depth" => a.depth = number(),
+            "--dirs" => a.dirs = number() as u64,
+            "--files" => a.files = number() as u64,
             s => panic!("unknown argument {s}"),
         }
-        i += 1;
     }
     assert!(
         !a.mnt.is_empty(),
