@@ -386,6 +386,10 @@ impl Conn {
                 let (mut ci, mut co) = inbound.split();
                 let (mut si, mut so) = outbound.split();
                 tokio::select! {
+                    // A reset asked for before the next request arrived wins over
+                    // forwarding it (an unbiased select picks at random among ready
+                    // branches, and the test that resets then asks saw the answer).
+                    biased;
                     _ = self.kill.notified() => break 'conn true,
                     // The hold changed: deliver or reset below.
                     _ = async {
@@ -505,8 +509,9 @@ impl Conn {
             if !f.blackhole {
                 if !f.delay.is_zero() {
                     tokio::select! {
-                        _ = tokio::time::sleep(f.delay) => {}
+                        biased;
                         _ = self.kill.notified() => return Gate::Reset,
+                        _ = tokio::time::sleep(f.delay) => {}
                     }
                 }
                 return Gate::Go;
