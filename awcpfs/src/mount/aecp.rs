@@ -409,8 +409,13 @@ impl MountAecp {
         let Some(vp) = self.path_of(ino) else {
             return Some(Err(FsError::NotFound));
         };
+        let looked_up = self.virt.lock().sizes.get(&ino).copied();
         Some(match self.node(table, &vp) {
             Some(Node::File(b)) => {
+                let b = match looked_up {
+                    Some(s) => fit_lines(b, s as usize),
+                    None => b,
+                };
                 let start = (offset as usize).min(b.len());
                 let end = start.saturating_add(size as usize).min(b.len());
                 Ok(b[start..end].to_vec())
@@ -565,5 +570,47 @@ pub fn reply_open(r: Result<u64, FsError>, reply: fuser::ReplyOpen) {
     match r {
         Ok(fh) => reply.opened(fuser::FileHandle(fh), fuser::FopenFlags::FOPEN_DIRECT_IO),
         Err(e) => reply.error(e.errno()),
+    }
+}
+
+/// A virtual file's lines `b` served as exactly `size` bytes, the size its inode was looked
+/// up with: the kernel reads a file up to the size it holds, and under the writeback cache
+/// it fills a short read with zeros instead of taking the shorter size, so a file that
+/// changed between the lookup and the read would show NUL bytes. Whole lines only: longer
+/// content is cut after its last newline within `size`, and the rest is newlines, which
+/// line-by-line readers skip. The next lookup gives the new content its own inode.
+fn fit_lines(mut b: Vec<u8>, size: usize) -> Vec<u8> {
+    if b.len() > size {
+        let keep = b[..size]
+            .iter()
+            .rposition(|c| *c == b'\n')
+            .map_or(0, |i| i + 1);
+        b.truncate(keep);
+    }
+    b.resize(size, b'\n');
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_lines;
+
+    #[test]
+    fn a_virtual_file_read_at_its_looked_up_size_shows_whole_lines_and_no_nul() {
+        let lines = b"{\"a\":1}\n{\"b\":2}\n".to_vec();
+        // Unchanged.
+        assert_eq!(fit_lines(lines.clone(), 16), lines);
+        // Shrunk since the lookup (a finding refuted): newlines, not zeros, fill it.
+        assert_eq!(
+            fit_lines(b"{\"a\":1}\n".to_vec(), 16),
+            b"{\"a\":1}\n\n\n\n\n\n\n\n\n".to_vec()
+        );
+        assert_eq!(fit_lines(Vec::new(), 3), b"\n\n\n".to_vec());
+        // Grown since (a delivery): no half line.
+        assert_eq!(
+            fit_lines(lines.clone(), 12),
+            b"{\"a\":1}\n\n\n\n\n".to_vec()
+        );
+        assert_eq!(fit_lines(lines, 5), b"\n\n\n\n\n".to_vec());
     }
 }
