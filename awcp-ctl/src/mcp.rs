@@ -291,6 +291,7 @@ impl AwcpMcp {
             auth,
             transport,
             multi_round: a.multi_round,
+            git_remote: None,
         })
     }
 }

@@ -203,6 +203,7 @@ impl Harness {
             auth: None,
             transport: None,
             multi_round: None,
+            git_remote: None,
         };
         self.client
             .delegate(&req)
@@ -348,5 +349,6 @@ pub fn request(
         auth: None,
         transport: None,
         multi_round: None,
+        git_remote: None,
     }
 }
