@@ -577,6 +577,7 @@ impl Daemon {
     /// grace), then drop the export.
     fn retire(&self, live: &Live) {
         live.lease.revoke(true);
+        self.release_copies(live);
         // Snapshot mode `discard`: the change set the export kept is dropped with it.
         let discarded = self.drop_discarded(live);
         let ids: Vec<String> = live

@@ -2,15 +2,21 @@
 //! to end: real tools on the workspace (`python3`, `git`), a real git server on loopback
 //! (`git daemon`, bare repository in a temp dir), a revoke in the middle of a task (nothing
 //! applied, the URLs dead, no result branch), and a conflict (the Delegator changes a file
-//! the agent also changed: both versions kept).
+//! the agent also changed: both versions kept). Then interop on the wire, both ways: our
+//! daemon → a reference-shaped Executor ([`awcp_tests::reference::RefExecutor`]), and a
+//! reference-shaped Delegator written here → our Executor.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use serde_json::{Value, json};
 
 use awcp_protocol::api::{SnapshotMode, SnapshotStatus};
 use awcp_protocol::messages::AccessMode;
 use awcp_protocol::{DelegationState, TransportType};
 use awcp_tests::git_server::GitServer;
+use awcp_tests::reference::{read_data_lines, read_zip, sha256_hex, zip_entries};
 use awcp_tests::{Harness, appears, eventually, sample_repo, sh, tools_available};
 
 /// Both services, with the daemon pushing `git` delegations to a fresh bare repository on a
@@ -119,6 +125,15 @@ async fn storage_runs_python_on_the_downloaded_workspace_and_the_upload_is_merge
     );
     let status = reqwest::get(&url).await.unwrap().status();
     assert_eq!(status.as_u16(), 410, "{url}");
+    // …and its copies are gone from the daemon's state.
+    let kept = h.path(&format!("delegator/archive/{id}"));
+    assert!(
+        eventually(Duration::from_secs(5), || !kept
+            .join("workspace.zip")
+            .exists()
+            && !kept.join("result.zip").exists())
+        .await
+    );
     // A wrong secret is not found, whatever the state.
     let wrong = format!(
         "http://{}/storage/{id}/{}/workspace.zip",
@@ -171,6 +186,9 @@ async fn git_clones_the_pushed_workspace_commits_a_branch_and_the_delegator_appl
     let work = h.path(&format!("executor/work/{id}"));
     assert!(eventually(Duration::from_secs(10), || !work.exists()).await);
     assert!(!h.path(&format!("executor/state/{id}/git")).exists());
+    // …and the daemon's local repository of the base.
+    let local = h.path(&format!("delegator/git/{id}"));
+    assert!(eventually(Duration::from_secs(5), || !local.exists()).await);
     h.stop().await;
 }
 
@@ -330,5 +348,253 @@ async fn git_without_a_remote_is_refused_with_what_to_do() {
     req.git_remote = Some("/etc".into());
     let err = h.client.delegate(&req).await.unwrap_err().to_string();
     assert!(err.contains("not one an Executor will clone"), "{err}");
+    h.stop().await;
+}
+
+/// Our daemon → a reference-shaped Executor (`tests/src/reference.rs`, written from the
+/// reference's wire shapes) with `storage` and with `git`: what went over the wire, and
+/// the result merged file by file.
+async fn to_a_reference_executor(kind: TransportType) {
+    let (h, srv) = start("true").await;
+    let ws = h.path("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("a.txt"), "original\n").unwrap();
+    std::fs::write(ws.join("gone.txt"), "bye\n").unwrap();
+    let work: awcp_tests::reference::Work = std::sync::Arc::new(|dir: &Path| {
+        std::fs::write(dir.join("workspace/a.txt"), "executor\n").unwrap();
+        std::fs::write(dir.join("workspace/new.txt"), "new\n").unwrap();
+        std::fs::remove_file(dir.join("workspace/gone.txt")).unwrap();
+    });
+    let rex = awcp_tests::reference::RefExecutor::start(&h.path("ref-work"), false, work).await;
+    let mut req = awcp_tests::request(rex.url(), &[("workspace", &ws, AccessMode::Rw)], 300);
+    req.transport = Some(kind);
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    completed(&h, &id).await;
+    let msgs = rex.state.messages.lock().unwrap().clone();
+    assert_eq!(msgs[0]["requirements"]["transport"], kind.as_str());
+    let handle = &msgs[1]["transportHandle"];
+    assert_eq!(handle["transport"], kind.as_str());
+    match kind {
+        TransportType::Storage => {
+            for k in ["downloadUrl", "uploadUrl", "checksum", "expiresAt"] {
+                assert!(handle[k].is_string(), "{k}: {handle}");
+            }
+            assert_eq!(handle["expiresAt"], msgs[1]["lease"]["expiresAt"]);
+        }
+        _ => {
+            assert_eq!(handle["repoUrl"], srv.url("ws.git"));
+            assert_eq!(handle["baseBranch"], format!("awcp-base/{id}"));
+            assert_eq!(handle["baseCommit"].as_str().unwrap().len(), 40);
+            assert!(srv.branches("ws.git").contains(&format!("awcp/{id}")));
+        }
+    }
+    assert_eq!(read(&ws.join("a.txt")), "executor\n");
+    assert_eq!(read(&ws.join("new.txt")), "new\n");
+    assert!(!ws.join("gone.txt").exists());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn our_daemon_delegates_to_a_reference_executor_with_storage() {
+    if !tools_available(&["git"]) {
+        return;
+    }
+    to_a_reference_executor(TransportType::Storage).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn our_daemon_delegates_to_a_reference_executor_with_git() {
+    if !tools_available(&["git"]) {
+        return;
+    }
+    to_a_reference_executor(TransportType::Git).await;
+}
+
+/// A reference-shaped Delegator (the reference's JSON, reading only `data:` SSE lines)
+/// drives our Executor: INVITE, open the stream, START; returns the events.
+async fn reference_delegator(awcp: &str, id: &str, transport: &str, handle: Value) -> Vec<Value> {
+    let client = reqwest::Client::new();
+    let invite = json!({
+        "version": "1", "type": "INVITE", "delegationId": id,
+        "task": {"description": "Fix it", "prompt": "Fix the bug"},
+        "lease": {"ttlSeconds": 600, "accessMode": "rw"},
+        "retentionMs": 604800000,
+        "environment": {"resources": [{"name": "workspace", "type": "fs", "mode": "rw"}]},
+        "requirements": {"transport": transport}
+    });
+    let accept: Value = client
+        .post(awcp)
+        .json(&invite)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(accept["type"], "ACCEPT", "{accept}");
+    let events = reqwest::get(format!("{awcp}/tasks/{id}/events"))
+        .await
+        .unwrap();
+    let start = json!({
+        "version": "1", "type": "START", "delegationId": id,
+        "lease": {"expiresAt": "2099-01-01T00:00:00.000Z", "accessMode": "rw"},
+        "transportHandle": handle
+    });
+    let ok: Value = client
+        .post(awcp)
+        .json(&start)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ok, json!({"ok": true}));
+    tokio::time::timeout(Duration::from_secs(60), read_data_lines(events))
+        .await
+        .expect("the task did not end")
+}
+
+fn new_id() -> String {
+    awcp_protocol::DelegationId::from_random_bytes(rand::random())
+        .as_str()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reference_delegator_drives_our_executor_with_storage() {
+    if !tools_available(&["python3"]) {
+        return;
+    }
+    // The reference's local storage provider: `<key>.zip` to download, `<key>-result.zip`
+    // to upload, served here by a file server of the test's own.
+    let h = Harness::start("python3 -c \"open('a.txt','w').write('agent\\n')\"").await;
+    let zip = zip_entries(
+        &[
+            ("workspace/a.txt", b"original\n"),
+            ("workspace/b.txt", b"b\n"),
+        ],
+        zip::CompressionMethod::Deflated,
+    );
+    let checksum = sha256_hex(&zip);
+    let uploaded: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
+    let up = uploaded.clone();
+    let served = zip.clone();
+    let app = axum::Router::new()
+        .route(
+            "/workspaces/ws.zip",
+            axum::routing::get(move || {
+                let z = served.clone();
+                async move { z }
+            }),
+        )
+        .route(
+            "/workspaces/ws-result.zip",
+            axum::routing::put(move |body: axum::body::Bytes| {
+                let up = up.clone();
+                async move {
+                    *up.lock().unwrap() = Some(body.to_vec());
+                    "ok"
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}/workspaces", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let id = new_id();
+    let events = reference_delegator(
+        &h.executor.awcp_url(),
+        &id,
+        "storage",
+        json!({"transport": "storage", "downloadUrl": format!("{base}/ws.zip"),
+               "uploadUrl": format!("{base}/ws-result.zip"), "checksum": checksum,
+               "expiresAt": "2099-01-01T00:00:00.000Z"}),
+    )
+    .await;
+    let kinds: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert_eq!(kinds.last(), Some(&"done"), "{events:#?}");
+    let snap = events.iter().find(|e| e["type"] == "snapshot").unwrap();
+    // As the reference's storage Executor: the upload URL, as JSON text.
+    assert_eq!(
+        snap["snapshotBase64"],
+        json!({"resultUrl": format!("{base}/ws-result.zip")}).to_string()
+    );
+    let result = uploaded.lock().unwrap().clone().expect("uploaded");
+    let files = read_zip(&result);
+    assert_eq!(files["workspace/a.txt"], b"agent\n");
+    assert_eq!(files["workspace/b.txt"], b"b\n");
+
+    // A corrupted download is refused with the reference's code.
+    let id = new_id();
+    let events = reference_delegator(
+        &h.executor.awcp_url(),
+        &id,
+        "storage",
+        json!({"transport": "storage", "downloadUrl": format!("{base}/ws.zip"),
+               "uploadUrl": format!("{base}/ws-result.zip"), "checksum": "00".repeat(32),
+               "expiresAt": "2099-01-01T00:00:00.000Z"}),
+    )
+    .await;
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "error");
+    assert_eq!(last["code"], "CHECKSUM_MISMATCH", "{last}");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reference_delegator_drives_our_executor_with_git() {
+    if !tools_available(&["git"]) {
+        return;
+    }
+    // The reference's git Delegator: the workspace committed and force-pushed as `main`.
+    let srv = GitServer::start_temp();
+    let url = srv.bare("ref.git");
+    let h = Harness::start("echo agent > a.txt && git log --oneline | grep -q initial").await;
+    let src = h.path("src");
+    std::fs::create_dir_all(src.join("workspace")).unwrap();
+    std::fs::write(src.join("workspace/a.txt"), "original\n").unwrap();
+    sh(
+        &src,
+        &format!(
+            "git init -q -b main && git add -A && git -c user.name=d -c user.email=d@x \
+             commit -qm initial && git push -q --force {url} main"
+        ),
+    );
+    let base = sh(&src, "git rev-parse HEAD").trim().to_string();
+    let id = new_id();
+    let events = reference_delegator(
+        &h.executor.awcp_url(),
+        &id,
+        "git",
+        json!({"transport": "git", "repoUrl": url, "baseBranch": "main",
+               "baseCommit": base, "auth": {"type": "none"}}),
+    )
+    .await;
+    assert_eq!(events.last().unwrap()["type"], "done", "{events:#?}");
+    let snap = events.iter().find(|e| e["type"] == "snapshot").unwrap();
+    let info: Value = serde_json::from_str(snap["snapshotBase64"].as_str().unwrap()).unwrap();
+    assert_eq!(info["branch"], format!("awcp/{id}"));
+    assert_eq!(info["baseCommit"], base);
+    assert_eq!(info["changedFiles"], json!(["workspace/a.txt"]));
+    let head = info["commitHash"].as_str().unwrap();
+    assert_eq!(
+        srv.show("ref.git", &format!("{head}:workspace/a.txt"))
+            .as_deref(),
+        Some("agent\n")
+    );
+    // A remote that is a local path (the Executor's own disk) is refused.
+    let id = new_id();
+    let events = reference_delegator(
+        &h.executor.awcp_url(),
+        &id,
+        "git",
+        json!({"transport": "git", "repoUrl": src.display().to_string(), "baseBranch": "main",
+               "baseCommit": base}),
+    )
+    .await;
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "error");
+    assert_eq!(last["code"], "WORKSPACE_INVALID", "{last}");
     h.stop().await;
 }

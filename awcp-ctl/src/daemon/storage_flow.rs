@@ -90,6 +90,30 @@ impl Daemon {
             .map_err(|e| format!("nothing was uploaded to the result URL ({e})"))
     }
 
+    /// The delegation is over: the copies made for `storage` (the zips behind its URLs) and
+    /// `git` (the local repository the base was committed in) go. Snapshots kept staged
+    /// stay; so do the branches on the git remote (the record of what was exchanged).
+    pub(crate) fn release_copies(&self, live: &Live) {
+        let (id, transport) = {
+            let d = live.d.lock();
+            (d.record.id.as_str().to_string(), d.transport)
+        };
+        let dir = self.storage_dir(&id);
+        let git = self.cfg.state_dir.join("git").join(&id);
+        match transport {
+            awcp_protocol::TransportType::Storage => {
+                // The secret stays, so a late request is told `410 Gone`, not `404`.
+                for f in [WORKSPACE, RESULT] {
+                    let _ = std::fs::remove_file(dir.join(f));
+                }
+            }
+            awcp_protocol::TransportType::Git => {
+                let _ = std::fs::remove_dir_all(git);
+            }
+            _ => {}
+        }
+    }
+
     /// The live delegation whose storage URL this is, if the URL is right and its lease
     /// is active.
     fn storage_slot(&self, id: &str, secret: &str) -> Result<Arc<Live>, StatusCode> {

@@ -146,12 +146,13 @@ fn output(step: &'static str, c: &mut Command) -> Result<String, GitFailure> {
     }
 }
 
+/// Environment variables for git, and the key file written for them (removed with the
+/// clone).
+pub(crate) type AuthEnv = (Vec<(String, String)>, Option<PathBuf>);
+
 /// The environment that hands `auth` to git: a token through a credential helper that
 /// reads it from a variable, a private key through `GIT_SSH_COMMAND`.
-pub(crate) fn auth_env(
-    auth: Option<&GitCredential>,
-    key_file: &Path,
-) -> std::io::Result<(Vec<(String, String)>, Option<PathBuf>)> {
+pub(crate) fn auth_env(auth: Option<&GitCredential>, key_file: &Path) -> std::io::Result<AuthEnv> {
     match auth {
         Some(GitCredential::Token { token }) => Ok((token_env(token), None)),
         Some(GitCredential::Ssh {
