@@ -598,3 +598,120 @@ async fn a_reference_delegator_drives_our_executor_with_git() {
     assert_eq!(last["code"], "WORKSPACE_INVALID", "{last}");
     h.stop().await;
 }
+
+async fn wait_state(h: &Harness, id: &str, want: DelegationState) {
+    let start = std::time::Instant::now();
+    loop {
+        let s = h.client.get(id).await.unwrap().record.state;
+        if s == want {
+            return;
+        }
+        assert!(
+            !s.is_terminal() && start.elapsed() < Duration::from_secs(60),
+            "{id} is {} while waiting for {}",
+            s.as_str(),
+            want.as_str()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Two rounds on one copy: each round's result merged (the base moving with it), then
+/// CLOSE.
+async fn two_rounds(kind: TransportType) {
+    let (h, _srv) = start("echo \"round $AWCP_ROUND: $AWCP_TASK_DESCRIPTION\" >> log.txt").await;
+    let dir = h.path("ws");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut req = awcp_tests::request(
+        h.executor.awcp_url(),
+        &[("workspace", &dir, AccessMode::Rw)],
+        300,
+    );
+    req.transport = Some(kind);
+    req.multi_round = Some(true);
+    req.task.description = "first".into();
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    wait_state(&h, &id, DelegationState::Idle).await;
+    assert_eq!(read(&dir.join("log.txt")), "round 1: first\n");
+    let task = awcp_protocol::messages::TaskSpec {
+        description: "second".into(),
+        prompt: "p".into(),
+    };
+    h.client.continue_round(&id, &task, None).await.unwrap();
+    wait_state(&h, &id, DelegationState::Idle).await;
+    assert_eq!(
+        read(&dir.join("log.txt")),
+        "round 1: first\nround 2: second\n"
+    );
+    h.client.close(&id).await.unwrap();
+    let v = completed(&h, &id).await;
+    let snaps = v.record.snapshots.unwrap();
+    assert_eq!(snaps.len(), 2, "{snaps:#?}");
+    for s in &snaps {
+        let report = &s.metadata.as_ref().unwrap().extra["applyReport"];
+        assert_eq!(report["conflicts"], json!([]), "{report}");
+    }
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_rounds_with_storage_then_close() {
+    if !tools_available(&["git"]) {
+        return;
+    }
+    two_rounds(TransportType::Storage).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_rounds_with_git_then_close() {
+    if !tools_available(&["git"]) {
+        return;
+    }
+    two_rounds(TransportType::Git).await;
+}
+
+/// Snapshot mode `staged`: nothing changes until the snapshot is applied.
+async fn staged_waits_for_apply(kind: TransportType) {
+    let (h, _srv) = start("echo agent > a.txt").await;
+    let dir = h.path("ws");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("a.txt"), "original\n").unwrap();
+    let mut req = awcp_tests::request(
+        h.executor.awcp_url(),
+        &[("workspace", &dir, AccessMode::Rw)],
+        300,
+    );
+    req.transport = Some(kind);
+    req.snapshot_mode = Some(SnapshotMode::Staged);
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    completed(&h, &id).await;
+    assert_eq!(
+        read(&dir.join("a.txt")),
+        "original\n",
+        "staged: not applied"
+    );
+    let snaps = h.client.snapshots(&id).await.unwrap().snapshots;
+    assert_eq!(snaps.len(), 1, "{snaps:#?}");
+    assert_eq!(snaps[0].status, SnapshotStatus::Pending);
+    h.client.apply(&id, &snaps[0].id).await.unwrap();
+    assert_eq!(read(&dir.join("a.txt")), "agent\n");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storage_staged_snapshot_waits_for_apply() {
+    if !tools_available(&["git"]) {
+        return;
+    }
+    staged_waits_for_apply(TransportType::Storage).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn git_staged_snapshot_waits_for_apply() {
+    if !tools_available(&["git"]) {
+        return;
+    }
+    staged_waits_for_apply(TransportType::Git).await;
+}
