@@ -494,8 +494,9 @@ struct DelegateArgs {
     /// `serve --git-remote`).
     #[arg(long, value_name = "URL")]
     git_remote: Option<String>,
-    /// What to do with the result an `archive` Executor sends back: apply it at once
-    /// (`auto`), keep it until `apply`/`discard` (`staged`), or drop it (`discard`).
+    /// What to do with the result the Executor sends back (any transport): apply it at
+    /// once (`auto`), keep it until `apply`/`discard` (`staged`), or drop it (`discard`).
+    /// Applying merges file by file: a file changed on both sides keeps both versions.
     #[arg(long, value_enum, default_value = "auto")]
     snapshot_mode: SnapshotModeArg,
     /// Only files matching these globs are delegated (`src/**`, `*.py`; repeatable); the

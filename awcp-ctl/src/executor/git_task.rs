@@ -352,6 +352,60 @@ mod tests {
         }
     }
 
+    /// The token helper works through git itself: `git credential fill` answers with the
+    /// token from the environment, and the token is in no argument.
+    #[test]
+    fn a_token_reaches_git_through_its_environment_only() {
+        let env = token_env("s3cr3t-token");
+        assert!(
+            env.iter()
+                .filter(|(k, _)| k != "AWCP_GIT_TOKEN")
+                .all(|(_, v)| !v.contains("s3cr3t")),
+            "{env:?}"
+        );
+        let mut c = Command::new("git");
+        c.args(["credential", "fill"])
+            .env_remove("GIT_ASKPASS")
+            .env("GIT_TERMINAL_PROMPT", "0")
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        let mut child = c.spawn().expect("git");
+        use std::io::Write as _;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"protocol=https\nhost=git.example\n\n")
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("password=s3cr3t-token"), "{text}");
+        assert!(text.contains("username=x-access-token"), "{text}");
+    }
+
+    #[test]
+    fn an_ssh_key_is_written_owner_only_and_named_in_the_environment() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("it's key");
+        let (env, file) = auth_env(
+            Some(&GitCredential::Ssh {
+                private_key: Some("-----BEGIN OPENSSH PRIVATE KEY-----\n".into()),
+            }),
+            &key,
+        )
+        .unwrap();
+        assert_eq!(file.as_deref(), Some(key.as_path()));
+        let mode = std::fs::metadata(&key).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(env[0].0, "GIT_SSH_COMMAND");
+        // The path is quoted for the shell git runs the command with.
+        assert!(env[0].1.contains("'\\''"), "{}", env[0].1);
+        let (env, file) = auth_env(Some(&GitCredential::None), &key).unwrap();
+        assert!(env.is_empty() && file.is_none());
+    }
+
     #[test]
     fn branch_names_that_read_as_options_are_refused() {
         assert!(branch_ok("main"));
