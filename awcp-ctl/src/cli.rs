@@ -283,20 +283,22 @@ struct ServeArgs {
     #[arg(long, default_value = "50M", value_parser = parse_size)]
     archive_max_file_bytes: u64,
     /// The transport of a delegation that names none (the reference's MCP server and
-    /// client never do): `auto` asks the Executor's `/awcp/status` (`awcpfs` where it is
-    /// served, else `archive`, as for a reference Executor).
+    /// client never do): `auto` asks the Executor's `/awcp/status` (the first it serves of
+    /// `awcpfs`, `archive`, `storage`, and `git` given a --git-remote; a reference
+    /// Executor lists none and gets `archive`).
     #[arg(long, value_enum, default_value = "auto")]
     default_transport: DefaultTransport,
     /// `git` delegations: the remote the workspace is pushed to when `delegate` names none
-    /// (--git-remote there). Any git URL the daemon's `git` can push to: `https://…`,
-    /// `ssh://…`, `git://…`, a path.
+    /// (--git-remote there): an `https://…`, `ssh://…`, `git://…` or `user@host:path` URL
+    /// that the daemon's `git` can push to and the Executor can reach (Executors refuse
+    /// local paths).
     #[arg(long, value_name = "URL")]
     git_remote: Option<String>,
     /// `git` delegations: a file holding an HTTPS token for the remote (given to git
     /// through a credential helper in its environment, never on a command line, and sent
     /// to the Executor in the handle's `auth`, as the reference does: use a token scoped
     /// to that repository). Without it git's own credential helper is asked and the
-    /// handle says `auth: none`.
+    /// handle carries no `auth` (the Executor uses its own credentials).
     #[arg(long, value_name = "FILE")]
     git_token_file: Option<PathBuf>,
     /// Sensitive-file globs that refuse an `archive` delegation (repeatable); replaces the
