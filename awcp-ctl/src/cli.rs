@@ -283,10 +283,24 @@ struct ServeArgs {
     #[arg(long, default_value = "50M", value_parser = parse_size)]
     archive_max_file_bytes: u64,
     /// The transport of a delegation that names none (the reference's MCP server and
-    /// client never do): `auto` asks the Executor's `/awcp/status` (`awcpfs` where it is
-    /// served, else `archive`, as for a reference Executor).
+    /// client never do): `auto` asks the Executor's `/awcp/status` (the first it serves of
+    /// `awcpfs`, `archive`, `storage`, and `git` given a --git-remote; a reference
+    /// Executor lists none and gets `archive`).
     #[arg(long, value_enum, default_value = "auto")]
     default_transport: DefaultTransport,
+    /// `git` delegations: the remote the workspace is pushed to when `delegate` names none
+    /// (--git-remote there): an `https://…`, `ssh://…`, `git://…` or `user@host:path` URL
+    /// that the daemon's `git` can push to and the Executor can reach (Executors refuse
+    /// local paths).
+    #[arg(long, value_name = "URL")]
+    git_remote: Option<String>,
+    /// `git` delegations: a file holding an HTTPS token for the remote (given to git
+    /// through a credential helper in its environment, never on a command line, and sent
+    /// to the Executor in the handle's `auth`, as the reference does: use a token scoped
+    /// to that repository). Without it git's own credential helper is asked and the
+    /// handle carries no `auth` (the Executor uses its own credentials).
+    #[arg(long, value_name = "FILE")]
+    git_token_file: Option<PathBuf>,
     /// Sensitive-file globs that refuse an `archive` delegation (repeatable); replaces the
     /// default list (`.env`, `.env.*`, `*.pem`, `*.key`, `id_rsa`, `credentials.json`, …).
     /// `--sensitive ''` turns the check off.
@@ -398,7 +412,7 @@ struct ExecutorArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "awcpfs,archive"
+        default_value = "awcpfs,archive,storage,git"
     )]
     transports: Vec<Transport>,
     /// Access modes accepted (INVITEs asking for another are DECLINED).
@@ -470,14 +484,21 @@ struct DelegateArgs {
     wait: bool,
     #[command(flatten)]
     auto: aglx::AutoArgs,
-    /// How the workspace travels: `awcpfs` (live mount, ours) or `archive` (one zip in
-    /// START, for Executors that speak only the reference protocol; limited in size).
-    /// Default: the daemon's choice (`serve --default-transport`; unless set there, what
-    /// the Executor serves, `awcpfs` preferred).
+    /// How the workspace travels: `awcpfs` (live mount, ours), `archive` (one zip in
+    /// START; limited in size), `storage` (a zip behind a download URL on the daemon's
+    /// data plane, the result uploaded back) or `git` (pushed to a branch of
+    /// --git-remote, the result fetched from the Executor's branch). Default: the
+    /// daemon's choice (`serve --default-transport`; unless set there, what the Executor
+    /// serves, `awcpfs` preferred).
     #[arg(long, value_enum)]
     transport: Option<Transport>,
-    /// What to do with the result an `archive` Executor sends back: apply it at once
-    /// (`auto`), keep it until `apply`/`discard` (`staged`), or drop it (`discard`).
+    /// With `--transport git`: the remote to push the workspace to (default: the daemon's
+    /// `serve --git-remote`).
+    #[arg(long, value_name = "URL")]
+    git_remote: Option<String>,
+    /// What to do with the result the Executor sends back (any transport): apply it at
+    /// once (`auto`), keep it until `apply`/`discard` (`staged`), or drop it (`discard`).
+    /// Applying merges file by file: a file changed on both sides keeps both versions.
     #[arg(long, value_enum, default_value = "auto")]
     snapshot_mode: SnapshotModeArg,
     /// Only files matching these globs are delegated (`src/**`, `*.py`; repeatable); the
@@ -514,6 +535,8 @@ struct DelegateArgs {
 enum Transport {
     Awcpfs,
     Archive,
+    Storage,
+    Git,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -521,6 +544,8 @@ enum DefaultTransport {
     Auto,
     Awcpfs,
     Archive,
+    Storage,
+    Git,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -603,6 +628,8 @@ fn transport_of(t: Transport) -> TransportType {
     match t {
         Transport::Awcpfs => TransportType::Awcpfs,
         Transport::Archive => TransportType::Archive,
+        Transport::Storage => TransportType::Storage,
+        Transport::Git => TransportType::Git,
     }
 }
 
@@ -723,7 +750,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 DefaultTransport::Auto => None,
                 DefaultTransport::Awcpfs => Some(TransportType::Awcpfs),
                 DefaultTransport::Archive => Some(TransportType::Archive),
+                DefaultTransport::Storage => Some(TransportType::Storage),
+                DefaultTransport::Git => Some(TransportType::Git),
             };
+            cfg.git_remote = a.git_remote;
+            cfg.git_token_file = a.git_token_file;
             cfg.aecp_local_witness = a.aecp_local_witness;
             cfg.state = a.state;
             cfg.failover_after = a.failover_after;
@@ -877,6 +908,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }),
                 transport: a.transport.map(transport_of),
                 multi_round: a.multi_round.then_some(true),
+                git_remote: a.git_remote.clone(),
             };
             // The daemon answers after admission, the manifests (or the zip), INVITE and
             // START: on a large tree that takes a while, so show how far it has got.

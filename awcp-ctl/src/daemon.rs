@@ -23,12 +23,14 @@ pub mod api;
 mod archive_flow;
 mod collect;
 mod flow;
+mod git_flow;
 pub mod progress;
 pub mod recover;
 mod resources;
 mod rounds;
 pub mod shared;
 mod staged;
+mod storage_flow;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -113,6 +115,10 @@ pub struct DaemonConfig {
     /// AECP policy switch: hold a stale consumer's write-backs of files that import a
     /// revised module until it acknowledges the revision (off by default).
     pub aecp_hold_stale: bool,
+    /// `git` delegations: the remote used when a request names none (`serve --git-remote`).
+    pub git_remote: Option<String>,
+    /// `git` delegations: a file holding an HTTPS token for the remote.
+    pub git_token_file: Option<PathBuf>,
 }
 
 impl DaemonConfig {
@@ -153,6 +159,8 @@ impl DaemonConfig {
             blocks: None,
             state: None,
             failover_after: Duration::from_secs(15),
+            git_remote: None,
+            git_token_file: None,
         }
     }
 }
@@ -431,7 +439,13 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     let mut tasks = Vec::new();
     for (listener, router) in [
         (api_listener, api::router(daemon.clone())),
-        (export_listener, daemon.exports.router()),
+        (
+            export_listener,
+            daemon
+                .exports
+                .router()
+                .merge(storage_flow::router(daemon.clone())),
+        ),
     ] {
         let mut rx = rx.clone();
         tasks.push(tokio::spawn(async move {
@@ -563,6 +577,7 @@ impl Daemon {
     /// grace), then drop the export.
     fn retire(&self, live: &Live) {
         live.lease.revoke(true);
+        self.release_copies(live);
         // Snapshot mode `discard`: the change set the export kept is dropped with it.
         let discarded = self.drop_discarded(live);
         let ids: Vec<String> = live

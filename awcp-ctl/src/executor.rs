@@ -12,6 +12,10 @@
 
 mod aecp;
 mod archive_task;
+mod git_task;
+pub(crate) use git_task::{
+    branch_ok as git_branch_ok, remote_allowed as git_remote_allowed, token_env as git_token_env,
+};
 mod mounts;
 mod routes;
 mod task;
@@ -176,7 +180,12 @@ impl ExecutorConfig {
             read_timeout: Duration::from_secs(30),
             sync_debounce: Duration::from_millis(50),
             block_cache: Some(awcpfs::cache::CacheConfig::new(Some(base.join("cache")))),
-            transports: vec![TransportType::Awcpfs, TransportType::Archive],
+            transports: vec![
+                TransportType::Awcpfs,
+                TransportType::Archive,
+                TransportType::Storage,
+                TransportType::Git,
+            ],
             access_modes: vec![AccessMode::Ro, AccessMode::Rw],
             archive_limits: crate::archive::ScanLimits {
                 max_total_bytes: 4 << 30,

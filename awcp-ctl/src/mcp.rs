@@ -62,8 +62,11 @@ pub struct DelegateArgs {
     pub auth_credential: Option<String>,
     /// Return at once instead of waiting for the end.
     pub background: Option<bool>,
-    /// Ours: `awcpfs` (default) or `archive`.
+    /// Ours: `awcpfs` (default), `archive`, `storage` or `git`.
     pub transport: Option<String>,
+    /// Ours: with `git`, the remote to push the workspace to (default: the daemon's
+    /// `--git-remote`).
+    pub git_remote: Option<String>,
     /// Ours: a multi-round session.
     pub multi_round: Option<bool>,
 }
@@ -264,7 +267,13 @@ impl AwcpMcp {
         let transport = match a.transport.as_deref() {
             None | Some("awcpfs") => None,
             Some("archive") => Some(TransportType::Archive),
-            Some(o) => return Err(format!("transport `{o}`: use awcpfs or archive")),
+            Some("storage") => Some(TransportType::Storage),
+            Some("git") => Some(TransportType::Git),
+            Some(o) => {
+                return Err(format!(
+                    "transport `{o}`: use awcpfs, archive, storage or git"
+                ));
+            }
         };
         let auth = match (&a.auth_credential, a.auth_type.as_deref()) {
             (Some(c), t) => Some(AuthCredential {
@@ -291,6 +300,7 @@ impl AwcpMcp {
             auth,
             transport,
             multi_round: a.multi_round,
+            git_remote: a.git_remote.clone(),
         })
     }
 }

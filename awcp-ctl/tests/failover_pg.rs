@@ -131,6 +131,7 @@ fn request(executor: &str, dir: &Path, ttl: u64, transport: TransportType) -> De
         auth: None,
         transport: Some(transport),
         multi_round: None,
+        git_remote: None,
     }
 }
 

@@ -122,6 +122,11 @@ pub struct DelegateRequest {
     /// until `POST /delegation/:id/continue` or `…/close`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub multi_round: Option<bool>,
+    /// Ours (additive): with `transport: "git"`, the git remote the workspace is pushed to
+    /// (else the daemon's `--git-remote`). Credentials never travel here: the daemon uses
+    /// git's credential helper or its `--git-token-file`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub git_remote: Option<String>,
 }
 
 /// `POST /delegate` 200 body. The reference answers only after INVITE, ACCEPT and START.

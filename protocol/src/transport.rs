@@ -238,6 +238,32 @@ impl fmt::Debug for GitCredential {
     }
 }
 
+/// What a `storage` Executor puts in a `snapshot` event's `snapshotBase64` once it has
+/// uploaded the result zip: the JSON text of this object (not base64), as the reference's
+/// does. The Delegator fetches the zip from `resultUrl` (the handle's `uploadUrl`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StorageSnapshotInfo {
+    /// Where the result zip was uploaded.
+    pub result_url: String,
+}
+
+/// What a `git` Executor puts in a `snapshot` event's `snapshotBase64` once it has pushed
+/// its result branch: the JSON text of this object (not base64), as the reference's does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GitSnapshotInfo {
+    /// The result branch on the handle's `repoUrl` (the reference names it
+    /// `awcp/<delegationId>`).
+    pub branch: String,
+    /// The commit the branch points to.
+    pub commit_hash: String,
+    /// The handle's `baseCommit`, which the result descends from.
+    pub base_commit: String,
+    /// Paths changed between `baseCommit` and `commitHash`, relative to the repository.
+    pub changed_files: Vec<String>,
+}
+
 /// `awcpfs` (ours): the Delegator's export, mounted lazily with FUSE.
 ///
 /// The data plane it points to is described in [`crate::dataplane`].

@@ -504,3 +504,90 @@ proptest! {
         prop_assert!(explained(parse_transport_handle(&bytes)));
     }
 }
+
+/// What the reference's `storage` and `git` Executors put in a `snapshot` event's
+/// `snapshotBase64` (JSON text, not base64), field for field
+/// (`packages/transport-storage/src/executor/transport.ts`,
+/// `packages/transport-git/src/{types,executor/transport}.ts`).
+#[test]
+fn storage_and_git_snapshot_infos_have_the_reference_shape() {
+    use awcp_protocol::transport::{GitSnapshotInfo, StorageSnapshotInfo};
+    let s = StorageSnapshotInfo {
+        result_url: "http://d:3101/storage/dlg_1/ab/result.zip".into(),
+    };
+    assert_eq!(
+        serde_json::to_string(&s).unwrap(),
+        r#"{"resultUrl":"http://d:3101/storage/dlg_1/ab/result.zip"}"#
+    );
+    let reference = r#"{"branch":"awcp/dlg_1","commitHash":"c0ffee","baseCommit":"ba5e","changedFiles":["workspace/a.py","workspace/b.txt"]}"#;
+    let g: GitSnapshotInfo = serde_json::from_str(reference).unwrap();
+    assert_eq!(g.branch, "awcp/dlg_1");
+    assert_eq!(g.changed_files.len(), 2);
+    assert_eq!(serde_json::to_string(&g).unwrap(), reference);
+    // A missing field is an error, not a silent default.
+    assert!(serde_json::from_str::<GitSnapshotInfo>(r#"{"branch":"x"}"#).is_err());
+    assert!(serde_json::from_str::<StorageSnapshotInfo>("{}").is_err());
+}
+
+/// START's `storage` and `git` handles as our daemon sends them, in the reference's
+/// field names (`packages/core/src/types/transport.ts`); `headers` and `auth` left out
+/// when absent, as the reference never sends `null`.
+#[test]
+fn storage_and_git_handles_have_the_reference_shape() {
+    let storage = TransportHandle::Storage(StorageHandle {
+        download_url: "http://d/storage/dlg_1/s/workspace.zip".into(),
+        upload_url: "http://d/storage/dlg_1/s/result.zip".into(),
+        checksum: "ab".repeat(32),
+        expires_at: "2026-03-09T14:38:47.123Z".into(),
+        headers: None,
+    });
+    let v = serde_json::to_value(&storage).unwrap();
+    let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "checksum",
+            "downloadUrl",
+            "expiresAt",
+            "transport",
+            "uploadUrl"
+        ]
+    );
+    assert_eq!(v["transport"], "storage");
+    let git = TransportHandle::Git(GitHandle {
+        repo_url: "git://127.0.0.1:9418/ws.git".into(),
+        base_branch: "awcp-base/dlg_1".into(),
+        base_commit: "c0ffee".into(),
+        auth: Some(GitCredential::Token {
+            token: "t0k".into(),
+        }),
+    });
+    assert_eq!(
+        serde_json::to_string(&git).unwrap(),
+        r#"{"transport":"git","repoUrl":"git://127.0.0.1:9418/ws.git","baseBranch":"awcp-base/dlg_1","baseCommit":"c0ffee","auth":{"type":"token","token":"t0k"}}"#
+    );
+    // The reference's delegator, with `auth: {type: "none"}`, parses too.
+    let reference = r#"{"transport":"git","repoUrl":"https://g/r.git","baseBranch":"main","baseCommit":"c0ffee","auth":{"type":"none"}}"#;
+    let back = awcp_protocol::parse_transport_handle(reference.as_bytes()).unwrap();
+    assert!(matches!(
+        back,
+        TransportHandle::Git(GitHandle {
+            auth: Some(GitCredential::None),
+            ..
+        })
+    ));
+}
+
+/// Ours, additive: `gitRemote` in `POST /delegate`, absent unless given.
+#[test]
+fn delegate_request_names_a_git_remote_only_when_given() {
+    let text = r#"{"executorUrl":"http://e/awcp","environment":{"resources":[]},"task":{"description":"d","prompt":"p"},"transport":"git","gitRemote":"git://h/r.git"}"#;
+    let req: awcp_protocol::api::DelegateRequest = serde_json::from_str(text).unwrap();
+    assert_eq!(req.git_remote.as_deref(), Some("git://h/r.git"));
+    assert_eq!(req.transport, Some(TransportType::Git));
+    let mut req = req;
+    req.git_remote = None;
+    let back = serde_json::to_string(&req).unwrap();
+    assert!(!back.contains("gitRemote"), "{back}");
+}

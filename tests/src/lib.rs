@@ -5,6 +5,7 @@
 //! except under `CI=true`, where a missing FUSE device fails the test.
 
 pub mod fleet;
+pub mod git_server;
 pub mod reference;
 pub mod s3;
 
@@ -203,6 +204,7 @@ impl Harness {
             auth: None,
             transport: None,
             multi_round: None,
+            git_remote: None,
         };
         self.client
             .delegate(&req)
@@ -348,5 +350,6 @@ pub fn request(
         auth: None,
         transport: None,
         multi_round: None,
+        git_remote: None,
     }
 }

@@ -2,9 +2,13 @@
 //! JSON over HTTP, `data:` SSE lines, the `archive` transport), to test that our services
 //! interoperate with it in both directions.
 //!
-//! [`RefExecutor`] is a minimal Executor: INVITE → ACCEPT, START (archive only) → unpack,
-//! run a closure over the work directory, send `status`, `snapshot` (zip of the whole work
-//! directory) and `done` on the task's SSE stream. It keeps every message it received.
+//! [`RefExecutor`] is a minimal Executor: INVITE → ACCEPT, START → unpack, run a closure
+//! over the work directory, send `status`, `snapshot` (zip of the whole work directory)
+//! and `done` on the task's SSE stream. It keeps every message it received. Besides
+//! `archive` it takes the reference's `storage` (GET `downloadUrl`, PUT the result zip to
+//! `uploadUrl`, `snapshotBase64` = `{"resultUrl": …}`) and `git` (clone `baseBranch`,
+//! commit and push `awcp/<id>`, `snapshotBase64` = `{branch, commitHash, baseCommit,
+//! changedFiles}`), as its transport packages behave on the wire.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -189,12 +193,45 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
             json!({"code": "TASK_FAILED", "message": msg}),
         ));
     };
-    if handle["transport"] != "archive" {
-        return fail("unexpected transport type".into());
+    let dir = st.work_dir.join(&id);
+    let kind = handle["transport"].as_str().unwrap_or_default().to_string();
+    if kind == "git" {
+        if let Err(e) = git_clone(&handle, &id, &dir) {
+            return fail(e);
+        }
+        let _ = tx.send(event(
+            &id,
+            "status",
+            json!({"status": "running", "message": "Task execution started"}),
+        ));
+        (st.work)(&dir);
+        let info = match git_push(&handle, &id, &dir) {
+            Ok(info) => info,
+            Err(e) => return fail(e),
+        };
+        let _ = tx.send(event(
+            &id,
+            "snapshot",
+            json!({"snapshotId": "snap_1a2b3c4d5e6f", "summary": "did the work",
+                   "snapshotBase64": info, "recommended": true}),
+        ));
+        let _ = tx.send(event(&id, "done", json!({"summary": "did the work"})));
+        return;
     }
-    let zip = base64::engine::general_purpose::STANDARD
-        .decode(handle["workspaceBase64"].as_str().unwrap_or_default())
-        .unwrap_or_default();
+    let zip = match kind.as_str() {
+        "archive" => base64::engine::general_purpose::STANDARD
+            .decode(handle["workspaceBase64"].as_str().unwrap_or_default())
+            .unwrap_or_default(),
+        "storage" => {
+            let url = handle["downloadUrl"].as_str().unwrap_or_default();
+            match reqwest::get(url).await {
+                Ok(r) if r.status().is_success() => r.bytes().await.unwrap_or_default().to_vec(),
+                Ok(r) => return fail(format!("Failed to download workspace: {}", r.status())),
+                Err(e) => return fail(format!("Failed to download workspace: {e}")),
+            }
+        }
+        _ => return fail("unexpected transport type".into()),
+    };
     let sum = hex::encode(sha2::Sha256::digest(&zip));
     if Some(sum.as_str()) != handle["checksum"].as_str() {
         let _ = tx.send(event(
@@ -204,7 +241,6 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
         ));
         return;
     }
-    let dir = st.work_dir.join(&id);
     unzip(&zip, &dir);
     let _ = tx.send(event(
         &id,
@@ -215,7 +251,21 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
         st.proceed.notified().await;
     }
     (st.work)(&dir);
-    let snapshot = base64::engine::general_purpose::STANDARD.encode(zip_dir(&dir));
+    let snapshot = if kind == "storage" {
+        let url = handle["uploadUrl"].as_str().unwrap_or_default().to_string();
+        let put = reqwest::Client::new()
+            .put(&url)
+            .header("Content-Type", "application/zip")
+            .body(zip_dir(&dir))
+            .send()
+            .await;
+        if !put.is_ok_and(|r| r.status().is_success()) {
+            return fail("Failed to upload snapshot".into());
+        }
+        json!({ "resultUrl": url }).to_string()
+    } else {
+        base64::engine::general_purpose::STANDARD.encode(zip_dir(&dir))
+    };
     let omit = st.omit_snapshot.load(std::sync::atomic::Ordering::SeqCst);
     let _ = (!omit).then(|| {
         tx.send(event(
@@ -243,6 +293,71 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
         "done"
     };
     let _ = tx.send(event(&id, kind, end));
+}
+
+fn git(dir: Option<&Path>, args: &[&str]) -> Result<String, String> {
+    let mut c = std::process::Command::new("git");
+    if let Some(d) = dir {
+        c.current_dir(d);
+    }
+    let out = c
+        .args(args)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "git {} failed: {}",
+            args[0],
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// The reference's git Executor setup: clone the base branch, check out `awcp/<id>`.
+fn git_clone(handle: &Value, id: &str, dir: &Path) -> Result<(), String> {
+    let (url, branch) = (
+        handle["repoUrl"].as_str().unwrap_or_default(),
+        handle["baseBranch"].as_str().unwrap_or_default(),
+    );
+    let d = dir.display().to_string();
+    git(
+        None,
+        &["clone", "--branch", branch, "--single-branch", url, &d],
+    )?;
+    git(Some(dir), &["checkout", "-b", &format!("awcp/{id}")])?;
+    git(Some(dir), &["config", "user.name", "AWCP Executor"])?;
+    git(Some(dir), &["config", "user.email", "executor@awcp.local"])?;
+    Ok(())
+}
+
+/// The reference's git Executor capture: commit everything, push `awcp/<id>`, report it.
+fn git_push(handle: &Value, id: &str, dir: &Path) -> Result<String, String> {
+    let base = handle["baseCommit"].as_str().unwrap_or_default();
+    if !git(Some(dir), &["status", "--porcelain"])?
+        .trim()
+        .is_empty()
+    {
+        git(Some(dir), &["add", "-A"])?;
+        git(
+            Some(dir),
+            &["commit", "-m", &format!("AWCP: Task completed for {id}")],
+        )?;
+    }
+    let branch = format!("awcp/{id}");
+    git(Some(dir), &["push", "-u", "origin", &branch])?;
+    let commit = git(Some(dir), &["rev-parse", "HEAD"])?.trim().to_string();
+    let changed: Vec<String> = git(Some(dir), &["diff", "--name-only", base, "HEAD"])?
+        .lines()
+        .map(str::to_string)
+        .collect();
+    Ok(
+        json!({"branch": branch, "commitHash": commit, "baseCommit": base,
+              "changedFiles": changed})
+        .to_string(),
+    )
 }
 
 async fn events(State(st): State<Arc<RefState>>, UrlPath(id): UrlPath<String>) -> Response {

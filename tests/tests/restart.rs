@@ -118,6 +118,7 @@ async fn restart(several: bool, postgres: bool) {
         auth: None,
         transport: None,
         multi_round: None,
+        git_remote: None,
     };
     let id = client.delegate(&req).await.unwrap().delegation_id;
     let id = id.as_str().to_string();

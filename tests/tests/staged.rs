@@ -38,6 +38,7 @@ fn request(url: String, dir: &Path, mode: SnapshotMode, multi: bool) -> Delegate
         access_mode: Some(AccessMode::Rw),
         snapshot_mode: Some(mode),
         multi_round: multi.then_some(true),
+        git_remote: None,
         ..awcp_tests::request(url, &[("workspace", dir, AccessMode::Rw)], 300)
     }
 }

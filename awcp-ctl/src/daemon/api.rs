@@ -33,7 +33,7 @@ pub struct DelegationView {
     /// The reference's record.
     #[serde(flatten)]
     pub record: DelegationRecord,
-    /// `awcpfs` or `archive`.
+    /// `awcpfs`, `archive`, `storage` or `git`.
     pub transport: String,
     /// The lease as the daemon enforces it.
     pub lease: LeaseView,

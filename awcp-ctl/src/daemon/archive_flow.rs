@@ -50,24 +50,50 @@ impl Daemon {
         self.cfg.state_dir.join("archive").join(id)
     }
 
-    /// `POST /delegate` with `transport: "archive"`.
+    /// `POST /delegate` with `transport: "archive"`, `"storage"` or `"git"`: the
+    /// workspace is admitted and zipped the same way for all three; it then travels inside
+    /// START, behind the data plane's storage URLs, or pushed to a git remote.
     pub(crate) async fn delegate_archive(
         self: &Arc<Self>,
         req: DelegateRequest,
         progress: Arc<super::progress::Progress>,
     ) -> Result<DelegationId, Refusal> {
+        let kind = req.transport.unwrap_or(TransportType::Archive);
+        let git_remote = req
+            .git_remote
+            .clone()
+            .or_else(|| self.cfg.git_remote.clone());
+        if kind == TransportType::Git && git_remote.is_none() {
+            return Err(Refusal::bad(
+                ErrorCode::WorkspaceInvalid,
+                "the git transport needs a remote to push the workspace to".into(),
+                "Name one: `awcp-ctl delegate --transport git --git-remote URL`, or \
+                 `awcp-ctl serve --git-remote URL`",
+            ));
+        }
         super::resources::check_names(req.environment.resources.iter().map(|r| r.name.as_str()))?;
         let mut sources = Vec::new();
         for r in &req.environment.resources {
             let root = std::path::absolute(&r.source).unwrap_or_else(|_| PathBuf::from(&r.source));
             super::flow::check_dir(&root)?;
+            let mut filter = self.resource_filter(r, &root);
+            if kind == TransportType::Git {
+                // The workspace's own repository (if any) stays home: the transport
+                // commits its files in a repository of its own.
+                filter.exclude.push(".git".into());
+            }
             sources.push(SourceResource {
                 name: r.name.clone(),
-                filter: self.resource_filter(r, &root),
+                filter,
                 root,
             });
         }
-        let limits = self.cfg.archive_limits;
+        // `archive` carries the zip in one JSON body (the reference's 100 MB cap); the
+        // other two move it out of band.
+        let limits = match kind {
+            TransportType::Archive => self.cfg.archive_limits,
+            _ => self.cfg.snapshot_limits,
+        };
         let built = tokio::task::spawn_blocking(move || archive::build(&sources, &limits))
             .await
             .map_err(|e| Refusal::internal(format!("packing panicked: {e}")))?
@@ -117,10 +143,21 @@ impl Daemon {
         }
         let source = std::path::absolute(&req.environment.resources[0].source)
             .unwrap_or_else(|_| PathBuf::from(&req.environment.resources[0].source));
-        let handle = Handle::Archive(ArchiveHandle {
-            workspace_base64: base64::engine::general_purpose::STANDARD.encode(&built.bytes),
-            checksum: built.checksum,
-        });
+        let handle = match (kind, git_remote) {
+            (TransportType::Storage, _) => Handle::Storage(self.storage_handle(
+                id.as_str(),
+                &built.bytes,
+                built.checksum,
+                lease.expires_at_rfc3339(),
+            )?),
+            (TransportType::Git, Some(remote)) => {
+                Handle::Git(self.git_handle(id.as_str(), remote, built.bytes).await?)
+            }
+            _ => Handle::Archive(ArchiveHandle {
+                workspace_base64: base64::engine::general_purpose::STANDARD.encode(&built.bytes),
+                checksum: built.checksum,
+            }),
+        };
         self.launch(
             req,
             NewDelegation {
@@ -216,7 +253,23 @@ impl Daemon {
                 d.transport,
             )
         };
-        if transport != TransportType::Archive {
+        if transport == TransportType::Awcpfs {
+            return;
+        }
+        let state = live.d.lock().record.state;
+        if matches!(
+            state,
+            awcp_protocol::DelegationState::Cancelled | awcp_protocol::DelegationState::Expired
+        ) {
+            // Revoked or expired: whatever the Executor still sends is not applied.
+            self.note(
+                live,
+                format!(
+                    "snapshot {} arrived after the delegation was {}; ignored",
+                    ev.snapshot_id,
+                    state.as_str()
+                ),
+            );
             return;
         }
         let sid = if super::resources::plain_name(&ev.snapshot_id) {
@@ -224,17 +277,30 @@ impl Daemon {
         } else {
             format!("snap_{}", hex::encode(rand::random::<[u8; 6]>()))
         };
-        let zip =
-            match base64::engine::general_purpose::STANDARD.decode(ev.snapshot_base64.as_bytes()) {
-                Ok(z) => Arc::new(z),
-                Err(e) => {
-                    self.note(
-                        live,
-                        format!("snapshot {sid} is not valid base64 ({e}); ignored"),
-                    );
-                    return;
+        let fetched = match transport {
+            TransportType::Storage if ev.snapshot_base64.trim_start().starts_with('{') => {
+                self.storage_result(&id, &ev.snapshot_base64).await
+            }
+            TransportType::Git => match self.git_result(&id, &ev.snapshot_base64).await {
+                Ok((zip, how)) => {
+                    self.note(live, format!("snapshot {sid}: {how}"));
+                    Ok(zip)
                 }
-            };
+                Err(e) => Err(e),
+            },
+            // `archive`, and a `storage` Executor that had no upload URL (the reference's
+            // then sends the zip itself).
+            _ => base64::engine::general_purpose::STANDARD
+                .decode(ev.snapshot_base64.as_bytes())
+                .map_err(|e| format!("not valid base64 ({e})")),
+        };
+        let zip = match fetched {
+            Ok(z) => Arc::new(z),
+            Err(e) => {
+                self.note(live, format!("snapshot {sid} cannot be read: {e}; ignored"));
+                return;
+            }
+        };
         let dir = self.archive_dir(&id);
         let (z2, d2, limits) = (zip.clone(), dir.clone(), self.cfg.snapshot_limits);
         let changed = tokio::task::spawn_blocking(move || {

@@ -67,6 +67,10 @@ pub(crate) enum Handle {
     Awcpfs(Vec<awcp_protocol::transport::AwcpfsResource>),
     /// The zipped workspace.
     Archive(ArchiveHandle),
+    /// The zipped workspace behind the data plane's storage URLs.
+    Storage(awcp_protocol::transport::StorageHandle),
+    /// The workspace pushed to a git remote.
+    Git(awcp_protocol::transport::GitHandle),
 }
 
 impl Handle {
@@ -74,6 +78,8 @@ impl Handle {
         match self {
             Handle::Awcpfs(_) => TransportType::Awcpfs,
             Handle::Archive(_) => TransportType::Archive,
+            Handle::Storage(_) => TransportType::Storage,
+            Handle::Git(_) => TransportType::Git,
         }
     }
 }
@@ -140,7 +146,10 @@ impl Daemon {
         if req.transport.is_none() {
             req.transport = Some(self.choose_transport(&req).await);
         }
-        if req.transport == Some(TransportType::Archive) {
+        if matches!(
+            req.transport,
+            Some(TransportType::Archive | TransportType::Storage | TransportType::Git)
+        ) {
             return self.delegate_archive(req, progress).await;
         }
         if matches!(
@@ -319,6 +328,17 @@ impl Daemon {
                         source.display(),
                         h.workspace_base64.len() / 4 * 3
                     ),
+                    Handle::Storage(_) => format!(
+                        "sending {} as a zip behind the data plane's storage URLs",
+                        source.display()
+                    ),
+                    Handle::Git(h) => format!(
+                        "pushed {} to {} as {} ({})",
+                        source.display(),
+                        h.repo_url,
+                        h.base_branch,
+                        h.base_commit
+                    ),
                 }),
             },
         );
@@ -476,6 +496,8 @@ impl Daemon {
                     resources: (resources.len() > 1).then_some(resources),
                 }),
                 Handle::Archive(h) => TransportHandle::Archive(h),
+                Handle::Storage(h) => TransportHandle::Storage(h),
+                Handle::Git(h) => TransportHandle::Git(h),
             },
         });
         live.d.lock().record.active_lease = Some(ActiveLease {
@@ -810,6 +832,13 @@ impl Daemon {
                     Ok(st) => match st.transports {
                         Some(t) if t.contains(&TransportType::Awcpfs) => TransportType::Awcpfs,
                         Some(t) if t.contains(&TransportType::Archive) => TransportType::Archive,
+                        Some(t) if t.contains(&TransportType::Storage) => TransportType::Storage,
+                        Some(t)
+                            if t.contains(&TransportType::Git)
+                                && (req.git_remote.is_some() || self.cfg.git_remote.is_some()) =>
+                        {
+                            TransportType::Git
+                        }
                         Some(_) => TransportType::Awcpfs,
                         None => TransportType::Archive,
                     },

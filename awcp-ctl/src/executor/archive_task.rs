@@ -1,6 +1,13 @@
-//! Running a task delivered with the reference's `archive` transport: verify and unpack the
-//! zip into `<work-dir>/<delegationId>/` (one directory per resource), run the agent there,
-//! then send the whole work directory back as a `snapshot` event and end with `done`.
+//! Running a task delivered with one of the reference's copying transports — `archive`,
+//! `storage` or `git`: put the workspace in `<work-dir>/<delegationId>/` (one directory per
+//! resource), run the agent there, then send the result back and end with `done`:
+//! * `archive`: verify and unpack the zip from START; the result is the work directory
+//!   zipped into the `snapshot` event;
+//! * `storage`: download the zip from `downloadUrl` (with the handle's `headers`), verify
+//!   and unpack it; the result is zipped and PUT to `uploadUrl`, and the `snapshot` event
+//!   carries `{"resultUrl": uploadUrl}` as the reference's does;
+//! * `git`: clone the base branch ([`super::git_task`]); the result is committed and pushed
+//!   as `awcp/<delegationId>`, and the `snapshot` event carries the branch and commit.
 //!
 //! The lease is enforced here too (the reference never does): a START whose lease has
 //! already run out fails with `START_EXPIRED`, and a task still running at `expiresAt` is
@@ -12,7 +19,7 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 
 use awcp_protocol::events::{SnapshotEvent, SnapshotMetadata};
-use awcp_protocol::transport::ArchiveHandle;
+use awcp_protocol::transport::{ArchiveHandle, GitHandle, StorageHandle, StorageSnapshotInfo};
 use awcp_protocol::{ErrorCode, TaskEvent};
 
 use super::task::{
@@ -43,13 +50,29 @@ fn is_mount_point(path: &std::path::Path) -> bool {
     std::fs::metadata(parent).is_ok_and(|p| p.dev() != m.dev())
 }
 
-/// Decode, verify and unpack the workspace (blocking).
-fn unpack(
-    ex: &Executor,
-    a: &Assignment,
-    h: &ArchiveHandle,
-) -> Result<archive::ExtractStats, Failure> {
-    let zip = base64::engine::general_purpose::STANDARD
+/// How the workspace arrives, per transport.
+pub(super) enum Carrier {
+    /// Inline in START.
+    Archive(ArchiveHandle),
+    /// Behind URLs.
+    Storage(StorageHandle),
+    /// On a git remote.
+    Git(GitHandle),
+}
+
+/// Where the result goes, once the workspace is in place.
+enum Out {
+    /// Zipped into the `snapshot` event.
+    Inline,
+    /// Zipped and uploaded to this URL.
+    Upload(String),
+    /// Committed and pushed.
+    Git(Arc<super::git_task::GitWork>),
+}
+
+/// Decode the inline workspace (blocking).
+fn decode_inline(h: &ArchiveHandle) -> Result<Vec<u8>, Failure> {
+    base64::engine::general_purpose::STANDARD
         .decode(h.workspace_base64.as_bytes())
         .map_err(|e| {
             (
@@ -57,34 +80,68 @@ fn unpack(
                 format!("workspaceBase64 is not valid base64: {e}"),
                 None,
             )
-        })?;
-    let actual = archive::sha256_hex(&zip);
-    if !actual.eq_ignore_ascii_case(h.checksum.trim()) {
+        })
+}
+
+/// Download a `storage` workspace, no larger than the Executor's `--max-body`.
+async fn download(ex: &Executor, h: &StorageHandle) -> Result<Vec<u8>, Failure> {
+    let transport = |msg: String| {
+        (
+            ErrorCode::TransportError,
+            msg,
+            Some("Check that the Executor can reach the Delegator's storage URL".into()),
+        )
+    };
+    let mut rb = reqwest::Client::new().get(&h.download_url);
+    for (k, v) in h.headers.iter().flatten() {
+        rb = rb.header(k, v);
+    }
+    let mut resp = rb
+        .send()
+        .await
+        .map_err(|e| transport(format!("Failed to download workspace: {e}")))?;
+    if !resp.status().is_success() {
+        return Err(transport(format!(
+            "Failed to download workspace: {}",
+            resp.status().as_u16()
+        )));
+    }
+    let cap = ex.cfg.max_body_bytes;
+    let mut zip = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| transport(format!("Failed to download workspace: {e}")))?
+    {
+        if zip.len() + chunk.len() > cap {
+            return Err((
+                ErrorCode::WorkspaceTooLarge,
+                format!("the workspace download exceeds this Executor's limit ({cap} bytes)"),
+                Some("Delegate a smaller workspace, or use the awcpfs transport".into()),
+            ));
+        }
+        zip.extend_from_slice(&chunk);
+    }
+    Ok(zip)
+}
+
+/// Verify and unpack the workspace zip (blocking).
+fn unpack(
+    ex: &Executor,
+    a: &Assignment,
+    zip: &[u8],
+    checksum: &str,
+) -> Result<archive::ExtractStats, Failure> {
+    let actual = archive::sha256_hex(zip);
+    if !actual.eq_ignore_ascii_case(checksum.trim()) {
         return Err((
             ErrorCode::ChecksumMismatch,
-            format!("Checksum mismatch: expected {}, got {actual}", h.checksum),
+            format!("Checksum mismatch: expected {checksum}, got {actual}"),
             Some("The downloaded file may be corrupted, try again".into()),
         ));
     }
-    // A re-INVITE may leave an earlier attempt's directory: it is ours, start afresh —
-    // unless something is mounted there (a live awcpfs workspace must never be emptied).
-    if is_mount_point(&a.work_path) {
-        return Err((
-            ErrorCode::WorkdirDenied,
-            format!("{} is a mount point in use", a.work_path.display()),
-            Some("Wait for the delegation using it to end".into()),
-        ));
-    }
-    if a.work_path.exists() {
-        std::fs::remove_dir_all(&a.work_path).map_err(|e| {
-            (
-                ErrorCode::WorkdirDenied,
-                format!("cannot clear {}: {e}", a.work_path.display()),
-                None,
-            )
-        })?;
-    }
-    let stats = archive::extract(&zip, &a.work_path, &ex.cfg.archive_limits).map_err(|e| {
+    clear_work_dir(a)?;
+    let stats = archive::extract(zip, &a.work_path, &ex.cfg.archive_limits).map_err(|e| {
         let _ = std::fs::remove_dir_all(&a.work_path);
         match e {
             archive::ArchiveError::TooLarge { .. } => (
@@ -113,6 +170,65 @@ fn unpack(
     Ok(stats)
 }
 
+/// A re-INVITE may leave an earlier attempt's directory: it is ours, start afresh —
+/// unless something is mounted there (a live awcpfs workspace must never be emptied).
+fn clear_work_dir(a: &Assignment) -> Result<(), Failure> {
+    if is_mount_point(&a.work_path) {
+        return Err((
+            ErrorCode::WorkdirDenied,
+            format!("{} is a mount point in use", a.work_path.display()),
+            Some("Wait for the delegation using it to end".into()),
+        ));
+    }
+    if a.work_path.exists() {
+        std::fs::remove_dir_all(&a.work_path).map_err(|e| {
+            (
+                ErrorCode::WorkdirDenied,
+                format!("cannot clear {}: {e}", a.work_path.display()),
+                None,
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Clone a `git` workspace into the work directory (blocking).
+fn clone_git(ex: &Executor, a: &Assignment, h: &GitHandle) -> Result<Out, Failure> {
+    clear_work_dir(a)?;
+    let id = a.invite.delegation_id.as_str();
+    let state = ex.cfg.state_dir.join(id);
+    let w = super::git_task::setup(
+        h,
+        id,
+        &a.work_path,
+        &state.join("git"),
+        &state.join("git-key"),
+    )
+    .map_err(|e| {
+        let _ = std::fs::remove_dir_all(&a.work_path);
+        let code = match e.step {
+            "setup" => ErrorCode::WorkspaceInvalid,
+            _ => ErrorCode::TransportError,
+        };
+        (
+            code,
+            e.to_string(),
+            Some("Check that the Executor can reach and read the Delegator's git remote".into()),
+        )
+    })?;
+    give_tree_to_agent(ex, &a.work_path).map_err(|e| {
+        (
+            ErrorCode::WorkdirDenied,
+            format!(
+                "cannot give {} to the agent user: {e}",
+                a.work_path.display()
+            ),
+            None,
+        )
+    })?;
+    Ok(Out::Git(Arc::new(w)))
+}
+
 /// With `--agent-user`, the unpacked workspace is the agent's to change (unpacked by root,
 /// it would be read-only to it). Links are not followed: extraction refuses them anyway.
 fn give_tree_to_agent(ex: &Executor, dir: &std::path::Path) -> std::io::Result<()> {
@@ -122,21 +238,72 @@ fn give_tree_to_agent(ex: &Executor, dir: &std::path::Path) -> std::io::Result<(
     super::task::give_to_agent(ex, dir)?;
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
-        if entry.file_type()?.is_dir() {
+        let ft = entry.file_type()?;
+        if ft.is_dir() {
             give_tree_to_agent(ex, &entry.path())?;
-        } else {
+        } else if !ft.is_symlink() {
             super::task::give_to_agent(ex, &entry.path())?;
         }
     }
     Ok(())
 }
 
-/// Run an `archive` task to its end.
+/// Put the workspace in place; what to say when the agent starts, and where the result
+/// goes.
+async fn setup(
+    ex: &Arc<Executor>,
+    a: &Arc<Assignment>,
+    c: Carrier,
+) -> Result<(String, Out), Failure> {
+    let (ex2, a2) = (ex.clone(), a.clone());
+    let unpacked = |stats: archive::ExtractStats, a: &Assignment| {
+        format!(
+            "Task execution started ({} file(s) unpacked in {})",
+            stats.files,
+            a.work_path.display()
+        )
+    };
+    let job = match c {
+        Carrier::Archive(h) => tokio::task::spawn_blocking(move || {
+            let zip = decode_inline(&h)?;
+            let stats = unpack(&ex2, &a2, &zip, &h.checksum)?;
+            Ok((unpacked(stats, &a2), Out::Inline))
+        }),
+        Carrier::Storage(h) => {
+            let zip = download(ex, &h).await?;
+            tokio::task::spawn_blocking(move || {
+                let stats = unpack(&ex2, &a2, &zip, &h.checksum)?;
+                Ok((unpacked(stats, &a2), Out::Upload(h.upload_url)))
+            })
+        }
+        Carrier::Git(h) => tokio::task::spawn_blocking(move || {
+            let out = clone_git(&ex2, &a2, &h)?;
+            Ok((
+                format!(
+                    "Task execution started ({} at {} cloned into {})",
+                    h.base_branch,
+                    h.base_commit,
+                    a2.work_path.display()
+                ),
+                out,
+            ))
+        }),
+    };
+    job.await.map_err(|e| {
+        (
+            ErrorCode::SetupFailed,
+            format!("setting up the workspace failed: {e}"),
+            None,
+        )
+    })?
+}
+
+/// Run an `archive`, `storage` or `git` task to its end.
 pub(super) async fn run(
     ex: Arc<Executor>,
     a: Arc<Assignment>,
     expires_at: String,
-    h: ArchiveHandle,
+    carrier: Carrier,
     received: Instant,
 ) {
     let Some(left) = lease_left(&expires_at) else {
@@ -158,34 +325,35 @@ pub(super) async fn run(
         return;
     }
     let deadline = tokio::time::Instant::from_std(received) + left;
-    let (ex2, a2) = (ex.clone(), a.clone());
-    let unpacked = tokio::task::spawn_blocking(move || unpack(&ex2, &a2, &h)).await;
-    let stats = match unpacked {
-        Ok(Ok(stats)) => stats,
-        Ok(Err((code, msg, hint))) => return finish_error(&a, code, msg, hint),
-        Err(e) => {
-            return finish_error(
+    // A revoke or the lease's end during a download or clone stops it too.
+    let ready = tokio::select! {
+        r = setup(&ex, &a, carrier) => r,
+        _ = a.cancel.notified() => Err((ErrorCode::Cancelled, super::routes::cancel_reason(&a), None)),
+        _ = tokio::time::sleep_until(deadline) => Err((
+            ErrorCode::Expired,
+            "Lease expired while the workspace was being set up".into(),
+            Some("Ask the Delegator for a longer TTL".into()),
+        )),
+    };
+    let out = match ready {
+        Ok((message, out)) => {
+            a.emit(status_event(
                 &a,
-                ErrorCode::SetupFailed,
-                format!("unpacking failed: {e}"),
-                None,
-            );
+                awcp_protocol::events::RunStatus::Running,
+                message,
+            ));
+            out
+        }
+        Err((code, msg, hint)) => {
+            cleanup(&a, None).await;
+            return finish_error(&a, code, msg, hint);
         }
     };
-    a.emit(status_event(
-        &a,
-        awcp_protocol::events::RunStatus::Running,
-        format!(
-            "Task execution started ({} file(s) unpacked in {})",
-            stats.files,
-            a.work_path.display()
-        ),
-    ));
     let mut rounds = a.rounds_rx.lock().take();
-    let end = run_rounds(&ex, &a, deadline, &mut rounds).await;
+    let end = run_rounds(&ex, &a, deadline, &mut rounds, &out).await;
     // The unpacked copy goes before the final event, so whoever sees `done` or `error`
     // finds it gone; the result stays in memory for `/tasks/:id/result`.
-    cleanup(&a).await;
+    cleanup(&a, Some(&out)).await;
     match end {
         End::Done(summary, snapshot) => finish_done(&a, summary, snapshot),
         End::Closed => close_session(&a),
@@ -234,6 +402,7 @@ async fn run_rounds(
     a: &Arc<Assignment>,
     mut deadline: tokio::time::Instant,
     rounds: &mut Option<tokio::sync::mpsc::UnboundedReceiver<RoundCmd>>,
+    out: &Out,
 ) -> End {
     let expired = || {
         End::Error(
@@ -309,7 +478,7 @@ async fn run_rounds(
         } else {
             format!("agent finished{last}")
         };
-        let snapshot = match send_snapshot(a, &summary).await {
+        let snapshot = match send_snapshot(a, &summary, out).await {
             Ok(s) => s,
             Err(e) => return e,
         };
@@ -334,13 +503,74 @@ async fn run_rounds(
     }
 }
 
-/// Zip the work directory and send it as a `snapshot` event.
-async fn send_snapshot(a: &Assignment, summary: &str) -> Result<DoneSnapshot, End> {
+/// The result, as a `snapshot` event's `snapshotBase64` says it: the zip itself
+/// (`archive`), or the JSON text naming where it was put (`storage`, `git`), as the
+/// reference's Executors do; with the number of files and bytes when they are known.
+async fn capture(a: &Assignment, out: &Out) -> Result<(String, Option<(u64, u64)>), End> {
+    let failed = |msg: String| End::Error(ErrorCode::TaskFailed, msg, None);
+    if let Out::Git(w) = out {
+        let w = w.clone();
+        let info = tokio::task::spawn_blocking(move || super::git_task::capture(&w))
+            .await
+            .map_err(|e| failed(format!("{e}")))?
+            .map_err(|e| {
+                End::Error(
+                    ErrorCode::TransportError,
+                    format!("pushing the result failed: {e}"),
+                    Some("Check that the Executor may push to the Delegator's git remote".into()),
+                )
+            })?;
+        let json = serde_json::to_string(&info).map_err(|e| failed(format!("{e}")))?;
+        return Ok((json, None));
+    }
     let dir = a.work_path.clone();
-    match tokio::task::spawn_blocking(move || archive::pack_dir(&dir)).await {
-        Ok(Ok((zip, files, bytes))) => {
+    let (zip, files, bytes) = tokio::task::spawn_blocking(move || archive::pack_dir(&dir))
+        .await
+        .map_err(|e| failed(format!("{e}")))?
+        .map_err(|e| failed(format!("packing the result failed: {e}")))?;
+    match out {
+        Out::Upload(url) => {
+            let resp = reqwest::Client::new()
+                .put(url)
+                .header("Content-Type", "application/zip")
+                .body(zip)
+                .send()
+                .await;
+            match resp {
+                Ok(r) if r.status().is_success() => {}
+                Ok(r) => {
+                    return Err(End::Error(
+                        ErrorCode::TransportError,
+                        format!("Failed to upload snapshot: {}", r.status().as_u16()),
+                        Some("The Delegator's upload URL may have expired with the lease".into()),
+                    ));
+                }
+                Err(e) => {
+                    return Err(End::Error(
+                        ErrorCode::TransportError,
+                        format!("Failed to upload snapshot: {e}"),
+                        None,
+                    ));
+                }
+            }
+            let info = StorageSnapshotInfo {
+                result_url: url.clone(),
+            };
+            let json = serde_json::to_string(&info).map_err(|e| failed(format!("{e}")))?;
+            Ok((json, Some((files, bytes))))
+        }
+        _ => Ok((
+            base64::engine::general_purpose::STANDARD.encode(&zip),
+            Some((files, bytes)),
+        )),
+    }
+}
+
+/// Capture the result and send it as a `snapshot` event.
+async fn send_snapshot(a: &Assignment, summary: &str, out: &Out) -> Result<DoneSnapshot, End> {
+    match capture(a, out).await {
+        Ok((base64, counts)) => {
             let id = format!("snap_{}", hex::encode(rand::random::<[u8; 6]>()));
-            let base64 = base64::engine::general_purpose::STANDARD.encode(&zip);
             a.emit(TaskEvent::Snapshot(SnapshotEvent {
                 delegation_id: a.invite.delegation_id.clone(),
                 timestamp: crate::now_iso(),
@@ -349,7 +579,7 @@ async fn send_snapshot(a: &Assignment, summary: &str) -> Result<DoneSnapshot, En
                 highlights: None,
                 snapshot_base64: base64.clone(),
                 recommended: Some(true),
-                metadata: Some(SnapshotMetadata {
+                metadata: counts.map(|(files, bytes)| SnapshotMetadata {
                     file_count: Some(files),
                     total_bytes: Some(bytes),
                     ..Default::default()
@@ -357,17 +587,23 @@ async fn send_snapshot(a: &Assignment, summary: &str) -> Result<DoneSnapshot, En
             }));
             Ok(DoneSnapshot { id, base64 })
         }
-        Ok(Err(e)) => Err(End::Error(
-            ErrorCode::TaskFailed,
-            format!("packing the result failed: {e}"),
-            None,
-        )),
-        Err(e) => Err(End::Error(ErrorCode::TaskFailed, format!("{e}"), None)),
+        Err(e) => Err(e),
     }
 }
 
-/// The result is kept in memory for `/tasks/:id/result`; the unpacked copy goes.
-async fn cleanup(a: &Assignment) {
+/// The result is kept in memory for `/tasks/:id/result`; the unpacked copy goes, and a
+/// `git` clone's git directory and key with it.
+async fn cleanup(a: &Assignment, out: Option<&Out>) {
     let dir = a.work_path.clone();
-    let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(dir)).await;
+    let git = match out {
+        Some(Out::Git(w)) => Some(w.clone()),
+        _ => None,
+    };
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Some(w) = git {
+            w.remove();
+        }
+        std::fs::remove_dir_all(dir)
+    })
+    .await;
 }

@@ -420,6 +420,16 @@ fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage
             &format!("Delegate with one of: {}", offered.join(", ")),
         );
     }
+    if inv.requirements.as_ref().and_then(|r| r.transport)
+        == Some(awcp_protocol::TransportType::Git)
+        && !super::git_task::git_available()
+    {
+        return refuse(
+            ErrorCode::DepMissing,
+            "Git is not installed or not in PATH".into(),
+            "Install git on the Executor, or delegate with another transport",
+        );
+    }
     if !ex.cfg.access_modes.contains(&inv.lease.access_mode) {
         return refuse(
             ErrorCode::Declined,

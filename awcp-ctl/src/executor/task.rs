@@ -469,8 +469,16 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     let h = match start.transport_handle {
         TransportHandle::Awcpfs(h) => h,
         TransportHandle::Archive(h) => {
-            let expires_at = start.lease.expires_at;
-            return super::archive_task::run(ex, a, expires_at, h, received).await;
+            let c = super::archive_task::Carrier::Archive(h);
+            return super::archive_task::run(ex, a, start.lease.expires_at, c, received).await;
+        }
+        TransportHandle::Storage(h) => {
+            let c = super::archive_task::Carrier::Storage(h);
+            return super::archive_task::run(ex, a, start.lease.expires_at, c, received).await;
+        }
+        TransportHandle::Git(h) => {
+            let c = super::archive_task::Carrier::Git(h);
+            return super::archive_task::run(ex, a, start.lease.expires_at, c, received).await;
         }
         other => {
             finish_error(
@@ -480,7 +488,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                     "transport {} is not supported by this executor",
                     other.transport_type().as_str()
                 ),
-                Some("Delegate with the awcpfs or archive transport".into()),
+                Some("Delegate with the awcpfs, archive, storage or git transport".into()),
             );
             return;
         }
