@@ -318,8 +318,27 @@ struct ServeArgs {
 struct ExecutorArgs {
     /// The agent: a shell command run in the mounted workspace. It sees
     /// AWCP_DELEGATION_ID, AWCP_TASK_DESCRIPTION, AWCP_TASK_PROMPT and AWCP_WORKSPACE.
-    #[arg(long)]
-    agent_cmd: String,
+    /// One of --agent-cmd, --agent-a2a and --agent-http is required.
+    #[arg(long, required_unless_present_any = ["agent_a2a", "agent_http"],
+          conflicts_with_all = ["agent_a2a", "agent_http"])]
+    agent_cmd: Option<String>,
+    /// Hand each task to an A2A agent instead (A2A 0.3 over JSON-RPC): its base URL, where
+    /// its card is found at /.well-known/agent-card.json (or the older agent.json), or the
+    /// card's URL. It gets the prompt and an [AWCP Context] text part naming the workspace
+    /// on this machine, so it must see this machine's files; its status updates become
+    /// progress events, `completed` becomes done, any other final state an error. See
+    /// docs/PROTOCOL.md, "Agents behind adapters".
+    #[arg(long, value_name = "URL", conflicts_with = "agent_http")]
+    agent_a2a: Option<String>,
+    /// Hand each task to a plain HTTP agent instead: the task is POSTed to URL as JSON, the
+    /// agent answers with progress/done/error updates (NDJSON or SSE stream, or JSON to
+    /// poll). The shape is in docs/PROTOCOL.md, "Agents behind adapters".
+    #[arg(long, value_name = "URL")]
+    agent_http: Option<String>,
+    /// Bound on each round of an --agent-a2a or --agent-http agent (e.g. `30m`); past it
+    /// the task ends in error and the remote task is abandoned. The lease bounds it anyway.
+    #[arg(long, value_parser = parse_duration)]
+    agent_timeout: Option<Duration>,
     /// Listen address.
     #[arg(long, default_value = "127.0.0.1:7200")]
     listen: std::net::SocketAddr,
@@ -428,6 +447,15 @@ struct ExecutorArgs {
     /// and it alone (besides root) can enter the work directory.
     #[arg(long, value_name = "USER")]
     agent_user: Option<String>,
+}
+
+/// An agent URL must be http(s): said at start rather than at the first delegation.
+fn check_agent_url(flag: &str, url: String) -> anyhow::Result<String> {
+    anyhow::ensure!(
+        url.starts_with("http://") || url.starts_with("https://"),
+        "{flag} {url:?}: give the agent's http:// or https:// URL"
+    );
+    Ok(url)
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -766,7 +794,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Executor(a) => {
             let base = a.dir.unwrap_or_else(|| default_state_dir("executor"));
-            let mut cfg = ExecutorConfig::new(a.agent_cmd, base.clone());
+            let mut cfg = ExecutorConfig::new(a.agent_cmd.unwrap_or_default(), base.clone());
+            cfg.remote_agent = match (a.agent_a2a, a.agent_http) {
+                (Some(u), _) => Some(awcp_ctl::executor::RemoteAgent::A2a(check_agent_url(
+                    "--agent-a2a",
+                    u,
+                )?)),
+                (None, Some(u)) => Some(awcp_ctl::executor::RemoteAgent::Http(
+                    check_agent_url("--agent-http", u)?,
+                )),
+                (None, None) => None,
+            };
+            cfg.agent_timeout = a.agent_timeout;
             cfg.block_cache = (!a.no_block_cache).then(|| {
                 let mut c = awcpfs::cache::CacheConfig::new(Some(
                     a.cache_dir.unwrap_or_else(|| base.join("cache")),

@@ -467,6 +467,8 @@ fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage
         multi_round: inv.multi_round == Some(true),
         round: std::sync::atomic::AtomicU32::new(1),
         task: parking_lot::Mutex::new(inv.task.clone()),
+        lease: parking_lot::Mutex::new(None),
+        agent_context: parking_lot::Mutex::new(None),
         rounds_tx,
         rounds_rx: parking_lot::Mutex::new(Some(rounds_rx)),
         invite: inv.clone(),
