@@ -800,9 +800,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     "--agent-a2a",
                     u,
                 )?)),
-                (None, Some(u)) => Some(awcp_ctl::executor::RemoteAgent::Http(
-                    check_agent_url("--agent-http", u)?,
-                )),
+                (None, Some(u)) => Some(awcp_ctl::executor::RemoteAgent::Http(check_agent_url(
+                    "--agent-http",
+                    u,
+                )?)),
                 (None, None) => None,
             };
             cfg.agent_timeout = a.agent_timeout;

@@ -215,7 +215,10 @@ impl Agent {
         match exit {
             Exit::Command(Ok(s)) if s.success() => None,
             Exit::Command(Ok(s)) => Some((
-                format!("the agent exited with {s}; last output:\n{}", self.tail_text()),
+                format!(
+                    "the agent exited with {s}; last output:\n{}",
+                    self.tail_text()
+                ),
                 Some("Check task requirements and try again".into()),
             )),
             Exit::Command(Err(e)) => Some((format!("waiting for the agent failed: {e}"), None)),

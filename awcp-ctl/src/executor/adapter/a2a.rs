@@ -217,7 +217,8 @@ fn text_of(parts_holder: &Value) -> String {
 /// What the adapter knows of the remote task.
 #[derive(Default)]
 struct Tracked {
-    task_id: Option<String>,
+    /// Shared with [`run`], which needs it to cancel the task.
+    task_id: std::sync::Arc<parking_lot::Mutex<Option<String>>>,
     /// The last status message reported (not repeated when polled again).
     last_status: Option<String>,
     /// Text of the artifacts seen.
@@ -271,7 +272,7 @@ impl Tracked {
             })),
             Some("task") => {
                 if let Some(id) = v.get("id").and_then(Value::as_str) {
-                    self.task_id = Some(id.to_string());
+                    *self.task_id.lock() = Some(id.to_string());
                 }
                 if let Some(c) = v.get("contextId").and_then(Value::as_str) {
                     rep.context_id(c);
@@ -291,9 +292,11 @@ impl Tracked {
                 self.status(v.get("status"), rep)
             }
             Some("status-update") => {
-                if self.task_id.is_none() {
-                    self.task_id = v.get("taskId").and_then(Value::as_str).map(str::to_string);
+                let mut id = self.task_id.lock();
+                if id.is_none() {
+                    *id = v.get("taskId").and_then(Value::as_str).map(str::to_string);
                 }
+                drop(id);
                 if let Some(c) = v.get("contextId").and_then(Value::as_str) {
                     rep.context_id(c);
                 }
@@ -359,6 +362,7 @@ pub(super) async fn run(
     };
     tracing::info!(%endpoint, streaming, agent = %name, "handing the task to an A2A agent");
     let mut tracked = Tracked::default();
+    let task_id = tracked.task_id.clone();
     let work = async {
         if streaming {
             stream(client, &endpoint, task, rep, &mut tracked).await
@@ -366,15 +370,37 @@ pub(super) async fn run(
             poll(client, &endpoint, task, rep, &mut tracked).await
         }
     };
+    tokio::pin!(work);
     tokio::select! {
-        end = work => return end,
+        end = &mut work => return end,
         _ = &mut cancel => {}
     }
-    // Cancelled: tell the agent, if it told us its task.
-    if let Some(id) = tracked.task_id.clone() {
-        if let Err(e) = call(client, &endpoint, "tasks/cancel", json!({"id": id})).await {
-            tracing::warn!(error = %e, "tasks/cancel failed");
+    // Cancelled before the agent named its task (it may be working already): listen a
+    // moment longer for the id, so that the cancel reaches it.
+    let learn = tokio::time::sleep(std::time::Duration::from_secs(2));
+    tokio::pin!(learn);
+    while task_id.lock().is_none() {
+        tokio::select! {
+            _ = &mut work => break,
+            _ = &mut learn => break,
+            _ = tokio::time::sleep(std::time::Duration::from_millis(20)) => {}
         }
+    }
+    let id = task_id.lock().clone();
+    match id {
+        Some(id) => {
+            let cancelled = tokio::time::timeout(
+                std::time::Duration::from_secs(2),
+                call(client, &endpoint, "tasks/cancel", json!({"id": id})),
+            )
+            .await;
+            match cancelled {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "tasks/cancel failed"),
+                Err(_) => tracing::warn!("tasks/cancel got no answer within 2 s"),
+            }
+        }
+        None => tracing::warn!("cancelled before the A2A agent named its task; it cannot be told"),
     }
     RemoteEnd::Failed("cancelled".into())
 }
@@ -400,7 +426,7 @@ async fn poll(
     if let Some(end) = tracked.take(&first, rep) {
         return end;
     }
-    let Some(id) = tracked.task_id.clone() else {
+    let Some(id) = tracked.task_id.lock().clone() else {
         return RemoteEnd::Failed("the A2A agent's task has no id".into());
     };
     loop {
@@ -426,12 +452,17 @@ async fn stream(
     let resp = match client
         .post(endpoint)
         .header(reqwest::header::ACCEPT, "text/event-stream")
-        .json(&request("message/stream", json!({"message": message(task)})))
+        .json(&request(
+            "message/stream",
+            json!({"message": message(task)}),
+        ))
         .send()
         .await
     {
         Ok(r) => r,
-        Err(e) => return RemoteEnd::Failed(format!("the A2A agent did not answer message/stream: {e}")),
+        Err(e) => {
+            return RemoteEnd::Failed(format!("the A2A agent did not answer message/stream: {e}"));
+        }
     };
     let status = resp.status();
     let is_sse = resp
@@ -471,7 +502,7 @@ async fn stream(
         }
     }
     // The stream ended before a final state: ask for the task.
-    let Some(id) = tracked.task_id.clone() else {
+    let Some(id) = tracked.task_id.lock().clone() else {
         return RemoteEnd::Failed(
             "the A2A agent's event stream ended before it named a task".into(),
         );
@@ -505,7 +536,14 @@ mod tests {
         );
         assert!(end_for("working", "x", &[]).is_none());
         assert!(end_for("submitted", "", &[]).is_none());
-        for s in ["failed", "rejected", "canceled", "input-required", "auth-required", "bogus"] {
+        for s in [
+            "failed",
+            "rejected",
+            "canceled",
+            "input-required",
+            "auth-required",
+            "bogus",
+        ] {
             assert!(
                 matches!(end_for(s, "why", &[]), Some(RemoteEnd::Failed(m)) if m.contains("why")),
                 "{s}"
@@ -520,11 +558,16 @@ mod tests {
             r#"{"jsonrpc":"2.0","id":1,"error":{"code":-32601,"message":"Method not found"}}"#,
         )
         .unwrap_err();
-        assert!(e.contains("-32601") && e.contains("Method not found"), "{e}");
+        assert!(
+            e.contains("-32601") && e.contains("Method not found"),
+            "{e}"
+        );
         assert!(result_of("m", "<html>").unwrap_err().contains("not JSON"));
-        assert!(result_of("m", r#"{"jsonrpc":"2.0"}"#)
-            .unwrap_err()
-            .contains("neither result nor error"));
+        assert!(
+            result_of("m", r#"{"jsonrpc":"2.0"}"#)
+                .unwrap_err()
+                .contains("neither result nor error")
+        );
     }
 
     #[test]
@@ -535,8 +578,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(jsonrpc_endpoint(&card).as_deref(), Some("http://h/rpc"));
-        let card: Card = serde_json::from_str(r#"{"url":"http://h/","preferredTransport":"GRPC"}"#)
-            .unwrap();
+        let card: Card =
+            serde_json::from_str(r#"{"url":"http://h/","preferredTransport":"GRPC"}"#).unwrap();
         assert_eq!(jsonrpc_endpoint(&card), None);
     }
 }

@@ -96,7 +96,9 @@ impl Urls {
                 poll_url,
                 cancel_url,
             } => {
-                self.poll = poll_url.and_then(|u| base.join(&u).ok()).or(self.poll.take());
+                self.poll = poll_url
+                    .and_then(|u| base.join(&u).ok())
+                    .or(self.poll.take());
                 self.cancel = cancel_url
                     .and_then(|u| base.join(&u).ok())
                     .or(self.cancel.take());
@@ -137,7 +139,7 @@ pub(super) async fn run(
     if let Some(c) = urls.cancel.clone() {
         let r = client
             .post(c.clone())
-            .timeout(super::REQUEST_TIMEOUT)
+            .timeout(std::time::Duration::from_secs(2))
             .json(&json!({"delegationId": task.delegation_id}))
             .send()
             .await;
@@ -205,8 +207,7 @@ async fn work(
                 }
             }
         }
-    } else if ctype.starts_with("application/x-ndjson") || ctype.starts_with("application/jsonl")
-    {
+    } else if ctype.starts_with("application/x-ndjson") || ctype.starts_with("application/jsonl") {
         let mut resp = resp;
         let mut buf: Vec<u8> = Vec::new();
         loop {
@@ -313,7 +314,10 @@ mod tests {
     fn updates_parse_and_bad_ones_say_what_was_expected() {
         assert!(matches!(
             parse(r#"{"type":"accepted","pollUrl":"/t/1","cancelUrl":"/t/1/cancel"}"#),
-            Ok(Update::Accepted { poll_url: Some(_), cancel_url: Some(_) })
+            Ok(Update::Accepted {
+                poll_url: Some(_),
+                cancel_url: Some(_)
+            })
         ));
         assert!(matches!(
             parse(r#"{"type":"done","summary":"ok"}"#),
