@@ -247,6 +247,14 @@ struct ServeArgs {
     /// Close an idle multi-round session after this long without `continue`.
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     idle_timeout: Duration,
+    /// Run a delegation whose request does not say `multiRound` (every reference client:
+    /// its MCP server's `delegate`, its `DelegatorDaemonClient`) as a multi-round session,
+    /// as the reference's multi-round daemon does: it goes `idle` after each round, so the
+    /// reference MCP's `delegate_continue` and `delegate_close` work, and is closed after
+    /// --idle-timeout. Without it such a delegation completes after one round (what the
+    /// reference's released `main` expects: its `delegate` waits for `completed`).
+    #[arg(long)]
+    reference_rounds: bool,
     /// Do not watch delegated directories: running `awcpfs` mounts then keep showing each
     /// directory as it was when it was delegated (changes made here meanwhile still win
     /// over the Executor's, as conflicts, at write-back).
@@ -335,6 +343,17 @@ struct ExecutorArgs {
     /// poll). The shape is in docs/PROTOCOL.md, "Agents behind adapters".
     #[arg(long, value_name = "URL")]
     agent_http: Option<String>,
+    /// Run an INVITE that does not say `multiRound` (every reference Delegator) as a
+    /// multi-round session, as the reference's multi-round branch does: each round ends
+    /// with `round_done` and the workspace stays for CONTINUE until CLOSE, so a reference
+    /// Delegator's `continue` works. Without it such a task ends with `done` (what the
+    /// reference's released `main` Delegator waits for; it ignores `round_done`).
+    #[arg(long)]
+    reference_rounds: bool,
+    /// With --reference-rounds: close a session that stays idle this long (with `done`),
+    /// longer than the reference Delegator's own 5-minute idle close.
+    #[arg(long, default_value = "10m", value_parser = parse_duration, requires = "reference_rounds")]
+    idle_timeout: Duration,
     /// Bound on each round of an --agent-a2a or --agent-http agent (e.g. `30m`); past it
     /// the task ends in error and the remote task is abandoned. The lease bounds it anyway.
     #[arg(long, value_parser = parse_duration)]
@@ -746,6 +765,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.api_token = explicit_token.clone();
             cfg.unsafe_no_auth = a.unsafe_no_auth;
             cfg.idle_timeout = a.idle_timeout;
+            cfg.reference_rounds = a.reference_rounds;
             cfg.watch = !a.no_watch;
             cfg.default_transport = match a.default_transport {
                 DefaultTransport::Auto => None,
@@ -807,6 +827,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (None, None) => None,
             };
             cfg.agent_timeout = a.agent_timeout;
+            cfg.reference_rounds = a.reference_rounds;
+            cfg.idle_timeout = a.idle_timeout;
             cfg.block_cache = (!a.no_block_cache).then(|| {
                 let mut c = awcpfs::cache::CacheConfig::new(Some(
                     a.cache_dir.unwrap_or_else(|| base.join("cache")),

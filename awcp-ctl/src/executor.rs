@@ -50,6 +50,14 @@ pub struct ExecutorConfig {
     /// Bound on each round of a remote agent (`executor --agent-timeout`; the lease bounds
     /// it anyway).
     pub agent_timeout: Option<Duration>,
+    /// Run an INVITE that does not say `multiRound` (every reference Delegator) as a
+    /// multi-round session, as the reference's multi-round Executor does (`executor
+    /// --reference-rounds`): `round_done`, idle until CONTINUE or CLOSE.
+    pub reference_rounds: bool,
+    /// Such a session (not one that asked for rounds) is closed here, with `done`, after
+    /// this long idle: a Delegator that never closes it does not hold the workspace for
+    /// ever.
+    pub idle_timeout: Duration,
     /// Longest lease accepted.
     pub max_ttl: Duration,
     /// Most tasks at once.
@@ -177,6 +185,8 @@ impl ExecutorConfig {
             agent_cmd,
             remote_agent: None,
             agent_timeout: None,
+            reference_rounds: false,
+            idle_timeout: Duration::from_secs(600),
             max_ttl: Duration::from_secs(24 * 3600),
             max_concurrent: 8,
             keep_cache: false,
@@ -216,8 +226,11 @@ pub(crate) struct Assignment {
     pub(crate) cancel: tokio::sync::Notify,
     /// The task's mounts (one per resource), while they run.
     pub(crate) mount: Mutex<Option<mounts::MountSet>>,
-    /// INVITE asked for a multi-round session (`multiRound`, ours).
+    /// INVITE asked for a multi-round session (`multiRound`, ours), or said nothing and
+    /// the Executor runs such INVITEs in rounds (`--reference-rounds`).
     pub(crate) multi_round: bool,
+    /// Close the session after this long idle (the rounds the INVITE did not ask for).
+    pub(crate) idle_close: Option<Duration>,
     /// The round running or last finished (1 for START's).
     pub(crate) round: std::sync::atomic::AtomicU32,
     /// The current round's task (INVITE's, then each CONTINUE's).

@@ -301,7 +301,7 @@ async fn run_rounds(
         }
         finish_round(a, summary, Some(snapshot));
         tokio::select! {
-            cmd = next_round(rounds) => match cmd {
+            cmd = next_round(rounds, a.idle_close) => match cmd {
                 RoundCmd::Continue { task, round, lease } => {
                     // The round runs until the lease CONTINUE carries ends.
                     if let Some(left) = super::task::continued_lease(ex, lease.as_ref()) {

@@ -487,13 +487,27 @@ pub(crate) enum RoundCmd {
     Close,
 }
 
-/// The next command of an idle session (a closed channel counts as CLOSE).
+/// The next command of an idle session (a closed channel counts as CLOSE, and so does
+/// `idle_close` passing without one).
 pub(super) async fn next_round(
     rx: &mut Option<tokio::sync::mpsc::UnboundedReceiver<RoundCmd>>,
+    idle_close: Option<Duration>,
 ) -> RoundCmd {
-    match rx {
-        Some(rx) => rx.recv().await.unwrap_or(RoundCmd::Close),
-        None => RoundCmd::Close,
+    let next = async {
+        match rx {
+            Some(rx) => rx.recv().await.unwrap_or(RoundCmd::Close),
+            None => RoundCmd::Close,
+        }
+    };
+    match idle_close {
+        Some(limit) => tokio::time::timeout(limit, next).await.unwrap_or_else(|_| {
+            tracing::info!(
+                idle = ?limit,
+                "closing an idle session the Delegator neither continued nor closed"
+            );
+            RoundCmd::Close
+        }),
+        None => next.await,
     }
 }
 
@@ -741,7 +755,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                 );
                 finish_round(&a, summary, None);
                 let next = tokio::select! {
-                    cmd = next_round(&mut rounds) => Some(cmd),
+                    cmd = next_round(&mut rounds, a.idle_close) => Some(cmd),
                     r = &mut end_rx => {
                         let (code, msg, hint) = lease_error(&r.unwrap_or(EndReason::Unmounted));
                         finish_error(&a, code, msg, hint);
