@@ -180,9 +180,12 @@ impl Daemon {
                 access_mode: access,
             }),
         });
-        self.send(&live, &msg).await?;
-        {
+        // The round starts before CONTINUE leaves, as the reference's Delegator does: a fast
+        // Executor's `round_done` can arrive before its answer to CONTINUE, and must find
+        // the delegation running (it was dropped as "ROUND_COMPLETE in state idle").
+        let previous = {
             let mut d = live.d.lock();
+            let previous = d.record.current_round;
             d.record.current_round = Some(round);
             d.record.rounds.get_or_insert_with(Vec::new).push(Round {
                 number: round,
@@ -192,12 +195,45 @@ impl Daemon {
                 started_at: crate::now_iso(),
                 completed_at: None,
             });
+            previous
+        };
+        let unround = |live: &Live| {
+            let mut d = live.d.lock();
+            d.record.current_round = previous;
+            if let Some(r) = d.record.rounds.as_mut() {
+                r.pop();
+            }
+        };
+        if self
+            .transition(
+                &live,
+                DelegationEvent::SendContinue,
+                Some(format!("round {round}: {}", task.description)),
+            )
+            .is_none()
+        {
+            // Another continue (or an end) got there first.
+            unround(&live);
+            let state = live.d.lock().record.state;
+            return Err(plain(format!(
+                "Cannot continue delegation {id} in state '{}', expected 'idle'",
+                state.as_str()
+            )));
         }
-        self.transition(
-            &live,
-            DelegationEvent::SendContinue,
-            Some(format!("round {round}: {}", task.description)),
-        );
+        if let Err(e) = self.send(&live, &msg).await {
+            // Not sent: the session is idle as before, without the round.
+            unround(&live);
+            live.d.lock().record.state = DelegationState::Idle;
+            self.record(
+                &live,
+                crate::watch::WatchEvent::State {
+                    state: DelegationState::Idle,
+                    at: crate::now_iso(),
+                    detail: Some(format!("round {round} not started: {}", e.message)),
+                },
+            );
+            return Err(e);
+        }
         Ok(round)
     }
 
