@@ -1,10 +1,11 @@
 //! Multi-round delegations: rounds in the record, `round_done` → `idle`, and CONTINUE /
 //! CLOSE (`POST /delegation/:id/continue`, `…/close`).
 //!
-//! A delegation asks for rounds with `multiRound: true` (ours, sent on in INVITE). Without
-//! it, a `round_done` from an Executor that always works in rounds (the reference's
-//! multi-round branch) is answered with CLOSE at once, so the delegation completes as a
-//! single-round one would.
+//! A delegation asks for rounds with `multiRound: true` (ours, sent on in INVITE); with
+//! `serve --reference-rounds`, a request that does not say (every reference client) is
+//! one too. Otherwise a `round_done` from an Executor that always works in rounds (the
+//! reference's multi-round branch) is answered with CLOSE at once, so the delegation
+//! completes as a single-round one would.
 
 use std::sync::Arc;
 use std::time::Duration;
