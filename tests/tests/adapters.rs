@@ -315,3 +315,87 @@ async fn an_http_agent_that_fails_answers_garbage_or_is_cancelled_ends_in_error(
     );
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_round_past_agent_timeout_ends_in_error_and_cancels_the_agents_task() {
+    if !fuse_available() {
+        return;
+    }
+    let agent = HttpAgent::start(HttpMode::Poll).await;
+    let url = agent.url();
+    let h = Harness::start_with("false", move |c| {
+        c.remote_agent = Some(RemoteAgent::Http(url));
+        c.agent_timeout = Some(Duration::from_secs(1));
+    })
+    .await;
+    let (id, _) = delegate(&h, "sleep 30", TransportType::Awcpfs).await;
+    assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Error);
+    let e = error_of(&h, &id).await;
+    assert!(e.contains("did not finish within 1s"), "{e}");
+    assert!(
+        agent.state.cancels.lock().unwrap().contains(&0),
+        "the timed-out task was not cancelled"
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn later_rounds_continue_the_a2a_agents_context() {
+    let Some(py) = a2a_python() else { return };
+    if !fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let agent = A2aAgent::start(&py, &tmp.path().join("a2a.log"), true);
+    let h = harness(RemoteAgent::A2a(agent.url.clone())).await;
+    let ws = h.path("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    let mut req = h.request(&[("workspace", &ws, AccessMode::Rw)], 120);
+    req.task = TaskSpec {
+        description: "round one".into(),
+        prompt: "write one.txt 1".into(),
+    };
+    req.multi_round = Some(true);
+    let id = h.client.delegate(&req).await.unwrap().delegation_id;
+    let id = id.as_str().to_string();
+    let idle = || async {
+        assert!(
+            awcp_tests::eventually(TIMEOUT, || {
+                std::fs::read_to_string(&agent.log).is_ok_and(|l| l.lines().count() >= 1)
+            })
+            .await
+        );
+        for _ in 0..600 {
+            if h.client.get(&id).await.unwrap().record.state == DelegationState::Idle {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("never idle");
+    };
+    idle().await;
+    h.client
+        .continue_round(
+            &id,
+            &TaskSpec {
+                description: "round two".into(),
+                prompt: "write two.txt 2".into(),
+            },
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(awcp_tests::appears(&ws.join("two.txt"), TIMEOUT).await);
+    idle().await;
+    h.client.close(&id).await.unwrap();
+    assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Completed);
+    assert_eq!(std::fs::read_to_string(ws.join("one.txt")).unwrap(), "1\n");
+    let logged = agent.logged();
+    assert_eq!(logged.len(), 2, "{logged:?}");
+    assert_eq!(
+        logged[0]["contextId"], logged[1]["contextId"],
+        "round 2 continues round 1's A2A context"
+    );
+    assert_eq!(logged[1]["texts"][0], "write two.txt 2");
+    h.stop().await;
+}

@@ -205,7 +205,7 @@ pub(super) fn start(
     rep: Reporter,
     timeout: Option<Duration>,
 ) -> RemoteRun {
-    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (tx, mut cancelled) = tokio::sync::oneshot::channel::<()>();
     let agent = agent.clone();
     let handle = tokio::spawn(async move {
         let client = match reqwest::Client::builder()
@@ -216,22 +216,37 @@ pub(super) fn start(
             Err(e) => return RemoteEnd::Failed(format!("cannot build an HTTP client: {e}")),
         };
         let kind = agent.kind();
+        // The adapter's own cancel: fired by a cancel from outside, or by the timeout, so
+        // that either way the agent is told to stop.
+        let (stop, stop_rx) = tokio::sync::oneshot::channel();
         let run = async {
             match &agent {
-                RemoteAgent::A2a(url) => a2a::run(&client, url, &task, &rep, rx).await,
-                RemoteAgent::Http(url) => http::run(&client, url, &task, &rep, rx).await,
+                RemoteAgent::A2a(url) => a2a::run(&client, url, &task, &rep, stop_rx).await,
+                RemoteAgent::Http(url) => http::run(&client, url, &task, &rep, stop_rx).await,
             }
         };
-        let end = match timeout {
-            Some(t) => match tokio::time::timeout(t, run).await {
-                Ok(end) => end,
-                Err(_) => RemoteEnd::Failed(format!(
+        tokio::pin!(run);
+        let limit = async {
+            match timeout {
+                Some(t) => tokio::time::sleep(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        let end = tokio::select! {
+            end = &mut run => end,
+            _ = &mut cancelled => {
+                let _ = stop.send(());
+                run.await
+            }
+            _ = limit => {
+                let _ = stop.send(());
+                let _ = tokio::time::timeout(CANCEL_GRACE, run).await;
+                RemoteEnd::Failed(format!(
                     "the {kind} did not finish within {} (executor --agent-timeout); its \
-                     task was abandoned",
-                    humantime(t)
-                )),
-            },
-            None => run.await,
+                     task was cancelled",
+                    humantime(timeout.unwrap_or_default())
+                ))
+            }
         };
         if let RemoteEnd::Failed(m) = &end {
             tracing::warn!(delegation = %task.delegation_id, error = %m, "remote agent failed");
@@ -247,7 +262,7 @@ pub(super) fn start(
 
 fn humantime(d: Duration) -> String {
     let s = d.as_secs();
-    if s >= 60 && s % 60 == 0 {
+    if s >= 60 && s.is_multiple_of(60) {
         format!("{}m", s / 60)
     } else if s > 0 {
         format!("{s}s")
