@@ -247,6 +247,14 @@ struct ServeArgs {
     /// Close an idle multi-round session after this long without `continue`.
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     idle_timeout: Duration,
+    /// Run a delegation whose request does not say `multiRound` (every reference client:
+    /// its MCP server's `delegate`, its `DelegatorDaemonClient`) as a multi-round session,
+    /// as the reference's multi-round daemon does: it goes `idle` after each round, so the
+    /// reference MCP's `delegate_continue` and `delegate_close` work, and is closed after
+    /// --idle-timeout. Without it such a delegation completes after one round (what the
+    /// reference's released `main` expects: its `delegate` waits for `completed`).
+    #[arg(long)]
+    reference_rounds: bool,
     /// Do not watch delegated directories: running `awcpfs` mounts then keep showing each
     /// directory as it was when it was delegated (changes made here meanwhile still win
     /// over the Executor's, as conflicts, at write-back).
@@ -332,8 +340,38 @@ struct ServeArgs {
 struct ExecutorArgs {
     /// The agent: a shell command run in the mounted workspace. It sees
     /// AWCP_DELEGATION_ID, AWCP_TASK_DESCRIPTION, AWCP_TASK_PROMPT and AWCP_WORKSPACE.
+    /// One of --agent-cmd, --agent-a2a and --agent-http is required.
+    #[arg(long, required_unless_present_any = ["agent_a2a", "agent_http"],
+          conflicts_with_all = ["agent_a2a", "agent_http"])]
+    agent_cmd: Option<String>,
+    /// Hand each task to an A2A agent instead (A2A 0.3 over JSON-RPC): its base URL, where
+    /// its card is found at /.well-known/agent-card.json (or the older agent.json), or the
+    /// card's URL. It gets the prompt and an [AWCP Context] text part naming the workspace
+    /// on this machine, so it must see this machine's files; its status updates become
+    /// progress events, `completed` becomes done, any other final state an error. See
+    /// docs/PROTOCOL.md, "Agents behind adapters".
+    #[arg(long, value_name = "URL", conflicts_with = "agent_http")]
+    agent_a2a: Option<String>,
+    /// Hand each task to a plain HTTP agent instead: the task is POSTed to URL as JSON, the
+    /// agent answers with progress/done/error updates (NDJSON or SSE stream, or JSON to
+    /// poll). The shape is in docs/PROTOCOL.md, "Agents behind adapters".
+    #[arg(long, value_name = "URL")]
+    agent_http: Option<String>,
+    /// Run an INVITE that does not say `multiRound` (every reference Delegator) as a
+    /// multi-round session, as the reference's multi-round branch does: each round ends
+    /// with `round_done` and the workspace stays for CONTINUE until CLOSE, so a reference
+    /// Delegator's `continue` works. Without it such a task ends with `done` (what the
+    /// reference's released `main` Delegator waits for; it ignores `round_done`).
     #[arg(long)]
-    agent_cmd: String,
+    reference_rounds: bool,
+    /// With --reference-rounds: close a session that stays idle this long (with `done`),
+    /// longer than the reference Delegator's own 5-minute idle close.
+    #[arg(long, default_value = "10m", value_parser = parse_duration, requires = "reference_rounds")]
+    idle_timeout: Duration,
+    /// Bound on each round of an --agent-a2a or --agent-http agent (e.g. `30m`); past it
+    /// the task ends in error and the remote task is abandoned. The lease bounds it anyway.
+    #[arg(long, value_parser = parse_duration)]
+    agent_timeout: Option<Duration>,
     /// Listen address.
     #[arg(long, default_value = "127.0.0.1:7200")]
     listen: std::net::SocketAddr,
@@ -442,6 +480,15 @@ struct ExecutorArgs {
     /// and it alone (besides root) can enter the work directory.
     #[arg(long, value_name = "USER")]
     agent_user: Option<String>,
+}
+
+/// An agent URL must be http(s): said at start rather than at the first delegation.
+fn check_agent_url(flag: &str, url: String) -> anyhow::Result<String> {
+    anyhow::ensure!(
+        url.starts_with("http://") || url.starts_with("https://"),
+        "{flag} {url:?}: give the agent's http:// or https:// URL"
+    );
+    Ok(url)
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -745,6 +792,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.api_token = explicit_token.clone();
             cfg.unsafe_no_auth = a.unsafe_no_auth;
             cfg.idle_timeout = a.idle_timeout;
+            cfg.reference_rounds = a.reference_rounds;
             cfg.watch = !a.no_watch;
             cfg.default_transport = match a.default_transport {
                 DefaultTransport::Auto => None,
@@ -797,7 +845,21 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Executor(a) => {
             let base = a.dir.unwrap_or_else(|| default_state_dir("executor"));
-            let mut cfg = ExecutorConfig::new(a.agent_cmd, base.clone());
+            let mut cfg = ExecutorConfig::new(a.agent_cmd.unwrap_or_default(), base.clone());
+            cfg.remote_agent = match (a.agent_a2a, a.agent_http) {
+                (Some(u), _) => Some(awcp_ctl::executor::RemoteAgent::A2a(check_agent_url(
+                    "--agent-a2a",
+                    u,
+                )?)),
+                (None, Some(u)) => Some(awcp_ctl::executor::RemoteAgent::Http(check_agent_url(
+                    "--agent-http",
+                    u,
+                )?)),
+                (None, None) => None,
+            };
+            cfg.agent_timeout = a.agent_timeout;
+            cfg.reference_rounds = a.reference_rounds;
+            cfg.idle_timeout = a.idle_timeout;
             cfg.block_cache = (!a.no_block_cache).then(|| {
                 let mut c = awcpfs::cache::CacheConfig::new(Some(
                     a.cache_dir.unwrap_or_else(|| base.join("cache")),

@@ -84,6 +84,11 @@ pub struct DaemonConfig {
     /// An idle multi-round session is closed after this long without CONTINUE (the
     /// reference's default: 5 minutes).
     pub idle_timeout: Duration,
+    /// Run a `POST /delegate` that does not say `multiRound` (every reference client: its
+    /// MCP server, `DelegatorDaemonClient`) as a multi-round session, as the reference's
+    /// multi-round daemon does, so its `delegate_continue` works (`serve
+    /// --reference-rounds`); otherwise such a delegation completes after one round.
+    pub reference_rounds: bool,
     /// The token every daemon API route but `GET /health` requires as
     /// `Authorization: Bearer <token>` (401 otherwise). When `None` (and not
     /// `unsafe_no_auth`), the daemon uses the one in `<state_dir>/api-token`, creating it
@@ -155,6 +160,7 @@ impl DaemonConfig {
             aecp_local_witness: None,
             aecp_hold_stale: false,
             idle_timeout: Duration::from_secs(300),
+            reference_rounds: false,
             default_transport: None,
             blocks: None,
             state: None,

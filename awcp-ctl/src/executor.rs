@@ -10,6 +10,7 @@
 //! `error`, and unmount. If the lease ends first (revoke, expiry, AWCP cancel), the mount
 //! fences itself, the agent's process group is killed, and the task ends in `error`.
 
+mod adapter;
 mod aecp;
 mod archive_task;
 mod git_task;
@@ -33,6 +34,8 @@ use awcp_protocol::api::TaskResultResponse;
 use awcp_protocol::messages::{AccessMode, InviteMessage};
 use awcp_protocol::{AssignmentState, TaskEvent, TransportType};
 
+pub use adapter::RemoteAgent;
+
 /// How the Executor runs.
 #[derive(Debug, Clone)]
 pub struct ExecutorConfig {
@@ -42,8 +45,23 @@ pub struct ExecutorConfig {
     pub work_dir: PathBuf,
     /// Where mount state (journals, upper files) lives.
     pub state_dir: PathBuf,
-    /// The agent command, run with `sh -c` in the mounted workspace.
+    /// The agent command, run with `sh -c` in the mounted workspace (unless
+    /// `remote_agent` is set).
     pub agent_cmd: String,
+    /// Hand each task to this A2A or HTTP agent instead of running `agent_cmd`
+    /// (`executor --agent-a2a`, `--agent-http`).
+    pub remote_agent: Option<RemoteAgent>,
+    /// Bound on each round of a remote agent (`executor --agent-timeout`; the lease bounds
+    /// it anyway).
+    pub agent_timeout: Option<Duration>,
+    /// Run an INVITE that does not say `multiRound` (every reference Delegator) as a
+    /// multi-round session, as the reference's multi-round Executor does (`executor
+    /// --reference-rounds`): `round_done`, idle until CONTINUE or CLOSE.
+    pub reference_rounds: bool,
+    /// Such a session (not one that asked for rounds) is closed here, with `done`, after
+    /// this long idle: a Delegator that never closes it does not hold the workspace for
+    /// ever.
+    pub idle_timeout: Duration,
     /// Longest lease accepted.
     pub max_ttl: Duration,
     /// Most tasks at once.
@@ -169,6 +187,10 @@ impl ExecutorConfig {
             work_dir: base.join("work"),
             state_dir: base.join("state"),
             agent_cmd,
+            remote_agent: None,
+            agent_timeout: None,
+            reference_rounds: false,
+            idle_timeout: Duration::from_secs(600),
             max_ttl: Duration::from_secs(24 * 3600),
             max_concurrent: 8,
             keep_cache: false,
@@ -213,12 +235,19 @@ pub(crate) struct Assignment {
     pub(crate) cancel: tokio::sync::Notify,
     /// The task's mounts (one per resource), while they run.
     pub(crate) mount: Mutex<Option<mounts::MountSet>>,
-    /// INVITE asked for a multi-round session (`multiRound`, ours).
+    /// INVITE asked for a multi-round session (`multiRound`, ours), or said nothing and
+    /// the Executor runs such INVITEs in rounds (`--reference-rounds`).
     pub(crate) multi_round: bool,
+    /// Close the session after this long idle (the rounds the INVITE did not ask for).
+    pub(crate) idle_close: Option<Duration>,
     /// The round running or last finished (1 for START's).
     pub(crate) round: std::sync::atomic::AtomicU32,
     /// The current round's task (INVITE's, then each CONTINUE's).
     pub(crate) task: Mutex<awcp_protocol::messages::TaskSpec>,
+    /// The lease as START (then each CONTINUE) gave it, for a remote agent's request.
+    pub(crate) lease: Mutex<Option<awcp_protocol::messages::ActiveLease>>,
+    /// The A2A context a remote agent put the first round in, so later rounds continue it.
+    pub(crate) agent_context: Mutex<Option<String>>,
     /// The Delegator's proof for this delegation: the capability token its START carried
     /// (`awcpfs`); `None` before START and for delegations whose START carries none (a
     /// reference Delegator's `archive`). Once set, the routes that touch the delegation

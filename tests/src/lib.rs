@@ -4,6 +4,7 @@
 //! FUSE tests need root and `/dev/fuse`. Where `/dev/fuse` is missing they skip, loudly —
 //! except under `CI=true`, where a missing FUSE device fails the test.
 
+pub mod agents;
 pub mod fleet;
 pub mod git_server;
 pub mod reference;

@@ -159,6 +159,24 @@ async fn message(State(st): State<Arc<RefState>>, Json(body): Json<Value>) -> Re
             tokio::spawn(async move { run(st2, id, handle, tx).await });
             Json(json!({"ok": true})).into_response()
         }
+        // As the reference's multi-round Executor: `status` "Round N execution started",
+        // then `round_done` for the round.
+        "CONTINUE" if st.rounds.load(std::sync::atomic::Ordering::SeqCst) => {
+            let round = body["round"].as_u64().unwrap_or(0);
+            if let Some(t) = st.tasks.lock().unwrap().get(&id) {
+                let _ = t.tx.send(event(
+                    &id,
+                    "status",
+                    json!({"status": "running", "message": format!("Round {round} execution started")}),
+                ));
+                let _ = t.tx.send(event(
+                    &id,
+                    "round_done",
+                    json!({"round": round, "summary": format!("did round {round}")}),
+                ));
+            }
+            Json(json!({"ok": true})).into_response()
+        }
         "CLOSE" if st.rounds.load(std::sync::atomic::Ordering::SeqCst) => {
             if let Some(t) = st.tasks.lock().unwrap().get(&id) {
                 let _ = t.tx.send(event(

@@ -962,3 +962,232 @@ async fn a_request_without_transport_works_against_both_kinds_of_executor() {
     );
     h.stop().await;
 }
+
+/// The zip in a `snapshot` event, by path.
+fn snapshot_files(ev: &Value) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let zip = base64::engine::general_purpose::STANDARD
+        .decode(ev["snapshotBase64"].as_str().unwrap())
+        .unwrap();
+    read_zip(&zip)
+}
+
+// Symptom: a reference Delegator of the multi-round branch never sends INVITE `multiRound`,
+// so our Executor ended the task with `done`, and the Delegator's later CONTINUE failed
+// ("Cannot continue delegation … in state 'completed'"). With `--reference-rounds` it
+// works in rounds, as the reference's multi-round Executor does on the wire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reference_delegator_continues_our_executor_with_reference_rounds() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start_with(
+        "echo \"round $AWCP_ROUND: $AWCP_TASK_DESCRIPTION\" >> log.txt",
+        |c| c.reference_rounds = true,
+    )
+    .await;
+    let awcp = h.executor.awcp_url();
+    let id = new_id();
+    // The reference's INVITE: no multiRound.
+    let inv = invite(&id, 600, "archive");
+    assert!(inv.get("multiRound").is_none());
+    let (_, accept) = post(&awcp, &inv).await;
+    assert_eq!(accept["type"], "ACCEPT", "{accept}");
+    let mut events = DataLines::new(
+        reqwest::get(format!("{awcp}/tasks/{id}/events"))
+            .await
+            .unwrap(),
+    );
+    let zip = zip_entries(
+        &[("workspace/a.txt", b"a")],
+        zip::CompressionMethod::Deflated,
+    );
+    let (s, _) = post(&awcp, &start(&id, &zip, &sha256_hex(&zip))).await;
+    assert_eq!(s, 200);
+    let snap = events.until("snapshot").await;
+    let round = events.until("round_done").await;
+    assert_eq!(round["round"], 1, "{round}");
+    assert_eq!(round["snapshotIds"], json!([snap["snapshotId"]]), "{round}");
+    // CONTINUE exactly as the reference's Delegator sends it (no lease).
+    let cont = json!({"version": "1", "type": "CONTINUE", "delegationId": id,
+                      "task": {"description": "second", "prompt": "now the second part"},
+                      "round": 2});
+    let (s, b) = post(&awcp, &cont).await;
+    assert_eq!((s, b), (200, json!({"ok": true})));
+    let started = events.until("status").await;
+    assert_eq!(started["message"], "Round 2 execution started", "{started}");
+    let snap = events.until("snapshot").await;
+    let round = events.until("round_done").await;
+    assert_eq!(round["round"], 2, "{round}");
+    // Round 2 ran in round 1's workspace.
+    let log = snapshot_files(&snap)
+        .remove("workspace/log.txt")
+        .map(|b| String::from_utf8(b).unwrap());
+    assert_eq!(
+        log.as_deref(),
+        Some("round 1: Fix it\nround 2: second\n"),
+        "{snap}"
+    );
+    let close = json!({"version": "1", "type": "CLOSE", "delegationId": id});
+    let (s, _) = post(&awcp, &close).await;
+    assert_eq!(s, 200);
+    let done = events.until("done").await;
+    assert!(done["summary"].is_string(), "{done}");
+    h.stop().await;
+}
+
+// A reference Delegator that neither continues nor closes does not hold the workspace for
+// ever: the Executor closes such a session after its idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_reference_session_is_closed_by_our_executor() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start_with("true", |c| {
+        c.reference_rounds = true;
+        c.idle_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let awcp = h.executor.awcp_url();
+    let id = new_id();
+    let zip = zip_entries(
+        &[("workspace/a.txt", b"a")],
+        zip::CompressionMethod::Deflated,
+    );
+    let evs = delegate_archive(&awcp, &id, &zip, &sha256_hex(&zip)).await;
+    let kinds: Vec<&str> = evs.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert!(kinds.contains(&"round_done"), "{kinds:?}");
+    assert_eq!(kinds.last(), Some(&"done"), "{kinds:?}");
+    assert!(
+        !h.mountpoint(&id).exists(),
+        "the work directory is cleaned up"
+    );
+    h.stop().await;
+}
+
+/// A delegation request as the reference's `DelegatorDaemonClient` sends it: no
+/// `multiRound`, no `transport`.
+fn reference_client_request(executor_url: &str, ws: &std::path::Path) -> Value {
+    json!({
+        "executorUrl": executor_url,
+        "environment": {"resources": [{"name": "workspace", "type": "fs",
+                                        "source": ws.display().to_string(), "mode": "rw"}]},
+        "task": {"description": "first", "prompt": "first round"},
+        "ttlSeconds": 600,
+    })
+}
+
+async fn wait_daemon_state(base: &str, id: &str, want: &str) -> Value {
+    let last = std::sync::Mutex::new(Value::Null);
+    tokio::time::timeout(TIMEOUT, async {
+        loop {
+            let v: Value = reqwest::get(format!("{base}/delegation/{id}"))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if v["state"] == want {
+                return v;
+            }
+            *last.lock().unwrap() = v.clone();
+            assert!(
+                !["completed", "error", "cancelled", "expired"]
+                    .contains(&v["state"].as_str().unwrap_or("")),
+                "{id} ended while waiting for {want}: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{id} never reached {want}: {}", last.lock().unwrap()))
+}
+
+// Symptom: the reference MCP's `delegate_continue` through our daemon failed: our daemon
+// closed the session at `round_done` (or completed at `done`) because the request did not
+// say `multiRound`. With `serve --reference-rounds`, it stays idle for CONTINUE, against
+// our Executor and against a reference multi-round Executor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_reference_clients_continue_works_through_our_daemon_with_reference_rounds() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start_full(
+        "echo \"round $AWCP_ROUND: $AWCP_TASK_DESCRIPTION\" >> log.txt",
+        |d| d.reference_rounds = true,
+        |_| {},
+    )
+    .await;
+    let base = h.daemon.token_url();
+    // Against our Executor (awcpfs): idle after each round, continue, close.
+    let ws = h.path("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    let (s, b) = post(
+        &format!("{base}/delegate"),
+        &reference_client_request(&h.executor.awcp_url(), &ws),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    let id = b["delegationId"].as_str().unwrap().to_string();
+    wait_daemon_state(&base, &id, "idle").await;
+    // The reference client's continue body: {task}.
+    let (s, b) = post(
+        &format!("{base}/delegation/{id}/continue"),
+        &json!({"task": {"description": "second", "prompt": "second round"}}),
+    )
+    .await;
+    assert_eq!(
+        (s, &b["ok"], &b["round"]),
+        (200, &json!(true), &json!(2)),
+        "{b}"
+    );
+    let v = wait_daemon_state(&base, &id, "idle").await;
+    assert_eq!(v["currentRound"], 2, "{v}");
+    let (s, b) = post(&format!("{base}/delegation/{id}/close"), &json!({})).await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Completed);
+    assert_eq!(
+        std::fs::read_to_string(ws.join("log.txt")).unwrap(),
+        "round 1: first\nround 2: second\n"
+    );
+
+    // Against a reference Executor that works in rounds: idle instead of CLOSE at once.
+    let ws2 = h.path("ws2");
+    std::fs::create_dir_all(&ws2).unwrap();
+    std::fs::write(ws2.join("a.txt"), "a").unwrap();
+    let rex = RefExecutor::start(
+        &h.path("ref-work"),
+        false,
+        Arc::new(|w: &std::path::Path| std::fs::write(w.join("workspace/a.txt"), "b").unwrap()),
+    )
+    .await;
+    rex.state
+        .rounds
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let (s, b) = post(
+        &format!("{base}/delegate"),
+        &reference_client_request(&rex.url(), &ws2),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    let id = b["delegationId"].as_str().unwrap().to_string();
+    wait_daemon_state(&base, &id, "idle").await;
+    let (s, b) = post(
+        &format!("{base}/delegation/{id}/continue"),
+        &json!({"task": {"description": "second", "prompt": "second round"}}),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    let v = wait_daemon_state(&base, &id, "idle").await;
+    assert_eq!(v["result"]["summary"], "did round 2", "{v}");
+    let (s, _) = post(&format!("{base}/delegation/{id}/close"), &json!({})).await;
+    assert_eq!(s, 200);
+    assert_eq!(h.wait_end(&id, TIMEOUT).await, DelegationState::Completed);
+    let msgs = rex.state.messages.lock().unwrap().clone();
+    let types: Vec<&str> = msgs.iter().filter_map(|m| m["type"].as_str()).collect();
+    assert_eq!(types, vec!["INVITE", "START", "CONTINUE", "CLOSE"]);
+    // What we sent has the reference's CONTINUE shape (plus our lease).
+    assert_eq!(msgs[2]["round"], 2);
+    assert_eq!(msgs[2]["task"]["description"], "second");
+    assert_eq!(std::fs::read_to_string(ws2.join("a.txt")).unwrap(), "b");
+    h.stop().await;
+}

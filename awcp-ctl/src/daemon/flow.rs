@@ -294,7 +294,7 @@ impl Daemon {
                 last_event_id: None,
                 transport: handle.transport(),
                 executor_token: req.auth.as_ref().map(|a| a.credential.clone()),
-                multi_round: req.multi_round == Some(true),
+                multi_round: req.multi_round.unwrap_or(self.cfg.reference_rounds),
                 resources: exports.iter().map(|e| e.stored.clone()).collect(),
             }),
             lease: lease.clone(),
@@ -413,7 +413,10 @@ impl Daemon {
                 transport: Some(handle.transport()),
             }),
             auth: req.auth.clone(),
-            multi_round: req.multi_round.filter(|m| *m),
+            multi_round: req
+                .multi_round
+                .unwrap_or(self.cfg.reference_rounds)
+                .then_some(true),
         });
         live.progress.set_phase("invite");
         self.transition(live, DelegationEvent::SendInvite, None);

@@ -1,10 +1,11 @@
 //! Multi-round delegations: rounds in the record, `round_done` → `idle`, and CONTINUE /
 //! CLOSE (`POST /delegation/:id/continue`, `…/close`).
 //!
-//! A delegation asks for rounds with `multiRound: true` (ours, sent on in INVITE). Without
-//! it, a `round_done` from an Executor that always works in rounds (the reference's
-//! multi-round branch) is answered with CLOSE at once, so the delegation completes as a
-//! single-round one would.
+//! A delegation asks for rounds with `multiRound: true` (ours, sent on in INVITE); with
+//! `serve --reference-rounds`, a request that does not say (every reference client) is
+//! one too. Otherwise a `round_done` from an Executor that always works in rounds (the
+//! reference's multi-round branch) is answered with CLOSE at once, so the delegation
+//! completes as a single-round one would.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -180,9 +181,12 @@ impl Daemon {
                 access_mode: access,
             }),
         });
-        self.send(&live, &msg).await?;
-        {
+        // The round starts before CONTINUE leaves, as the reference's Delegator does: a fast
+        // Executor's `round_done` can arrive before its answer to CONTINUE, and must find
+        // the delegation running (it was dropped as "ROUND_COMPLETE in state idle").
+        let previous = {
             let mut d = live.d.lock();
+            let previous = d.record.current_round;
             d.record.current_round = Some(round);
             d.record.rounds.get_or_insert_with(Vec::new).push(Round {
                 number: round,
@@ -192,12 +196,45 @@ impl Daemon {
                 started_at: crate::now_iso(),
                 completed_at: None,
             });
+            previous
+        };
+        let unround = |live: &Live| {
+            let mut d = live.d.lock();
+            d.record.current_round = previous;
+            if let Some(r) = d.record.rounds.as_mut() {
+                r.pop();
+            }
+        };
+        if self
+            .transition(
+                &live,
+                DelegationEvent::SendContinue,
+                Some(format!("round {round}: {}", task.description)),
+            )
+            .is_none()
+        {
+            // Another continue (or an end) got there first.
+            unround(&live);
+            let state = live.d.lock().record.state;
+            return Err(plain(format!(
+                "Cannot continue delegation {id} in state '{}', expected 'idle'",
+                state.as_str()
+            )));
         }
-        self.transition(
-            &live,
-            DelegationEvent::SendContinue,
-            Some(format!("round {round}: {}", task.description)),
-        );
+        if let Err(e) = self.send(&live, &msg).await {
+            // Not sent: the session is idle as before, without the round.
+            unround(&live);
+            live.d.lock().record.state = DelegationState::Idle;
+            self.record(
+                &live,
+                crate::watch::WatchEvent::State {
+                    state: DelegationState::Idle,
+                    at: crate::now_iso(),
+                    detail: Some(format!("round {round} not started: {}", e.message)),
+                },
+            );
+            return Err(e);
+        }
         Ok(round)
     }
 

@@ -425,12 +425,12 @@ async fn run_rounds(
             }
         };
         enum Outcome {
-            Exited(std::io::Result<std::process::ExitStatus>),
+            Exited(super::task::Exit),
             Cancelled,
             Expired,
         }
         let outcome = tokio::select! {
-            s = agent.child.wait() => Outcome::Exited(s),
+            s = agent.wait() => Outcome::Exited(s),
             _ = a.cancel.notified() => Outcome::Cancelled,
             _ = tokio::time::sleep_until(deadline) => Outcome::Expired,
         };
@@ -446,25 +446,8 @@ async fn run_rounds(
             }
         };
         agent.drain().await;
-        match status {
-            Ok(s) if s.success() => {}
-            Ok(s) => {
-                return End::Error(
-                    ErrorCode::TaskFailed,
-                    format!(
-                        "the agent exited with {s}; last output:\n{}",
-                        agent.tail_text()
-                    ),
-                    Some("Check task requirements and try again".into()),
-                );
-            }
-            Err(e) => {
-                return End::Error(
-                    ErrorCode::TaskFailed,
-                    format!("waiting for the agent failed: {e}"),
-                    None,
-                );
-            }
+        if let Some((message, hint)) = agent.failure(&status) {
+            return End::Error(ErrorCode::TaskFailed, message, hint);
         }
         let last = agent
             .last_line()
@@ -487,13 +470,13 @@ async fn run_rounds(
         }
         finish_round(a, summary, Some(snapshot));
         tokio::select! {
-            cmd = next_round(rounds) => match cmd {
+            cmd = next_round(rounds, a.idle_close) => match cmd {
                 RoundCmd::Continue { task, round, lease } => {
                     // The round runs until the lease CONTINUE carries ends.
                     if let Some(left) = super::task::continued_lease(ex, lease.as_ref()) {
                         deadline = tokio::time::Instant::now() + left;
                     }
-                    start_round(a, task, round)
+                    start_round(a, task, round, lease)
                 }
                 RoundCmd::Close => return End::Closed,
             },

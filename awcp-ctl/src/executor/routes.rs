@@ -474,9 +474,13 @@ fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage
     let (tx, _) = tokio::sync::broadcast::channel(256);
     let (rounds_tx, rounds_rx) = tokio::sync::mpsc::unbounded_channel();
     let a = Arc::new(Assignment {
-        multi_round: inv.multi_round == Some(true),
+        multi_round: inv.multi_round.unwrap_or(ex.cfg.reference_rounds),
+        idle_close: (inv.multi_round.is_none() && ex.cfg.reference_rounds)
+            .then_some(ex.cfg.idle_timeout),
         round: std::sync::atomic::AtomicU32::new(1),
         task: parking_lot::Mutex::new(inv.task.clone()),
+        lease: parking_lot::Mutex::new(None),
+        agent_context: parking_lot::Mutex::new(None),
         rounds_tx,
         rounds_rx: parking_lot::Mutex::new(Some(rounds_rx)),
         invite: inv.clone(),

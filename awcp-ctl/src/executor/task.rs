@@ -18,9 +18,9 @@ use super::mounts::{MountPlan, MountSet};
 use super::{Assignment, Executor};
 
 /// Lines of agent output kept for the summary and error messages.
-const TAIL_LINES: usize = 20;
+pub(super) const TAIL_LINES: usize = 20;
 /// Agent output lines forwarded as progress events, at most.
-const MAX_PROGRESS_EVENTS: usize = 500;
+pub(super) const MAX_PROGRESS_EVENTS: usize = 500;
 
 pub(super) fn status_event(a: &Assignment, status: RunStatus, message: String) -> TaskEvent {
     TaskEvent::Status(StatusEvent {
@@ -152,16 +152,84 @@ fn kill_group(pid: Option<u32>) {
     }
 }
 
-/// A running agent command and the tasks reading its output.
+/// A running agent: a command and the tasks reading its output, or a round on a remote
+/// agent (see [`super::adapter`]).
 pub(super) struct Agent {
-    pub(super) child: tokio::process::Child,
-    pub(super) pid: Option<u32>,
+    runner: Runner,
     /// The last lines of its output.
     pub(super) tail: Arc<Mutex<VecDeque<String>>>,
-    pub(super) readers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+enum Runner {
+    Command {
+        child: tokio::process::Child,
+        pid: Option<u32>,
+        readers: Vec<tokio::task::JoinHandle<()>>,
+    },
+    Remote(super::adapter::RemoteRun),
+}
+
+/// How an agent's round ended.
+pub(super) enum Exit {
+    /// The command exited.
+    Command(std::io::Result<std::process::ExitStatus>),
+    /// The remote agent finished or failed.
+    Remote(super::adapter::RemoteEnd),
+}
+
+impl Exit {
+    /// Whether the round succeeded.
+    pub(super) fn success(&self) -> bool {
+        match self {
+            Exit::Command(s) => s.as_ref().is_ok_and(|s| s.success()),
+            Exit::Remote(e) => matches!(e, super::adapter::RemoteEnd::Done(_)),
+        }
+    }
 }
 
 impl Agent {
+    /// Until the round ends. A remote agent's final words become the last line of the
+    /// tail (the summary's).
+    pub(super) async fn wait(&mut self) -> Exit {
+        match &mut self.runner {
+            Runner::Command { child, .. } => Exit::Command(child.wait().await),
+            Runner::Remote(run) => {
+                let end = run.wait().await;
+                if let super::adapter::RemoteEnd::Done(summary) = &end {
+                    let line = summary.lines().last().unwrap_or("").trim().to_string();
+                    let mut t = self.tail.lock();
+                    if !line.is_empty() && t.back() != Some(&line) {
+                        t.push_back(line);
+                        if t.len() > TAIL_LINES {
+                            t.pop_front();
+                        }
+                    }
+                }
+                Exit::Remote(end)
+            }
+        }
+    }
+
+    /// Why the round failed (message and hint), or `None` if it succeeded.
+    pub(super) fn failure(&self, exit: &Exit) -> Option<(String, Option<String>)> {
+        match exit {
+            Exit::Command(Ok(s)) if s.success() => None,
+            Exit::Command(Ok(s)) => Some((
+                format!(
+                    "the agent exited with {s}; last output:\n{}",
+                    self.tail_text()
+                ),
+                Some("Check task requirements and try again".into()),
+            )),
+            Exit::Command(Err(e)) => Some((format!("waiting for the agent failed: {e}"), None)),
+            Exit::Remote(super::adapter::RemoteEnd::Done(_)) => None,
+            Exit::Remote(super::adapter::RemoteEnd::Failed(m)) => Some((
+                m.clone(),
+                Some("See the remote agent's own log; the task can be delegated again".into()),
+            )),
+        }
+    }
+
     /// The kept output, joined.
     pub(super) fn tail_text(&self) -> String {
         self.tail
@@ -172,7 +240,7 @@ impl Agent {
             .join("\n")
     }
 
-    /// The last line the agent printed on stdout.
+    /// The last line the agent printed on stdout (a remote agent: its final words).
     pub(super) fn last_line(&self) -> Option<String> {
         self.tail
             .lock()
@@ -182,17 +250,72 @@ impl Agent {
             .cloned()
     }
 
-    /// Kill its whole process group.
+    /// Stop it: kill a command's whole process group; cancel a remote agent's task.
     pub(super) async fn kill(&mut self) {
-        kill_group(self.pid);
-        let _ = self.child.kill().await;
+        match &mut self.runner {
+            Runner::Command { child, pid, .. } => {
+                kill_group(*pid);
+                let _ = child.kill().await;
+            }
+            Runner::Remote(run) => run.cancel().await,
+        }
     }
 
     /// Let the output readers drain (bounded).
     pub(super) async fn drain(&mut self) {
-        for r in self.readers.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
+        if let Runner::Command { readers, .. } = &mut self.runner {
+            for r in readers.drain(..) {
+                let _ = tokio::time::timeout(Duration::from_secs(2), r).await;
+            }
         }
+    }
+}
+
+/// A round on the remote agent, told of the workspace at `cwd` (the single resource's
+/// directory, else the work directory holding one directory per resource).
+fn start_remote(
+    ex: &Executor,
+    remote: &super::adapter::RemoteAgent,
+    a: &Arc<Assignment>,
+    cwd: &std::path::Path,
+) -> Agent {
+    let resources = &a.invite.environment.resources;
+    let task = super::adapter::AgentTask {
+        delegation_id: a.invite.delegation_id.as_str().to_string(),
+        round: a.round.load(std::sync::atomic::Ordering::SeqCst),
+        task: a.task.lock().clone(),
+        root: a.work_path.clone(),
+        cwd: cwd.to_path_buf(),
+        resources: resources
+            .iter()
+            .map(|r| super::adapter::ResourcePath {
+                name: r.name.clone(),
+                path: if resources.len() == 1 {
+                    cwd.to_path_buf()
+                } else {
+                    a.work_path.join(&r.name)
+                },
+                mode: r.mode,
+            })
+            .collect(),
+        lease: a.lease.lock().clone(),
+        context_id: a.agent_context.lock().clone(),
+    };
+    let tail: Arc<Mutex<VecDeque<String>>> = Arc::new(Mutex::new(VecDeque::new()));
+    let rep = super::adapter::Reporter {
+        a: a.clone(),
+        tail: tail.clone(),
+        forwarded: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+    };
+    a.emit(status_event(
+        a,
+        RunStatus::Progress,
+        format!("handing round {} to the {}", task.round, remote.kind()),
+    ));
+    let run = super::adapter::start(remote, task, rep, ex.cfg.agent_timeout);
+    Agent {
+        runner: Runner::Remote(run),
+        tail,
     }
 }
 
@@ -203,6 +326,9 @@ pub(super) fn spawn_agent(
     a: &Arc<Assignment>,
     cwd: &std::path::Path,
 ) -> std::io::Result<Agent> {
+    if let Some(remote) = &ex.cfg.remote_agent {
+        return Ok(start_remote(ex, remote, a, cwd));
+    }
     let id = a.invite.delegation_id.as_str();
     let task = a.task.lock().clone();
     let mut cmd = tokio::process::Command::new("sh");
@@ -297,10 +423,12 @@ pub(super) fn spawn_agent(
     }
 
     Ok(Agent {
-        child,
-        pid,
+        runner: Runner::Command {
+            child,
+            pid,
+            readers,
+        },
         tail,
-        readers,
     })
 }
 
@@ -309,7 +437,7 @@ fn end_after_exit(
     a: &Assignment,
     mount: &MountSet,
     state_dir: &std::path::Path,
-    status: std::io::Result<std::process::ExitStatus>,
+    status: Exit,
     agent: &Agent,
 ) {
     match mount.ended() {
@@ -326,8 +454,8 @@ fn end_after_exit(
             ),
             Some("Collect them from the Executor's state directory".into()),
         ),
-        _ => match status {
-            Ok(s) if s.success() => {
+        _ => match agent.failure(&status) {
+            None => {
                 let summary = format!(
                     "agent finished{}; {} file(s) written back",
                     agent
@@ -338,21 +466,7 @@ fn end_after_exit(
                 );
                 finish_done(a, summary, None);
             }
-            Ok(s) => finish_error(
-                a,
-                ErrorCode::TaskFailed,
-                format!(
-                    "the agent exited with {s}; last output:\n{}",
-                    agent.tail_text()
-                ),
-                Some("Check task requirements and try again".into()),
-            ),
-            Err(e) => finish_error(
-                a,
-                ErrorCode::TaskFailed,
-                format!("waiting for the agent failed: {e}"),
-                None,
-            ),
+            Some((message, hint)) => finish_error(a, ErrorCode::TaskFailed, message, hint),
         },
     }
 }
@@ -373,13 +487,27 @@ pub(crate) enum RoundCmd {
     Close,
 }
 
-/// The next command of an idle session (a closed channel counts as CLOSE).
+/// The next command of an idle session (a closed channel counts as CLOSE, and so does
+/// `idle_close` passing without one).
 pub(super) async fn next_round(
     rx: &mut Option<tokio::sync::mpsc::UnboundedReceiver<RoundCmd>>,
+    idle_close: Option<Duration>,
 ) -> RoundCmd {
-    match rx {
-        Some(rx) => rx.recv().await.unwrap_or(RoundCmd::Close),
-        None => RoundCmd::Close,
+    let next = async {
+        match rx {
+            Some(rx) => rx.recv().await.unwrap_or(RoundCmd::Close),
+            None => RoundCmd::Close,
+        }
+    };
+    match idle_close {
+        Some(limit) => tokio::time::timeout(limit, next).await.unwrap_or_else(|_| {
+            tracing::info!(
+                idle = ?limit,
+                "closing an idle session the Delegator neither continued nor closed"
+            );
+            RoundCmd::Close
+        }),
+        None => next.await,
     }
 }
 
@@ -414,7 +542,10 @@ pub(super) fn continued_lease(ex: &Executor, lease: Option<&ActiveLease>) -> Opt
 }
 
 /// CONTINUE: the next round starts (the route checked the assignment was idle).
-pub(super) fn start_round(a: &Assignment, task: TaskSpec, round: u32) {
+pub(super) fn start_round(a: &Assignment, task: TaskSpec, round: u32, lease: Option<ActiveLease>) {
+    if lease.is_some() {
+        *a.lease.lock() = lease;
+    }
     {
         let mut st = a.state.lock();
         if let Ok(next) = st.apply(AssignmentEvent::ReceiveContinue) {
@@ -465,6 +596,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
         }
     }
     *a.started_at.lock() = Some(crate::now_iso());
+    *a.lease.lock() = Some(start.lease.clone());
     let id = a.invite.delegation_id.as_str().to_string();
     let h = match start.transport_handle {
         TransportHandle::Awcpfs(h) => h,
@@ -597,17 +729,17 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
             }
         };
         enum Outcome {
-            Exited(std::io::Result<std::process::ExitStatus>),
+            Exited(Exit),
             LeaseEnded(EndReason),
             Cancelled,
         }
         let outcome = tokio::select! {
-            s = agent.child.wait() => Outcome::Exited(s),
+            s = agent.wait() => Outcome::Exited(s),
             r = &mut end_rx => Outcome::LeaseEnded(r.unwrap_or(EndReason::Unmounted)),
             _ = a.cancel.notified() => Outcome::Cancelled,
         };
         match outcome {
-            Outcome::Exited(Ok(s)) if s.success() && a.multi_round => {
+            Outcome::Exited(s) if s.success() && a.multi_round => {
                 // A round: write everything back, report, and wait for the next one with
                 // the mount (and its warm cache) in place.
                 agent.drain().await;
@@ -617,7 +749,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                     // Fall through to the end of the task: the mount says why.
                     let m = mount.clone();
                     let _ = tokio::task::spawn_blocking(move || m.finish()).await;
-                    end_after_exit(&a, &mount, &state_dir, Ok(s), &agent);
+                    end_after_exit(&a, &mount, &state_dir, s, &agent);
                     break;
                 }
                 let summary = format!(
@@ -631,7 +763,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                 );
                 finish_round(&a, summary, None);
                 let next = tokio::select! {
-                    cmd = next_round(&mut rounds) => Some(cmd),
+                    cmd = next_round(&mut rounds, a.idle_close) => Some(cmd),
                     r = &mut end_rx => {
                         let (code, msg, hint) = lease_error(&r.unwrap_or(EndReason::Unmounted));
                         finish_error(&a, code, msg, hint);
@@ -652,7 +784,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                         if let Some(left) = continued_lease(&ex, lease.as_ref()) {
                             mount.set_remaining(left);
                         }
-                        start_round(&a, task, round);
+                        start_round(&a, task, round, lease);
                         continue;
                     }
                     Some(RoundCmd::Close) => {
