@@ -415,8 +415,8 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         large_body: tokio::sync::Semaphore::new(1),
         expired: Mutex::new(std::collections::VecDeque::new()),
     });
-    let router = routes::router(executor.clone())
-        .into_make_service_with_connect_info::<SocketAddr>();
+    let router =
+        routes::router(executor.clone()).into_make_service_with_connect_info::<SocketAddr>();
     let (shutdown, mut rx) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(async move {
         let r = axum::serve(

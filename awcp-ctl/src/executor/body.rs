@@ -40,7 +40,11 @@ pub(crate) struct Read {
 }
 
 /// Read `body` within the limits above.
-pub(crate) async fn read(ex: &Arc<Executor>, headers: &HeaderMap, body: Body) -> Result<Read, Response> {
+pub(crate) async fn read(
+    ex: &Arc<Executor>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Read, Response> {
     let small = ex.cfg.small_body_bytes;
     let max = ex.cfg.max_body_bytes.max(small);
     let credential = ex
@@ -80,7 +84,10 @@ pub(crate) async fn read(ex: &Arc<Executor>, headers: &HeaderMap, body: Body) ->
             let rest = chunk.slice(take..);
             let named = named_id(&buf).filter(|id| awaits_start(ex, id));
             if !credential && named.is_none() {
-                tracing::warn!(bytes = buf.len(), "refused a large body that is no START awaited");
+                tracing::warn!(
+                    bytes = buf.len(),
+                    "refused a large body that is no START awaited"
+                );
                 return Err(too_large(small, "the small-body limit"));
             }
             let permit = tokio::time::timeout(LARGE_WAIT, ex.large_body.acquire())
@@ -138,7 +145,10 @@ fn named_id(prefix: &[u8]) -> Option<String> {
     const KEY: &[u8] = b"\"delegationId\"";
     let at = prefix.windows(KEY.len()).position(|w| w == KEY)? + KEY.len();
     let rest = &prefix[at..];
-    let rest = rest.trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
+    let rest = rest
+        .trim_ascii_start()
+        .strip_prefix(b":")?
+        .trim_ascii_start();
     let rest = rest.strip_prefix(b"\"")?;
     let end = rest.iter().position(|b| *b == b'"')?;
     let id = std::str::from_utf8(&rest[..end]).ok()?;
@@ -153,7 +163,8 @@ mod tests {
     #[test]
     fn the_named_id_is_found_in_the_first_bytes() {
         let id = "dlg_3f2a9c1e5b7d4e6f8a0b1c2d3e4f5a6b";
-        let msg = format!(r#"{{"version":"1","type":"START","delegationId" : "{id}","lease":{{}}}}"#);
+        let msg =
+            format!(r#"{{"version":"1","type":"START","delegationId" : "{id}","lease":{{}}}}"#);
         assert_eq!(named_id(msg.as_bytes()).as_deref(), Some(id));
         assert_eq!(named_id(br#"{"delegationId":"dlg_x"}"#), None);
         assert_eq!(named_id(br#"{"type":"START"}"#), None);

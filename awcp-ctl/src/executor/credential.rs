@@ -81,9 +81,8 @@ fn load_or_create(path: &Path) -> anyhow::Result<String> {
         Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => {
-            return Err(e).with_context(|| {
-                format!("reading the Executor's credential {}", path.display())
-            });
+            return Err(e)
+                .with_context(|| format!("reading the Executor's credential {}", path.display()));
         }
     }
     let token = crate::random_token();
@@ -109,7 +108,9 @@ fn load_or_create(path: &Path) -> anyhow::Result<String> {
 /// (122 random bits), ours from 128 random bits; either has 7 or more distinct hex digits
 /// and no period shorter than its length except with a chance below 1e-9.
 pub(crate) fn weak_id(id: &str) -> Option<String> {
-    let hex = id.strip_prefix(awcp_protocol::DelegationId::PREFIX)?.as_bytes();
+    let hex = id
+        .strip_prefix(awcp_protocol::DelegationId::PREFIX)?
+        .as_bytes();
     let mut seen = [false; 256];
     for b in hex {
         seen[usize::from(*b)] = true;
@@ -120,8 +121,7 @@ pub(crate) fn weak_id(id: &str) -> Option<String> {
             "delegation id {id} has only {distinct} distinct hex digits: it is guessable"
         ));
     }
-    if let Some(p) = (1..=hex.len() / 2).find(|p| hex.iter().zip(&hex[*p..]).all(|(a, b)| a == b))
-    {
+    if let Some(p) = (1..=hex.len() / 2).find(|p| hex.iter().zip(&hex[*p..]).all(|(a, b)| a == b)) {
         return Some(format!(
             "delegation id {id} repeats every {p} digits: it is guessable"
         ));

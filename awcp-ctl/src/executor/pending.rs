@@ -77,8 +77,7 @@ pub(crate) fn inviter(ex: &Executor, peer: IpAddr, authenticated: bool) -> Invit
         peer,
         authenticated,
         at: Instant::now(),
-        expires_at: (chrono::Utc::now() + ttl)
-            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        expires_at: (chrono::Utc::now() + ttl).to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
     }
 }
 

@@ -418,7 +418,11 @@ fn invite(
                 format!(
                     "Authentication failed: this Executor accepts INVITEs only with its \
                      credential ({} the one given)",
-                    if given.is_some() { "not" } else { "none was given, need" }
+                    if given.is_some() {
+                        "not"
+                    } else {
+                        "none was given, need"
+                    }
                 ),
                 "Give the Executor's credential (its state directory's executor-token file) \
                  as INVITE's auth {type: bearer, credential}: awcp-ctl delegate \
@@ -838,7 +842,14 @@ async fn status(State(ex): State<Arc<Executor>>, headers: HeaderMap) -> Json<Exe
         completed_delegations: 0,
         delegations: Vec::new(),
         transports: Some(ex.cfg.transports.clone()),
-        auth: Some(if ex.cfg.token.is_some() { "credential" } else { "open" }.into()),
+        auth: Some(
+            if ex.cfg.token.is_some() {
+                "credential"
+            } else {
+                "open"
+            }
+            .into(),
+        ),
         pending: full.then(Vec::new),
     };
     for (_, a) in tasks {
@@ -858,7 +869,10 @@ async fn status(State(ex): State<Arc<Executor>>, headers: HeaderMap) -> Json<Exe
                 st.active_delegations += 1;
                 // Its own Delegator (bearing the delegation's proof) sees its entry too.
                 let own = crate::bearer(&headers).is_some_and(|g| {
-                    a.proof.lock().as_deref().is_some_and(|p| crate::same_secret(g, p))
+                    a.proof
+                        .lock()
+                        .as_deref()
+                        .is_some_and(|p| crate::same_secret(g, p))
                 });
                 if !full && !own {
                     continue;
