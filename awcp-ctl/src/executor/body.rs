@@ -62,6 +62,11 @@ pub(crate) async fn read(
     {
         return Err(too_large(max, "--max-body"));
     }
+    // Larger than small, without the credential, and no START awaited at all: no such
+    // body can be let in, so it is refused before a byte of it is read.
+    if declared.is_some_and(|n| n > small as u64) && !credential && !any_awaits_start(ex) {
+        return Err(too_large(small, "the small-body limit"));
+    }
     let mut stream = body.into_data_stream();
     let mut buf: Vec<u8> = Vec::with_capacity(declared.map_or(0, |n| n.min(small as u64) as usize));
     let mut limit = small;
@@ -129,6 +134,14 @@ fn too_large(limit: usize, which: &str) -> Response {
              Executor's --max-body); see TROUBLESHOOTING.md"
         ),
     )
+}
+
+/// Whether any accepted INVITE waits for its START.
+fn any_awaits_start(ex: &Executor) -> bool {
+    ex.tasks
+        .lock()
+        .values()
+        .any(|a| *a.state.lock() == AssignmentState::Pending)
 }
 
 /// Whether `id` names an accepted INVITE waiting for START.
