@@ -258,6 +258,9 @@ pub struct Executor {
     /// Ids of INVITEs that expired without START, newest last (bounded), so a late START
     /// is told why it is refused.
     pub(crate) expired: Mutex<std::collections::VecDeque<String>>,
+    /// Ids whose large START is being received now: they do not expire meanwhile (a
+    /// workspace may take longer than the pending timeout to upload).
+    pub(crate) receiving: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Executor {
@@ -414,6 +417,7 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         block_cache,
         large_body: tokio::sync::Semaphore::new(1),
         expired: Mutex::new(std::collections::VecDeque::new()),
+        receiving: Mutex::new(std::collections::HashSet::new()),
     });
     let router =
         routes::router(executor.clone()).into_make_service_with_connect_info::<SocketAddr>();

@@ -72,6 +72,7 @@ pub(crate) async fn read(
     let mut limit = small;
     let mut large_for = None;
     let mut _permit = None;
+    let mut _receiving = None;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| {
             fail(
@@ -88,6 +89,9 @@ pub(crate) async fn read(
             buf.extend_from_slice(&chunk[..take]);
             let rest = chunk.slice(take..);
             let named = named_id(&buf).filter(|id| awaits_start(ex, id));
+            if let Some(id) = &named {
+                _receiving = Some(Receiving::new(ex, id));
+            }
             if !credential && named.is_none() {
                 tracing::warn!(
                     bytes = buf.len(),
@@ -122,6 +126,28 @@ pub(crate) async fn read(
         bytes: Bytes::from(buf),
         large_for,
     })
+}
+
+/// While alive, delegation `id` is receiving its START and does not expire.
+struct Receiving {
+    ex: Arc<Executor>,
+    id: String,
+}
+
+impl Receiving {
+    fn new(ex: &Arc<Executor>, id: &str) -> Receiving {
+        ex.receiving.lock().insert(id.to_owned());
+        Receiving {
+            ex: ex.clone(),
+            id: id.to_owned(),
+        }
+    }
+}
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        self.ex.receiving.lock().remove(&self.id);
+    }
 }
 
 /// 413, saying what may be larger.

@@ -87,6 +87,10 @@ pub(crate) fn expire_later(ex: Arc<Executor>, id: String, a: &Arc<Assignment>) {
     let deadline = a.invited_by.at + ex.cfg.pending_timeout;
     tokio::spawn(async move {
         tokio::time::sleep_until(deadline.into()).await;
+        // A START being received (a large workspace on a slow link) is waited for.
+        while ex.receiving.lock().contains(&id) {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
         let Some(a) = weak.upgrade() else {
             return;
         };
@@ -95,6 +99,7 @@ pub(crate) fn expire_later(ex: Arc<Executor>, id: String, a: &Arc<Assignment>) {
             // Still this INVITE's assignment (not a re-INVITE's), still without START.
             if !tasks.get(&id).is_some_and(|held| Arc::ptr_eq(held, &a))
                 || *a.state.lock() != AssignmentState::Pending
+                || a.started_at.lock().is_some()
             {
                 return;
             }

@@ -314,6 +314,8 @@ async fn message(
             if let awcp_protocol::TransportHandle::Awcpfs(h) = &start.transport_handle {
                 *a.proof.lock() = Some(h.token.clone());
             }
+            // Started: no longer pending expiry (the runner moves the state on).
+            *a.started_at.lock() = Some(crate::now_iso());
             tokio::spawn(super::task::run(ex.clone(), a, start));
             Json(OkResponse::OK).into_response()
         }
