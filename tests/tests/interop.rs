@@ -356,8 +356,11 @@ async fn an_archive_start_of_more_than_200_mb_is_accepted() {
     if !fuse_available() {
         return;
     }
-    let h = Harness::start(
+    // Building a 200 MB JSON body in a debug build on a loaded machine can take longer than
+    // the default pending timeout (60 s) between ACCEPT and START.
+    let h = Harness::start_with(
         "set -e; test $(stat -c %s big.bin) = 157286400; rm big.bin; echo ok > small.txt",
+        |c| c.pending_timeout = Duration::from_secs(900),
     )
     .await;
     let awcp = h.executor.awcp_url();
