@@ -199,3 +199,49 @@ async fn a_daemon_with_an_api_token_requires_it() {
     assert_eq!(client.list().await.unwrap().delegations.len(), 0);
     h.stop().await;
 }
+
+// Issue 29: `executorUrl: "not a url"` was a 500 `builder error` recorded as an error
+// delegation, and an Executor that could not be reached a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bad_or_unreachable_executor_url_gets_400_or_502() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("true").await;
+    let dir = h.path("ws");
+    std::fs::create_dir_all(&dir).unwrap();
+    let api = h.daemon.token_url();
+    let http = reqwest::Client::new();
+    let mut req = serde_json::to_value(request(&h, &dir, TransportType::Archive, None)).unwrap();
+    req["executorUrl"] = json!("not a url");
+    let r = http
+        .post(format!("{api}/delegate"))
+        .json(&req)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let b: Value = r.json().await.unwrap();
+    assert!(b["error"].as_str().unwrap().contains("not a URL"), "{b}");
+    assert_eq!(
+        h.client.list().await.unwrap().delegations.len(),
+        0,
+        "recorded"
+    );
+    // A port nobody listens on: refused, 502, naming what was tried.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let url = format!("http://127.0.0.1:{port}/awcp");
+    req["executorUrl"] = json!(url);
+    let r = http
+        .post(format!("{api}/delegate"))
+        .json(&req)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 502);
+    let b: Value = r.json().await.unwrap();
+    assert!(b["error"].as_str().unwrap().contains(&url), "{b}");
+    h.stop().await;
+}
