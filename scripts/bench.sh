@@ -767,6 +767,7 @@ wl_delegate() {
             timeout -k 10 "$STEP_TIMEOUT" "$AWCP_CTL" --daemon "http://127.0.0.1:$api_port" \
                 --api-token-file "$d/delegator/api-token" \
                 delegate "$dir" --to "http://127.0.0.1:$exec_port/awcp" --task bench --wait \
+                --executor-token-file "$d/executor/state/executor-token" \
                 >>"$LOGS/ctl-delegate.log" 2>&1 || rc=$?
             if ((rc != 0)) || [[ ! -s $ts ]]; then
                 log "  FAILED: delegate/$variant (run $i) exited $rc; see $LOGS/ctl-delegate.log"

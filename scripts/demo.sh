@@ -90,7 +90,10 @@ for _ in $(seq 100); do
 done
 
 say "Delegating the workspace (rw, 10 min lease)"
+# The Executor drew its credential at first start (0600); a Delegator presents it in INVITE.
+echo "the Executor's credential: $WORK/executor/state/executor-token"
 OUT=$("$CTL" delegate "$WORK/repo" --to "http://127.0.0.1:$EXEC_PORT/awcp" --ttl 10m --mode rw \
+  --executor-token-file "$WORK/executor/state/executor-token" \
   --task "fix the failing test in calc" --json)
 ID=$(python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["delegationId"])' <<<"$OUT")
 echo "delegation $ID"

@@ -6,6 +6,7 @@
 mod aecp;
 mod aglx;
 mod bars;
+mod secrets;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -120,9 +121,8 @@ enum Command {
         /// An Executor's AWCP endpoint to check (repeatable).
         #[arg(long)]
         executor: Vec<String>,
-        /// The Executors' token, if they require one.
-        #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
-        executor_token: Option<String>,
+        #[command(flatten)]
+        cred: secrets::ExecutorCredentialArgs,
     },
     /// Print a shell completion script, e.g. `awcp-ctl completions bash >
     /// /etc/bash_completion.d/awcp-ctl`.
@@ -236,6 +236,10 @@ struct ServeArgs {
     /// directory this daemon can read to an Executor of its choosing.
     #[arg(long, conflicts_with = "api_token")]
     unsafe_no_auth: bool,
+    /// The Executor credential sent in INVITE's `auth` when a delegation request carries
+    /// none (the reference's MCP server sends none): to whichever Executor a request names.
+    #[command(flatten)]
+    executor_cred: secrets::ExecutorCredentialArgs,
     /// Longest lease granted (and longest single renewal).
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_ttl: Duration,
@@ -456,13 +460,33 @@ struct ExecutorArgs {
     /// Access modes accepted (INVITEs asking for another are DECLINED).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "ro,rw")]
     modes: Vec<Mode>,
-    /// Largest request body, e.g. `512M` (an `archive` START carries the whole workspace).
+    /// Largest request body, e.g. `512M`: only a START for a delegation this Executor
+    /// accepted, while it awaits START (an `archive` START carries the whole workspace), one
+    /// at a time; every other body is held to 1 MiB (413).
     #[arg(long, default_value = "512M", value_parser = parse_size)]
     max_body: u64,
-    /// Require this token: in INVITE's `auth` (AUTH_FAILED otherwise) and as a bearer
-    /// token on every other request.
+    /// The credential Delegators must present (INVITE's `auth`; AUTH_FAILED otherwise).
+    /// Default: the one in `<dir>/state/executor-token`, drawn (0600) at first start —
+    /// hand that file's content to your Delegators. A value here is visible in `ps` to
+    /// every user: prefer --token-file or the environment variable.
     #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Read the credential Delegators must present from this file.
+    #[arg(long, env = "AWCP_EXECUTOR_TOKEN_FILE", conflicts_with = "token")]
+    token_file: Option<PathBuf>,
+    /// UNSAFE: accept INVITEs from anyone who can reach --listen, with no credential.
+    /// Anyone may then run code on this machine as the agent's user. Only for a machine
+    /// and network where every user and peer is trusted.
+    #[arg(long, conflicts_with_all = ["token", "token_file"])]
+    unsafe_open: bool,
+    /// An accepted INVITE whose START has not come after this long expires: its slot is
+    /// freed (it shows in `GET /awcp/status` with the credential until then).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pending_timeout: Duration,
+    /// With --unsafe-open: most INVITEs waiting for START from one peer address (all
+    /// peers together: half of --max-concurrent), so one caller cannot take every slot.
+    #[arg(long, default_value_t = 2)]
+    max_pending_per_peer: usize,
     /// Who may use the mounted workspaces. `path` (default): every process that gets
     /// through the Executor's 0700 work directory — the Executor's user, --agent-user, and
     /// the agent's own processes that switch user inside (a test suite dropping to
@@ -568,9 +592,11 @@ struct DelegateArgs {
     /// workspace still mounted, for `awcp-ctl continue <id> --task …` or `awcp-ctl close`.
     #[arg(long)]
     multi_round: bool,
-    /// The Executor's token (its `--token`), sent in INVITE's `auth`.
-    #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
-    executor_token: Option<String>,
+    /// The Executor's credential, sent in INVITE's `auth`. Default: the daemon's own
+    /// (`serve --executor-token-file`), else, for an Executor on this machine, its
+    /// `executor-token` file if this user can read it.
+    #[command(flatten)]
+    cred: secrets::ExecutorCredentialArgs,
     /// AECP: the modules this worker owns, as workspace-relative globs (`pkg/**`,
     /// `pkg/acct.py`; repeatable). Findings about related modules are forwarded to owners.
     /// Default: it owns the files it writes back.
@@ -791,6 +817,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.aglx = a.aglx.config()?;
             cfg.api_token = explicit_token.clone();
             cfg.unsafe_no_auth = a.unsafe_no_auth;
+            cfg.executor_token = a.executor_cred.resolve()?;
             cfg.idle_timeout = a.idle_timeout;
             cfg.reference_rounds = a.reference_rounds;
             cfg.watch = !a.no_watch;
@@ -880,7 +907,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.transports = a.transports.into_iter().map(transport_of).collect();
             cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
             cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
-            cfg.token = a.token;
+            cfg.token = secrets::resolve(
+                a.token.as_deref(),
+                a.token_file.as_deref(),
+                "--token",
+                "--token-file",
+            )?;
+            cfg.unsafe_open = a.unsafe_open;
+            cfg.pending_timeout = a.pending_timeout;
+            cfg.max_pending_per_peer = a.max_pending_per_peer.max(1);
             cfg.mount_access = if a.allow_other {
                 awcpfs::mount::MountAccess::All
             } else {
@@ -963,11 +998,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     SnapshotModeArg::Staged => SnapshotMode::Staged,
                     SnapshotModeArg::Discard => SnapshotMode::Discard,
                 }),
-                auth: a.executor_token.map(|t| AuthCredential {
-                    auth_type: AuthType::Bearer,
-                    credential: t,
-                    metadata: None,
-                }),
+                auth: a
+                    .cred
+                    .resolve()?
+                    .or_else(|| secrets::local_executor(&to, default_state_dir("executor")))
+                    .map(|t| AuthCredential {
+                        auth_type: AuthType::Bearer,
+                        credential: t,
+                        metadata: None,
+                    }),
                 transport: a.transport.map(transport_of),
                 multi_round: a.multi_round.then_some(true),
                 git_remote: a.git_remote.clone(),
@@ -1260,10 +1299,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             follow(&client, &id, cli.json, round as usize).await
         }
-        Command::Doctor {
-            executor,
-            executor_token,
-        } => {
+        Command::Doctor { executor, cred } => {
+            let executor_token = cred.resolve()?;
             use awcp_ctl::doctor::{self, Status};
             let mut checks = doctor::local();
             checks.push(doctor::daemon(&cli.daemon, client_token.as_deref()).await);
@@ -1282,7 +1319,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 doctor::mount_gate,
             ));
             for e in &executor {
-                checks.push(doctor::executor(e, executor_token.as_deref()).await);
+                let token = executor_token
+                    .clone()
+                    .or_else(|| secrets::local_executor(e, default_state_dir("executor")));
+                checks.push(doctor::executor(e, token.as_deref()).await);
             }
             for c in &checks {
                 if cli.json {

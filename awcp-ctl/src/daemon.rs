@@ -97,6 +97,12 @@ pub struct DaemonConfig {
     /// Serve the API without any credential (`serve --unsafe-no-auth`): anyone who can
     /// connect may delegate any directory the daemon can read.
     pub unsafe_no_auth: bool,
+    /// The Executor credential sent as INVITE's `auth` (and as the bearer token of the
+    /// delegation's later requests) when a delegation request carries no `auth` of its own
+    /// (`serve --executor-token-file`): clients that cannot send one (the reference's MCP
+    /// server) then reach Executors that require it. Sent to whichever Executor a request
+    /// names: every API client is trusted with it.
+    pub executor_token: Option<String>,
     /// Watch delegated directories and show the Delegator's own changes on running mounts
     /// (`awcpfs` transport). Off: a mount sees the directory as it was when delegated.
     pub watch: bool,
@@ -156,6 +162,7 @@ impl DaemonConfig {
                 .collect(),
             api_token: None,
             unsafe_no_auth: false,
+            executor_token: None,
             watch: true,
             aecp_local_witness: None,
             aecp_hold_stale: false,

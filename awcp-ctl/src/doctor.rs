@@ -283,12 +283,21 @@ pub fn file_modes(daemon_state: &std::path::Path, executor_dir: &std::path::Path
         "delegator.db-wal",
         "delegator.db-shm",
         "staging",
+        "archive",
     ] {
         paths.push(daemon_state.join(f));
+    }
+    // What the daemon keeps per delegation: upload staging (blocks, change sets, commit
+    // logs) and archive bases (file lists, hashes) and snapshots, two levels down.
+    for d in ["staging", "archive"] {
+        paths.extend(below(&daemon_state.join(d), 2));
     }
     for d in ["state", "work", "cache"] {
         paths.push(executor_dir.join(d));
     }
+    paths.push(crate::executor::credential::credential_path(
+        &executor_dir.join("state"),
+    ));
     let mut checked = 0;
     let mut open = Vec::new();
     for p in &paths {
@@ -326,6 +335,29 @@ pub fn file_modes(daemon_state: &std::path::Path, executor_dir: &std::path::Path
         },
         None,
     )
+}
+
+/// The entries below `dir`, `depth` levels down (at most 10,000).
+fn below(dir: &std::path::Path, depth: usize) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut level = vec![dir.to_path_buf()];
+    for _ in 0..depth {
+        let mut next = Vec::new();
+        for d in &level {
+            for e in std::fs::read_dir(d).into_iter().flatten().flatten() {
+                if out.len() >= 10_000 {
+                    return out;
+                }
+                let p = e.path();
+                out.push(p.clone());
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    next.push(p);
+                }
+            }
+        }
+        level = next;
+    }
+    out
 }
 
 /// Are awcpfs mounts on this machine open to other users? A mount with `allow_other` is
@@ -407,13 +439,41 @@ pub async fn executor(url: &str, token: Option<&str>) -> Check {
     let name = format!("executor {url}");
     match rq.send().await {
         Ok(r) if r.status().is_success() => {
-            check(&name, Status::Ok, "the AWCP endpoint answers".into(), None)
+            let st = r.json::<awcp_protocol::api::ExecutorStatus>().await.ok();
+            match st.as_ref().and_then(|s| s.auth.as_deref()) {
+                Some("open") => check(
+                    &name,
+                    Status::Warn,
+                    "the Executor accepts INVITEs from anyone (--unsafe-open): whoever reaches \
+                     it can run code there"
+                        .into(),
+                    Some(
+                        "restart it without --unsafe-open and hand its credential \
+                         (<dir>/state/executor-token) to your Delegators",
+                    ),
+                ),
+                Some(_) if token.is_none() => check(
+                    &name,
+                    Status::Ok,
+                    "the AWCP endpoint answers; it requires its credential (give it with \
+                     --executor-token-file to check it)"
+                        .into(),
+                    None,
+                ),
+                Some(_) if st.as_ref().is_some_and(|s| s.pending.is_none()) => check(
+                    &name,
+                    Status::Fail,
+                    "the Executor does not take the credential given".into(),
+                    Some("give the content of its <dir>/state/executor-token"),
+                ),
+                _ => check(&name, Status::Ok, "the AWCP endpoint answers".into(), None),
+            }
         }
         Ok(r) if r.status().as_u16() == 401 => check(
             &name,
             Status::Fail,
             "the Executor requires a token".into(),
-            Some("give it with --executor-token (AWCP_EXECUTOR_TOKEN)"),
+            Some("give it with --executor-token-file (AWCP_EXECUTOR_TOKEN_FILE)"),
         ),
         Ok(r) => check(
             &name,

@@ -13,11 +13,14 @@
 mod adapter;
 mod aecp;
 mod archive_task;
+mod body;
+pub mod credential;
 mod git_task;
 pub(crate) use git_task::{
     branch_ok as git_branch_ok, remote_allowed as git_remote_allowed, token_env as git_token_env,
 };
 mod mounts;
+mod pending;
 mod routes;
 mod task;
 
@@ -98,11 +101,28 @@ pub struct ExecutorConfig {
     pub access_modes: Vec<AccessMode>,
     /// What an `archive` workspace may unpack to (checked on the real bytes).
     pub archive_limits: crate::archive::ScanLimits,
-    /// Largest HTTP body accepted (an `archive` START carries the whole workspace).
+    /// Largest HTTP body accepted: only a START for a delegation that an authenticated
+    /// INVITE created, while it awaits START, may be this large (an `archive` START
+    /// carries the whole workspace), one such body at a time; every other body is held to
+    /// [`ExecutorConfig::small_body_bytes`] (413 beyond).
     pub max_body_bytes: usize,
-    /// When set, INVITE must carry it as `auth.credential` (else `AUTH_FAILED`), and every
-    /// other request to `/awcp` as `Authorization: Bearer <token>` (else 401).
+    /// Largest body of any other request (1 MiB by default).
+    pub small_body_bytes: usize,
+    /// The credential Delegators must present: INVITE carries it as `auth.credential`
+    /// (else `AUTH_FAILED`); as `Authorization: Bearer` it opens `GET /awcp/status` in full
+    /// and every delegation's routes. `None` at [`start`]: the one in
+    /// `<state_dir>/executor-token` (see [`credential::CREDENTIAL_FILE`]), drawn at first
+    /// start — unless [`ExecutorConfig::unsafe_open`].
     pub token: Option<String>,
+    /// Accept INVITEs from anyone who can reach the endpoint (`executor --unsafe-open`):
+    /// no credential at all. Anyone may then run code here as the agent's user.
+    pub unsafe_open: bool,
+    /// How long an accepted INVITE waits for its START before it expires (its slot is
+    /// freed, its id forgotten).
+    pub pending_timeout: Duration,
+    /// Most INVITEs waiting for START from one peer address that did not carry the
+    /// credential (only with `unsafe_open`), so one caller cannot take every slot.
+    pub max_pending_per_peer: usize,
     /// Who the kernel lets into the mounts (`executor --mount-access`, see
     /// [`awcpfs::mount::access`]): by default every process that reaches a mount through
     /// the 0700 work directory (the Executor's user, the agent user, and processes of the
@@ -215,7 +235,11 @@ impl ExecutorConfig {
                 max_file_bytes: 4 << 30,
             },
             max_body_bytes: 512 << 20,
+            small_body_bytes: 1 << 20,
             token: None,
+            unsafe_open: false,
+            pending_timeout: Duration::from_secs(60),
+            max_pending_per_peer: 2,
             mount_access: awcpfs::mount::MountAccess::Path,
             agent_user: None,
         }
@@ -255,6 +279,8 @@ pub(crate) struct Assignment {
     pub(crate) proof: Mutex<Option<String>>,
     /// Who asked for the cancel that ended the task, for its recorded reason.
     pub(crate) cancelled_by: Mutex<Option<routes::Caller>>,
+    /// Where the INVITE came from, and whether it carried this Executor's credential.
+    pub(crate) invited_by: pending::Inviter,
     /// CONTINUE and CLOSE, to the task's runner.
     pub(crate) rounds_tx: tokio::sync::mpsc::UnboundedSender<task::RoundCmd>,
     pub(crate) rounds_rx: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<task::RoundCmd>>>,
@@ -265,9 +291,22 @@ pub struct Executor {
     pub(crate) cfg: ExecutorConfig,
     pub(crate) tasks: Mutex<HashMap<String, Arc<Assignment>>>,
     pub(crate) block_cache: Option<Arc<awcpfs::cache::BlockCache>>,
+    /// One large body (a START carrying a workspace) is read at a time.
+    pub(crate) large_body: tokio::sync::Semaphore,
+    /// Ids of INVITEs that expired without START, newest last (bounded), so a late START
+    /// is told why it is refused.
+    pub(crate) expired: Mutex<std::collections::VecDeque<String>>,
+    /// Ids whose large START is being received now: they do not expire meanwhile (a
+    /// workspace may take longer than the pending timeout to upload).
+    pub(crate) receiving: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Executor {
+    /// The credential Delegators must present (`None`: open to anyone, `--unsafe-open`).
+    pub fn credential(&self) -> Option<&str> {
+        self.cfg.token.as_deref()
+    }
+
     /// The block cache shared by this Executor's mounts, if it has one.
     pub fn block_cache(&self) -> Option<&Arc<awcpfs::cache::BlockCache>> {
         self.block_cache.as_ref()
@@ -351,6 +390,7 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         awcpfs::private::create_dir_all(dir)
             .with_context(|| format!("creating {}", dir.display()))?;
     }
+    credential::resolve(&mut cfg)?;
     if let Some(u) = &cfg.agent_user {
         // The agent user must reach its workspace, and it alone besides root: the work
         // directory is its own, still 0700 (see docs/SECURITY.md).
@@ -413,8 +453,12 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         cfg,
         tasks: Mutex::new(HashMap::new()),
         block_cache,
+        large_body: tokio::sync::Semaphore::new(1),
+        expired: Mutex::new(std::collections::VecDeque::new()),
+        receiving: Mutex::new(std::collections::HashSet::new()),
     });
-    let router = routes::router(executor.clone());
+    let router =
+        routes::router(executor.clone()).into_make_service_with_connect_info::<SocketAddr>();
     let (shutdown, mut rx) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(async move {
         let r = axum::serve(

@@ -138,6 +138,8 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
 
     // delegate --to auto picks it, and the daemon tells the bridge.
     let repo = tmp.path().join("repo");
+    // The Executor drew its credential there at start; the Delegator presents it.
+    let credential = tmp.path().join("executor/state/executor-token");
     std::fs::create_dir_all(&repo).unwrap();
     std::fs::write(repo.join("README"), "hi\n").unwrap();
     let out = run(&[
@@ -147,6 +149,8 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
         token_file.to_str().unwrap(),
         "delegate",
         repo.to_str().unwrap(),
+        "--executor-token-file",
+        credential.to_str().unwrap(),
         "--to",
         "auto",
         "--peers-bridge",
@@ -193,6 +197,8 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
         token_file.to_str().unwrap(),
         "delegate",
         repo.to_str().unwrap(),
+        "--executor-token-file",
+        credential.to_str().unwrap(),
         "--to",
         "auto",
         "--task",

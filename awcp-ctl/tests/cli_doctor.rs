@@ -168,3 +168,90 @@ fn completions_are_printed_for_every_shell() {
         );
     }
 }
+
+// Issue 29: `doctor` said "ok" of an Executor that ran agents for anyone, and "all
+// private" of 0644 staging files and archive bases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_warns_of_an_open_executor_and_checks_the_credential_and_staging_files() {
+    use std::os::unix::fs::PermissionsExt as _;
+    if !std::path::Path::new("/dev/fuse").exists() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI needs /dev/fuse"
+        );
+        eprintln!("\n!!!!!!!! SKIPPING: no /dev/fuse (an Executor needs it to start) !!!!!!!!\n");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("d");
+    let mut cfg = awcp_ctl::daemon::DaemonConfig::new(state.clone());
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    let d = awcp_ctl::daemon::start(cfg).await.unwrap();
+    let start = |open: bool, dir: std::path::PathBuf| async move {
+        let mut c = awcp_ctl::executor::ExecutorConfig::new("true".into(), dir);
+        c.listen = "127.0.0.1:0".parse().unwrap();
+        c.unsafe_open = open;
+        awcp_ctl::executor::start(c).await.unwrap()
+    };
+    let run = |url: String, exec_dir: std::path::PathBuf, executor: String| {
+        let state = state.clone();
+        async move {
+            let mut c = tokio::process::Command::new(BIN);
+            c.args([
+                "--daemon",
+                &url,
+                "--json",
+                "doctor",
+                "--executor",
+                &executor,
+            ])
+            .env_remove("AWCP_API_TOKEN")
+            .env_remove("AWCP_EXECUTOR_TOKEN")
+            .env("AWCP_STATE_DIR", &state)
+            .env("AWCP_EXECUTOR_DIR", &exec_dir);
+            let out = c.output().await.unwrap();
+            let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            let get = |name: &str| {
+                lines
+                    .iter()
+                    .find(|c| c["check"].as_str().unwrap().starts_with(name))
+                    .cloned()
+                    .unwrap()
+            };
+            (get("executor "), get("file modes"))
+        }
+    };
+    let open = start(true, tmp.path().join("open")).await;
+    let (e, _) = run(d.url(), tmp.path().join("open"), open.awcp_url()).await;
+    assert_eq!(e["status"], "warn", "{e}");
+    assert!(
+        e["detail"].as_str().unwrap().contains("--unsafe-open"),
+        "{e}"
+    );
+    open.stop().await;
+    // A default Executor: its credential, found in its directory, is taken.
+    let dir = tmp.path().join("e");
+    let secure = start(false, dir.clone()).await;
+    let (e, modes) = run(d.url(), dir.clone(), secure.awcp_url()).await;
+    assert_eq!(e["status"], "ok", "{e}");
+    assert_eq!(modes["status"], "ok", "{modes}");
+    // A credential file or a staged file someone opened up is named.
+    let cred = dir.join("state/executor-token");
+    std::fs::set_permissions(&cred, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let staged = state.join("staging/exp_1");
+    std::fs::create_dir_all(&staged).unwrap();
+    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::write(staged.join("block"), "x").unwrap();
+    std::fs::set_permissions(staged.join("block"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (_, modes) = run(d.url(), dir.clone(), secure.awcp_url()).await;
+    assert_eq!(modes["status"], "warn", "{modes}");
+    let detail = modes["detail"].as_str().unwrap();
+    assert!(detail.contains("executor-token (644)"), "{detail}");
+    assert!(detail.contains("block (644)"), "{detail}");
+    secure.stop().await;
+    d.stop().await;
+}

@@ -51,12 +51,15 @@ async fn json_and_piped_output_carry_no_progress_noise() {
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    // The Executor's credential, handed to the daemon (`serve --executor-token-file`).
+    dcfg.executor_token = Some("test-executor-credential".into());
     let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
     // With two resources the agent runs above them; with one, in it (and does nothing).
     let agent = "set -e; if test -d data; then cat data/in.txt > src/out.txt; fi";
     let mut ecfg =
         awcp_ctl::executor::ExecutorConfig::new(agent.into(), tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    ecfg.token = Some("test-executor-credential".into());
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     let src = tmp.path().join("src");
     let data = tmp.path().join("data");
@@ -152,6 +155,8 @@ async fn a_terminal_gets_the_setup_bar() {
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    // The Executor's credential, handed to the daemon (`serve --executor-token-file`).
+    dcfg.executor_token = Some("test-executor-credential".into());
     let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
     let ws = tmp.path().join("ws");
     std::fs::create_dir_all(&ws).unwrap();

@@ -30,12 +30,15 @@ async fn staged_snapshots_are_listed_diffed_applied_and_discarded_from_the_cli()
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    // The Executor's credential, handed to the daemon (`serve --executor-token-file`).
+    dcfg.executor_token = Some("test-executor-credential".into());
     let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
     // With one resource the agent's working directory is that resource.
     let agent = "set -e; echo changed > a.txt; echo new > b.txt; rm gone.txt";
     let mut ecfg =
         awcp_ctl::executor::ExecutorConfig::new(agent.into(), tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    ecfg.token = Some("test-executor-credential".into());
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     let ws = tmp.path().join("ws");
     std::fs::create_dir_all(&ws).unwrap();
@@ -119,11 +122,14 @@ async fn an_awcpfs_change_set_is_diffed_as_patches_from_the_cli() {
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    // The Executor's credential, handed to the daemon (`serve --executor-token-file`).
+    dcfg.executor_token = Some("test-executor-credential".into());
     let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
     let agent = "set -e; printf 'one\\nTWO\\n' > a.txt; chmod 755 run.sh; printf 'x\\000' > b.bin";
     let mut ecfg =
         awcp_ctl::executor::ExecutorConfig::new(agent.into(), tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    ecfg.token = Some("test-executor-credential".into());
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     let ws = tmp.path().join("ws");
     std::fs::create_dir_all(&ws).unwrap();

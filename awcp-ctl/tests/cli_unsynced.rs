@@ -56,6 +56,8 @@ async fn status_says_not_synced_while_write_back_fails() {
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = ([127, 0, 0, 1], port).into();
     dcfg.export_url = Some(proxy.url());
+    // The Executor's credential, handed to the daemon (`serve --executor-token-file`).
+    dcfg.executor_token = Some("test-executor-credential".into());
     let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
     let mut ecfg = awcp_ctl::executor::ExecutorConfig::new(
         "echo before > before.txt; sleep 120".into(),
@@ -63,6 +65,7 @@ async fn status_says_not_synced_while_write_back_fails() {
     );
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
     ecfg.read_timeout = Duration::from_secs(2);
+    ecfg.token = Some("test-executor-credential".into());
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     let ws = tmp.path().join("ws");
     std::fs::create_dir_all(&ws).unwrap();

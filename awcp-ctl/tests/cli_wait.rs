@@ -141,6 +141,8 @@ async fn wait_follows_a_single_round_delegation_through_idle_to_its_end() {
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    // The Executor's credential, handed to the daemon (`serve --executor-token-file`).
+    dcfg.executor_token = Some("test-executor-credential".into());
     let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
     let ws = tmp.path().join("ws");
     std::fs::create_dir_all(&ws).unwrap();

@@ -138,6 +138,8 @@ fn crash_and_recover(several: bool, extra: &[&str]) {
         .args(["--daemon", &daemon, "delegate"])
         // Where the daemon wrote its API token: the CLI finds it there by itself.
         .env("AWCP_STATE_DIR", tmp.path().join("delegator"))
+        // ...and the Executor its credential (a loopback Executor's: read from its dir).
+        .env("AWCP_EXECUTOR_DIR", &exec_dir)
         .arg(&repo)
         .args([
             "--to",

@@ -39,6 +39,9 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The Executors' credential (they require one by default).
+const CREDENTIAL: &str = "test-executor-credential";
+
 /// A daemon process on the shared database; its log goes to `<state_dir>.log`.
 struct Daemon {
     proc: Proc,
@@ -58,6 +61,8 @@ impl Daemon {
             .arg(state_dir)
             .args(["--state", db, "--failover-after", "2s"])
             .env("AWCP_LOG", "info")
+            // The Executors' credential, presented in every INVITE.
+            .env("AWCP_EXECUTOR_TOKEN", CREDENTIAL)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -181,6 +186,7 @@ async fn daemon_b_takes_over_when_daemon_a_is_killed() {
     // that dies with daemon A.
     let mut ecfg = ExecutorConfig::new("sleep 120".into(), tmp.path().join("e1"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    ecfg.token = Some(CREDENTIAL.into());
     let e1 = awcp_ctl::executor::start(ecfg).await.unwrap();
     let e2_port = free_port();
     let e2 = Proc(
@@ -188,6 +194,7 @@ async fn daemon_b_takes_over_when_daemon_a_is_killed() {
             .args(["executor", "--listen", &format!("127.0.0.1:{e2_port}")])
             .args(["--agent-cmd", "sleep 120", "--dir"])
             .arg(tmp.path().join("e2"))
+            .env("AWCP_EXECUTOR_TOKEN", CREDENTIAL)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -432,6 +439,7 @@ async fn a_stalled_daemon_that_wakes_up_stops_serving_what_was_taken_over() {
     std::fs::write(repo.join("README.md"), "# stall\n").unwrap();
     let mut ecfg = ExecutorConfig::new("sleep 120".into(), tmp.path().join("e1"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    ecfg.token = Some(CREDENTIAL.into());
     let e1 = awcp_ctl::executor::start(ecfg).await.unwrap();
 
     let a = Daemon::start(&tmp.path().join("a"), &db.url);
@@ -584,6 +592,7 @@ async fn a_daemon_claims_nothing_before_it_has_beaten_for_a_full_lapse() {
     cfg.export_listen = "127.0.0.1:0".parse().unwrap();
     cfg.state = Some(db.url.clone());
     cfg.failover_after = Duration::from_secs(1);
+    cfg.executor_token = Some(CREDENTIAL.into());
     let b = awcp_ctl::daemon::start(cfg).await.unwrap();
     let started = Instant::now();
     let client = b.client();

@@ -71,12 +71,15 @@ async fn an_mcp_client_delegates_and_reads_the_result_over_stdio() {
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    // The Executor's credential, handed to the daemon (`serve --executor-token-file`).
+    dcfg.executor_token = Some("test-executor-credential".into());
     let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
     let mut ecfg = awcp_ctl::executor::ExecutorConfig::new(
         "echo done-by-agent > result.txt; echo finished".into(),
         tmp.path().join("executor"),
     );
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    ecfg.token = Some("test-executor-credential".into());
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     let ws = tmp.path().join("ws");
     std::fs::create_dir_all(&ws).unwrap();

@@ -320,7 +320,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             });
             let json = serde_json::to_string_pretty(&handle)?;
             if let Some(p) = handle_out {
-                std::fs::write(&p, &json).with_context(|| format!("writing {}", p.display()))?;
+                // 0600: the handle holds the capability token, which opens the workspace.
+                awcpfs::private::write(&p, json.as_bytes())
+                    .with_context(|| format!("writing {}", p.display()))?;
             }
             println!("{json}");
             eprintln!(

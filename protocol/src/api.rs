@@ -531,6 +531,29 @@ pub struct ExecutorStatus {
     /// particular one can choose (a reference Executor sends none and serves `archive`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transports: Option<Vec<crate::TransportType>>,
+    /// Ours (additive): how this Executor admits Delegators: `credential` (INVITE must
+    /// carry its credential) or `open` (anyone: `--unsafe-open`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<String>,
+    /// Ours (additive), only for a caller that presented the Executor's credential: the
+    /// accepted INVITEs still waiting for START. Anonymous callers see no ids and no paths
+    /// (`delegations` is empty for them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<Vec<PendingInvitation>>,
+}
+
+/// An accepted INVITE waiting for its START (ours, in [`ExecutorStatus`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingInvitation {
+    /// The delegation.
+    pub id: DelegationId,
+    /// The peer address the INVITE came from.
+    pub peer: String,
+    /// Whether it carried the Executor's credential.
+    pub authenticated: bool,
+    /// When it expires without START, ISO 8601.
+    pub expires_at: String,
 }
 
 /// An item of [`ExecutorStatus`].

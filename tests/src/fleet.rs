@@ -36,6 +36,8 @@ pub struct FleetExecutor {
     child: Child,
     /// Its AWCP endpoint.
     pub awcp_url: String,
+    /// Its credential (drawn at its first start into `<dir>/state/executor-token`).
+    pub credential: String,
     /// Its state directory (`--dir`).
     pub dir: PathBuf,
 }
@@ -73,8 +75,16 @@ impl FleetExecutor {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        // Drawn before it listens.
+        let credential = std::fs::read_to_string(awcp_ctl::executor::credential::credential_path(
+            &dir.join("state"),
+        ))
+        .expect("the executor's credential file")
+        .trim()
+        .to_owned();
         FleetExecutor {
             child,
+            credential,
             awcp_url: format!("http://127.0.0.1:{port}/awcp"),
             dir: dir.to_owned(),
         }
@@ -82,7 +92,10 @@ impl FleetExecutor {
 
     /// The mount counters of delegation `id` while it is mounted (`GET /awcp/status`).
     pub async fn mount_stats(&self, id: &str) -> Option<serde_json::Value> {
-        let v: serde_json::Value = reqwest::get(format!("{}/status", self.awcp_url))
+        let v: serde_json::Value = reqwest::Client::new()
+            .get(format!("{}/status", self.awcp_url))
+            .bearer_auth(&self.credential)
+            .send()
             .await
             .ok()?
             .json()
@@ -213,6 +226,11 @@ pub async fn run(
             600,
         );
         req.access_mode = Some(AccessMode::Ro);
+        req.auth = Some(awcp_protocol::messages::AuthCredential {
+            auth_type: awcp_protocol::messages::AuthType::Bearer,
+            credential: e.credential.clone(),
+            metadata: None,
+        });
         let client = client.clone();
         async move {
             client

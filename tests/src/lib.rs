@@ -120,16 +120,19 @@ impl Harness {
                 .try_init();
         }
         let tmp = tempfile::tempdir().unwrap();
+        let mut ecfg = ExecutorConfig::new(agent_cmd.to_string(), tmp.path().join("executor"));
+        ecfg.listen = "127.0.0.1:0".parse().unwrap();
+        adjust(&mut ecfg);
+        // The Executor draws its credential at first start (secure by default)...
+        let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
         let mut dcfg = DaemonConfig::new(tmp.path().join("delegator"));
         dcfg.listen = "127.0.0.1:0".parse().unwrap();
         dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
         dcfg.flush_grace = Duration::from_secs(5);
+        // ...and the daemon is handed it, as `serve --executor-token-file` is.
+        dcfg.executor_token = executor.executor.credential().map(str::to_owned);
         adjust_daemon(&mut dcfg);
         let daemon = awcp_ctl::daemon::start(dcfg).await.unwrap();
-        let mut ecfg = ExecutorConfig::new(agent_cmd.to_string(), tmp.path().join("executor"));
-        ecfg.listen = "127.0.0.1:0".parse().unwrap();
-        adjust(&mut ecfg);
-        let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
         // The daemon drew its API token in its state dir; the client sends it.
         let client = daemon.client();
         let _mounts = UnmountOnDrop(tmp.path().to_path_buf());
@@ -140,6 +143,15 @@ impl Harness {
             client,
             _mounts,
         }
+    }
+
+    /// The Executor's credential (what a Delegator must present in INVITE's `auth`).
+    pub fn credential(&self) -> String {
+        self.executor
+            .executor
+            .credential()
+            .expect("the Executor runs with a credential")
+            .to_owned()
     }
 
     /// A path in the temp dir.

@@ -196,9 +196,11 @@ async fn an_executor_admits_only_its_modes_transports_and_capacity() {
     })
     .await;
     let awcp = h.executor.awcp_url();
+    let credential = h.credential();
     let invite = |mode: &str, transport: &str| {
         json!({
             "version": "1", "type": "INVITE",
+            "auth": {"type": "bearer", "credential": credential},
             "delegationId": awcp_protocol::DelegationId::from_random_bytes(rand::random()).as_str(),
             "task": {"description": "d", "prompt": "p"},
             "lease": {"ttlSeconds": 60, "accessMode": mode}, "retentionMs": 1000,

@@ -57,6 +57,8 @@ async fn finding_reaches_the_point_of_use(writeback_cache: bool) {
     let mut cfg_b = ExecutorConfig::new("sleep 600".into(), h.path("executor-b"));
     cfg_b.listen = "127.0.0.1:0".parse().unwrap();
     cfg_b.writeback_cache = writeback_cache;
+    // One operator's two Executors, one credential (the daemon presents it to both).
+    cfg_b.token = Some(h.credential());
     let executor_b = awcp_ctl::executor::start(cfg_b).await.unwrap();
 
     let ws = h.path("ws");

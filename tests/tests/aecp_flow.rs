@@ -143,6 +143,8 @@ async fn two_workers_share_a_finding_a_contract_and_its_revision() {
     std::fs::set_permissions(h.tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut cfg_b = ExecutorConfig::new("sleep 600".into(), h.path("executor-b"));
     cfg_b.listen = "127.0.0.1:0".parse().unwrap();
+    // One operator's two Executors, one credential (the daemon presents it to both).
+    cfg_b.token = Some(h.credential());
     let executor_b = awcp_ctl::executor::start(cfg_b).await.unwrap();
 
     let ws = h.path("ws");

@@ -1,6 +1,6 @@
-//! Tokens: an Executor started with one checks INVITE's `auth` (AUTH_FAILED otherwise) and
-//! the bearer token on every other route; a daemon started with an API token requires it on
-//! every route but `/health`.
+//! Credentials: an Executor checks INVITE's `auth` against its credential (AUTH_FAILED
+//! otherwise) and shows ids and paths in `/status` only to a holder of it; a daemon started
+//! with an API token requires it on every route but `/health`.
 
 use std::time::Duration;
 
@@ -71,7 +71,13 @@ async fn an_executor_with_a_token_refuses_everyone_without_it() {
         return;
     }
     let agent = "if [ -d workspace ]; then cd workspace; fi; echo hi > out.txt";
-    let h = Harness::start_with(agent, |c| c.token = Some(TOKEN.into())).await;
+    // The daemon is given no default credential: each request names its own.
+    let h = Harness::start_full(
+        agent,
+        |d| d.executor_token = None,
+        |c| c.token = Some(TOKEN.into()),
+    )
+    .await;
     let awcp = h.executor.awcp_url();
     let http = reqwest::Client::new();
     let id = || {
@@ -102,26 +108,28 @@ async fn an_executor_with_a_token_refuses_everyone_without_it() {
         .await
         .unwrap();
     assert_eq!(b["type"], "ACCEPT", "{b}");
-    // Every other route wants the bearer token.
-    let r = http.get(format!("{awcp}/status")).send().await.unwrap();
-    assert_eq!(r.status().as_u16(), 401);
-    let r = http
-        .get(format!("{awcp}/status"))
-        .bearer_auth("wrong")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 401);
-    let r = http
+    // The status: counts for anyone, the pending INVITE's id only with the credential.
+    for bearer in [None, Some("wrong")] {
+        let mut rq = http.get(format!("{awcp}/status"));
+        if let Some(b) = bearer {
+            rq = rq.bearer_auth(b);
+        }
+        let st: Value = rq.send().await.unwrap().json().await.unwrap();
+        assert_eq!(st["pendingInvitations"], 1, "{st}");
+        assert_eq!(st["auth"], "credential", "{st}");
+        assert!(st.get("pending").is_none(), "{bearer:?}: {st}");
+    }
+    let st: Value = http
         .get(format!("{awcp}/status"))
         .bearer_auth(TOKEN)
         .send()
         .await
+        .unwrap()
+        .json()
+        .await
         .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let close = json!({"version": "1", "type": "CLOSE", "delegationId": id()});
-    let r = http.post(&awcp).json(&close).send().await.unwrap();
-    assert_eq!(r.status().as_u16(), 401);
+    assert_eq!(st["pending"][0]["id"], b["delegationId"], "{st}");
+    assert_eq!(st["pending"][0]["authenticated"], true, "{st}");
     // Our daemon, given the token, delegates with both transports.
     for transport in [TransportType::Archive, TransportType::Awcpfs] {
         let dir = h.path(&format!("ws-{}", transport.as_str()));
@@ -190,5 +198,51 @@ async fn a_daemon_with_an_api_token_requires_it() {
     ));
     let client = DaemonClient::new(&api).with_token(Some("api-tok".into()));
     assert_eq!(client.list().await.unwrap().delegations.len(), 0);
+    h.stop().await;
+}
+
+// Issue 29: `executorUrl: "not a url"` was a 500 `builder error` recorded as an error
+// delegation, and an Executor that could not be reached a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bad_or_unreachable_executor_url_gets_400_or_502() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("true").await;
+    let dir = h.path("ws");
+    std::fs::create_dir_all(&dir).unwrap();
+    let api = h.daemon.token_url();
+    let http = reqwest::Client::new();
+    let mut req = serde_json::to_value(request(&h, &dir, TransportType::Archive, None)).unwrap();
+    req["executorUrl"] = json!("not a url");
+    let r = http
+        .post(format!("{api}/delegate"))
+        .json(&req)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let b: Value = r.json().await.unwrap();
+    assert!(b["error"].as_str().unwrap().contains("not a URL"), "{b}");
+    assert_eq!(
+        h.client.list().await.unwrap().delegations.len(),
+        0,
+        "recorded"
+    );
+    // A port nobody listens on: refused, 502, naming what was tried.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let url = format!("http://127.0.0.1:{port}/awcp");
+    req["executorUrl"] = json!(url);
+    let r = http
+        .post(format!("{api}/delegate"))
+        .json(&req)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 502);
+    let b: Value = r.json().await.unwrap();
+    assert!(b["error"].as_str().unwrap().contains(&url), "{b}");
     h.stop().await;
 }

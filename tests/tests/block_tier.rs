@@ -636,11 +636,16 @@ async fn s3blocks_credentials_from_the_aws_shared_files() {
 
     let ws = tmp.path().join("ws");
     fleet::make_workspace(&ws, 1, 100, 3 * BLOCK + 1000);
-    let req = awcp_tests::request(
+    let mut req = awcp_tests::request(
         h.executor.awcp_url(),
         &[("workspace", &ws, AccessMode::Ro)],
         300,
     );
+    req.auth = Some(awcp_protocol::messages::AuthCredential {
+        auth_type: awcp_protocol::messages::AuthType::Bearer,
+        credential: h.credential(),
+        metadata: None,
+    });
     let id = client
         .delegate(&req)
         .await

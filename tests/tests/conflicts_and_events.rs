@@ -166,6 +166,7 @@ async fn cancelling_before_start_ends_the_assignment_visibly() {
     let id = "dlg_00112233445566778899aabbccddeeff";
     let invite = serde_json::json!({
         "version": "1", "type": "INVITE", "delegationId": id,
+        "auth": {"type": "bearer", "credential": h.credential()},
         "task": {"description": "d", "prompt": "p"},
         "lease": {"ttlSeconds": 60, "accessMode": "rw"},
         "retentionMs": 1000,
@@ -232,6 +233,7 @@ async fn an_error_before_start_ends_the_assignment() {
     let http = reqwest::Client::new();
     let invite = serde_json::json!({
         "version": "1", "type": "INVITE", "delegationId": id,
+        "auth": {"type": "bearer", "credential": h.credential()},
         "task": {"description": "d", "prompt": "p"},
         "lease": {"ttlSeconds": 60, "accessMode": "rw"},
         "retentionMs": 1000,

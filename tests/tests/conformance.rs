@@ -9,7 +9,8 @@
 //!   staged snapshot `{{sid}}`).
 //! * Request strings may hold `{{id}}`, `{{sid}}`, `{{executor}}` (our Executor's AWCP URL),
 //!   `{{workspace}}` (a fresh directory), `{{zip}}`/`{{checksum}}` (an archive of it),
-//!   `{{expiresAt}}` (an hour from now).
+//!   `{{expiresAt}}` (an hour from now), `{{credential}}` (the Executor's credential).
+//!   A request may name `headers` (e.g. `authorization`).
 //! * In the expected body, `"{{string}}"`, `"{{number}}"`, `"{{bool}}"` match any value of
 //!   that type and `"{{absent}}"` requires the key to be missing; the other placeholders
 //!   stand for their values; any other value must be equal. Keys the fixture does not name
@@ -120,6 +121,15 @@ fn workspace(h: &Harness, slow: bool) -> PathBuf {
 }
 
 async fn send(method: &str, url: &str, body: Option<&Value>) -> reqwest::Response {
+    send_with(method, url, body, None).await
+}
+
+async fn send_with(
+    method: &str,
+    url: &str,
+    body: Option<&Value>,
+    headers: Option<&Value>,
+) -> reqwest::Response {
     let http = reqwest::Client::new();
     let rq = match method {
         "GET" => http.get(url),
@@ -127,10 +137,13 @@ async fn send(method: &str, url: &str, body: Option<&Value>) -> reqwest::Respons
         "DELETE" => http.delete(url),
         other => panic!("method {other}"),
     };
-    let rq = match body {
+    let mut rq = match body {
         Some(b) => rq.json(b),
         None => rq,
     };
+    for (k, v) in headers.and_then(Value::as_object).into_iter().flatten() {
+        rq = rq.header(k.as_str(), v.as_str().unwrap());
+    }
     rq.send().await.unwrap()
 }
 
@@ -138,6 +151,7 @@ async fn executor_setup(h: &Harness, setup: &str, vars: &mut BTreeMap<&str, Stri
     let awcp = h.executor.awcp_url();
     let invite = json!({
         "version": "1", "type": "INVITE", "delegationId": vars["id"],
+        "auth": {"type": "bearer", "credential": vars["credential"]},
         "task": {"description": "d", "prompt": "p"},
         "lease": {"ttlSeconds": 600, "accessMode": "rw"}, "retentionMs": 604800000,
         "environment": {"resources": [{"name": "workspace", "type": "fs", "mode": "rw"}]}
@@ -269,6 +283,7 @@ async fn replay(path: &Path) -> Result<(), String> {
     let mut vars: BTreeMap<&str, String> = BTreeMap::new();
     vars.insert("id", new_id());
     vars.insert("executor", h.executor.awcp_url());
+    vars.insert("credential", h.credential());
     vars.insert("workspace", ws.display().to_string());
     vars.insert("checksum", sha256_hex(&zip));
     vars.insert(
@@ -286,7 +301,13 @@ async fn replay(path: &Path) -> Result<(), String> {
     };
     let rq = substitute(&fixture["request"], &vars);
     let url = format!("{base}{}", rq["path"].as_str().unwrap());
-    let resp = send(rq["method"].as_str().unwrap(), &url, rq.get("body")).await;
+    let resp = send_with(
+        rq["method"].as_str().unwrap(),
+        &url,
+        rq.get("body"),
+        rq.get("headers"),
+    )
+    .await;
     let expected = substitute(&fixture["response"], &vars);
     let status = resp.status().as_u16();
     let result = if let Some(events) = expected.get("events") {

@@ -364,3 +364,429 @@ async fn an_agent_user_runs_the_agent_and_owns_the_mount_others_stay_out() {
     }
     h.stop().await;
 }
+
+// ---- The Executor trusts no one (issue 29) ----
+
+/// `curl` as `nobody`: the HTTP status (0 when none came) and the body.
+fn curl_as_nobody(args: &[&str]) -> (u16, String) {
+    let mut argv = vec!["curl", "-s", "-o", "-", "-w", "\n%{http_code}"];
+    argv.extend_from_slice(args);
+    let out = as_user(NOBODY, &argv);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", text.as_str()));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// POST `body` (JSON) to `url` as `nobody`, without any credential.
+fn post_as_nobody(url: &str, body: &serde_json::Value) -> (u16, String) {
+    curl_as_nobody(&[
+        "-X",
+        "POST",
+        "-H",
+        "Content-Type: application/json",
+        "--data-binary",
+        &body.to_string(),
+        url,
+    ])
+}
+
+fn new_id() -> String {
+    awcp_protocol::DelegationId::from_random_bytes(rand::random())
+        .as_str()
+        .to_string()
+}
+
+/// A reference Delegator's INVITE (`archive`), with its SDK's `auth` when given.
+fn ref_invite(id: &str, credential: Option<&str>) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "version": "1", "type": "INVITE", "delegationId": id,
+        "task": {"description": "run the tests", "prompt": "run the tests"},
+        "lease": {"ttlSeconds": 600, "accessMode": "rw"}, "retentionMs": 1000,
+        "environment": {"resources": [{"name": "workspace", "type": "fs", "mode": "rw"}]},
+        "requirements": {"transport": "archive"}
+    });
+    if let Some(c) = credential {
+        v["auth"] = serde_json::json!({"type": "bearer", "credential": c});
+    }
+    v
+}
+
+/// A reference Delegator's START carrying `files` as the `workspace` resource.
+fn ref_start(id: &str, files: &[(&str, &[u8])]) -> serde_json::Value {
+    use base64::Engine as _;
+    let entries: Vec<(String, &[u8])> = files
+        .iter()
+        .map(|(n, d)| (format!("workspace/{n}"), *d))
+        .collect();
+    let refs: Vec<(&str, &[u8])> = entries.iter().map(|(n, d)| (n.as_str(), *d)).collect();
+    let zip = awcp_tests::reference::zip_entries(&refs, zip::CompressionMethod::Deflated);
+    serde_json::json!({
+        "version": "1", "type": "START", "delegationId": id,
+        "lease": {"expiresAt": "2099-01-01T00:00:00.000Z", "accessMode": "rw"},
+        "transportHandle": {"transport": "archive",
+            "workspaceBase64": base64::engine::general_purpose::STANDARD.encode(&zip),
+            "checksum": awcp_tests::reference::sha256_hex(&zip)}
+    })
+}
+
+async fn post_json(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let s = r.status().as_u16();
+    (s, r.json().await.unwrap_or(serde_json::Value::Null))
+}
+
+// Symptom: `nobody` sent INVITE + START to a default Executor whose agent runs the
+// workspace's tests, and its test file ran as root.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn anonymous_invite_and_start_are_refused_and_the_attackers_code_never_runs() {
+    if !fuse_available() {
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    // The agent runs what the workspace holds (as an agent running its tests does).
+    let h = Harness::start("sh attack.sh").await;
+    let awcp = h.executor.awcp_url();
+    let pwned = out.path().join("pwned");
+    let attack = format!("id -u > {}", pwned.display());
+    let id = new_id();
+    for body in [
+        ref_invite(&id, None),
+        ref_invite(&id, Some("a-guessed-credential")),
+    ] {
+        let (s, b) = post_as_nobody(&awcp, &body);
+        assert_eq!(s, 200, "{b}");
+        assert!(
+            b.contains("\"AUTH_FAILED\""),
+            "anonymous INVITE accepted: {b}"
+        );
+    }
+    let (s, b) = post_as_nobody(&awcp, &ref_start(&id, &[("attack.sh", attack.as_bytes())]));
+    assert_eq!(s, 404, "anonymous START: {b}");
+    let (s, st) = curl_as_nobody(&[&format!("{awcp}/status")]);
+    assert_eq!(s, 200);
+    assert!(st.contains("\"pendingInvitations\":0"), "{st}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!pwned.exists(), "the attacker's code ran");
+    // The same work from a Delegator holding the credential does run: the refusal above is
+    // what kept the attacker out.
+    let id = new_id();
+    let (_, accept) = post_json(&awcp, &ref_invite(&id, Some(&h.credential()))).await;
+    assert_eq!(accept["type"], "ACCEPT", "{accept}");
+    let (s, _) = post_json(&awcp, &ref_start(&id, &[("attack.sh", attack.as_bytes())])).await;
+    assert_eq!(s, 200);
+    assert!(appears(&pwned, Duration::from_secs(30)).await);
+    h.stop().await;
+}
+
+// Symptom: `nobody` read a reference Delegator's delegation ids from `GET /awcp/status`,
+// then its snapshot (the workspace's content) from the event stream, and could cancel it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_archive_delegation_is_unreadable_and_uncancellable_without_its_proof() {
+    if !fuse_available() {
+        return;
+    }
+    let flags = tempfile::tempdir().unwrap();
+    let go = flags.path().join("go");
+    let agent = format!("while [ ! -e {} ]; do sleep 0.05; done", go.display());
+    let h = Harness::start(&agent).await;
+    let awcp = h.executor.awcp_url();
+    // A reference Delegator with the credential in its SDK's `auth`; like the reference,
+    // it sends no header on any later request: its id is its proof.
+    let id = new_id();
+    let (_, accept) = post_json(&awcp, &ref_invite(&id, Some(&h.credential()))).await;
+    assert_eq!(accept["type"], "ACCEPT", "{accept}");
+    let events = reqwest::get(format!("{awcp}/tasks/{id}/events"))
+        .await
+        .unwrap();
+    assert_eq!(events.status().as_u16(), 200);
+    let (s, _) = post_json(&awcp, &ref_start(&id, &[("secret.txt", b"TOP-SECRET\n")])).await;
+    assert_eq!(s, 200);
+    assert!(
+        eventually(Duration::from_secs(30), || h
+            .mountpoint(&id)
+            .join("workspace/secret.txt")
+            .exists())
+        .await
+    );
+    // nobody: the status names no delegation, no path; nothing public holds the id.
+    let (s, st) = curl_as_nobody(&[&format!("{awcp}/status")]);
+    assert_eq!(s, 200);
+    assert!(st.contains("\"activeDelegations\":1"), "{st}");
+    assert!(!st.contains(&id) && !st.contains("workPath"), "{st}");
+    let mounts = as_user(NOBODY, &["cat", "/proc/self/mountinfo"]);
+    assert!(!String::from_utf8_lossy(&mounts.stdout).contains(&id));
+    // Guessing: another id finds nothing, reads nothing, cancels nothing.
+    let guess = new_id();
+    let (_, stream) = curl_as_nobody(&["-m", "5", &format!("{awcp}/tasks/{guess}/events")]);
+    assert!(
+        !stream.contains("TOP-SECRET") && !stream.contains("snapshot"),
+        "{stream}"
+    );
+    let (s, _) = curl_as_nobody(&["-X", "POST", &format!("{awcp}/cancel/{guess}")]);
+    assert_eq!(s, 404);
+    let (s, _) = curl_as_nobody(&[&format!("{awcp}/tasks/{guess}/result")]);
+    assert_eq!(s, 404);
+    // A weak id cannot be used to make such a delegation: it could be guessed.
+    let (_, refused) = post_json(
+        &awcp,
+        &ref_invite(
+            "dlg_00000000000000000000000000000001",
+            Some(&h.credential()),
+        ),
+    )
+    .await;
+    assert_eq!(refused["type"], "ERROR", "{refused}");
+    assert!(
+        refused["message"].as_str().unwrap().contains("guessable"),
+        "{refused}"
+    );
+    // Still running; its Delegator (naming its id) cancels it, as the reference does.
+    let r: serde_json::Value = reqwest::get(format!("{awcp}/tasks/{id}/result"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["status"], "running", "{r}");
+    let (s, b) = post_json(&format!("{awcp}/cancel/{id}"), &serde_json::json!({})).await;
+    assert_eq!(s, 200, "{b}");
+    let evs = tokio::time::timeout(
+        Duration::from_secs(60),
+        awcp_tests::reference::read_data_lines(events),
+    )
+    .await
+    .unwrap();
+    assert_eq!(evs.last().unwrap()["code"], "CANCELLED", "{evs:?}");
+    std::fs::write(&go, "").unwrap();
+    h.stop().await;
+}
+
+// Symptom: 8 anonymous INVITEs filled every slot for minutes; pending INVITEs were not
+// listed, could not be cancelled and never expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pending_invites_expire_and_anonymous_ones_cannot_fill_the_slots() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start_with("true", |c| {
+        c.pending_timeout = Duration::from_secs(2);
+        c.max_concurrent = 2;
+    })
+    .await;
+    let awcp = h.executor.awcp_url();
+    let cred = h.credential();
+    for _ in 0..10 {
+        let (_, b) = post_as_nobody(&awcp, &ref_invite(&new_id(), None));
+        assert!(b.contains("\"AUTH_FAILED\""), "{b}");
+    }
+    let (a, b) = (new_id(), new_id());
+    for id in [&a, &b] {
+        let (_, r) = post_json(&awcp, &ref_invite(id, Some(&cred))).await;
+        assert_eq!(r["type"], "ACCEPT", "{r}");
+    }
+    let (_, full) = post_json(&awcp, &ref_invite(&new_id(), Some(&cred))).await;
+    assert_eq!(full["type"], "ERROR", "{full}");
+    let status = |bearer: Option<String>| {
+        let awcp = awcp.clone();
+        async move {
+            let mut rq = reqwest::Client::new().get(format!("{awcp}/status"));
+            if let Some(b) = bearer {
+                rq = rq.bearer_auth(b);
+            }
+            rq.send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    // The operator sees them (with the credential), anonymous callers only count them.
+    let st = status(Some(cred.clone())).await;
+    let listed: Vec<&str> = st["pending"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].as_str().unwrap())
+        .collect();
+    assert!(
+        listed.contains(&a.as_str()) && listed.contains(&b.as_str()),
+        "{st}"
+    );
+    assert!(st["pending"][0]["expiresAt"].is_string(), "{st}");
+    let anon = status(None).await;
+    assert_eq!(anon["pendingInvitations"], 2, "{anon}");
+    assert!(anon.get("pending").is_none(), "{anon}");
+    // ...and cancels one.
+    let r = reqwest::Client::new()
+        .post(format!("{awcp}/cancel/{b}"))
+        .bearer_auth(&cred)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    // The other expires: its stream says so, its slot is free, a late START is told why.
+    let events = reqwest::get(format!("{awcp}/tasks/{a}/events"))
+        .await
+        .unwrap();
+    let evs = tokio::time::timeout(
+        Duration::from_secs(30),
+        awcp_tests::reference::read_data_lines(events),
+    )
+    .await
+    .expect("the pending INVITE never expired");
+    assert_eq!(evs.last().unwrap()["code"], "START_EXPIRED", "{evs:?}");
+    assert_eq!(status(None).await["pendingInvitations"], 0);
+    let (s, late) = post_json(&awcp, &ref_start(&a, &[("a.txt", b"a")])).await;
+    assert_eq!(s, 404, "{late}");
+    assert!(
+        late["error"].as_str().unwrap().contains("expired"),
+        "{late}"
+    );
+    let (_, again) = post_json(&awcp, &ref_invite(&new_id(), Some(&cred))).await;
+    assert_eq!(again["type"], "ACCEPT", "{again}");
+    h.stop().await;
+
+    // Open to anyone (--unsafe-open): one peer still cannot take every slot.
+    let h = Harness::start_with("true", |c| c.unsafe_open = true).await;
+    let awcp = h.executor.awcp_url();
+    let accepted = (0..8)
+        .filter(|_| {
+            post_as_nobody(&awcp, &ref_invite(&new_id(), None))
+                .1
+                .contains("ACCEPT")
+        })
+        .count();
+    assert_eq!(accepted, 2, "one peer's pending INVITEs are limited");
+    h.stop().await;
+}
+
+/// The resident set of this process (the Executor runs in it), in KiB.
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+// Symptom: the Executor buffered anonymous bodies up to 512 MiB; three concurrent 300 MB
+// junk requests took its RSS to ~1.36 GB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_300_mb_anonymous_body_is_refused_early() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("true").await;
+    let awcp = h.executor.awcp_url();
+    // Declared: refused from the header, before a byte of it is read.
+    {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut s = tokio::net::TcpStream::connect(h.executor.addr)
+            .await
+            .unwrap();
+        s.write_all(
+            b"POST /awcp HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+              Content-Length: 314572800\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut answer = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut answer))
+            .await
+            .expect("no early answer")
+            .unwrap();
+        let head = String::from_utf8_lossy(&answer[..n]);
+        assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    }
+    // Streamed (chunked, no length), three at once, by nobody.
+    let baseline = rss_kib();
+    let script = format!(
+        "head -c 314572800 /dev/zero | curl -s -o /dev/null -w '%{{http_code}}' -X POST \
+         -H 'Content-Type: application/json' -T - {awcp}"
+    );
+    let senders: Vec<_> = (0..3)
+        .map(|_| {
+            let script = script.clone();
+            std::thread::spawn(move || as_user(NOBODY, &["sh", "-c", &script]))
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let mut peak = baseline;
+    while !senders.iter().all(|s| s.is_finished()) {
+        peak = peak.max(rss_kib());
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the uploads were not cut short"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for s in senders {
+        let out = s.join().unwrap();
+        let code = String::from_utf8_lossy(&out.stdout).to_string();
+        // 413, or the connection closed under the sender once the limit was passed.
+        assert!(code == "413" || code == "000", "answered {code}");
+    }
+    let grew_mib = peak.saturating_sub(baseline) / 1024;
+    assert!(grew_mib < 100, "the Executor's RSS grew by {grew_mib} MiB");
+    h.stop().await;
+}
+
+// Symptom: `awcpfs export --handle-out` wrote the handle, capability token included, 0644:
+// `nobody` read it and fetched the manifest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_handle_out_file_is_private() {
+    let Some(bin) = awcp_tests::fleet::awcp_ctl_bin()
+        .and_then(|b| b.parent().map(|d| d.join("awcpfs")))
+        .filter(|b| b.is_file())
+    else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "the awcpfs binary must be built in CI"
+        );
+        eprintln!(
+            "\n!!!!!!!! SKIPPING: no awcpfs binary beside the tests (cargo build -p awcpfs) !!!!!!!!\n"
+        );
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    open_the_way(tmp.path());
+    let dir = tmp.path().join("ws");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("a.txt"), "a").unwrap();
+    let handle = tmp.path().join("handle.json");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _export = Kill(
+        Command::new(bin)
+            .arg("export")
+            .arg(&dir)
+            .args(["--listen", "127.0.0.1:0", "--handle-out"])
+            .arg(&handle)
+            .arg("--state-dir")
+            .arg(tmp.path().join("state"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    assert!(appears(&handle, Duration::from_secs(30)).await);
+    assert!(
+        eventually(Duration::from_secs(10), || std::fs::read(&handle)
+            .is_ok_and(|b| b.ends_with(b"}")))
+        .await
+    );
+    assert_eq!(mode(&handle), 0o600);
+    nobody_cannot_read(&handle);
+}

@@ -26,9 +26,12 @@ fn new_id() -> String {
         .to_string()
 }
 
-fn invite(id: &str, ttl: u64, transport: &str) -> Value {
+/// The reference's INVITE, with the SDK's `auth` option set to the Executor's credential
+/// (`{type: "bearer", credential}`), as its documented secure configuration sends it.
+fn invite(credential: &str, id: &str, ttl: u64, transport: &str) -> Value {
     json!({
         "version": "1", "type": "INVITE", "delegationId": id,
+        "auth": {"type": "bearer", "credential": credential},
         "task": {"description": "Fix it", "prompt": "Fix the bug"},
         "lease": {"ttlSeconds": ttl, "accessMode": "rw"},
         "retentionMs": 604800000,
@@ -61,8 +64,14 @@ async fn post(url: &str, body: &Value) -> (u16, Value) {
 }
 
 /// INVITE, open the stream, START: what the reference's delegator does. Returns the events.
-async fn delegate_archive(awcp: &str, id: &str, zip: &[u8], checksum: &str) -> Vec<Value> {
-    let (s, accept) = post(awcp, &invite(id, 600, "archive")).await;
+async fn delegate_archive(
+    awcp: &str,
+    credential: &str,
+    id: &str,
+    zip: &[u8],
+    checksum: &str,
+) -> Vec<Value> {
+    let (s, accept) = post(awcp, &invite(credential, id, 600, "archive")).await;
     assert_eq!(s, 200);
     assert_eq!(accept["type"], "ACCEPT", "{accept}");
     let events = reqwest::get(format!("{awcp}/tasks/{id}/events"))
@@ -95,7 +104,7 @@ async fn a_reference_delegator_drives_our_executor_with_archive() {
     let h = Harness::start(agent).await;
     let awcp = h.executor.awcp_url();
     let id = new_id();
-    let (s, accept) = post(&awcp, &invite(&id, 600, "archive")).await;
+    let (s, accept) = post(&awcp, &invite(&h.credential(), &id, 600, "archive")).await;
     assert_eq!(s, 200);
     // The reference's ACCEPT, field for field.
     assert_eq!(accept["version"], "1");
@@ -123,7 +132,7 @@ async fn a_reference_delegator_drives_our_executor_with_archive() {
         zip::CompressionMethod::Deflated,
     );
     // A second INVITE for the same id resets it, as the reference's does.
-    let (_, again) = post(&awcp, &invite(&id, 600, "archive")).await;
+    let (_, again) = post(&awcp, &invite(&h.credential(), &id, 600, "archive")).await;
     assert_eq!(again["type"], "ACCEPT");
     let events = reqwest::get(format!("{awcp}/tasks/{id}/events"))
         .await
@@ -219,7 +228,7 @@ async fn our_executor_answers_refusals_and_bad_archives_as_the_reference() {
     let awcp = h.executor.awcp_url();
     // Refusals are HTTP 200 with an ERROR body.
     let id = new_id();
-    let (s, b) = post(&awcp, &invite(&id, 7200, "archive")).await;
+    let (s, b) = post(&awcp, &invite(&h.credential(), &id, 7200, "archive")).await;
     assert_eq!(s, 200);
     assert_eq!(b["type"], "ERROR");
     assert_eq!(b["code"], "DECLINED");
@@ -228,7 +237,7 @@ async fn our_executor_answers_refusals_and_bad_archives_as_the_reference() {
         "Requested TTL (7200s) exceeds maximum (3600s)"
     );
     assert_eq!(b["hint"], "Request a shorter TTL (max: 3600s)");
-    let (s, b) = post(&awcp, &invite(&id, 60, "sshfs")).await;
+    let (s, b) = post(&awcp, &invite(&h.credential(), &id, 60, "sshfs")).await;
     assert_eq!(
         (s, b["type"].as_str(), b["code"].as_str()),
         (200, Some("ERROR"), Some("DEP_MISSING"))
@@ -274,7 +283,7 @@ async fn our_executor_answers_refusals_and_bad_archives_as_the_reference() {
     assert!(b["error"].as_str().unwrap().contains("not found"), "{b}");
     // A wrong checksum.
     let id = new_id();
-    let evs = delegate_archive(&awcp, &id, &zip, &"0".repeat(64)).await;
+    let evs = delegate_archive(&awcp, &h.credential(), &id, &zip, &"0".repeat(64)).await;
     let last = evs.last().unwrap();
     assert_eq!(last["code"], "CHECKSUM_MISMATCH", "{evs:?}");
     assert!(
@@ -290,7 +299,7 @@ async fn our_executor_answers_refusals_and_bad_archives_as_the_reference() {
     {
         let evil = zip_with_raw_name(name, b"evil");
         let id = new_id();
-        let evs = delegate_archive(&awcp, &id, &evil, &sha256_hex(&evil)).await;
+        let evs = delegate_archive(&awcp, &h.credential(), &id, &evil, &sha256_hex(&evil)).await;
         let last = evs.last().unwrap();
         assert_eq!(last["type"], "error", "{i}: {evs:?}");
         assert_eq!(last["code"], "WORKSPACE_INVALID", "{evs:?}");
@@ -307,7 +316,7 @@ async fn our_executor_answers_refusals_and_bad_archives_as_the_reference() {
     assert!(!std::path::Path::new("/tmp/escaped-abs.txt").exists());
     // A START whose lease is already over.
     let id = new_id();
-    let (_, accept) = post(&awcp, &invite(&id, 60, "archive")).await;
+    let (_, accept) = post(&awcp, &invite(&h.credential(), &id, 60, "archive")).await;
     assert_eq!(accept["type"], "ACCEPT");
     let events = reqwest::get(format!("{awcp}/tasks/{id}/events"))
         .await
@@ -347,8 +356,11 @@ async fn an_archive_start_of_more_than_200_mb_is_accepted() {
     if !fuse_available() {
         return;
     }
-    let h = Harness::start(
+    // Building a 200 MB JSON body in a debug build on a loaded machine can take longer than
+    // the default pending timeout (60 s) between ACCEPT and START.
+    let h = Harness::start_with(
         "set -e; test $(stat -c %s big.bin) = 157286400; rm big.bin; echo ok > small.txt",
+        |c| c.pending_timeout = Duration::from_secs(900),
     )
     .await;
     let awcp = h.executor.awcp_url();
@@ -364,7 +376,7 @@ async fn an_archive_start_of_more_than_200_mb_is_accepted() {
     assert!(size > 200_000_000, "body is only {size} bytes");
     drop(body);
     let id = new_id();
-    let evs = delegate_archive(&awcp, &id, &zip, &sha256_hex(&zip)).await;
+    let evs = delegate_archive(&awcp, &h.credential(), &id, &zip, &sha256_hex(&zip)).await;
     let done = evs.last().unwrap();
     assert_eq!(done["type"], "done", "{evs:?}");
     let snap = evs.iter().find(|e| e["type"] == "snapshot").unwrap();
@@ -796,7 +808,7 @@ async fn a_reinvite_cannot_take_over_a_running_delegation() {
         assert!(start_wait.elapsed() < TIMEOUT, "never mounted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (s, b) = post(&awcp, &invite(&id, 60, "archive")).await;
+    let (s, b) = post(&awcp, &invite(&h.credential(), &id, 60, "archive")).await;
     assert_eq!(s, 200);
     assert_eq!(b["type"], "ERROR", "{b}");
     assert_eq!(b["code"], "DECLINED");
@@ -874,7 +886,7 @@ async fn the_stream_ends_at_done_and_close_keeps_the_last_rounds_summary() {
     let h = Harness::start("echo \"did round $AWCP_ROUND\"").await;
     let awcp = h.executor.awcp_url();
     let id = new_id();
-    let mut inv = invite(&id, 600, "archive");
+    let mut inv = invite(&h.credential(), &id, 600, "archive");
     inv["multiRound"] = json!(true);
     let (_, accept) = post(&awcp, &inv).await;
     assert_eq!(accept["type"], "ACCEPT", "{accept}");

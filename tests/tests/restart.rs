@@ -88,6 +88,7 @@ async fn restart(several: bool, postgres: bool) {
     let mut ecfg = ExecutorConfig::new(agent, tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
+    dcfg.executor_token = executor.executor.credential().map(str::to_owned);
     let daemon = awcp_ctl::daemon::start(dcfg.clone()).await.unwrap();
     let client = daemon.client();
     let req = DelegateRequest {

@@ -463,6 +463,7 @@ async fn a_change_set_survives_a_daemon_restart() {
     let mut ecfg = ExecutorConfig::new(agent, tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
+    dcfg.executor_token = executor.executor.credential().map(str::to_owned);
     let daemon = awcp_ctl::daemon::start(dcfg.clone()).await.unwrap();
     let client = daemon.client();
     let id = client

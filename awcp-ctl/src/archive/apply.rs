@@ -146,7 +146,7 @@ pub fn apply(
     limits: &ScanLimits,
 ) -> Result<ApplyReport, ArchiveError> {
     let unpacked = scratch.join(format!("unpack-{tag}-{}", crate::random_token()));
-    let _ = std::fs::create_dir_all(scratch);
+    let _ = awcpfs::private::create_dir_all(scratch);
     let result = super::extract(snapshot, &unpacked, limits)
         .and_then(|_| merge(&unpacked, base, targets, tag));
     let _ = std::fs::remove_dir_all(&unpacked);
@@ -308,7 +308,7 @@ pub fn diff(
     limits: &ScanLimits,
 ) -> Result<Vec<FileChange>, ArchiveError> {
     let unpacked = scratch.join(format!("diff-{}", crate::random_token()));
-    let _ = std::fs::create_dir_all(scratch);
+    let _ = awcpfs::private::create_dir_all(scratch);
     let result = super::extract(snapshot, &unpacked, limits).and_then(|_| {
         let mut out = Vec::new();
         for (name, sent) in base {

@@ -278,6 +278,12 @@ async fn delegate(
         err.hint = Some("Send a JSON body with the fields documented in docs/PROTOCOL.md".into());
         ApiFailure(StatusCode::BAD_REQUEST, err)
     })?;
+    // Not a URL: the client's mistake, before anything is recorded (the reference: 500).
+    if let Err(msg) = super::flow::check_executor_url(&req.executor_url) {
+        let mut e = ApiError::new(msg);
+        e.hint = Some("Give the Executor's AWCP endpoint, e.g. http://127.0.0.1:7200/awcp".into());
+        return Err(ApiFailure(StatusCode::BAD_REQUEST, e));
+    }
     // A client that shows progress names this setup with a key of its choosing.
     let progress = super::progress::Progress::new();
     let key = headers

@@ -130,11 +130,12 @@ impl Daemon {
         ));
         lease.limit_renewals(self.cfg.max_lease);
         let dir = self.archive_dir(id.as_str());
-        std::fs::create_dir_all(&dir)
+        // Private (0700/0600): the base lists the workspace's files and hashes.
+        awcpfs::private::create_dir_all(&dir)
             .and_then(|_| {
-                std::fs::write(
-                    dir.join(BASE_FILE),
-                    serde_json::to_vec(&built.base).map_err(std::io::Error::other)?,
+                awcpfs::private::write(
+                    &dir.join(BASE_FILE),
+                    &serde_json::to_vec(&built.base).map_err(std::io::Error::other)?,
                 )
             })
             .map_err(|e| Refusal::internal(format!("saving {}: {e}", dir.display())))?;
@@ -219,7 +220,7 @@ impl Daemon {
             )?;
             // The next snapshot (multi-round) is compared with what this one held.
             if let Ok(json) = serde_json::to_vec(&base) {
-                let _ = std::fs::write(dir.join(BASE_FILE), json);
+                let _ = awcpfs::private::write(&dir.join(BASE_FILE), &json);
             }
             Ok::<_, archive::ArchiveError>(report)
         })
@@ -342,7 +343,7 @@ impl Daemon {
                 Err(e) => {
                     // Kept staged, so nothing is lost: apply it by hand after fixing the cause.
                     let path = dir.join(format!("{sid}.zip"));
-                    let _ = std::fs::write(&path, zip.as_slice());
+                    let _ = awcpfs::private::write(&path, zip.as_slice());
                     snap.local_path = Some(path.display().to_string());
                     format!(
                         "snapshot {sid} could not be applied ({}); kept staged",
@@ -352,7 +353,11 @@ impl Daemon {
             },
             SnapshotMode::Staged => {
                 let path = dir.join(format!("{sid}.zip"));
-                match tokio::fs::write(&path, zip.as_slice()).await {
+                let (p, z) = (path.clone(), zip.clone());
+                match tokio::task::spawn_blocking(move || awcpfs::private::write(&p, z.as_slice()))
+                    .await
+                    .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+                {
                     Ok(()) => {
                         snap.local_path = Some(path.display().to_string());
                         format!("snapshot {sid} staged: `awcp-ctl diff {id}` shows it")

@@ -129,6 +129,48 @@ pub(crate) fn with_token(
     }
 }
 
+/// An Executor that could not be reached: 504 when it did not answer in time, 502 when
+/// the connection failed (refused, reset, no route), with the URL tried and the cause.
+pub(crate) fn unreachable(url: &str, what: &str, e: &reqwest::Error) -> Refusal {
+    use std::error::Error as _;
+    let mut cause = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        cause = format!("{cause}: {s}");
+        src = s.source();
+    }
+    let (status, hint) = if e.is_timeout() {
+        (
+            504,
+            "The Executor did not answer in time: check that it is running and not overloaded",
+        )
+    } else {
+        (
+            502,
+            "Check that `awcp-ctl executor` runs there and that this machine can reach it \
+             (the URL, its --listen address, firewalls)",
+        )
+    };
+    Refusal {
+        status,
+        message: format!("Failed to send {what} to the executor at {url}: {cause}"),
+        code: None,
+        hint: Some(hint.into()),
+    }
+}
+
+/// Whether `url` can name an Executor: an absolute `http`/`https` URL with a host.
+pub(crate) fn check_executor_url(url: &str) -> Result<(), String> {
+    match reqwest::Url::parse(url) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some() => Ok(()),
+        Ok(u) => Err(format!(
+            "executorUrl {url:?} is not an http(s) URL with a host (scheme {:?})",
+            u.scheme()
+        )),
+        Err(e) => Err(format!("executorUrl {url:?} is not a URL: {e}")),
+    }
+}
+
 /// The Executor's AWCP base (`…/awcp`), from the URL the user gave.
 pub(crate) fn awcp_base(executor_url: &str) -> String {
     let u = executor_url.trim_end_matches('/');
@@ -143,6 +185,15 @@ impl Daemon {
         mut req: DelegateRequest,
         progress: Arc<super::progress::Progress>,
     ) -> Result<DelegationId, Refusal> {
+        if req.auth.is_none()
+            && let Some(t) = &self.cfg.executor_token
+        {
+            req.auth = Some(awcp_protocol::messages::AuthCredential {
+                auth_type: awcp_protocol::messages::AuthType::Bearer,
+                credential: t.clone(),
+                metadata: None,
+            });
+        }
         if req.transport.is_none() {
             req.transport = Some(self.choose_transport(&req).await);
         }
@@ -464,11 +515,7 @@ impl Daemon {
             .timeout(Duration::from_secs(24 * 3600 * 365))
             .send()
             .await
-            .map_err(|e| {
-                Refusal::internal(format!(
-                    "opening the executor's event stream at {events_url}: {e}"
-                ))
-            })?;
+            .map_err(|e| unreachable(&events_url, "the event stream request", &e))?;
         if !resp.status().is_success() {
             return Err(Refusal::internal(format!(
                 "the executor refused its event stream: HTTP {}",
@@ -539,12 +586,11 @@ impl Daemon {
             let secs = 60 + (h.workspace_base64.len() as u64 / (10 << 20)) * 60;
             rb = rb.timeout(Duration::from_secs(secs));
         }
-        let resp = rb.json(msg).send().await.map_err(|e| {
-            Refusal::internal(format!(
-                "Failed to send {} to executor at {url}: {e}",
-                msg.kind()
-            ))
-        })?;
+        let resp = rb
+            .json(msg)
+            .send()
+            .await
+            .map_err(|e| unreachable(url, msg.kind(), &e))?;
         if !resp.status().is_success() {
             let status = resp.status();
             let body = resp.text().await.unwrap_or_default();

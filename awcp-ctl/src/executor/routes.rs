@@ -4,7 +4,6 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -33,37 +32,17 @@ struct ErrorBody {
     error: String,
 }
 
-fn fail(status: StatusCode, msg: impl Into<String>) -> Response {
+pub(super) fn fail(status: StatusCode, msg: impl Into<String>) -> Response {
     (status, Json(ErrorBody { error: msg.into() })).into_response()
 }
 
-/// With a token configured, every route but the message endpoint needs it as a bearer
-/// token (the message endpoint checks INVITE's `auth` itself).
-async fn require_token(
-    State(ex): State<Arc<Executor>>,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    if authorized(&ex, req.headers()) {
-        next.run(req).await
-    } else {
-        unauthorized()
-    }
-}
-
+/// Whether the request carries this Executor's credential as a bearer token (always, for
+/// an Executor open to anyone).
 fn authorized(ex: &Executor, headers: &HeaderMap) -> bool {
     match &ex.cfg.token {
         None => true,
         Some(t) => crate::bearer(headers).is_some_and(|b| crate::same_secret(b, t)),
     }
-}
-
-fn unauthorized() -> Response {
-    fail(
-        StatusCode::UNAUTHORIZED,
-        "this Executor requires a token: send `Authorization: Bearer <token>` \
-         (awcp-ctl delegate --executor-token)",
-    )
 }
 
 /// Who is asking to touch a delegation.
@@ -72,10 +51,15 @@ pub(crate) enum Caller {
     /// Sent the delegation's proof: the capability token of its START, which only the
     /// Delegator that issued it holds.
     Delegator,
-    /// Sent this Executor's own token (`executor --token`).
+    /// Sent this Executor's own credential.
     TokenHolder,
-    /// Sent neither; let in because the delegation has no proof (its START carried none,
-    /// as a reference Delegator's) and this Executor has no token.
+    /// Sent neither, but named the delegation, which has no proof but its id: its START
+    /// carried no token (a reference Delegator's `archive`), and the id — unguessable,
+    /// accepted only from an INVITE that carried the credential, never shown to anyone
+    /// else — is known only to the Delegator that sent it.
+    IdHolder,
+    /// Sent neither, on an Executor open to anyone (`--unsafe-open`), for a delegation
+    /// without proof.
     Unauthenticated,
 }
 
@@ -84,7 +68,11 @@ impl Caller {
     pub(crate) fn describe(self) -> &'static str {
         match self {
             Caller::Delegator => "the Delegator (it sent the delegation's proof)",
-            Caller::TokenHolder => "a holder of this Executor's token",
+            Caller::TokenHolder => "a holder of this Executor's credential",
+            Caller::IdHolder => {
+                "the Delegator (it named the delegation's id, its only proof: its START \
+                 carries none)"
+            }
             Caller::Unauthenticated => {
                 "an unauthenticated request (the delegation carries no proof: its \
                  Delegator sends none)"
@@ -94,7 +82,8 @@ impl Caller {
 }
 
 /// Whether a request bearing `given` may touch a delegation whose proof is `proof`: the
-/// proof itself, or the Executor's token, or — when there is neither — anyone.
+/// proof itself, or the Executor's credential, or — for a delegation whose proof is its id
+/// alone — whoever names it.
 fn caller_of(
     ex: &Executor,
     proof: Option<&str>,
@@ -110,11 +99,12 @@ fn caller_of(
     {
         return Ok(Caller::TokenHolder);
     }
-    if proof.is_none() && ex.cfg.token.is_none() {
-        return Ok(Caller::Unauthenticated);
-    }
     if proof.is_none() {
-        return Err(Box::new(unauthorized()));
+        return Ok(if ex.cfg.token.is_some() {
+            Caller::IdHolder
+        } else {
+            Caller::Unauthenticated
+        });
     }
     let (status, what) = if given.is_some() {
         (
@@ -198,7 +188,9 @@ pub(super) fn cancel_reason(a: &Assignment) -> String {
 }
 
 pub(super) fn router(ex: Arc<Executor>) -> Router {
-    let limit = ex.cfg.max_body_bytes;
+    // The message endpoint reads its body itself (see `body`): a large START only when
+    // awaited. Every other route's body is small.
+    let limit = ex.cfg.small_body_bytes;
     let per_delegation = Router::new()
         .route("/awcp/tasks/{id}/events", get(events))
         .route("/awcp/tasks/{id}/result", get(result))
@@ -213,16 +205,10 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
             ex.clone(),
             require_proof,
         ));
-    let guarded = Router::new()
-        .route("/awcp/status", get(status))
-        .route_layer(axum::middleware::from_fn_with_state(
-            ex.clone(),
-            require_token,
-        ));
     Router::new()
         .route("/awcp", post(message))
         .route("/awcp/", post(message))
-        .merge(guarded)
+        .route("/awcp/status", get(status))
         .merge(per_delegation)
         .with_state(ex)
         .fallback(|| async {
@@ -234,7 +220,17 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(limit))
 }
 
-async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn message(
+    State(ex): State<Arc<Executor>>,
+    axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<std::net::SocketAddr>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let read = match super::body::read(&ex, &headers, body).await {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let body = read.bytes;
     let msg = match awcp_protocol::parse_message(&body) {
         Ok(m) => m,
         Err(e) if e.is_unknown_type() => {
@@ -257,6 +253,16 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
         }
     };
     let id = msg.delegation_id().as_str().to_string();
+    // A large body was read on because it named this waiting delegation: it must be its
+    // START.
+    if let Some(named) = &read.large_for
+        && (named != &id || !matches!(msg, AwcpMessage::Start(_)))
+    {
+        return fail(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "a large body must be the START of the delegation it names",
+        );
+    }
     // INVITE checks its `auth` itself; START, CONTINUE, CLOSE and ERROR touch a
     // delegation: once its START has given it a proof, they need it.
     let caller = if matches!(msg, AwcpMessage::Invite(_)) {
@@ -273,11 +279,21 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
         }
     };
     match msg {
-        AwcpMessage::Invite(inv) => Json(invite(&ex, inv, &headers)).into_response(),
+        AwcpMessage::Invite(inv) => Json(invite(&ex, inv, &headers, peer.ip())).into_response(),
         AwcpMessage::Start(start) => {
             // An unknown id: 404 (the reference: 500). A START in the wrong state: 500,
             // with the reference's message.
             let Some(a) = ex.tasks.lock().get(&id).cloned() else {
+                if super::pending::expired(&ex, &id) {
+                    return fail(
+                        StatusCode::NOT_FOUND,
+                        format!(
+                            "Unknown delegation for START: {id}: its INVITE expired, no START \
+                             came within {} s; INVITE again",
+                            ex.cfg.pending_timeout.as_secs()
+                        ),
+                    );
+                }
                 return fail(
                     StatusCode::NOT_FOUND,
                     format!("Unknown delegation for START: {id}"),
@@ -298,6 +314,8 @@ async fn message(State(ex): State<Arc<Executor>>, headers: HeaderMap, body: Byte
             if let awcp_protocol::TransportHandle::Awcpfs(h) = &start.transport_handle {
                 *a.proof.lock() = Some(h.token.clone());
             }
+            // Started: no longer pending expiry (the runner moves the state on).
+            *a.started_at.lock() = Some(crate::now_iso());
             tokio::spawn(super::task::run(ex.clone(), a, start));
             Json(OkResponse::OK).into_response()
         }
@@ -377,7 +395,12 @@ fn round_cmd(ex: &Executor, id: &str, event: &str, cmd: super::task::RoundCmd) -
     Json(OkResponse::OK).into_response()
 }
 
-fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage {
+fn invite(
+    ex: &Arc<Executor>,
+    inv: InviteMessage,
+    headers: &HeaderMap,
+    peer: std::net::IpAddr,
+) -> AwcpMessage {
     let id = inv.delegation_id.clone();
     let refuse = |code: ErrorCode, message: String, hint: &str| {
         AwcpMessage::Error(
@@ -391,13 +414,40 @@ fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage
             .map(|a| a.credential.as_str())
             .or_else(|| crate::bearer(headers));
         if !given.is_some_and(|g| crate::same_secret(g, token)) {
+            tracing::warn!(%peer, id = id.as_str(), "refused an INVITE without this Executor's credential");
             return refuse(
                 ErrorCode::AuthFailed,
-                "Authentication failed: this Executor requires a token".into(),
-                "Give the Executor's token as INVITE's auth credential \
-                 (awcp-ctl delegate --executor-token)",
+                format!(
+                    "Authentication failed: this Executor accepts INVITEs only with its \
+                     credential ({} the one given)",
+                    if given.is_some() {
+                        "not"
+                    } else {
+                        "none was given, need"
+                    }
+                ),
+                "Give the Executor's credential (its state directory's executor-token file) \
+                 as INVITE's auth {type: bearer, credential}: awcp-ctl delegate \
+                 --executor-token-file FILE, or serve --executor-token-file FILE",
             );
         }
+    }
+    // A delegation whose START carries no token is proven by its id alone: refuse one
+    // that could be guessed.
+    if let Some(why) = super::credential::weak_id(id.as_str()) {
+        return refuse(
+            ErrorCode::Declined,
+            format!("{why}; this Executor takes an id as proof of its delegation"),
+            "Draw delegation ids from a cryptographic random source: dlg_ + 32 hex digits \
+             (128 random bits, or a random UUID without hyphens)",
+        );
+    }
+    let authenticated = ex.cfg.token.is_some();
+    if !authenticated
+        && !ex.tasks.lock().contains_key(id.as_str())
+        && let Err((message, hint)) = super::pending::room_for_anonymous(ex, peer)
+    {
+        return refuse(ErrorCode::Declined, message, &hint);
     }
     let max_ttl = ex.cfg.max_ttl.as_secs();
     if inv.lease.ttl_seconds > max_ttl {
@@ -494,8 +544,10 @@ fn invite(ex: &Executor, inv: InviteMessage, headers: &HeaderMap) -> AwcpMessage
         mount: parking_lot::Mutex::new(None),
         proof: parking_lot::Mutex::new(None),
         cancelled_by: parking_lot::Mutex::new(None),
+        invited_by: super::pending::inviter(ex, peer, authenticated),
     });
-    ex.tasks.lock().insert(id.as_str().to_string(), a);
+    ex.tasks.lock().insert(id.as_str().to_string(), a.clone());
+    super::pending::expire_later(ex.clone(), id.as_str().to_string(), &a);
     AwcpMessage::Accept(AcceptMessage {
         version: ProtocolVersion,
         delegation_id: id,
@@ -790,7 +842,10 @@ async fn cancel(
     .into_response()
 }
 
-async fn status(State(ex): State<Arc<Executor>>) -> Json<ExecutorStatus> {
+/// `GET /status`. Anyone sees the counts, the transports and how Delegators are admitted;
+/// only a holder of the credential sees ids, work paths, mounts and pending INVITEs.
+async fn status(State(ex): State<Arc<Executor>>, headers: HeaderMap) -> Json<ExecutorStatus> {
+    let full = ex.cfg.token.is_some() && authorized(&ex, &headers);
     let tasks: Vec<_> = ex
         .tasks
         .lock()
@@ -803,12 +858,41 @@ async fn status(State(ex): State<Arc<Executor>>) -> Json<ExecutorStatus> {
         completed_delegations: 0,
         delegations: Vec::new(),
         transports: Some(ex.cfg.transports.clone()),
+        auth: Some(
+            if ex.cfg.token.is_some() {
+                "credential"
+            } else {
+                "open"
+            }
+            .into(),
+        ),
+        pending: full.then(Vec::new),
     };
     for (_, a) in tasks {
         match *a.state.lock() {
-            AssignmentState::Pending => st.pending_invitations += 1,
+            AssignmentState::Pending => {
+                st.pending_invitations += 1;
+                if let Some(p) = st.pending.as_mut() {
+                    p.push(awcp_protocol::api::PendingInvitation {
+                        id: a.invite.delegation_id.clone(),
+                        peer: a.invited_by.peer.to_string(),
+                        authenticated: a.invited_by.authenticated,
+                        expires_at: a.invited_by.expires_at.clone(),
+                    });
+                }
+            }
             AssignmentState::Active | AssignmentState::Idle => {
                 st.active_delegations += 1;
+                // Its own Delegator (bearing the delegation's proof) sees its entry too.
+                let own = crate::bearer(&headers).is_some_and(|g| {
+                    a.proof
+                        .lock()
+                        .as_deref()
+                        .is_some_and(|p| crate::same_secret(g, p))
+                });
+                if !full && !own {
+                    continue;
+                }
                 st.delegations.push(ExecutorDelegationInfo {
                     id: a.invite.delegation_id.clone(),
                     work_path: a.work_path.display().to_string(),

@@ -136,11 +136,8 @@ impl CommitLog {
                     "cannot read the commit log: retries of earlier commits will be judged again");
             }
         }
-        match std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-        {
+        // Private: the outcomes name the workspace's paths.
+        match crate::private::file_options().append(true).open(&path) {
             Ok(file) => log.file = Some(CommitFile { path, file, lines }),
             Err(e) => tracing::warn!(path = %path.display(), error = %e,
                 "cannot open the commit log: commit outcomes are remembered in memory only"),
@@ -173,7 +170,7 @@ impl CommitLog {
                 serde_json::to_writer(&mut buf, r).map_err(io::Error::other)?;
                 buf.push(b'\n');
             }
-            let mut out = File::create(&tmp)?;
+            let mut out = crate::private::file_options().truncate(true).open(&tmp)?;
             out.write_all(&buf)?;
             out.sync_data()?;
             std::fs::rename(&tmp, &f.path)?;

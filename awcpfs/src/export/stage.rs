@@ -506,7 +506,7 @@ impl ChangeStage {
         let bytes = serde_json::to_vec(st).map_err(|e| self.io("encoding", io::Error::other(e)))?;
         let tmp = self.dir.join(tmp_name());
         let written = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
+            let mut f = crate::private::file_options().truncate(true).open(&tmp)?;
             f.write_all(&bytes)?;
             f.sync_all()?;
             std::fs::rename(&tmp, self.dir.join(CHANGES_FILE))?;

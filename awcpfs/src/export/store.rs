@@ -185,10 +185,7 @@ impl Staging {
         }
         let tmp = self.dir.join(tmp_name());
         let result = (|| {
-            let mut f = fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&tmp)?;
+            let mut f = crate::private::file_options().create_new(true).open(&tmp)?;
             f.write_all(data)?;
             f.sync_all()?;
             fs::rename(&tmp, &final_path)
