@@ -180,7 +180,9 @@ impl Journal {
         &self.path
     }
 
-    /// Append records with one `write(2)`.
+    /// Append records with one `write(2)`: all of them, or (on an error such as `ENOSPC`)
+    /// none. Callers append before they change the inode table, so an operation whose
+    /// records cannot be written fails without having happened.
     pub fn append(&self, records: &[Record]) -> std::io::Result<()> {
         if records.is_empty() {
             return Ok(());
@@ -190,7 +192,7 @@ impl Journal {
             serde_json::to_writer(&mut buf, r).map_err(std::io::Error::other)?;
             buf.push(b'\n');
         }
-        self.file.lock().write_all(&buf)
+        append_whole(&mut self.file.lock(), &buf, false)
     }
 
     /// Make everything appended so far durable on disk.
@@ -217,6 +219,24 @@ impl Journal {
         }
         Ok(out)
     }
+}
+
+/// Append `buf` to `file` (opened `O_APPEND`), and `fdatasync` it when `sync`: all of it,
+/// or nothing. A write cut short (`ENOSPC` part-way) or a failed sync is cut off again
+/// (truncating needs no space), so a later append never joins a torn line and the reader
+/// never loses the record after it; a line that failed is not left for recovery to act on.
+pub(super) fn append_whole(file: &mut File, buf: &[u8], sync: bool) -> std::io::Result<()> {
+    let before = file.metadata()?.len();
+    let written = file
+        .write_all(buf)
+        .and_then(|()| if sync { file.sync_data() } else { Ok(()) });
+    if let Err(e) = written {
+        if let Err(cut) = file.set_len(before) {
+            tracing::warn!(error = %cut, "cannot cut a failed append off the state file");
+        }
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// Apply journal records to a table built from the same manifest (crash recovery).
