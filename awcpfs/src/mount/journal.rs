@@ -117,6 +117,13 @@ pub enum Record {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         value: Option<String>,
     },
+    /// The records of one operation that needs several (a rename over another name, an
+    /// exchange), on one line: a crash inside its write keeps all of them or none, never
+    /// the removal of the target without the move.
+    Batch {
+        /// The records, in order.
+        records: Vec<Record>,
+    },
 }
 
 impl Record {
@@ -188,9 +195,19 @@ impl Journal {
             return Ok(());
         }
         let mut buf = Vec::with_capacity(128 * records.len());
-        for r in records {
-            serde_json::to_writer(&mut buf, r).map_err(std::io::Error::other)?;
+        let line = |buf: &mut Vec<u8>, r: &Record| {
+            serde_json::to_writer(&mut *buf, r).map_err(std::io::Error::other)?;
             buf.push(b'\n');
+            Ok::<_, std::io::Error>(())
+        };
+        match records {
+            [one] => line(&mut buf, one)?,
+            several => line(
+                &mut buf,
+                &Record::Batch {
+                    records: several.to_vec(),
+                },
+            )?,
         }
         append_whole(&mut self.file.lock(), &buf, false)
     }
@@ -200,7 +217,12 @@ impl Journal {
         self.file.lock().sync_data()
     }
 
-    /// Read every complete record; a torn last line (crash mid-write) is ignored.
+    /// Read every complete record up to the first that cannot be read: a torn last line
+    /// (a crash mid-write), or a hole a power loss left (the kernel wrote a later page of
+    /// the file but not an earlier one). Nothing after such a line was made durable by an
+    /// `fsync` either, so replaying it would give a state the mount never had (a later
+    /// operation without an earlier one); it is left out, and recovery gives the state
+    /// after the last operation that reached the disk whole.
     pub fn read_all(path: &Path) -> std::io::Result<Vec<Record>> {
         let file = match File::open(path) {
             Ok(f) => f,
@@ -213,7 +235,9 @@ impl Journal {
             match serde_json::from_slice(&line) {
                 Ok(r) => out.push(r),
                 Err(e) => {
-                    tracing::warn!(error = %e, "journal: ignoring torn or unreadable record");
+                    tracing::warn!(error = %e, records = out.len(),
+                        "journal: a torn or unreadable record; replaying only the records before it");
+                    break;
                 }
             }
         }
@@ -245,8 +269,13 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
         // The first write-back round compares the whole tree with what the export has.
         table.mark_all();
     }
+    apply(table, records, uid, gid);
+}
+
+fn apply(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
     for r in records {
         match r {
+            Record::Batch { records } => apply(table, records, uid, gid),
             Record::Node {
                 ino,
                 parent,
