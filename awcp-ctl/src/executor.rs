@@ -229,7 +229,7 @@ pub struct Executor {
     pub(crate) tasks: Mutex<HashMap<String, Arc<Assignment>>>,
     pub(crate) block_cache: Option<Arc<awcpfs::cache::BlockCache>>,
     /// Delegations a previous process held when it died, with how each ended (kept until
-    /// the Delegator acknowledges it; see [`restart`](self::restart)).
+    /// the Delegator acknowledges it; see `executor/restart.rs`).
     pub(crate) restarted: Mutex<HashMap<String, ErrorInfo>>,
 }
 
@@ -412,7 +412,7 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
 /// After a crash: unmount what the previous process left mounted under the work directory,
 /// write back what its mounts journaled but never committed (`awcpfs` recovery, using the
 /// handle each mount saved), and decide the outcome of each delegation it held (see
-/// [`restart`](self::restart)). A mount whose lease is over by now cannot be recovered over
+/// `executor/restart.rs`). A mount whose lease is over by now cannot be recovered over
 /// the network; its state stays in place and the outcome says so.
 pub async fn recover_leftovers(cfg: &ExecutorConfig) -> HashMap<String, ErrorInfo> {
     restart::recover(cfg).await
