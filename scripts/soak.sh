@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Longer runs of the random-operation exerciser (tests/tests/exerciser.rs), of the crash
-# recovery tests, of the network fault matrix (awcpfs/tests/fault_matrix.rs: one reset,
+# recovery tests, of every crash point of the journal (awcpfs/tests/crash_points.rs), of the
+# network fault matrix (awcpfs/tests/fault_matrix.rs: one reset,
 # seconds of resets, a blackhole, kill -9 with a commit's answer in flight) and of fsx with
 # every operation (awcpfs/tests/posix_suites.rs, 100,000 operations), each with a fresh
 # seed, until a time budget is used up. Prints the seeds, the operations done and the
@@ -20,6 +21,7 @@ cargo test -q -p awcp-tests --test exerciser --no-run
 cargo test -q -p awcpfs --test crash_recovery --no-run
 cargo test -q -p awcpfs --test fault_matrix --no-run
 cargo test -q -p awcpfs --test posix_suites --no-run
+cargo test -q -p awcpfs --test crash_points --no-run
 runs=0; failures=0; total_ops=0
 while [ "$(date +%s)" -lt "$deadline" ]; do
   seed=$(python3 -c 'import random; print(random.getrandbits(63))')
@@ -42,6 +44,13 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
   else
     failures=$((failures + 1)); echo "fault matrix seed $seed: FAILED (log: /tmp/awcp-soak.faults.$seed.log)"
     cp /tmp/awcp-soak.log "/tmp/awcp-soak.faults.$seed.log"
+  fi
+  # Every crash point of the journal (awcpfs/tests/crash_points.rs), at a larger size than CI's.
+  if AWCP_SEED=$seed AWCP_CRASH_OPS=400 AWCP_CRASH_STATES=20 cargo test -q -p awcpfs --test crash_points >/tmp/awcp-soak.log 2>&1; then
+    echo "journal crash points seed $seed: ok (400 operations, 20 power-loss states per point)"
+  else
+    failures=$((failures + 1)); echo "journal crash points seed $seed: FAILED (log: /tmp/awcp-soak.crash-points.$seed.log)"
+    cp /tmp/awcp-soak.log "/tmp/awcp-soak.crash-points.$seed.log"
   fi
   if AWCP_FSX_SEED=$seed AWCP_FSX_OPS=100000 cargo test -q -p awcpfs --test posix_suites fsx >/tmp/awcp-soak.log 2>&1; then
     echo "fsx seed $seed: ok (100000 ops, every operation)"

@@ -21,6 +21,7 @@ pub(crate) use git_task::{
 };
 mod mounts;
 mod pending;
+mod restart;
 mod routes;
 mod task;
 
@@ -33,7 +34,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
-use awcp_protocol::api::TaskResultResponse;
+use awcp_protocol::api::{ErrorInfo, TaskResultResponse};
 use awcp_protocol::messages::{AccessMode, InviteMessage};
 use awcp_protocol::{AssignmentState, TaskEvent, TransportType};
 
@@ -299,6 +300,9 @@ pub struct Executor {
     /// Ids whose large START is being received now: they do not expire meanwhile (a
     /// workspace may take longer than the pending timeout to upload).
     pub(crate) receiving: Mutex<std::collections::HashSet<String>>,
+    /// Delegations a previous process held when it died, with how each ended (kept until
+    /// the Delegator acknowledges it; see `executor/restart.rs`).
+    pub(crate) restarted: Mutex<HashMap<String, ErrorInfo>>,
 }
 
 impl Executor {
@@ -438,7 +442,7 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
             "not running as root: mounting FUSE directly needs CAP_SYS_ADMIN; delegations may fail with SETUP_FAILED"
         );
     }
-    recover_leftovers(&cfg).await;
+    let restarted = recover_leftovers(&cfg).await;
     let block_cache = match &cfg.block_cache {
         Some(c) => {
             let c = c.clone();
@@ -456,6 +460,7 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         large_body: tokio::sync::Semaphore::new(1),
         expired: Mutex::new(std::collections::VecDeque::new()),
         receiving: Mutex::new(std::collections::HashSet::new()),
+        restarted: Mutex::new(restarted),
     });
     let router =
         routes::router(executor.clone()).into_make_service_with_connect_info::<SocketAddr>();
@@ -487,69 +492,12 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
 }
 
 /// After a crash: unmount what the previous process left mounted under the work directory,
-/// and write back what its mounts journaled but never committed (`awcpfs` recovery, using
-/// the handle each mount saved). A mount whose lease is over by now cannot be recovered
-/// over the network; its state stays in place and is reported.
-pub async fn recover_leftovers(cfg: &ExecutorConfig) {
-    let work = cfg.work_dir.display().to_string();
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    for mp in mounts.lines().filter_map(|l| l.split(' ').nth(4)) {
-        if mp.starts_with(&format!("{work}/")) {
-            tracing::warn!(
-                mountpoint = mp,
-                "unmounting a mount left by a previous executor"
-            );
-            let _ = nix::mount::umount2(mp, nix::mount::MntFlags::MNT_DETACH);
-        }
-    }
-    let Ok(dirs) = std::fs::read_dir(&cfg.state_dir) else {
-        return;
-    };
-    // A task's state directory, or with several resources one per resource below it.
-    let states = dirs.flatten().flat_map(|d| {
-        let top = d.path();
-        let nested = std::fs::read_dir(top.join(mounts::RESOURCES_DIR))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|r| r.path());
-        std::iter::once(top.clone())
-            .chain(nested)
-            .collect::<Vec<_>>()
-    });
-    for state in states {
-        let journal = state.join(awcpfs::mount::recover::JOURNAL_FILE);
-        if !std::fs::metadata(&journal).is_ok_and(|m| m.len() > 0) {
-            continue;
-        }
-        let handle: Option<awcp_protocol::transport::AwcpfsHandle> =
-            std::fs::read(state.join(task::HANDLE_FILE))
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok());
-        let Some(h) = handle else {
-            tracing::error!(state = %state.display(), "unsynced changes but no saved handle: recover by hand with `awcpfs recover`");
-            continue;
-        };
-        let remote = Arc::new(awcpfs::mount::remote::HttpRemote::new(
-            &h.endpoint,
-            &h.export_id,
-            &h.token,
-            Duration::from_secs(30),
-        ));
-        let st = state.clone();
-        match tokio::task::spawn_blocking(move || awcpfs::mount::recover::recover(&st, remote))
-            .await
-        {
-            Ok(Ok(r)) => {
-                tracing::info!(state = %state.display(), changes = r.changes, files = r.files_written,
-                    conflicts = r.conflicts.len(), "recovered a crashed mount's changes");
-                let _ = std::fs::remove_file(state.join(task::HANDLE_FILE));
-            }
-            Ok(Err(e)) => tracing::error!(state = %state.display(), error = %e,
-                "could not recover a crashed mount's changes; they stay in its state directory"),
-            Err(e) => tracing::error!(error = %e, "recovery task failed"),
-        }
-    }
+/// write back what its mounts journaled but never committed (`awcpfs` recovery, using the
+/// handle each mount saved), and decide the outcome of each delegation it held (see
+/// `executor/restart.rs`). A mount whose lease is over by now cannot be recovered over
+/// the network; its state stays in place and the outcome says so.
+pub async fn recover_leftovers(cfg: &ExecutorConfig) -> HashMap<String, ErrorInfo> {
+    restart::recover(cfg).await
 }
 
 /// Run until Ctrl-C.

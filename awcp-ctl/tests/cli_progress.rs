@@ -148,7 +148,7 @@ async fn a_terminal_gets_the_setup_bar() {
             std::env::var("CI").as_deref() != Ok("true"),
             "`script` (util-linux) is needed to give the CLI a terminal"
         );
-        eprintln!("\n!!!!!!!! SKIPPING: no `script` to make a pseudo-terminal !!!!!!!!\n");
+        awcpfs::testing::skipped("the progress-bar test (script)", "apt-get install bsdutils");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

@@ -1,6 +1,7 @@
 //! The Executor process is killed (SIGKILL) while its agent writes: when the Executor
-//! starts again with the same directory, it unmounts the leftover mount and writes back
-//! every change the agent's `close` had returned for.
+//! starts again with the same directory, it unmounts the leftover mount, writes back
+//! every change the agent's `close` had returned for, and tells the Delegator how the
+//! delegation ended (`error`, `TASK_FAILED`: the Executor restarted).
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -214,4 +215,43 @@ fn crash_and_recover(several: bool, extra: &[&str]) {
         !mounts.contains(&work.display().to_string()),
         "the crashed executor's mount was left behind"
     );
+
+    // Regression (issue 30): the delegation ended as `error: Delegation not found on
+    // executor`. The restarted Executor tells the Delegator what happened: `error` with
+    // TASK_FAILED, saying it restarted and that the changes were written back.
+    let cli = |args: &[&str]| -> serde_json::Value {
+        let out = Command::new(BIN)
+            .args(["--daemon", &daemon, "--json", "status"])
+            .args(args)
+            .env("AWCP_STATE_DIR", tmp.path().join("delegator"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let first = text.lines().next().unwrap_or("null");
+        serde_json::from_str(first).unwrap_or(serde_json::Value::Null)
+    };
+    // The list names it; `status <id>` gives the whole record, its error included.
+    let id = cli(&[])["id"].as_str().expect("the delegation").to_string();
+    let status = || cli(&[&id]);
+    let start = Instant::now();
+    let mut v = status();
+    while !matches!(
+        v["state"].as_str(),
+        Some("completed" | "error" | "cancelled" | "expired")
+    ) && start.elapsed() < Duration::from_secs(30)
+    {
+        std::thread::sleep(Duration::from_millis(100));
+        v = status();
+    }
+    assert_eq!(v["state"], "error", "{v}");
+    assert_eq!(v["error"]["code"], "TASK_FAILED", "{v}");
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("Executor restarted"), "{v}");
+    assert!(message.contains("written back"), "{v}");
+    assert!(!message.contains("not found"), "{v}");
 }

@@ -14,6 +14,31 @@ pub mod private;
 pub mod testing {
     pub mod proxy;
 
+    /// The environment variable naming a file where skipped suites are recorded, one
+    /// `suite<TAB>how to install it` line each; `scripts/test.sh` sets it and lists them at
+    /// the end (nextest hides the stderr of a passing test, so a skip notice alone is lost).
+    pub const SKIPS_VAR: &str = "AWCP_TEST_SKIPS";
+
+    /// Say loudly that a test skips because `suite` cannot run here, and record it in the
+    /// file named by [`SKIPS_VAR`] (when set) with `install`, the command that makes it run.
+    /// Callers panic instead under `CI=true`, where every suite must run.
+    pub fn skipped(suite: &str, install: &str) {
+        eprintln!("\n!!!!!!!! SKIPPING {suite}: not available here ({install}) !!!!!!!!\n");
+        if let Some(path) = std::env::var_os(SKIPS_VAR) {
+            use std::io::Write as _;
+            // One short append per line: concurrent test processes do not interleave.
+            let line = format!("{suite}\t{install}\n");
+            let appended = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .and_then(|mut f| f.write_all(line.as_bytes()));
+            if let Err(e) = appended {
+                eprintln!("cannot record the skip in {}: {e}", path.to_string_lossy());
+            }
+        }
+    }
+
     /// Whether FUSE tests can run here (`/dev/fuse` exists and we are root). When they
     /// cannot, says so loudly on stderr, and panics under `CI=true`: CI must run them.
     pub fn fuse_available() -> bool {
@@ -23,8 +48,9 @@ pub mod testing {
                 std::env::var("CI").as_deref() != Ok("true"),
                 "FUSE tests must run in CI: /dev/fuse is missing or we are not root"
             );
-            eprintln!(
-                "\n!!!!!!!! SKIPPING a FUSE test: /dev/fuse is missing or we are not root !!!!!!!!\n"
+            skipped(
+                "the FUSE tests",
+                "run them as root on a machine with /dev/fuse: modprobe fuse",
             );
         }
         ok

@@ -38,7 +38,7 @@ fn git_available() -> bool {
             std::env::var("CI").as_deref() != Ok("true"),
             "git is needed in CI (apt-get install git)"
         );
-        eprintln!("\n!!!!!!!! SKIPPING: git is not installed !!!!!!!!\n");
+        awcpfs::testing::skipped("the git cold-start test", "apt-get install git");
     }
     ok
 }

@@ -217,3 +217,199 @@ fn walk(dir: &Path) -> Vec<String> {
     out.sort();
     out
 }
+
+/// Unmounts a tmpfs when dropped.
+struct Tmpfs(PathBuf);
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Fill the filesystem at `dir` with `dir/ballast`, leaving about `leave` bytes free.
+fn fill_leaving(dir: &Path, leave: usize) {
+    let margin = dir.join("margin");
+    std::fs::write(&margin, vec![0u8; leave]).unwrap();
+    let mut f = std::fs::File::create(dir.join("ballast")).unwrap();
+    let chunk = vec![1u8; 4096];
+    while f.write_all(&chunk).is_ok() {}
+    drop(f);
+    std::fs::remove_file(&margin).unwrap();
+}
+
+// Regression (issue 30): with the mount's state on a full disk, renames and unlinks that
+// returned ENOSPC had been applied (and written back), commits went out that synced.log
+// could not record, and after `kill -9` recovery made conflict copies of the mount's own
+// changes ("changed on the export since the base"), some holding the only acknowledged
+// content. Now an operation that fails has not happened, and a commit that cannot be
+// recorded is not sent: recovery ends with the last acknowledged state and no conflict copy.
+#[test]
+fn enospc_on_renames_unlinks_and_commit_records_then_kill_9_and_recover_makes_no_conflict() {
+    if !fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let mnt = tmp.path().join("mnt");
+    let disk = tmp.path().join("disk");
+    let state = disk.join("state");
+    for d in [&src, &mnt, &disk] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    const N: usize = 400;
+    // What the caller was told, per path: `Some(content)`, or `None` (absent).
+    let mut model: std::collections::BTreeMap<String, Option<String>> = Default::default();
+    for i in 0..N {
+        let c = format!("orig {i}\n");
+        std::fs::write(src.join(format!("f{i}")), &c).unwrap();
+        model.insert(format!("f{i}"), Some(c));
+    }
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(&disk)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _disk = Tmpfs(disk.clone());
+    let handle = tmp.path().join("h.json");
+    let _export = Killed(
+        Command::new(BIN)
+            .arg("export")
+            .arg(&src)
+            .args(["--listen", "127.0.0.1:0", "--handle-out"])
+            .arg(&handle)
+            .arg("--state-dir")
+            .arg(tmp.path().join("export-state"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the handle", || handle.exists());
+    let mut mount = Killed(
+        Command::new(BIN)
+            .arg("mount")
+            .arg(&handle)
+            .arg(&mnt)
+            .arg("--state-dir")
+            .arg(&state)
+            // Each operation's own answer; nothing fetched into the state dir behind it.
+            .args(["--no-writeback-cache", "--hydrate", "none"])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the mount", || is_mounted(&mnt));
+    std::thread::sleep(Duration::from_millis(300));
+    // A few dozen operations' worth of journal and commit records fit; then ENOSPC.
+    fill_leaving(&disk, 24 << 10);
+
+    let (mut failed, mut ok) = (0, 0);
+    let mut uncertain = std::collections::BTreeSet::new();
+    let at = |p: &str| mnt.join(p);
+    for i in 0..N {
+        let f = format!("f{i}");
+        match i % 4 {
+            0 => match std::fs::rename(at(&f), at(&format!("r{i}"))) {
+                Ok(()) => {
+                    let c = model.insert(f, None).unwrap();
+                    model.insert(format!("r{i}"), c);
+                    ok += 1;
+                }
+                Err(e) => {
+                    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "rename {f}: {e}");
+                    failed += 1;
+                }
+            },
+            1 => match std::fs::remove_file(at(&f)) {
+                Ok(()) => {
+                    model.insert(f, None);
+                    ok += 1;
+                }
+                Err(e) => {
+                    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "unlink {f}: {e}");
+                    failed += 1;
+                }
+            },
+            2 => {
+                // Over an existing name (f{i+1} is left alone by its own turn).
+                let over = format!("f{}", i + 1);
+                match std::fs::rename(at(&f), at(&over)) {
+                    Ok(()) => {
+                        let c = model.insert(f, None).unwrap();
+                        model.insert(over, c);
+                        ok += 1;
+                    }
+                    Err(e) => {
+                        assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "rename {f}: {e}");
+                        failed += 1;
+                    }
+                }
+            }
+            _ => {
+                let n = format!("n{i}");
+                let c = format!("new {i}\n");
+                let r = (|| -> std::io::Result<()> {
+                    let mut fh = std::fs::File::create(at(&n))?;
+                    fh.write_all(c.as_bytes())?;
+                    nix::unistd::close(fh)?;
+                    Ok(())
+                })();
+                match r {
+                    Ok(()) => {
+                        model.insert(n, Some(c));
+                    }
+                    // Created but not written, or not created: either may be found.
+                    Err(_) => {
+                        uncertain.insert(n);
+                    }
+                }
+            }
+        }
+        if i % 16 == 0 {
+            // Let the syncer commit (and record, or fail to record) what came so far.
+            std::thread::sleep(Duration::from_millis(30));
+        }
+    }
+    assert!(
+        ok > 10 && failed > 10,
+        "the disk did not fill part-way ({ok} renames/unlinks succeeded, {failed} failed)"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    mount.0.kill().unwrap();
+    mount.0.wait().unwrap();
+    let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+    // Space comes back, and the mount's changes are recovered.
+    std::fs::remove_file(disk.join("ballast")).unwrap();
+    let out = recover(&handle, &state);
+    let said = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "recover failed: {said}");
+
+    let conflicts: Vec<_> = walk(&src)
+        .into_iter()
+        .filter(|p| p.contains(".awcp-conflict-"))
+        .collect();
+    assert!(
+        conflicts.is_empty(),
+        "recovery made conflict copies of the mount's own changes: {conflicts:?}\n{said}"
+    );
+    let mut wrong = Vec::new();
+    for (p, want) in &model {
+        let got = std::fs::read_to_string(src.join(p)).ok();
+        if &got != want {
+            wrong.push(format!("{p}: want {want:?}, got {got:?}"));
+        }
+    }
+    for e in std::fs::read_dir(&src).unwrap().flatten() {
+        let p = e.file_name().to_string_lossy().into_owned();
+        if !model.contains_key(&p) && !uncertain.contains(&p) {
+            wrong.push(format!("{p}: at the Delegator, but never acknowledged"));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} path(s) differ from what their callers were told ({ok} ops succeeded, \
+         {failed} failed):\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
+}

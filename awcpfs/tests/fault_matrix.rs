@@ -528,8 +528,9 @@ fn run(fault: Fault, seed: u64, secs: f64) -> Vec<String> {
     let model = Arc::new(Mutex::new(model));
     let stop = Arc::new(AtomicBool::new(false));
     let dying = Arc::new(AtomicBool::new(false));
-    // During resets a cold read may fail (EIO, at once); a blackhole shorter than the read
-    // timeout only delays it.
+    // During resets a cold read is retried within the read timeout (it may still fail
+    // when the mount's own retries and the kernel's meet the end of it); a blackhole
+    // shorter than the read timeout only delays it.
     let cold_must_work = matches!(fault, Fault::Blackhole(_));
     let workers: Vec<_> = (0..WORKERS)
         .map(|w| {

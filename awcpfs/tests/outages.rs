@@ -141,6 +141,74 @@ fn a_cold_read_in_a_blackhole_fails_with_eio_within_the_read_timeout() {
     );
 }
 
+// Regression (issue 30): a cold read started during a TCP reset failed with EIO after
+// 2–54 ms, even when the outage lasted 0.3 s, while a 20 s blackhole was waited out.
+#[test]
+fn a_cold_read_during_a_short_reset_outage_succeeds() {
+    if !fuse_available() {
+        return;
+    }
+    let timeout = Duration::from_secs(5);
+    let s = setup(timeout);
+    for (name, byte, len) in [
+        ("small", 1u8, 100_000),
+        ("medium", 2, 400_000),
+        ("large", 3, 5 << 20),
+    ] {
+        let resets_before = s.proxy.resets();
+        // Every connection is reset for 0.3 s: the one the read opens, and the ones it
+        // opens again at once.
+        s.proxy.set_resetting(true);
+        let started = Instant::now();
+        let reader = {
+            let path = s.mnt.join(name);
+            std::thread::spawn(move || std::fs::read(path))
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        s.proxy.set_resetting(false);
+        let r = reader.join().unwrap();
+        let took = started.elapsed();
+        let data = r.unwrap_or_else(|e| {
+            panic!("{name}: a 0.3 s reset outage failed the read after {took:?}: {e}")
+        });
+        assert_eq!(data.len(), len, "{name}");
+        assert!(data.iter().all(|b| *b == byte), "{name}: wrong bytes");
+        assert!(
+            s.proxy.resets() > resets_before,
+            "{name}: the read never met a reset (the test tested nothing)"
+        );
+        assert!(took < timeout, "{name}: took {took:?}");
+    }
+}
+
+// A reset outage longer than the read timeout still ends in EIO, within it (plus slack),
+// and not at once.
+#[test]
+fn a_reset_outage_longer_than_the_read_timeout_fails_the_read_within_it() {
+    if !fuse_available() {
+        return;
+    }
+    let timeout = Duration::from_secs(2);
+    let s = setup(timeout);
+    s.proxy.set_resetting(true);
+    let started = Instant::now();
+    match std::fs::read(s.mnt.join("medium")) {
+        Ok(data) => panic!("read {} bytes through reset connections", data.len()),
+        Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}"),
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= timeout.mul_f64(0.7) && took < timeout.mul_f64(1.8),
+        "EIO after {took:?} with a read timeout of {timeout:?}"
+    );
+    s.proxy.set_resetting(false);
+    std::thread::sleep(awcpfs::mount::content::FAILED_FETCH_MEMO);
+    assert_eq!(
+        std::fs::read(s.mnt.join("medium")).unwrap(),
+        vec![2u8; 400_000]
+    );
+}
+
 fn status_json(state: &Path) -> serde_json::Value {
     std::fs::read(state.join("status.json"))
         .ok()

@@ -156,9 +156,12 @@ fn suite_binary(name: &str) -> Option<PathBuf> {
     if std::env::var("CI").as_deref() == Ok("true") {
         panic!("{name} is not installed; .ci/run installs it (cargo install --locked {name})");
     }
-    eprintln!(
-        "\n!!!!!!!! SKIPPING: {name} is not installed (cargo install --locked {name}) !!!!!!!!\n"
-    );
+    let pin = match name {
+        "pjdfstest" => " --version 0.2.2",
+        "fsx" => " --version 0.3.2",
+        _ => "",
+    };
+    awcpfs::testing::skipped(name, &format!("cargo install --locked {name}{pin}"));
     None
 }
 
@@ -439,7 +442,10 @@ fn mount_access_follows_the_path_by_default_and_owner_keeps_everyone_else_out() 
             std::env::var("CI").as_deref() != Ok("true"),
             "setpriv (util-linux) is needed under CI=true"
         );
-        eprintln!("SKIPPED: setpriv (util-linux) is not installed");
+        awcpfs::testing::skipped(
+            "the unprivileged-access check (setpriv)",
+            "apt-get install util-linux",
+        );
         return;
     }
     let readable = |fs: &Standalone| {

@@ -325,7 +325,10 @@ pub fn tools_available(tools: &[&str]) -> bool {
             "toolchain tests must run in CI, but these tools are missing: {missing:?} (.ci/run installs them)"
         );
     }
-    eprintln!("\n!!!!!!!! SKIPPING a toolchain test: missing {missing:?} !!!!!!!!\n");
+    awcpfs::testing::skipped(
+        &format!("a toolchain test ({})", missing.join(", ")),
+        &format!("apt-get install {}", missing.join(" ")),
+    );
     false
 }
 

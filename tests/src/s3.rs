@@ -47,9 +47,9 @@ impl S3Server {
                 "block tier tests must run in CI, but s3s-fs is missing (.ci/run installs it: \
                  cargo install --locked s3s-fs --version 0.14.1 --features binary)"
             );
-            eprintln!(
-                "\n!!!!!!!! SKIPPING a block tier test: s3s-fs is not installed \
-                 (cargo install --locked s3s-fs --version 0.14.1 --features binary) !!!!!!!!\n"
+            awcpfs::testing::skipped(
+                "the block tier tests (s3s-fs)",
+                "cargo install --locked s3s-fs --version 0.14.1 --features binary",
             );
             return None;
         }

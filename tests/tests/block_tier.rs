@@ -52,8 +52,9 @@ async fn s3blocks_fleet_hydration_counts_both_tiers() {
             std::env::var("CI").as_deref() != Ok("true"),
             "the fleet test needs the awcp-ctl binary beside the tests (cargo nextest run --workspace builds it)"
         );
-        eprintln!(
-            "\n!!!!!!!! SKIPPING the fleet test: no awcp-ctl binary beside the tests (cargo build -p awcp-ctl) !!!!!!!!\n"
+        awcpfs::testing::skipped(
+            "the fleet test (no awcp-ctl binary beside the tests)",
+            "cargo build -p awcp-ctl",
         );
         return;
     };
@@ -542,8 +543,9 @@ async fn s3blocks_credentials_from_the_aws_shared_files() {
             std::env::var("CI").as_deref() != Ok("true"),
             "this test needs the awcp-ctl binary beside the tests (cargo nextest run --workspace builds it)"
         );
-        eprintln!(
-            "\n!!!!!!!! SKIPPING the shared-files test: no awcp-ctl binary beside the tests (cargo build -p awcp-ctl) !!!!!!!!\n"
+        awcpfs::testing::skipped(
+            "the shared-files test (no awcp-ctl binary beside the tests)",
+            "cargo build -p awcp-ctl",
         );
         return;
     };

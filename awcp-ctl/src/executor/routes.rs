@@ -590,12 +590,21 @@ async fn events(
                 format!("invalid delegation id: {id}"),
             );
         };
+        // Held by this Executor before it restarted: how it ended, not "not found".
+        let (code, message, hint) = match ex.restarted.lock().get(&id).cloned() {
+            Some(e) => (e.code, e.message, e.hint),
+            None => (
+                ErrorCode::NotFound,
+                "Delegation not found on executor".into(),
+                None,
+            ),
+        };
         let ev = TaskEvent::Error(awcp_protocol::events::ErrorEvent {
             delegation_id: did,
             timestamp: crate::now_iso(),
-            code: ErrorCode::NotFound,
-            message: "Delegation not found on executor".into(),
-            hint: None,
+            code,
+            message,
+            hint,
         });
         let one = futures::stream::iter([Ok::<_, Infallible>(
             Event::default().json_data(&ev).unwrap_or_default(),
@@ -678,6 +687,19 @@ fn sse_response(
 
 async fn result(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Response {
     let Some(a) = ex.tasks.lock().get(&id).cloned() else {
+        if let Some(e) = ex.restarted.lock().get(&id).cloned() {
+            // Held before this Executor restarted: it ended then (see `restart`).
+            return Json(TaskResultResponse {
+                status: TaskResultStatus::Error,
+                completed_at: None,
+                summary: None,
+                highlights: None,
+                snapshot_base64: None,
+                error: Some(e),
+                reason: None,
+            })
+            .into_response();
+        }
         let body = TaskResultResponse {
             status: TaskResultStatus::NotFound,
             completed_at: None,
@@ -797,9 +819,14 @@ async fn discard_bundle(
 }
 
 async fn ack(State(ex): State<Arc<Executor>>, Path(id): Path<String>) -> Json<OkResponse> {
-    let mut tasks = ex.tasks.lock();
-    if tasks.get(&id).is_some_and(|a| a.state.lock().is_terminal()) {
-        tasks.remove(&id);
+    {
+        let mut tasks = ex.tasks.lock();
+        if tasks.get(&id).is_some_and(|a| a.state.lock().is_terminal()) {
+            tasks.remove(&id);
+        }
+    }
+    if ex.restarted.lock().remove(&id).is_some() {
+        super::restart::forget(&ex.cfg, &id);
     }
     Json(OkResponse::OK)
 }

@@ -351,7 +351,10 @@ pub mod testing {
                 if std::env::var("CI").is_ok_and(|v| v == "true") {
                     panic!("{msg} (CI=true: PostgreSQL tests must run)");
                 }
-                eprintln!("SKIPPED (no PostgreSQL): {msg}");
+                awcpfs::testing::skipped(
+                    "the PostgreSQL tests",
+                    "apt-get install postgresql, then eval \"$(scripts/pg-test-server.sh start)\"",
+                );
                 None
             }
         }

@@ -894,6 +894,11 @@ impl AwcpFs {
         let mut table = self.table.lock();
         table.mark_node(ino);
         let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+        // Put back if the record cannot be journaled: a chmod, chown or utimes that fails
+        // (`ENOSPC`) has not happened. (A size change has already reached the upper file.)
+        let before = (
+            node.perm, node.uid, node.gid, node.atime, node.mtime, node.ctime,
+        );
         let now = SystemTime::now();
         if let Some(size) = set.size {
             node.size = size;
@@ -935,10 +940,19 @@ impl AwcpFs {
         // that name (with the writeback cache the kernel sends the times of a file replaced
         // by `rename` after the rename).
         let rec = (!node.unlinked).then(|| Record::node(node));
-        drop(table);
-        if let Some(rec) = rec {
-            self.journal(&[rec])?;
+        if let Some(rec) = rec
+            && let Err(e) = self.journal(&[rec])
+        {
+            if set.size.is_none()
+                && let Some(node) = table.get_mut(ino)
+            {
+                (
+                    node.perm, node.uid, node.gid, node.atime, node.mtime, node.ctime,
+                ) = before;
+            }
+            return Err(e);
         }
+        drop(table);
         self.sync.request();
         Ok(attr)
     }
@@ -1078,7 +1092,12 @@ impl AwcpFs {
                     },
                 );
             }
-            self.add_child_node(&mut table, node)?;
+            if let Err(e) = self.add_child_node(&mut table, node) {
+                // Not created (its record could not be journaled): nothing is left of it.
+                self.recent_writes.lock().remove(&ino);
+                self.upper.remove(ino);
+                return Err(e);
+            }
             ino
         };
         if self.no_open() {

@@ -574,18 +574,19 @@ impl AwcpFs {
         self.add_node(table, node)
     }
 
-    /// Add a new node under `parent`, journal it, and return its attributes.
+    /// Journal a new node, then add it under `parent` and return its attributes. Journaled
+    /// first: a node whose record cannot be written (`ENOSPC`) is not added.
     fn add_node(&self, table: &mut InodeTable, node: Node) -> Result<FileAttr, FsError> {
         let now = node.ctime;
+        Self::dir_mut(table, node.parent)?;
+        let attr = self.attr_of(&node);
+        self.journal(&[Record::node(&node)])?;
         let parent = Self::dir_mut(table, node.parent)?;
         parent.mtime = now;
         parent.ctime = now;
-        let attr = self.attr_of(&node);
-        let rec = Record::node(&node);
         let (parent, name, ino) = (node.parent, node.name.clone(), node.ino);
         table.insert(node);
         table.insert_child(parent, name, ino);
-        self.journal(&[rec])?;
         self.sync.request();
         Ok(attr)
     }
@@ -765,12 +766,13 @@ impl AwcpFs {
             return Err(FsError::IsDir);
         }
         table.refuse_withheld(ino)?;
-        Self::touch_dir(&mut table, parent);
-        self.remove_dentry(&mut table, parent, name);
+        // Journaled first: an unlink whose record cannot be written has not happened.
         self.journal(&[Record::Unlink {
             parent,
             name: name.to_string(),
         }])?;
+        Self::touch_dir(&mut table, parent);
+        self.remove_dentry(&mut table, parent, name);
         self.sync.request();
         Ok(())
     }
@@ -790,13 +792,13 @@ impl AwcpFs {
         if !node.children.is_empty() {
             return Err(FsError::NotEmpty);
         }
-        table.remove_child(parent, name);
-        Self::touch_dir(&mut table, parent);
-        table.remove(ino);
         self.journal(&[Record::Unlink {
             parent,
             name: name.to_string(),
         }])?;
+        table.remove_child(parent, name);
+        Self::touch_dir(&mut table, parent);
+        table.remove(ino);
         self.sync.request();
         Ok(())
     }
@@ -838,7 +840,15 @@ impl AwcpFs {
                 return Err(FsError::Withheld);
             }
         }
-        let mut records = Vec::new();
+        let moved = |ino, from: (Ino, &str), to: (Ino, &str)| Record::Move {
+            ino,
+            from_parent: from.0,
+            from_name: from.1.to_string(),
+            parent: to.0,
+            name: to.1.to_string(),
+        };
+        // Checked and journaled before anything changes: a rename whose records cannot be
+        // written (`ENOSPC`) fails without having happened.
         if exchange {
             let dst = dst.ok_or(FsError::NotFound)?;
             if table.get(dst).map(|n| n.kind) == Some(Kind::Dir) && table.is_ancestor(dst, parent) {
@@ -846,27 +856,22 @@ impl AwcpFs {
                     what: "cannot move a directory into itself",
                 });
             }
+            self.journal(&[
+                moved(src, (parent, name), (newparent, newname)),
+                moved(dst, (newparent, newname), (parent, name)),
+            ])?;
             table.insert_child(parent, name.to_string(), dst);
             table.insert_child(newparent, newname.to_string(), src);
             table.move_dentry(dst, (newparent, newname), (parent, name));
             table.move_dentry(src, (parent, name), (newparent, newname));
             let now = SystemTime::now();
-            for (ino, from, to) in [
-                (src, (parent, name), (newparent, newname)),
-                (dst, (newparent, newname), (parent, name)),
-            ] {
+            for ino in [src, dst] {
                 if let Some(node) = table.get_mut(ino) {
                     node.ctime = now;
-                    records.push(Record::Move {
-                        ino,
-                        from_parent: from.0,
-                        from_name: from.1.to_string(),
-                        parent: to.0,
-                        name: to.1.to_string(),
-                    });
                 }
             }
         } else {
+            let mut records = Vec::new();
             if let Some(dst) = dst {
                 if noreplace {
                     return Err(FsError::Exists);
@@ -880,29 +885,25 @@ impl AwcpFs {
                     }
                     _ => {}
                 }
-                self.remove_dentry(&mut table, newparent, newname);
                 records.push(Record::Unlink {
                     parent: newparent,
                     name: newname.to_string(),
                 });
+            }
+            records.push(moved(src, (parent, name), (newparent, newname)));
+            self.journal(&records)?;
+            if dst.is_some() {
+                self.remove_dentry(&mut table, newparent, newname);
             }
             table.remove_child(parent, name);
             table.insert_child(newparent, newname.to_string(), src);
             table.move_dentry(src, (parent, name), (newparent, newname));
             if let Some(node) = table.get_mut(src) {
                 node.ctime = SystemTime::now();
-                records.push(Record::Move {
-                    ino: src,
-                    from_parent: parent,
-                    from_name: name.to_string(),
-                    parent: newparent,
-                    name: newname.to_string(),
-                });
             }
         }
         Self::touch_dir(&mut table, parent);
         Self::touch_dir(&mut table, newparent);
-        self.journal(&records)?;
         self.sync.request();
         Ok(())
     }
@@ -927,16 +928,16 @@ impl AwcpFs {
         if table.child(newparent, newname).is_some() {
             return Err(FsError::Exists);
         }
-        table.add_link(ino, newparent, newname);
-        Self::touch_dir(&mut table, newparent);
-        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
-        node.ctime = SystemTime::now();
-        let attr = self.attr_of(node);
         self.journal(&[Record::Link {
             ino,
             parent: newparent,
             name: newname.to_string(),
         }])?;
+        table.add_link(ino, newparent, newname);
+        Self::touch_dir(&mut table, newparent);
+        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+        node.ctime = SystemTime::now();
+        let attr = self.attr_of(node);
         self.sync.request();
         Ok(attr)
     }

@@ -117,6 +117,13 @@ pub enum Record {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         value: Option<String>,
     },
+    /// The records of one operation that needs several (a rename over another name, an
+    /// exchange), on one line: a crash inside its write keeps all of them or none, never
+    /// the removal of the target without the move.
+    Batch {
+        /// The records, in order.
+        records: Vec<Record>,
+    },
 }
 
 impl Record {
@@ -180,17 +187,29 @@ impl Journal {
         &self.path
     }
 
-    /// Append records with one `write(2)`.
+    /// Append records with one `write(2)`: all of them, or (on an error such as `ENOSPC`)
+    /// none. Callers append before they change the inode table, so an operation whose
+    /// records cannot be written fails without having happened.
     pub fn append(&self, records: &[Record]) -> std::io::Result<()> {
         if records.is_empty() {
             return Ok(());
         }
         let mut buf = Vec::with_capacity(128 * records.len());
-        for r in records {
-            serde_json::to_writer(&mut buf, r).map_err(std::io::Error::other)?;
+        let line = |buf: &mut Vec<u8>, r: &Record| {
+            serde_json::to_writer(&mut *buf, r).map_err(std::io::Error::other)?;
             buf.push(b'\n');
+            Ok::<_, std::io::Error>(())
+        };
+        match records {
+            [one] => line(&mut buf, one)?,
+            several => line(
+                &mut buf,
+                &Record::Batch {
+                    records: several.to_vec(),
+                },
+            )?,
         }
-        self.file.lock().write_all(&buf)
+        append_whole(&mut self.file.lock(), &buf, false)
     }
 
     /// Make everything appended so far durable on disk.
@@ -198,7 +217,12 @@ impl Journal {
         self.file.lock().sync_data()
     }
 
-    /// Read every complete record; a torn last line (crash mid-write) is ignored.
+    /// Read every complete record up to the first that cannot be read: a torn last line
+    /// (a crash mid-write), or a hole a power loss left (the kernel wrote a later page of
+    /// the file but not an earlier one). Nothing after such a line was made durable by an
+    /// `fsync` either, so replaying it would give a state the mount never had (a later
+    /// operation without an earlier one); it is left out, and recovery gives the state
+    /// after the last operation that reached the disk whole.
     pub fn read_all(path: &Path) -> std::io::Result<Vec<Record>> {
         let file = match File::open(path) {
             Ok(f) => f,
@@ -211,12 +235,32 @@ impl Journal {
             match serde_json::from_slice(&line) {
                 Ok(r) => out.push(r),
                 Err(e) => {
-                    tracing::warn!(error = %e, "journal: ignoring torn or unreadable record");
+                    tracing::warn!(error = %e, records = out.len(),
+                        "journal: a torn or unreadable record; replaying only the records before it");
+                    break;
                 }
             }
         }
         Ok(out)
     }
+}
+
+/// Append `buf` to `file` (opened `O_APPEND`), and `fdatasync` it when `sync`: all of it,
+/// or nothing. A write cut short (`ENOSPC` part-way) or a failed sync is cut off again
+/// (truncating needs no space), so a later append never joins a torn line and the reader
+/// never loses the record after it; a line that failed is not left for recovery to act on.
+pub(super) fn append_whole(file: &mut File, buf: &[u8], sync: bool) -> std::io::Result<()> {
+    let before = file.metadata()?.len();
+    let written = file
+        .write_all(buf)
+        .and_then(|()| if sync { file.sync_data() } else { Ok(()) });
+    if let Err(e) = written {
+        if let Err(cut) = file.set_len(before) {
+            tracing::warn!(error = %cut, "cannot cut a failed append off the state file");
+        }
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// Apply journal records to a table built from the same manifest (crash recovery).
@@ -225,8 +269,13 @@ pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
         // The first write-back round compares the whole tree with what the export has.
         table.mark_all();
     }
+    apply(table, records, uid, gid);
+}
+
+fn apply(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
     for r in records {
         match r {
+            Record::Batch { records } => apply(table, records, uid, gid),
             Record::Node {
                 ino,
                 parent,

@@ -220,14 +220,17 @@ impl AwcpFs {
                 what: "an inode's attributes are limited to 256 KiB together",
             });
         }
-        node.xattrs.insert(name.to_string(), value.to_vec());
-        node.ctime = SystemTime::now();
-        table.mark_node(ino);
+        // Journaled first: an attribute whose record cannot be written is not set.
         self.journal(&[Record::Xattr {
             ino,
             name: name.to_string(),
             value: Some(hex::encode(value)),
-        }])
+        }])?;
+        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+        node.xattrs.insert(name.to_string(), value.to_vec());
+        node.ctime = SystemTime::now();
+        table.mark_node(ino);
+        Ok(())
     }
 
     /// `removexattr`.
@@ -238,15 +241,20 @@ impl AwcpFs {
             return Err(FsError::NoAttr);
         };
         let mut table = self.table.lock();
-        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
-        node.xattrs.remove(name).ok_or(FsError::NoAttr)?;
-        node.ctime = SystemTime::now();
-        table.mark_node(ino);
+        let node = table.get(ino).ok_or(FsError::NotFound)?;
+        if !node.xattrs.contains_key(name) {
+            return Err(FsError::NoAttr);
+        }
         self.journal(&[Record::Xattr {
             ino,
             name: name.to_string(),
             value: None,
-        }])
+        }])?;
+        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
+        node.xattrs.remove(name);
+        node.ctime = SystemTime::now();
+        table.mark_node(ino);
+        Ok(())
     }
 
     /// Clear set-user-ID and set-group-ID of a file being written by someone without

@@ -19,6 +19,7 @@ use awcp_protocol::manifest_bin;
 
 use crate::blockobj;
 
+mod retry;
 mod store;
 use store::{StoreJob, decode_verified, is_http, store_jobs};
 
@@ -248,6 +249,9 @@ pub struct HttpRemote {
     store_agent: ureq::Agent,
     tier: Arc<AtomicU8>,
     store: Arc<StoreCounters>,
+    /// The read timeout: the bound on each request, and the time within which transient
+    /// faults of the link are retried ([`retry`]).
+    timeout: Duration,
 }
 
 impl HttpRemote {
@@ -283,6 +287,7 @@ impl HttpRemote {
             store_agent,
             tier: Arc::new(AtomicU8::new(TIER_UNKNOWN)),
             store: Arc::default(),
+            timeout,
         }
     }
 
@@ -315,9 +320,20 @@ impl HttpRemote {
         route: &str,
         body: &impl serde::Serialize,
     ) -> Result<T, RemoteError> {
+        self.post_json_within(route, body, self.timeout)
+    }
+
+    /// [`Self::post_json`] bounded by `timeout` instead of the whole read timeout.
+    fn post_json_within<T: serde::de::DeserializeOwned>(
+        &self,
+        route: &str,
+        body: &impl serde::Serialize,
+        timeout: Duration,
+    ) -> Result<T, RemoteError> {
         let resp = self
             .agent
             .post(&format!("{}/{route}", self.base))
+            .timeout(timeout)
             .set("Authorization", &self.auth)
             .send_json(body)
             .map_err(|e| self.map_err(e))?;
@@ -334,7 +350,11 @@ impl HttpRemote {
     /// in one ranged `GET`, and blocks stored on their own one `GET` each, a few at a time;
     /// verifies each block against its hash. Only an error that ends access (token refused,
     /// lease over) is returned; anything else falls back.
-    fn fetch_from_store(&self, hashes: &[String]) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
+    fn fetch_from_store(
+        &self,
+        hashes: &[String],
+        timeout: Duration,
+    ) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
         let none = || (0..hashes.len()).map(|_| None).collect();
         if hashes.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF {
             return Ok(none());
@@ -342,6 +362,7 @@ impl HttpRemote {
         let answer = self
             .agent
             .post(&format!("{}/locate", self.base))
+            .timeout(timeout)
             .set("Authorization", &self.auth)
             .send_json(LocateRequest {
                 hashes: hashes.to_vec(),
@@ -679,29 +700,109 @@ fn read_body(resp: ureq::Response, limit: u64) -> Result<Vec<u8>, RemoteError> {
     Ok(buf)
 }
 
+impl HttpRemote {
+    /// Hand on the blocks of `hashes` from index `*next` on (advancing it), each from
+    /// `from_store` when the block tier gave it, else from one `POST /blocks` bounded by
+    /// `timeout`. The outer error is the request's (retried when transient); the inner one
+    /// is `each`'s, which ends the fetch.
+    fn blocks_from(
+        &self,
+        hashes: &[String],
+        from_store: &mut [Option<Vec<u8>>],
+        next: &mut usize,
+        timeout: Duration,
+        each: &mut dyn FnMut(usize, Vec<u8>) -> Result<(), RemoteError>,
+    ) -> Result<Result<(), RemoteError>, RemoteError> {
+        let rest: Vec<String> = hashes[*next..]
+            .iter()
+            .zip(&from_store[*next..])
+            .filter(|(_, d)| d.is_none())
+            .map(|(h, _)| h.clone())
+            .collect();
+        let asked = rest.len();
+        let mut body = if rest.is_empty() {
+            None
+        } else {
+            let resp = self
+                .agent
+                .post(&format!("{}/blocks", self.base))
+                .timeout(timeout)
+                .set("Authorization", &self.auth)
+                .send_json(BlockRequest { hashes: rest })
+                .map_err(|e| self.map_err(e))?;
+            // Frames are decoded straight off the socket, one block buffer each: no buffer
+            // for the whole answer, and the first block is handed on before the last one
+            // arrives.
+            Some(resp.into_reader())
+        };
+        while *next < hashes.len() {
+            let i = *next;
+            let want = &hashes[i];
+            let data = match (from_store[i].take(), body.as_mut()) {
+                (Some(block), _) => block,
+                (None, Some(body)) => {
+                    let (got, data) =
+                        read_block_frame(body)?.ok_or_else(|| RemoteError::Protocol {
+                            what: format!("asked for {asked} blocks, got fewer"),
+                        })?;
+                    if hex::encode(got) != *want {
+                        return Err(RemoteError::Protocol {
+                            what: "blocks answered out of order".into(),
+                        });
+                    }
+                    let data = data.ok_or_else(|| RemoteError::BadBlock { hash: want.clone() })?;
+                    verify_block(want, &data)?;
+                    data
+                }
+                // Cannot happen (such a block is in the request), but no panic on it.
+                (None, None) => {
+                    return Err(RemoteError::Protocol {
+                        what: "a block was neither in the block tier nor asked for".into(),
+                    });
+                }
+            };
+            *next += 1;
+            if let Err(e) = each(i, data) {
+                return Ok(Err(e));
+            }
+        }
+        if let Some(body) = body.as_mut()
+            && read_block_frame(body)?.is_some()
+        {
+            return Err(RemoteError::Protocol {
+                what: format!("asked for {asked} blocks, got more"),
+            });
+        }
+        Ok(Ok(()))
+    }
+}
+
 impl Remote for HttpRemote {
     fn manifest(&self) -> Result<(Manifest, String), RemoteError> {
         decode_manifest(&self.manifest_bytes()?)
     }
 
     fn manifest_bytes(&self) -> Result<Vec<u8>, RemoteError> {
-        let resp = self
-            .agent
-            .get(&format!("{}/manifest", self.base))
-            .set("Authorization", &self.auth)
-            .set("Accept", manifest_bin::MEDIA_TYPE)
-            .call()
-            .map_err(|e| self.map_err(e))?;
-        if resp.content_type() != manifest_bin::MEDIA_TYPE {
-            return Err(RemoteError::Protocol {
-                what: format!(
-                    "manifest: expected {}, got {}",
-                    manifest_bin::MEDIA_TYPE,
-                    resp.content_type()
-                ),
-            });
-        }
-        read_body(resp, 4 << 30)
+        retry::within(self.timeout, &self.endpoint, "manifest", |left| {
+            let resp = self
+                .agent
+                .get(&format!("{}/manifest", self.base))
+                .timeout(left)
+                .set("Authorization", &self.auth)
+                .set("Accept", manifest_bin::MEDIA_TYPE)
+                .call()
+                .map_err(|e| self.map_err(e))?;
+            if resp.content_type() != manifest_bin::MEDIA_TYPE {
+                return Err(RemoteError::Protocol {
+                    what: format!(
+                        "manifest: expected {}, got {}",
+                        manifest_bin::MEDIA_TYPE,
+                        resp.content_type()
+                    ),
+                });
+            }
+            read_body(resp, 4 << 30)
+        })
     }
 
     fn fetch_blocks(&self, hashes: &[String]) -> Result<Vec<Vec<u8>>, RemoteError> {
@@ -718,64 +819,29 @@ impl Remote for HttpRemote {
         hashes: &[String],
         each: &mut dyn FnMut(usize, Vec<u8>) -> Result<(), RemoteError>,
     ) -> Result<(), RemoteError> {
-        // The block tier first (if the export has one); the export for the rest.
-        let mut from_store = self.fetch_from_store(hashes)?;
-        let rest: Vec<String> = hashes
-            .iter()
-            .zip(&from_store)
-            .filter(|(_, d)| d.is_none())
-            .map(|(h, _)| h.clone())
-            .collect();
-        if rest.is_empty() {
-            for (i, block) in from_store.into_iter().enumerate() {
-                if let Some(block) = block {
-                    each(i, block)?;
-                }
-            }
-            return Ok(());
-        }
-        let resp = self
-            .agent
-            .post(&format!("{}/blocks", self.base))
-            .set("Authorization", &self.auth)
-            .send_json(BlockRequest { hashes: rest })
-            .map_err(|e| self.map_err(e))?;
-        // Frames are decoded straight off the socket, one block buffer each: no buffer for
-        // the whole answer, and the first block is handed on before the last one arrives.
-        let mut body = resp.into_reader();
-        for (i, want) in hashes.iter().enumerate() {
-            if let Some(block) = from_store[i].take() {
-                each(i, block)?;
-                continue;
-            }
-            let (got, data) =
-                read_block_frame(&mut body)?.ok_or_else(|| RemoteError::Protocol {
-                    what: format!("asked for {} blocks, got fewer", hashes.len()),
-                })?;
-            if hex::encode(got) != *want {
-                return Err(RemoteError::Protocol {
-                    what: "blocks answered out of order".into(),
-                });
-            }
-            let data = data.ok_or_else(|| RemoteError::BadBlock { hash: want.clone() })?;
-            verify_block(want, &data)?;
-            each(i, data)?;
-        }
-        if read_block_frame(&mut body)?.is_some() {
-            return Err(RemoteError::Protocol {
-                what: format!("asked for {} blocks, got more", hashes.len()),
-            });
-        }
-        Ok(())
+        // The block tier first (if the export has one); the export for the rest. One read
+        // timeout for both, within which transient faults of the link are retried.
+        let started = std::time::Instant::now();
+        let mut from_store =
+            retry::since(started, self.timeout, &self.endpoint, "locate", |left| {
+                self.fetch_from_store(hashes, left)
+            })?;
+        // Blocks before `next` are handed on. A transient fault of the link is retried
+        // within the read timeout, asking only for the blocks not yet handed on; an error
+        // of `each` (the caller's: the inner `Result`) is never retried.
+        let mut next = 0;
+        retry::since(started, self.timeout, &self.endpoint, "blocks", |left| {
+            self.blocks_from(hashes, &mut from_store, &mut next, left, each)
+        })?
     }
 
     fn missing(&self, hashes: &[String]) -> Result<Vec<String>, RemoteError> {
-        let m: MissingBlocks = self.post_json(
-            "missing",
-            &BlockRequest {
-                hashes: hashes.to_vec(),
-            },
-        )?;
+        let body = BlockRequest {
+            hashes: hashes.to_vec(),
+        };
+        let m: MissingBlocks = retry::within(self.timeout, &self.endpoint, "missing", |left| {
+            self.post_json_within("missing", &body, left)
+        })?;
         Ok(m.missing)
     }
 

@@ -308,12 +308,9 @@ impl SyncedLog {
     }
 
     fn write_synced(&self, buf: &[u8]) -> std::io::Result<()> {
-        use std::io::Write;
         // Synced to disk: after a machine crash, recovery must not re-send (and turn into
         // conflicts) what the Delegator already has.
-        let mut f = self.file.lock();
-        f.write_all(buf)?;
-        f.sync_data()
+        super::journal::append_whole(&mut self.file.lock(), buf, true)
     }
 
     /// Every complete record at `path` (a torn last line is ignored).
@@ -366,6 +363,14 @@ pub enum SyncError {
     /// Reading an upper file failed.
     #[error("reading local changes failed")]
     Io {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The commit could not be recorded in `synced.log` (a full or failing state disk), so
+    /// it was not sent.
+    #[error("cannot record the commit in synced.log (is the state directory full?)")]
+    StateLog {
         /// Why.
         #[source]
         source: std::io::Error,
@@ -1288,11 +1293,15 @@ impl Syncer {
         pending: PendingCommit,
     ) -> Result<CommitResult, SyncError> {
         if let Some(log) = &self.log
-            && let Err(e) = log.append_pending(&pending)
+            && let Err(source) = log.append_pending(&pending)
         {
-            // Still sent: a retry in this process re-sends it from memory; only a crash
-            // before its answer would recover without it (as before pending commits).
-            tracing::warn!(error = %e, "cannot record the pending commit in synced.log");
+            // Not sent: a commit the export applied but `synced.log` does not name would
+            // look, to crash recovery, like the Delegator's own change at every path it
+            // wrote, and be kept as conflict copies of the mount's own work. The changes
+            // stay in the journal; the round is retried once the state disk has room.
+            tracing::warn!(error = %source,
+                "cannot record the pending commit in synced.log: not sending it until the state directory has room");
+            return Err(SyncError::StateLog { source });
         }
         *self.pending.lock() = Some(pending.clone());
         match self.fs.remote.commit(&pending.set) {
