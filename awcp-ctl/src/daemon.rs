@@ -23,6 +23,7 @@ pub mod api;
 mod archive_flow;
 mod collect;
 mod flow;
+mod metrics;
 pub mod progress;
 pub mod recover;
 mod resources;

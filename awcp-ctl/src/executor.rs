@@ -12,6 +12,7 @@
 
 mod aecp;
 mod archive_task;
+mod metrics;
 mod mounts;
 mod routes;
 mod task;
@@ -227,6 +228,8 @@ pub struct Executor {
     pub(crate) cfg: ExecutorConfig,
     pub(crate) tasks: Mutex<HashMap<String, Arc<Assignment>>>,
     pub(crate) block_cache: Option<Arc<awcpfs::cache::BlockCache>>,
+    /// The counters of mounts that have ended (`GET /metrics` adds the live ones).
+    pub(crate) ended_mounts: crate::metrics::EndedMounts,
 }
 
 impl Executor {
@@ -375,6 +378,7 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         cfg,
         tasks: Mutex::new(HashMap::new()),
         block_cache,
+        ended_mounts: Default::default(),
     });
     let router = routes::router(executor.clone());
     let (shutdown, mut rx) = tokio::sync::watch::channel(false);

@@ -215,6 +215,7 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
         ));
     let guarded = Router::new()
         .route("/awcp/status", get(status))
+        .route("/metrics", get(super::metrics::metrics))
         .route_layer(axum::middleware::from_fn_with_state(
             ex.clone(),
             require_token,
