@@ -338,6 +338,13 @@ struct ServeArgs {
     /// flush grace (10 s), so a revoke ends access to the store within the grace.
     #[arg(long, default_value = "10s", value_parser = parse_duration, requires = "blocks")]
     blocks_url_ttl: Duration,
+    /// Block tier: the longest one call to the store may take (its retries included), and
+    /// the longest a mount's `/locate` waits for the store. A store that does not answer
+    /// within it counts as failing; after 3 failures in a row the daemon stops using it
+    /// (no URLs, the data plane serves every block) and probes it again after 2 s, then
+    /// 4 s, … up to 60 s. Keep it well under the Executors' `--read-timeout`.
+    #[arg(long, default_value = "5s", value_parser = parse_duration, requires = "blocks")]
+    blocks_timeout: Duration,
 }
 
 #[derive(Debug, Args)]
@@ -851,6 +858,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 url,
                 url_ttl: a.blocks_url_ttl,
                 options: Vec::new(),
+                call_timeout: a.blocks_timeout,
             });
             let running = awcp_ctl::daemon::start(cfg).await?;
             if cli.json {

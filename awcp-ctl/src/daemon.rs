@@ -24,6 +24,7 @@ mod archive_flow;
 mod collect;
 mod flow;
 mod git_flow;
+mod metrics;
 pub mod progress;
 pub mod recover;
 mod resources;

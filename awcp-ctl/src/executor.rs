@@ -19,6 +19,7 @@ mod git_task;
 pub(crate) use git_task::{
     branch_ok as git_branch_ok, remote_allowed as git_remote_allowed, token_env as git_token_env,
 };
+mod metrics;
 mod mounts;
 mod pending;
 mod restart;
@@ -303,6 +304,8 @@ pub struct Executor {
     /// Delegations a previous process held when it died, with how each ended (kept until
     /// the Delegator acknowledges it; see `executor/restart.rs`).
     pub(crate) restarted: Mutex<HashMap<String, ErrorInfo>>,
+    /// The counters of mounts that have ended (`GET /metrics` adds the live ones).
+    pub(crate) ended_mounts: crate::metrics::EndedMounts,
 }
 
 impl Executor {
@@ -461,6 +464,7 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
         expired: Mutex::new(std::collections::VecDeque::new()),
         receiving: Mutex::new(std::collections::HashSet::new()),
         restarted: Mutex::new(restarted),
+        ended_mounts: Default::default(),
     });
     let router =
         routes::router(executor.clone()).into_make_service_with_connect_info::<SocketAddr>();

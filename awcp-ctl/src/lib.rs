@@ -12,6 +12,7 @@ pub mod daemon;
 pub mod doctor;
 pub mod executor;
 mod jsonsum;
+pub mod metrics;
 pub mod mcp;
 pub mod sse;
 pub mod store;

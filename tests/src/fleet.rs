@@ -153,6 +153,10 @@ pub struct FleetReport {
     pub all_hydrated: Duration,
     /// Each agent's reading time.
     pub each: Vec<Duration>,
+    /// Each agent's exit status of reading (0: every read succeeded).
+    pub read_status: Vec<i32>,
+    /// Each agent's checksum of the tree it read (`sha256sum` of every file, sorted by path).
+    pub sums: Vec<String>,
 }
 
 impl FleetReport {
@@ -186,12 +190,33 @@ pub async fn start_delegator(
     s3: Option<(&S3Server, &str)>,
     url_ttl: Duration,
 ) -> RunningDaemon {
+    start_delegator_with(state, s3.map(|(s, prefix)| s.tier(prefix, url_ttl))).await
+}
+
+/// [`start_delegator`] with the block tier configured as given.
+pub async fn start_delegator_with(
+    state: &Path,
+    tier: Option<awcpfs::export::tier::BlockTierConfig>,
+) -> RunningDaemon {
     let mut cfg = DaemonConfig::new(state.to_owned());
     cfg.listen = "127.0.0.1:0".parse().unwrap();
     cfg.export_listen = "127.0.0.1:0".parse().unwrap();
     cfg.flush_grace = Duration::from_secs(10);
-    cfg.blocks = s3.map(|(s, prefix)| s.tier(prefix, url_ttl));
+    cfg.blocks = tier;
     awcp_ctl::daemon::start(cfg).await.unwrap()
+}
+
+/// The checksum of a tree as the fleet's agents compute it (`sha256sum` of every regular
+/// file, sorted by path, relative to `dir`).
+pub fn tree_sums(dir: &Path) -> String {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg("find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum")
+        .current_dir(dir)
+        .output()
+        .expect("sha256sum");
+    assert!(out.status.success(), "checksumming {}", dir.display());
+    String::from_utf8(out.stdout).unwrap()
 }
 
 /// Delegate `workspace` (read-only) to every executor at once; each agent reads every file,
@@ -207,9 +232,12 @@ pub async fn run(
     std::fs::create_dir_all(&out).unwrap();
     let release = out.join("release");
     let _ = std::fs::remove_file(&release);
+    // Every file read and checksummed; the status of reading kept, so that a failed read
+    // ends the run at once (and fails the test that checks it) instead of a wait.
     let agent = format!(
         "date +%s%N > {o}/$AWCP_DELEGATION_ID.start && \
-         find . -type f -exec cat {{}} + > /dev/null && \
+         {{ find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum > {o}/$AWCP_DELEGATION_ID.sums; \
+            echo $? > {o}/$AWCP_DELEGATION_ID.rc; }} && \
          date +%s%N > {o}/$AWCP_DELEGATION_ID.tmp && \
          mv {o}/$AWCP_DELEGATION_ID.tmp {o}/$AWCP_DELEGATION_ID.end && \
          while [ ! -e {o}/release ]; do sleep 0.05; done; echo hydrated",
@@ -265,6 +293,11 @@ pub async fn run(
         report
             .each
             .push(Duration::from_nanos(e.saturating_sub(s) as u64));
+        let rc = std::fs::read_to_string(out.join(format!("{id}.rc"))).unwrap_or_default();
+        report.read_status.push(rc.trim().parse().unwrap_or(-1));
+        report
+            .sums
+            .push(std::fs::read_to_string(out.join(format!("{id}.sums"))).unwrap_or_default());
     }
     report.all_hydrated = Duration::from_nanos(last.saturating_sub(first) as u64);
     for (e, id) in fleet.iter().zip(&ids) {

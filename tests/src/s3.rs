@@ -109,6 +109,7 @@ impl S3Server {
             url: format!("s3://{BUCKET}/{prefix}"),
             url_ttl,
             options: self.options(),
+            call_timeout: awcpfs::export::tier::DEFAULT_CALL_TIMEOUT,
         }
     }
 

@@ -246,6 +246,7 @@ fn routes() -> Router<Arc<Daemon>> {
         .route("/delegation/{id}/collect", post(collect))
         .merge(super::aecp::routes())
         .route("/health", get(|| async { Json(HealthResponse::ok()) }))
+        .route("/metrics", get(super::metrics::metrics))
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
 }
 

@@ -221,6 +221,11 @@ impl MountSet {
         }
     }
 
+    /// Each member mount's counters now.
+    pub(crate) fn stats_snapshots(&self) -> Vec<awcpfs::mount::stats::StatsSnapshot> {
+        self.members.iter().map(|m| m.mount.status().stats).collect()
+    }
+
     /// The status the Executor reports (`GET /awcp/status`): one mount's as it is; several
     /// summed (`state` the first's), each also under `resources` with its name.
     pub(crate) fn status_json(&self) -> Option<serde_json::Value> {

@@ -38,7 +38,7 @@ pub(super) fn fail(status: StatusCode, msg: impl Into<String>) -> Response {
 
 /// Whether the request carries this Executor's credential as a bearer token (always, for
 /// an Executor open to anyone).
-fn authorized(ex: &Executor, headers: &HeaderMap) -> bool {
+pub(super) fn authorized(ex: &Executor, headers: &HeaderMap) -> bool {
     match &ex.cfg.token {
         None => true,
         Some(t) => crate::bearer(headers).is_some_and(|b| crate::same_secret(b, t)),
@@ -209,6 +209,7 @@ pub(super) fn router(ex: Arc<Executor>) -> Router {
         .route("/awcp", post(message))
         .route("/awcp/", post(message))
         .route("/awcp/status", get(status))
+        .route("/metrics", get(super::metrics::metrics))
         .merge(per_delegation)
         .with_state(ex)
         .fallback(|| async {

@@ -826,6 +826,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
         }
         break;
     }
+    ex.ended_mounts.add(&mount.stats_snapshots());
     *a.mount.lock() = None;
     // What was written back needs its handle (a credential) no longer.
     mount.clean_up(&a.work_path, HANDLE_FILE);

@@ -287,6 +287,13 @@ async fn blocks(
     let body = read_body(req, HASH_LIST_LIMIT).await?;
     let request: BlockRequest = parse_json("POST /blocks", &body)?;
     let hashes = parse_hashes(&request.hashes)?;
+    if let Some(tier) = export.tier() {
+        // A block the store should hold, asked of the export: the mount could not get it
+        // there. Check that the store still has it (in the background).
+        for h in &hashes {
+            tier.suspect(h);
+        }
+    }
     let frames = futures::stream::iter(hashes)
         .map(move |hash| {
             let export = export.clone();

@@ -44,6 +44,10 @@ use super::store::{BlockHash, hash_hex, parse_hash};
 use crate::blockobj::{self, PackBuilder, PackEntry};
 
 pub mod awsfiles;
+mod health;
+
+pub use health::BreakerState;
+use health::{CallError, Health};
 
 /// Concurrent uploads of one export's background upload.
 const WARM_CONCURRENCY: usize = 8;
@@ -55,6 +59,12 @@ const WARM_PACKS: usize = 2;
 /// The background upload's first pack (it doubles up to [`blockobj::PACK_TARGET`]): the
 /// mounts that start with the export wait for the first blocks, so those come soonest.
 const WARM_FIRST_PACK: u64 = 1 << 20;
+
+/// How long one call to the store may take by default ([`BlockTierConfig::call_timeout`]).
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most verifications of blocks the mounts could not get from the store that run at once
+/// ([`BlockTier::suspect`]); more are dropped (the next fallback asks again).
+const VERIFY_CONCURRENCY: usize = 32;
 
 /// Reads a block of the export (blocking; on the blocking pool).
 pub(crate) type BlockReader = Arc<dyn Fn(&BlockHash) -> Option<Vec<u8>> + Send + Sync>;
@@ -88,6 +98,18 @@ impl PackTable {
             });
         }
     }
+
+    /// Forget pack `name` (gone from the store): its blocks are no longer packed anywhere
+    /// (a block is known at its first place only). Pack numbers stay as they are. The
+    /// blocks forgotten.
+    fn forget(&mut self, name: &BlockHash) -> usize {
+        let packs: HashSet<u32> = (0..self.names.len() as u32)
+            .filter(|&i| &self.names[i as usize] == name)
+            .collect();
+        let before = self.at.len();
+        self.at.retain(|_, slot| !packs.contains(&slot.pack));
+        before - self.at.len()
+    }
 }
 
 /// A pack upload in flight, shared by every block it holds: resolves to the bytes put.
@@ -113,6 +135,10 @@ pub struct BlockTierConfig {
     /// Settings applied over the environment, as `object_store` S3 configuration keys
     /// (`aws_endpoint`, `aws_access_key_id`, `aws_allow_http`, …).
     pub options: Vec<(String, String)>,
+    /// The longest one call to the store may take, its client's retries included; also the
+    /// longest `POST /locate` waits for the store before it answers `null` for what is not
+    /// stored yet (see [`health`]).
+    pub call_timeout: Duration,
 }
 
 /// Why the block tier could not be opened.
@@ -166,6 +192,16 @@ pub struct TierStats {
     pub urls_issued: u64,
     /// Uploads that failed (the export serves those blocks itself).
     pub upload_errors: u64,
+    /// Calls to the store that failed or ran out of time (uploads, reads, probes).
+    pub store_errors: u64,
+    /// The circuit breaker over the store: `closed` (in use), `open` (not used: no URL is
+    /// signed, the export serves every block), `half-open` (a probe is due or out).
+    pub breaker: BreakerState,
+    /// Times the breaker opened.
+    pub breaker_trips: u64,
+    /// Objects the tier believed stored and found gone (a store that lost data): forgotten,
+    /// and stored again when next asked for.
+    pub objects_forgotten: u64,
 }
 
 /// The block tier of one Delegator process.
@@ -185,6 +221,10 @@ pub struct BlockTier {
     bytes_uploaded: AtomicU64,
     urls_issued: AtomicU64,
     upload_errors: AtomicU64,
+    health: Health,
+    /// Blocks (or packs) being checked after a mount could not get them from the store.
+    verifying: Mutex<HashSet<BlockHash>>,
+    objects_forgotten: AtomicU64,
 }
 
 impl std::fmt::Debug for BlockTier {
@@ -263,7 +303,29 @@ impl BlockTier {
             let keys: Vec<&str> = files.iter().map(|(k, _)| k.as_ref()).collect();
             tracing::info!(?keys, "block tier: settings from the AWS shared files");
         }
-        let mut builder = AmazonS3Builder::from_env().with_bucket_name(&bucket);
+        // Every request is bounded, retries included: a store that stops answering must
+        // cost a mount seconds, not the client's default of minutes.
+        let call_timeout = cfg.call_timeout.max(Duration::from_millis(100));
+        let per_request = call_timeout / 2;
+        let mut builder = AmazonS3Builder::from_env()
+            .with_bucket_name(&bucket)
+            .with_retry(object_store::RetryConfig {
+                backoff: object_store::BackoffConfig {
+                    init_backoff: Duration::from_millis(50),
+                    max_backoff: per_request / 4,
+                    base: 2.0,
+                },
+                max_retries: 2,
+                retry_timeout: call_timeout,
+            })
+            .with_config(
+                AmazonS3ConfigKey::Client(ClientConfigKey::Timeout),
+                format!("{}ms", per_request.as_millis()),
+            )
+            .with_config(
+                AmazonS3ConfigKey::Client(ClientConfigKey::ConnectTimeout),
+                format!("{}ms", per_request.min(Duration::from_secs(2)).as_millis()),
+            );
         for (key, v) in files {
             builder = builder.with_config(key, v);
         }
@@ -288,6 +350,9 @@ impl BlockTier {
             bytes_uploaded: AtomicU64::new(0),
             urls_issued: AtomicU64::new(0),
             upload_errors: AtomicU64::new(0),
+            health: Health::new(call_timeout),
+            verifying: Mutex::default(),
+            objects_forgotten: AtomicU64::new(0),
         };
         let unreachable = |e: object_store::Error| TierError::Unreachable {
             url: cfg.url.clone(),
@@ -346,6 +411,7 @@ impl BlockTier {
         };
         tracing::info!(url = %cfg.url, blocks = found.len(), packs, packed, "block tier opened");
         *tier.present.write() = found;
+        tier.keep_probing();
         Ok(tier)
     }
 
@@ -406,6 +472,89 @@ impl BlockTier {
         self.packed.read().at.get(hash).copied()
     }
 
+    /// The longest one call to the store may take ([`BlockTierConfig::call_timeout`]).
+    pub fn call_timeout(&self) -> Duration {
+        self.health.timeout()
+    }
+
+    /// Whether the store is in use: the breaker is closed. While it is not, no URL is
+    /// signed and nothing is uploaded; the export serves every block.
+    pub fn in_use(&self) -> bool {
+        self.health.state() == BreakerState::Closed
+    }
+
+    /// While the breaker is open and its back-off has ended, send the probe that tells
+    /// whether the store answers again (a `HEAD` of a name no block has: `NotFound` is an
+    /// answer). Bounded by the call timeout; nothing while the breaker is closed, or while
+    /// the back-off runs or another probe is out.
+    pub(crate) async fn probe_if_due(&self) {
+        if self.health.state() == BreakerState::HalfOpen {
+            let key = ObjPath::from(format!("{}/probe", self.key_prefix("b3")));
+            let _ = self.health.call("probe", self.s3.head(&key)).await;
+        }
+    }
+
+    /// Probe the store whenever the breaker's back-off has ended, traffic or not, so that
+    /// a store that answers again is used again without waiting for a mount to ask. Stops
+    /// with the tier.
+    fn keep_probing(self: &Arc<Self>) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let tier = Arc::downgrade(self);
+        rt.spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let Some(tier) = tier.upgrade() else { return };
+                tier.probe_if_due().await;
+            }
+        });
+    }
+
+    /// A mount asked the export for a block this tier believes the store holds: it could
+    /// not get it from the store. Check in the background (a `HEAD` of its object, or of
+    /// its pack) and forget what is gone, so that no more URLs are signed for it and it is
+    /// stored again when next asked for — a store restarted without its data costs each
+    /// object one fallback, not every read until the daemon restarts.
+    pub(crate) fn suspect(self: &Arc<Self>, hash: &BlockHash) {
+        if !self.in_use() || !self.contains(hash) {
+            return;
+        }
+        let pack = self
+            .slot(hash)
+            .and_then(|s| self.packed.read().names.get(s.pack as usize).copied());
+        let (id, key) = match pack {
+            Some(name) => (name, self.pack_key(&name)),
+            None => (*hash, self.key(hash)),
+        };
+        {
+            let mut v = self.verifying.lock();
+            if v.len() >= VERIFY_CONCURRENCY || !v.insert(id) {
+                return;
+            }
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.verifying.lock().remove(&id);
+            return;
+        };
+        let tier = self.clone();
+        let hash = *hash;
+        rt.spawn(async move {
+            let key = ObjPath::from(key);
+            if let Err(CallError::NotFound) = tier.health.call("HEAD", tier.s3.head(&key)).await {
+                let blocks = match pack {
+                    Some(name) => tier.packed.write().forget(&name),
+                    None => usize::from(tier.present.write().remove(&hash)),
+                };
+                tier.objects_forgotten.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(key = %key, blocks,
+                    "block tier: an object the store held is gone (a store restarted without \
+                     its data?); forgetting it, it is stored again when next asked for");
+            }
+            tier.verifying.lock().remove(&id);
+        });
+    }
+
     /// Current counters.
     pub fn stats(&self) -> TierStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -424,6 +573,10 @@ impl BlockTier {
             bytes_uploaded: get(&self.bytes_uploaded),
             urls_issued: get(&self.urls_issued),
             upload_errors: get(&self.upload_errors),
+            store_errors: get(&self.health.errors),
+            breaker: self.health.state(),
+            breaker_trips: get(&self.health.trips),
+            objects_forgotten: get(&self.objects_forgotten),
         }
     }
 
@@ -439,6 +592,9 @@ impl BlockTier {
     ) -> (bool, u64) {
         if self.has_object(&hash) {
             return (true, 0);
+        }
+        if !self.in_use() {
+            return (false, 0);
         }
         let cell = self.inflight.lock().entry(hash).or_default().clone();
         let uploaded = AtomicU64::new(0);
@@ -465,12 +621,13 @@ impl BlockTier {
             return Ok(0);
         }
         let key = ObjPath::from(self.key(&hash));
-        match self.s3.head(&key).await {
+        match self.health.call("HEAD", self.s3.head(&key)).await {
             Ok(_) => {
                 self.present.write().insert(hash);
                 return Ok(0);
             }
-            Err(object_store::Error::NotFound { .. }) => {}
+            Err(CallError::NotFound) => {}
+            Err(CallError::Unavailable) => return Err(()),
             Err(e) => {
                 tracing::warn!(key = %key, error = %e, "block tier: HEAD failed");
                 self.upload_errors.fetch_add(1, Ordering::Relaxed);
@@ -487,7 +644,8 @@ impl BlockTier {
         .flatten()
         .ok_or(())?;
         let n = block.len() as u64;
-        match self.s3.put(&key, bytes::Bytes::from(block).into()).await {
+        let put = self.s3.put(&key, bytes::Bytes::from(block).into());
+        match self.health.call("PUT", put).await {
             Ok(_) => {
                 self.present.write().insert(hash);
                 self.objects_uploaded.fetch_add(1, Ordering::Relaxed);
@@ -516,6 +674,9 @@ impl BlockTier {
     }
 
     async fn presign_get(&self, key: ObjPath, ttl: Duration) -> Option<String> {
+        if !self.in_use() {
+            return None;
+        }
         match self
             .s3
             .signed_url(reqwest_method_get(), &key, ttl.max(Duration::from_secs(1)))
@@ -536,7 +697,7 @@ impl BlockTier {
     /// Executor writing back through the store. `None` when the store already holds the
     /// block (an object that is there is never handed out for overwriting).
     pub(crate) async fn presign_put(&self, hash: &BlockHash, ttl: Duration) -> Option<String> {
-        if self.contains(hash) {
+        if self.contains(hash) || !self.in_use() {
             return None;
         }
         let key = ObjPath::from(self.key(hash));
@@ -571,20 +732,21 @@ impl BlockTier {
             return Some(block);
         }
         let key = ObjPath::from(self.key(hash));
-        let got = match self.s3.get(&key).await {
-            Ok(g) => g,
-            Err(object_store::Error::NotFound { .. }) => return None,
+        let get = async { self.s3.get(&key).await?.bytes().await };
+        let object = match self.health.call("GET", get).await {
+            Ok(b) => b,
+            Err(CallError::NotFound | CallError::Unavailable) => return None,
             Err(e) => {
                 tracing::warn!(key = %key, error = %e, "block tier: GET failed");
                 return None;
             }
         };
-        if got.meta.size > u64::from(super::MAX_BLOCK_SIZE) + 4096 {
-            tracing::warn!(key = %key, size = got.meta.size, "block tier: object too large for a block; deleting it");
-            let _ = self.s3.delete(&key).await;
+        if object.len() as u64 > u64::from(super::MAX_BLOCK_SIZE) + 4096 {
+            tracing::warn!(key = %key, size = object.len(), "block tier: object too large for a block; deleting it");
+            let _ = self.health.call("DELETE", self.s3.delete(&key)).await;
             return None;
         }
-        let object = got.bytes().await.ok()?.to_vec();
+        let object = object.to_vec();
         let hash_owned = *hash;
         let block = tokio::task::spawn_blocking(move || {
             crate::blockobj::decode(object, super::MAX_BLOCK_SIZE as usize)
@@ -601,7 +763,7 @@ impl BlockTier {
             None => {
                 tracing::warn!(key = %key, "block tier: an uploaded object does not match its hash; deleting it");
                 self.present.write().remove(hash);
-                let _ = self.s3.delete(&key).await;
+                let _ = self.health.call("DELETE", self.s3.delete(&key)).await;
                 None
             }
         }
@@ -615,8 +777,13 @@ impl BlockTier {
         let name = *self.packed.read().names.get(slot.pack as usize)?;
         let key = ObjPath::from(self.pack_key(&name));
         let range = slot.offset..slot.offset + u64::from(slot.len);
-        let object = match self.s3.get_range(&key, range).await {
+        let object = match self
+            .health
+            .call("ranged GET", self.s3.get_range(&key, range))
+            .await
+        {
             Ok(b) => b.to_vec(),
+            Err(CallError::Unavailable) => return None,
             Err(e) => {
                 tracing::warn!(key = %key, error = %e, "block tier: ranged GET of a pack failed");
                 return None;
@@ -646,6 +813,9 @@ impl BlockTier {
         hashes: &[BlockHash],
         read: BlockReader,
     ) -> u64 {
+        if !self.in_use() {
+            return 0;
+        }
         let mut waits: Vec<PackingFuture> = Vec::new();
         let mine = {
             let mut packing = self.packing.lock();
@@ -761,7 +931,7 @@ impl BlockTier {
                 .put(&index_key, bytes::Bytes::from(index).into())
                 .await
         };
-        match put.await {
+        match self.health.call("PUT of a pack", put).await {
             Ok(_) => {
                 self.packed.write().add(name, &entries);
                 self.objects_uploaded.fetch_add(2, Ordering::Relaxed);

@@ -182,6 +182,8 @@ const TIER_ON: u8 = 1;
 const TIER_OFF: u8 = 2;
 /// Store fetches in flight for one batch.
 const STORE_FETCHERS: usize = 16;
+/// How long a mount reads from the export alone after the block store did not answer.
+const STORE_QUIET: Duration = Duration::from_secs(10);
 /// Largest `/locate` answer read.
 const LOCATE_ANSWER_MAX: u64 = 64 << 20;
 /// Largest object a store fetch reads (a block of the largest size, uncompressible).
@@ -252,6 +254,11 @@ pub struct HttpRemote {
     /// The read timeout: the bound on each request, and the time within which transient
     /// faults of the link are retried ([`retry`]).
     timeout: Duration,
+    /// How long the store phase of one fetch may take: fetches not started by then are
+    /// left to the export.
+    store_budget: Duration,
+    /// Set when the store stopped answering: until then, blocks come from the export.
+    store_quiet_until: Arc<parking_lot::Mutex<Option<std::time::Instant>>>,
 }
 
 impl HttpRemote {
@@ -270,11 +277,12 @@ impl HttpRemote {
             .build();
         // One kept-alive connection per fetcher thread (ureq keeps one per host by default:
         // the other threads would open a new connection per block).
-        // A store that does not answer costs half the read timeout before the block is
-        // asked of the export.
+        // A store that does not answer costs at most a quarter of the read timeout per
+        // request (and the whole store phase about half of it, see `fetch_from_store`)
+        // before the blocks are asked of the export.
         let store_agent = ureq::AgentBuilder::new()
-            .timeout_connect((timeout / 2).min(Duration::from_secs(5)))
-            .timeout(timeout / 2)
+            .timeout_connect((timeout / 4).min(Duration::from_secs(2)))
+            .timeout(timeout / 4)
             .redirects(0)
             .max_idle_connections_per_host(STORE_FETCHERS)
             .build();
@@ -288,7 +296,31 @@ impl HttpRemote {
             tier: Arc::new(AtomicU8::new(TIER_UNKNOWN)),
             store: Arc::default(),
             timeout,
+            store_budget: timeout / 4,
+            store_quiet_until: Arc::default(),
         }
+    }
+
+    /// The block store did not answer a fetch (a timeout, a refused or reset connection):
+    /// read from the export alone for [`STORE_QUIET`], so that every read does not pay
+    /// the store's silence again. Logged once per quiet period.
+    fn store_unanswered(&self, e: &ureq::Error) {
+        if !matches!(e, ureq::Error::Transport(_)) {
+            return;
+        }
+        let mut quiet = self.store_quiet_until.lock();
+        let now = std::time::Instant::now();
+        if quiet.is_none_or(|until| until <= now) {
+            tracing::warn!(error = %e, quiet = ?STORE_QUIET,
+                "the block store did not answer; reading from the export alone for a while");
+        }
+        *quiet = Some(now + STORE_QUIET);
+    }
+
+    fn store_quiet(&self) -> bool {
+        self.store_quiet_until
+            .lock()
+            .is_some_and(|until| until > std::time::Instant::now())
     }
 
     fn map_err(&self, e: ureq::Error) -> RemoteError {
@@ -356,9 +388,11 @@ impl HttpRemote {
         timeout: Duration,
     ) -> Result<Vec<Option<Vec<u8>>>, RemoteError> {
         let none = || (0..hashes.len()).map(|_| None).collect();
-        if hashes.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF {
+        if hashes.is_empty() || self.tier.load(Ordering::Relaxed) == TIER_OFF || self.store_quiet()
+        {
             return Ok(none());
         }
+        let started = std::time::Instant::now();
         let answer = self
             .agent
             .post(&format!("{}/locate", self.base))
@@ -413,15 +447,29 @@ impl HttpRemote {
             );
             return Ok(none());
         }
+        let waited = started.elapsed();
+        if waited > Duration::from_secs(1) {
+            tracing::info!(
+                ?waited,
+                blocks = hashes.len(),
+                "a read waited for the export's /locate (the block store is slow?)"
+            );
+        }
         let jobs = store_jobs(&locs);
         let out: Vec<parking_lot::Mutex<Option<Vec<u8>>>> = (0..hashes.len())
             .map(|_| parking_lot::Mutex::new(None))
             .collect();
         let next = AtomicUsize::new(0);
+        // No fetch starts after the budget, nor once the store has stopped answering:
+        // what is left comes from the export, within the read timeout.
+        let deadline = std::time::Instant::now() + self.store_budget;
+        let go_on = || std::time::Instant::now() < deadline && !self.store_quiet();
         std::thread::scope(|s| {
             for _ in 0..STORE_FETCHERS.min(jobs.len()) {
                 s.spawn(|| {
-                    while let Some(job) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    while go_on()
+                        && let Some(job) = jobs.get(next.fetch_add(1, Ordering::Relaxed))
+                    {
                         let got = match job {
                             StoreJob::Own(i, url) => {
                                 vec![(*i, self.fetch_object(url, &hashes[*i]))]
@@ -587,6 +635,7 @@ impl HttpRemote {
             Ok(resp) => read_body(resp, STORE_OBJECT_MAX).ok()?,
             Err(e) => {
                 tracing::debug!(hash, error = %e, "block tier fetch failed; asking the export");
+                self.store_unanswered(&e);
                 return None;
             }
         };
@@ -616,6 +665,7 @@ impl HttpRemote {
             Ok(resp) => resp,
             Err(e) => {
                 tracing::debug!(error = %e, "ranged fetch from the block tier failed; asking the export");
+                self.store_unanswered(&e);
                 return failed();
             }
         };

@@ -30,22 +30,44 @@ pub(super) async fn locate(
     let body = read_body(req, HASH_LIST_LIMIT).await?;
     let request: LocateRequest = parse_json("POST /locate", &body)?;
     let hashes = parse_hashes(&request.hashes)?;
-    let answer = if request.ranges {
-        locate_ranges(&export, hashes).await
-    } else {
-        tier_urls(&export, hashes, |tier, hash, ttl| {
-            let export = export.clone();
-            async move {
-                let reader = export.clone();
-                let (present, uploaded) = tier.ensure(hash, move || reader.read_block(&hash)).await;
-                export.note_store_upload(uploaded);
-                if !present {
-                    return None;
+    if let Some(tier) = export.tier() {
+        tier.probe_if_due().await;
+    }
+    // The store may be slow or silent: answer within the tier's call timeout whatever it
+    // does. What is not stored by then gets `null` (the mount asks `/blocks`); uploads
+    // already started go on in the background.
+    let deadline = export
+        .tier()
+        .map(|t| t.call_timeout())
+        .unwrap_or(Duration::from_secs(5));
+    let asked = hashes.len();
+    let work = async {
+        if request.ranges {
+            locate_ranges(&export, hashes).await
+        } else {
+            tier_urls(&export, hashes, |tier, hash, ttl| {
+                let export = export.clone();
+                async move {
+                    let reader = export.clone();
+                    let (present, uploaded) =
+                        tier.ensure(hash, move || reader.read_block(&hash)).await;
+                    export.note_store_upload(uploaded);
+                    if !present {
+                        return None;
+                    }
+                    tier.presign(&hash, ttl).await
                 }
-                tier.presign(&hash, ttl).await
-            }
-        })
-        .await
+            })
+            .await
+        }
+    };
+    let answer = match tokio::time::timeout(deadline, work).await {
+        Ok(a) => a,
+        Err(_) => {
+            tracing::warn!(blocks = asked, waited = ?deadline,
+                "block tier: the store did not answer in time; the mount fetches these blocks from the export");
+            nothing_stored(asked)
+        }
     };
     if answer.block_store {
         // A revoke while this answer was prepared: hand out nothing.
@@ -142,6 +164,17 @@ pub(super) async fn upload_urls(
     })
     .await;
     Ok(Json(answer))
+}
+
+/// The answer of an export whose tier holds none of `n` blocks (for now).
+fn nothing_stored(n: usize) -> BlockLocations {
+    BlockLocations {
+        block_store: true,
+        expires_at: None,
+        urls: vec![None; n],
+        packs: Vec::new(),
+        ranges: Vec::new(),
+    }
 }
 
 /// The answer of an export without a tier.
