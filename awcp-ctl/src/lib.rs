@@ -13,6 +13,7 @@ pub mod doctor;
 pub mod executor;
 mod jsonsum;
 pub mod mcp;
+pub mod peer;
 pub mod sse;
 pub mod store;
 pub mod watch;
