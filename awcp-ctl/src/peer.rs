@@ -145,8 +145,7 @@ fn parse_answer(bytes: &[u8], src: SocketAddr, dst: SocketAddr) -> Result<Option
             let h = &r.header;
             let id = &h.socket_id;
             let same = canonical(SocketAddr::new(id.source_address, id.source_port)) == src
-                && canonical(SocketAddr::new(id.destination_address, id.destination_port))
-                    == dst;
+                && canonical(SocketAddr::new(id.destination_address, id.destination_port)) == dst;
             if !same {
                 return Err(PeerError::Malformed {
                     detail: "the answer names another socket".into(),

@@ -142,17 +142,18 @@ fn not_found(d: &Daemon, id: &str) -> ApiFailure {
     ApiFailure(StatusCode::NOT_FOUND, e)
 }
 
-/// Every request but `GET /health` needs the daemon's API token as a bearer token (unless
-/// the daemon runs with `--unsafe-no-auth`). A layer over the whole router, so a route
-/// added later is covered without a check of its own.
+/// Every request but `GET /health` needs a credential (unless the daemon runs with
+/// `--unsafe-no-auth`): the kernel's word that the caller is the daemon's own user or root
+/// (see [`crate::peer`]), or the daemon's API token. A layer over the whole router, so a
+/// route added later is covered without a check of its own.
 async fn require_token(
     State(d): State<Arc<Daemon>>,
     mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
     // A client that cannot send headers (the reference's `DelegatorDaemonClient`, hence its
-    // MCP server) is given the daemon URL `http://host:port/t/<token>` instead: the token
-    // is taken out of the path before the request is routed.
+    // MCP server) on another machine is given the daemon URL `http://host:port/t/<token>`
+    // instead: the token is taken out of the path before the request is routed.
     let in_path = match strip_token(req.uri()) {
         Some((token, uri)) => {
             *req.uri_mut() = uri;
@@ -163,36 +164,62 @@ async fn require_token(
     let path = req.uri().path();
     let open = in_path.is_none() && req.method() == axum::http::Method::GET && path == "/health";
     let header = crate::bearer(req.headers());
+    let given = header.or(in_path.as_deref());
+    let caller = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<crate::peer::Caller>>()
+        .map(|c| c.0);
     let ok = open
         || match &d.cfg.api_token {
             None => true,
-            Some(t) => [header, in_path.as_deref()]
+            // A token sent is checked even from a recognised caller: a wrong one is a
+            // misconfigured client, told so.
+            Some(t) if given.is_some() => [header, in_path.as_deref()]
                 .into_iter()
                 .flatten()
                 .any(|b| crate::same_secret(b, t)),
+            Some(_) => d.cfg.trust_local_uid && caller.is_some_and(|c| local_user(c.uid)),
         };
-    let given = header.or(in_path.as_deref());
     if ok {
         return next.run(req).await;
     }
+    tracing::debug!(
+        ?caller,
+        token_sent = given.is_some(),
+        "daemon API request refused"
+    );
     let mut e = ApiError::new(if given.is_some() {
         "Unauthorized: the API token sent is not this daemon's"
     } else {
         "Unauthorized: this daemon requires its API token"
     });
     e.hint = Some(format!(
-        "awcp-ctl reads it from {} when run as the daemon's user; elsewhere send \
-         `Authorization: Bearer <token>` (awcp-ctl --api-token or AWCP_API_TOKEN)",
+        "the daemon's own user (uid {}) and root need no token on this machine; any other \
+         user or machine sends `Authorization: Bearer <token>` with the token of {} \
+         (awcp-ctl: --api-token-file or AWCP_API_TOKEN)",
+        daemon_uid(),
         d.cfg.state_dir.join(super::API_TOKEN_FILE).display()
     ));
     ApiFailure(StatusCode::UNAUTHORIZED, e).into_response()
 }
 
+/// The daemon's effective uid.
+fn daemon_uid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+/// Whether a caller the kernel names as `uid` may use the API without a token: the
+/// daemon's own user, or root (which can read the token file and trace the daemon anyway).
+fn local_user(uid: Option<u32>) -> bool {
+    uid.is_some_and(|u| u == daemon_uid() || u == 0)
+}
+
 /// The largest request body the daemon API reads (larger: 413).
 const MAX_BODY_BYTES: usize = 16 << 20;
 
-/// Path prefix carrying the API token, for clients that cannot send an `Authorization`
-/// header: `/t/<token>/delegate` is `/delegate` with that token.
+/// Path prefix carrying the API token, for clients on another machine that cannot send an
+/// `Authorization` header: `/t/<token>/delegate` is `/delegate` with that token. (On the
+/// daemon's machine its own user needs no token at all.)
 pub const TOKEN_PREFIX: &str = "/t/";
 
 /// `/t/<token>/rest?query` → (`<token>`, `/rest?query`).
