@@ -5,6 +5,7 @@
 //! except under `CI=true`, where a missing FUSE device fails the test.
 
 pub mod fleet;
+pub mod hostile;
 pub mod reference;
 pub mod s3;
 

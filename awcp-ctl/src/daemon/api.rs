@@ -169,19 +169,24 @@ async fn require_token(
         .extensions()
         .get::<axum::extract::ConnectInfo<crate::peer::Caller>>()
         .map(|c| c.0);
-    let ok = open
-        || match &d.cfg.api_token {
-            None => true,
-            // A token sent is checked even from a recognised caller: a wrong one is a
-            // misconfigured client, told so.
-            Some(t) if given.is_some() => [header, in_path.as_deref()]
-                .into_iter()
-                .flatten()
-                .any(|b| crate::same_secret(b, t)),
-            Some(_) => d.cfg.trust_local_uid && caller.is_some_and(|c| local_user(c.uid)),
-        };
-    if ok {
-        return next.run(req).await;
+    let how = match &d.cfg.api_token {
+        _ if open => Some(AUTH_OPEN),
+        None => Some(AUTH_NONE),
+        // A token sent is checked even from a recognised caller: a wrong one is a
+        // misconfigured client, told so.
+        Some(t) if given.is_some() => [header, in_path.as_deref()]
+            .into_iter()
+            .flatten()
+            .any(|b| crate::same_secret(b, t))
+            .then_some(AUTH_TOKEN),
+        Some(_) => (d.cfg.trust_local_uid && caller.is_some_and(|c| local_user(c.uid)))
+            .then_some(AUTH_PEER_UID),
+    };
+    if let Some(how) = how {
+        let mut resp = next.run(req).await;
+        resp.headers_mut()
+            .insert(AUTH_HEADER, axum::http::HeaderValue::from_static(how));
+        return resp;
     }
     tracing::debug!(
         ?caller,
@@ -202,6 +207,18 @@ async fn require_token(
     ));
     ApiFailure(StatusCode::UNAUTHORIZED, e).into_response()
 }
+
+/// Response header saying how the request was let in: [`AUTH_TOKEN`], [`AUTH_PEER_UID`],
+/// [`AUTH_NONE`] (`--unsafe-no-auth`) or [`AUTH_OPEN`] (`GET /health`). `doctor` reads it.
+pub const AUTH_HEADER: &str = "x-awcp-auth";
+/// [`AUTH_HEADER`]: the API token was sent.
+pub const AUTH_TOKEN: &str = "token";
+/// [`AUTH_HEADER`]: the kernel named the caller as the daemon's user or root.
+pub const AUTH_PEER_UID: &str = "peer-uid";
+/// [`AUTH_HEADER`]: the daemon takes no credential (`serve --unsafe-no-auth`).
+pub const AUTH_NONE: &str = "none";
+/// [`AUTH_HEADER`]: a route open to all (`GET /health`).
+pub const AUTH_OPEN: &str = "open";
 
 /// The daemon's effective uid.
 fn daemon_uid() -> u32 {
