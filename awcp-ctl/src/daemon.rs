@@ -507,13 +507,14 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             }
         }));
     }
-    for (listener, router) in [(export_listener, daemon.exports.router())] {
+    {
         let mut rx = rx.clone();
+        let router = daemon.exports.router();
         tasks.push(tokio::spawn(async move {
             let r = axum::serve(
                 // Small answers (a manifest, one small file's block) must not wait for a
                 // delayed ACK (Nagle): up to 40 ms per request otherwise.
-                axum::serve::ListenerExt::tap_io(listener, |s| {
+                axum::serve::ListenerExt::tap_io(export_listener, |s| {
                     let _ = s.set_nodelay(true);
                 }),
                 router,
@@ -523,7 +524,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             })
             .await;
             if let Err(e) = r {
-                tracing::error!(error = %e, "listener failed");
+                tracing::error!(error = %e, "data plane listener failed");
             }
         }));
     }
