@@ -483,7 +483,7 @@ impl Session {
                 Ok(reply.encode().unwrap_or_default())
             }
             MessageType::AgentAnnounce | MessageType::RegistryUpdate => {
-                register(&self.shared, agent, f)?;
+                register(&self.shared, agent, f, &raw.raw[..raw.decoded.len])?;
                 let delivered = self.forward(agent, &raw);
                 Ok(ok(Some(delivered)))
             }
@@ -558,12 +558,29 @@ impl Session {
     }
 }
 
-fn register(shared: &Shared, agent: &AgentUri, f: &Frame) -> Result<(), Refusal> {
+fn register(shared: &Shared, agent: &AgentUri, f: &Frame, raw: &[u8]) -> Result<(), Refusal> {
     require_signed_registration(&shared.verifier, agent, f)?;
     let announce = parse_announce(f)?;
-    tracing::debug!(%agent, ?announce, "registered");
-    lock(&shared.registry).upsert(agent.clone(), announce, Instant::now());
+    let signed = f.signature.is_some();
+    tracing::debug!(%agent, ?announce, signed, "registered");
+    if !lock(&shared.registry).upsert_frame(
+        agent.clone(),
+        announce,
+        Instant::now(),
+        Some(raw),
+        signed,
+    ) {
+        return Err(unsigned_over_signed(agent));
+    }
     Ok(())
+}
+
+/// An unsigned announce for an agent whose live entry is signed.
+fn unsigned_over_signed(agent: &AgentUri) -> Refusal {
+    (
+        Status::Unauthorized,
+        format!("{agent} has a signed entry; only a signed announce replaces it"),
+    )
 }
 
 async fn udp_loop(shared: Arc<Shared>, sock: UdpSocket) {
@@ -593,20 +610,38 @@ async fn udp_loop(shared: Arc<Shared>, sock: UdpSocket) {
 }
 
 fn handle_datagram(shared: &Shared, dgram: &[u8]) -> Result<(), Refusal> {
-    let (agent, announce) = accept_announce(dgram, &shared.cfg.udp_limits, &shared.verifier)?;
-    tracing::debug!(%agent, ?announce, "registered over UDP");
-    lock(&shared.registry).upsert(agent, announce, Instant::now());
+    let (agent, announce, signed) =
+        accept_announce(dgram, &shared.cfg.udp_limits, &shared.verifier)?;
+    if signed {
+        tracing::debug!(%agent, ?announce, "registered over UDP (signed)");
+    } else {
+        // Kept, and listed as unsigned: `delegate --to auto` never chooses such an entry.
+        tracing::info!(%agent, "unsigned announce registered, marked unsigned");
+    }
+    if !lock(&shared.registry).upsert_frame(
+        agent.clone(),
+        announce,
+        Instant::now(),
+        Some(dgram),
+        signed,
+    ) {
+        return Err(unsigned_over_signed(&agent));
+    }
     Ok(())
 }
 
 /// Checks one datagram: a size-capped, UDP, `agent.announce` frame without credits, from an
-/// agent, signed if signed at all, with a valid announce body. Returns the announcer and its
-/// announce, or the status and reason of the refusal.
+/// agent, signed if signed at all, with a valid announce body. Returns the announcer, its
+/// announce and whether it was signed, or the status and reason of the refusal.
+///
+/// A signed announce from a zone this receiver holds no key for is kept, not refused: the
+/// receiver cannot vouch for it, but the Delegator that reads the registry holds the key and
+/// checks the frame itself (`Entry::frame`).
 pub(crate) fn accept_announce(
     dgram: &[u8],
     limits: &Limits,
     verifier: &Verifier,
-) -> Result<(AgentUri, Announce), (Status, String)> {
+) -> Result<(AgentUri, Announce, bool), (Status, String)> {
     if dgram.len() > limits.max_header_block {
         return Err((Status::BadRequest, "datagram too large".into()));
     }
@@ -624,12 +659,13 @@ pub(crate) fn accept_announce(
     let Some(agent) = f.from.clone() else {
         return Err((Status::BadRequest, "announce needs FROM".into()));
     };
-    verifier
-        .check(dgram, &decoded, unix_now())
-        .map_err(|e| (e.status(), e.to_string()))?;
+    match verifier.check(dgram, &decoded, unix_now()) {
+        Ok(()) | Err(crate::error::AuthError::UnknownZone { .. }) => {}
+        Err(e) => return Err((e.status(), e.to_string())),
+    }
     require_signed_registration(verifier, &agent, f)?;
     let announce = parse_announce(f)?;
-    Ok((agent, announce))
+    Ok((agent, announce, f.signature.is_some()))
 }
 
 /// Registry entries decide where `delegate --to auto` sends a workspace, so in a zone with a

@@ -427,11 +427,13 @@ impl Discovery {
                     continue;
                 };
                 match accept_announce(&buf[..n], &limits, &verifier) {
-                    Ok((agent, announce)) => {
-                        reg.lock().unwrap_or_else(|e| e.into_inner()).upsert(
+                    Ok((agent, announce, signed)) => {
+                        reg.lock().unwrap_or_else(|e| e.into_inner()).upsert_frame(
                             agent,
                             announce,
                             Instant::now(),
+                            Some(&buf[..n]),
+                            signed,
                         );
                     }
                     Err((_, why)) => tracing::debug!(%peer, %why, "announce ignored"),

@@ -101,6 +101,15 @@ pub struct Entry {
     pub expires_in_seconds: u64,
     /// Its last announce.
     pub announce: Announce,
+    /// Whether that announce carried a `SIGNATURE`. Says nothing of whose: a receiver that
+    /// holds the zone's key checks [`Entry::frame`] itself.
+    #[serde(default)]
+    pub signed: bool,
+    /// The announce frame exactly as it arrived, base64: what a Delegator verifies with the
+    /// key it trusts before it sends a workspace to the agent (`delegate --to auto`), so that
+    /// it need not trust the registry that relays it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frame: Option<String>,
 }
 
 /// The body of a registry listing (`registry.update` answering `{"op":"list"}`).
@@ -128,10 +137,19 @@ impl Listing {
     }
 }
 
+/// One agent's slot: its announce, expiry, and the frame it came in.
+#[derive(Debug)]
+struct Slot {
+    announce: Announce,
+    expires: Instant,
+    signed: bool,
+    frame: Option<Vec<u8>>,
+}
+
 /// Agents by address, with expiry.
 #[derive(Debug, Default)]
 pub struct Registry {
-    entries: HashMap<AgentUri, (Announce, Instant)>,
+    entries: HashMap<AgentUri, Slot>,
 }
 
 impl Registry {
@@ -140,26 +158,52 @@ impl Registry {
         Registry::default()
     }
 
-    /// Records an announce (already validated) at `now`.
+    /// Records an announce (already validated) at `now`, without its frame.
     pub fn upsert(&mut self, agent: AgentUri, announce: Announce, now: Instant) {
+        self.upsert_frame(agent, announce, now, None, false);
+    }
+
+    /// Records an announce (already validated) at `now`, with the frame it came in and
+    /// whether it was signed. An unsigned announce never replaces a live signed one of the
+    /// same agent (anyone can send one in its name); it is dropped and `false` returned.
+    pub fn upsert_frame(
+        &mut self,
+        agent: AgentUri,
+        announce: Announce,
+        now: Instant,
+        frame: Option<&[u8]>,
+        signed: bool,
+    ) -> bool {
         self.purge(now);
+        if !signed && self.entries.get(&agent).is_some_and(|s| s.signed) {
+            return false;
+        }
         if self.entries.len() >= MAX_ENTRIES && !self.entries.contains_key(&agent) {
             let soonest = self
                 .entries
                 .iter()
-                .min_by_key(|(_, (_, exp))| *exp)
+                .min_by_key(|(_, s)| s.expires)
                 .map(|(a, _)| a.clone());
             if let Some(a) = soonest {
                 self.entries.remove(&a);
             }
         }
         let expires = now + announce.ttl();
-        self.entries.insert(agent, (announce, expires));
+        self.entries.insert(
+            agent,
+            Slot {
+                announce,
+                expires,
+                signed,
+                frame: frame.map(<[u8]>::to_vec),
+            },
+        );
+        true
     }
 
     /// Whether an agent has a live entry.
     pub fn contains(&self, agent: &AgentUri, now: Instant) -> bool {
-        self.entries.get(agent).is_some_and(|(_, exp)| *exp > now)
+        self.entries.get(agent).is_some_and(|s| s.expires > now)
     }
 
     /// The live entries, sorted by agent.
@@ -167,11 +211,16 @@ impl Registry {
         let mut out: Vec<Entry> = self
             .entries
             .iter()
-            .filter(|(_, (_, exp))| *exp > now)
-            .map(|(agent, (announce, exp))| Entry {
+            .filter(|(_, s)| s.expires > now)
+            .map(|(agent, s)| Entry {
                 agent: agent.clone(),
-                expires_in_seconds: (*exp - now).as_secs_f64().ceil() as u64,
-                announce: announce.clone(),
+                expires_in_seconds: (s.expires - now).as_secs_f64().ceil() as u64,
+                announce: s.announce.clone(),
+                signed: s.signed,
+                frame: s.frame.as_deref().map(|f| {
+                    use base64::Engine as _;
+                    base64::engine::general_purpose::STANDARD.encode(f)
+                }),
             })
             .collect();
         out.sort_by(|a, b| a.agent.cmp(&b.agent));
@@ -180,7 +229,7 @@ impl Registry {
 
     /// Drops expired entries.
     pub fn purge(&mut self, now: Instant) {
-        self.entries.retain(|_, (_, exp)| *exp > now);
+        self.entries.retain(|_, s| s.expires > now);
     }
 }
 
@@ -202,6 +251,32 @@ mod tests {
         assert_eq!(r.list(now)[0].expires_in_seconds, 10);
         assert!(!r.contains(&a, now + Duration::from_secs(10)));
         assert!(r.list(now + Duration::from_secs(11)).is_empty());
+    }
+
+    #[test]
+    fn an_unsigned_announce_never_replaces_a_signed_one() {
+        let now = Instant::now();
+        let mut r = Registry::new();
+        let a: AgentUri = "agent://exec.lab".parse().unwrap();
+        let good = Announce {
+            awcp_url: Some("http://good/awcp".into()),
+            ..Announce::default()
+        };
+        assert!(r.upsert_frame(a.clone(), good.clone(), now, Some(b"signed"), true));
+        let evil = Announce {
+            awcp_url: Some("http://evil/awcp".into()),
+            free_capacity: Some(1000),
+            ..Announce::default()
+        };
+        assert!(!r.upsert_frame(a.clone(), evil.clone(), now, Some(b"forged"), false));
+        let l = r.list(now);
+        assert_eq!(l[0].announce, good);
+        assert!(l[0].signed);
+        assert_eq!(l[0].frame.as_deref(), Some("c2lnbmVk"));
+        // Once the signed entry has expired, an unsigned one may take the name (marked).
+        let later = now + DEFAULT_TTL + Duration::from_secs(1);
+        assert!(r.upsert_frame(a, evil.clone(), later, None, false));
+        assert!(!r.list(later)[0].signed);
     }
 
     #[test]

@@ -317,6 +317,124 @@ pub async fn peers(q: &PeersQuery) -> anyhow::Result<Vec<Entry>> {
     Ok(out)
 }
 
+/// How far the Delegator trusts an announce it read from a registry (a bridge's, or heard
+/// itself): only [`Trust::Signed`] peers are ever sent a workspace by `delegate --to auto`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Trust {
+    /// Signed with the key we hold for the agent's zone: its announce is the agent's.
+    Signed,
+    /// No signature: anyone could have sent it, in any agent's name.
+    Unsigned,
+    /// Signed, but we hold no key for the agent's zone.
+    UnknownKey,
+    /// Signed, but the signature does not match under our key (forged, or altered on the
+    /// way), or the frame does not say what the registry lists.
+    BadSignature,
+    /// Signed and matching, but older than its own TTL allows: a replay.
+    Stale,
+}
+
+impl Trust {
+    /// A word for tables.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Trust::Signed => "signed",
+            Trust::Unsigned => "UNSIGNED",
+            Trust::UnknownKey => "unknown-key",
+            Trust::BadSignature => "BAD-SIG",
+            Trust::Stale => "stale",
+        }
+    }
+}
+
+/// The keys a Delegator trusts announces by (`--peers-key-file [ZONE=]PATH`, repeatable;
+/// without a zone, a key for every zone).
+pub fn trusted_keys(files: &[(Option<String>, PathBuf)]) -> anyhow::Result<Keys> {
+    let mut keys = Keys::new();
+    for (zone, path) in files {
+        keys.insert(zone.as_deref().unwrap_or("*"), read_key(path)?);
+    }
+    Ok(keys)
+}
+
+/// Checks an entry's announce frame against `keys` at `now` (Unix seconds): how far it is
+/// trusted, and the announce as the *frame* says it (never the registry's copy of it, which a
+/// registry could have altered). Only a [`Trust::Signed`] entry's announce is returned.
+pub fn check_entry(e: &Entry, keys: &Keys, now: u64) -> (Trust, Option<Announce>) {
+    use base64::Engine as _;
+    let Some(raw) = e
+        .frame
+        .as_deref()
+        .and_then(|f| base64::engine::general_purpose::STANDARD.decode(f).ok())
+    else {
+        return (Trust::Unsigned, None);
+    };
+    // Announces come over UDP (to a bridge or a listener) or TCP (registered with a bridge).
+    let decoded = aglx_bridge::decode_datagram(&raw, &aglx_bridge::Limits::UDP)
+        .ok()
+        .or_else(|| {
+            aglx_bridge::decode_stream(&raw, &aglx_bridge::Limits::TCP)
+                .ok()
+                .flatten()
+        });
+    let Some(decoded) = decoded else {
+        return (Trust::BadSignature, None);
+    };
+    let f = &decoded.frame;
+    if f.signature.is_none() {
+        return (Trust::Unsigned, None);
+    }
+    if f.from.as_ref() != Some(&e.agent)
+        || f.msg_type != Some(aglx_bridge::MessageType::AgentAnnounce)
+    {
+        return (Trust::BadSignature, None);
+    }
+    let Some(key) = keys.lookup(e.agent.domain()) else {
+        return (Trust::UnknownKey, None);
+    };
+    if !aglx_bridge::security::mac_matches(&raw, &decoded, key) {
+        return (Trust::BadSignature, None);
+    }
+    let announce: Announce = if f.body.is_empty() {
+        Announce::default()
+    } else {
+        match f.body_as::<Announce>() {
+            Some(a) if a.validate().is_ok() => a,
+            _ => return (Trust::BadSignature, None),
+        }
+    };
+    // An announce lives its own TTL; a registry relays it that long at most. Older is a
+    // replay of an announce the agent no longer makes (clocks may differ by the signature
+    // window, as for every signed AGLX frame).
+    const SKEW: u64 = 300;
+    let Some(ts) = f.timestamp else {
+        return (Trust::BadSignature, None);
+    };
+    if ts > now + SKEW || now > ts + announce.ttl().as_secs() + SKEW {
+        return (Trust::Stale, None);
+    }
+    (Trust::Signed, Some(announce))
+}
+
+/// The peers `--to auto` may choose from: those whose announce is signed with a key we
+/// trust, each with the announce its frame carries; all of them, as listed, with
+/// `allow_unsigned`.
+pub fn trusted_peers(peers: &[Entry], keys: &Keys, allow_unsigned: bool) -> Vec<Entry> {
+    let now = aglx_bridge::security::unix_now();
+    peers
+        .iter()
+        .filter_map(|e| match check_entry(e, keys, now) {
+            (Trust::Signed, Some(a)) => Some(Entry {
+                announce: a,
+                ..e.clone()
+            }),
+            _ if allow_unsigned => Some(e.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Picks the Executor for `delegate --to auto`: among peers with an AWCP URL that take
 /// `awcpfs` (or do not say), accept a lease of `ttl_seconds` (or do not say) and have free
 /// capacity (or do not say), the one with the most free capacity; ties go to the freshest
@@ -355,7 +473,94 @@ mod tests {
                 max_ttl_seconds: max_ttl,
                 ..Announce::default()
             },
+            signed: false,
+            frame: None,
         }
+    }
+
+    /// An entry as a registry lists it, its frame signed with `key` at `ts` (if any).
+    fn framed(agent: &str, announce: &Announce, key: Option<&[u8]>, ts: u64) -> Entry {
+        use base64::Engine as _;
+        let frame = aglx_bridge::Frame::new(
+            aglx_bridge::Transport::Udp,
+            aglx_bridge::MessageType::AgentAnnounce,
+        )
+        .from(agent.parse().unwrap())
+        .json(announce);
+        let bytes = match key {
+            Some(k) => aglx_bridge::security::sign(&frame, k, ts, &"n".repeat(32)).unwrap(),
+            None => frame.encode().unwrap(),
+        };
+        Entry {
+            agent: agent.parse().unwrap(),
+            expires_in_seconds: 30,
+            announce: announce.clone(),
+            signed: key.is_some(),
+            frame: Some(base64::engine::general_purpose::STANDARD.encode(bytes)),
+        }
+    }
+
+    #[test]
+    fn only_announces_signed_with_a_trusted_key_are_trusted() {
+        let key = b"executor-zone-key-0123456789".as_slice();
+        let keys = Keys::new().with("lab", key.to_vec());
+        let now = aglx_bridge::security::unix_now();
+        let good = Announce {
+            awcp_url: Some("http://good/awcp".into()),
+            free_capacity: Some(2),
+            ttl_seconds: Some(30),
+            ..Announce::default()
+        };
+        let e = framed("agent://exec.lab", &good, Some(key), now);
+        assert_eq!(
+            check_entry(&e, &keys, now),
+            (Trust::Signed, Some(good.clone()))
+        );
+        // The registry's copy is ignored: the frame's announce is what counts.
+        let mut altered = e.clone();
+        altered.announce.awcp_url = Some("http://evil/awcp".into());
+        assert_eq!(
+            trusted_peers(&[altered], &keys, false)[0]
+                .announce
+                .awcp_url
+                .as_deref(),
+            Some("http://good/awcp")
+        );
+        // Unsigned, another key, another zone, another agent, a replay.
+        let evil = Announce {
+            awcp_url: Some("http://evil/awcp".into()),
+            free_capacity: Some(1000),
+            ..Announce::default()
+        };
+        let unsigned = framed("agent://evil.local", &evil, None, now);
+        assert_eq!(check_entry(&unsigned, &keys, now).0, Trust::Unsigned);
+        assert_eq!(
+            check_entry(&entry("x", None, None, None), &keys, now).0,
+            Trust::Unsigned
+        );
+        let forged = framed(
+            "agent://evil.lab",
+            &evil,
+            Some(b"guessed-key-0123456789"),
+            now,
+        );
+        assert_eq!(check_entry(&forged, &keys, now).0, Trust::BadSignature);
+        let elsewhere = framed("agent://evil.local", &evil, Some(key), now);
+        assert_eq!(check_entry(&elsewhere, &keys, now).0, Trust::UnknownKey);
+        let mut renamed = e.clone();
+        renamed.agent = "agent://evil.lab".parse().unwrap();
+        assert_eq!(check_entry(&renamed, &keys, now).0, Trust::BadSignature);
+        assert_eq!(check_entry(&e, &keys, now + 30 + 301).0, Trust::Stale);
+        // --to auto: the freest *trusted* peer, however free the untrusted ones say they are.
+        let all = vec![unsigned, forged, elsewhere, e];
+        let trusted = trusted_peers(&all, &keys, false);
+        assert_eq!(trusted.len(), 1);
+        assert_eq!(pick_executor(&trusted, 10).unwrap().agent.name(), "exec");
+        let anyone = trusted_peers(&all, &keys, true);
+        assert_eq!(
+            pick_executor(&anyone, 10).unwrap().announce.free_capacity,
+            Some(1000)
+        );
     }
 
     #[test]

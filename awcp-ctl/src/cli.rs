@@ -44,10 +44,12 @@ struct Cli {
     /// Print machine-readable JSON (one object per line) instead of text.
     #[arg(long, global = true)]
     json: bool,
-    /// The daemon API's token: `serve` requires it on every route but /health; client
-    /// commands send it. Default: `serve` uses (and at first start writes, 0600)
-    /// `<state-dir>/api-token`, and client commands of a daemon on this machine read that
-    /// file (`$AWCP_STATE_DIR/api-token`, else the default state directory's).
+    /// The daemon API's token, for callers other than the daemon's own user (who needs none
+    /// on its machine: the kernel names it). Prefer AWCP_API_TOKEN or --api-token-file: a
+    /// token on the command line is visible to every user in `ps`. Default: `serve` uses
+    /// (and at first start writes, 0600) `<state-dir>/api-token`, and client commands of a
+    /// daemon on this machine read that file (`$AWCP_STATE_DIR/api-token`, else the default
+    /// state directory's).
     #[arg(long, global = true, env = "AWCP_API_TOKEN", hide_env_values = true)]
     api_token: Option<String>,
     /// Read the daemon API's token from this file instead (client commands and `serve`).
@@ -240,6 +242,18 @@ struct ServeArgs {
     /// none (the reference's MCP server sends none): to whichever Executor a request names.
     #[command(flatten)]
     executor_cred: secrets::ExecutorCredentialArgs,
+    /// Require the API token from every caller, the daemon's own user included. By default
+    /// the daemon's user and root need none on this machine: the kernel names them (over
+    /// the Unix socket by its peer credentials, over loopback TCP by sock_diag).
+    #[arg(long, conflicts_with = "unsafe_no_auth")]
+    always_require_token: bool,
+    /// The daemon API's Unix socket (default `<state-dir>/api.sock`). It is open to every
+    /// user: who may do what is decided per connection, by uid or token.
+    #[arg(long, value_name = "PATH", conflicts_with = "no_api_socket")]
+    api_socket: Option<PathBuf>,
+    /// Serve the daemon API on TCP only, with no Unix socket.
+    #[arg(long)]
+    no_api_socket: bool,
     /// Longest lease granted (and longest single renewal).
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     max_ttl: Duration,
@@ -666,6 +680,51 @@ fn read_token_file(path: &std::path::Path) -> anyhow::Result<String> {
     Ok(t.to_string())
 }
 
+/// The Unix socket of the daemon on this machine (`$AWCP_STATE_DIR/api.sock`, else the
+/// default state directory's), when `--daemon` was left at its default and the socket
+/// takes connections. Over it the kernel names our uid, so the daemon's user needs no
+/// token. An explicit `--daemon` URL is always honoured as given.
+fn local_daemon_socket(daemon_is_default: bool) -> Option<PathBuf> {
+    if !daemon_is_default {
+        return None;
+    }
+    let dir = std::env::var_os("AWCP_STATE_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| default_state_dir("delegator"));
+    let path = dir.join(awcp_ctl::daemon::API_SOCKET_FILE);
+    // A socket left by a daemon that is gone refuses: then TCP, as without one.
+    std::os::unix::net::UnixStream::connect(&path).ok()?;
+    Some(path)
+}
+
+/// Secrets given as command-line arguments (visible to every user in `ps`), by flag: a
+/// warning each. Their env and file twins are not.
+fn secrets_in_argv(m: &clap::ArgMatches) -> Vec<(&'static str, &'static str)> {
+    use clap::parser::ValueSource;
+    let on_cli = |m: &clap::ArgMatches, id: &str| {
+        m.try_get_raw(id).ok().flatten().is_some()
+            && m.value_source(id) == Some(ValueSource::CommandLine)
+    };
+    let mut out = Vec::new();
+    if on_cli(m, "api_token")
+        || m.subcommand()
+            .is_some_and(|(_, sub)| on_cli(sub, "api_token"))
+    {
+        out.push(("--api-token", "--api-token-file PATH or AWCP_API_TOKEN"));
+    }
+    if let Some(("serve", sub)) = m.subcommand()
+        && on_cli(sub, "state")
+        && sub
+            .get_one::<String>("state")
+            .and_then(|u| reqwest::Url::parse(u).ok())
+            .is_some_and(|u| u.password().is_some())
+    {
+        out.push(("--state (its password)", "AWCP_STATE"));
+    }
+    out
+}
+
 /// The token a daemon on this machine wrote at its first start
 /// (`$AWCP_STATE_DIR/api-token`, else the default state directory's), when `--daemon`
 /// is a loopback URL and the file is readable by us (it is 0600: only the daemon's user
@@ -769,7 +828,12 @@ fn exit_for(state: DelegationState) -> ExitCode {
 }
 
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AWCP_LOG").unwrap_or_else(|_| {
@@ -778,6 +842,14 @@ pub fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    for (flag, instead) in secrets_in_argv(&matches) {
+        tracing::warn!(
+            "{flag} was given on the command line, where every user of this machine can read \
+             it (ps); use {instead} instead"
+        );
+    }
+    let daemon_is_default =
+        matches.value_source("daemon") == Some(clap::parser::ValueSource::DefaultValue);
     awcpfs::raise_fd_limit();
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -787,7 +859,7 @@ pub fn main() -> ExitCode {
         }
     };
     let json = cli.json;
-    match rt.block_on(run(cli)) {
+    match rt.block_on(run(cli, daemon_is_default)) {
         Ok(code) => code,
         Err(e) => {
             if json {
@@ -800,7 +872,7 @@ pub fn main() -> ExitCode {
     }
 }
 
-async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
     let explicit_token = match (&cli.api_token, &cli.api_token_file) {
         (Some(t), _) => Some(t.clone()),
         (None, Some(f)) => Some(read_token_file(f)?),
@@ -809,7 +881,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let client_token = explicit_token
         .clone()
         .or_else(|| local_daemon_token(&cli.daemon));
-    let client = DaemonClient::new(&cli.daemon).with_token(client_token.clone());
+    let mut client = DaemonClient::new(&cli.daemon).with_token(client_token.clone());
+    if !matches!(cli.command, Command::Serve(_))
+        && let Some(sock) = local_daemon_socket(daemon_is_default)
+    {
+        client = client.with_unix_socket(&sock);
+    }
     match cli.command {
         Command::Serve(a) => {
             let mut cfg = DaemonConfig::new(
@@ -825,6 +902,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.api_token = explicit_token.clone();
             cfg.unsafe_no_auth = a.unsafe_no_auth;
             cfg.executor_token = a.executor_cred.resolve()?;
+            cfg.trust_local_uid = !a.always_require_token;
+            cfg.api_socket = a.api_socket;
+            cfg.no_api_socket = a.no_api_socket;
             cfg.idle_timeout = a.idle_timeout;
             cfg.reference_rounds = a.reference_rounds;
             cfg.watch = !a.no_watch;

@@ -73,6 +73,18 @@ impl DaemonClient {
         }
     }
 
+    /// Talk to the daemon over its Unix socket at `path` (`<state-dir>/api.sock`), where
+    /// the kernel names our uid: the daemon's own user needs no token there. The base URL
+    /// then only gives the `Host` header.
+    pub fn with_unix_socket(mut self, path: &std::path::Path) -> Self {
+        self.http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .unix_socket(path)
+            .build()
+            .expect("building an HTTP client");
+        self
+    }
+
     /// Send `token` as a bearer token (a daemon started with an API token needs it).
     pub fn with_token(mut self, token: Option<String>) -> Self {
         self.token = token;

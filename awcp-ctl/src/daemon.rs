@@ -104,6 +104,14 @@ pub struct DaemonConfig {
     /// server) then reach Executors that require it. Sent to whichever Executor a request
     /// names: every API client is trusted with it.
     pub executor_token: Option<String>,
+    /// Let in without a token the callers the kernel names as the daemon's own uid or root
+    /// (over the Unix socket by `SO_PEERCRED`, over loopback TCP by sock_diag): see
+    /// [`crate::peer`]. Off (`serve --always-require-token`): every caller needs the token.
+    pub trust_local_uid: bool,
+    /// The daemon API's Unix socket: `None` for `<state_dir>/api.sock`.
+    pub api_socket: Option<PathBuf>,
+    /// Serve no Unix socket (`serve --no-api-socket`).
+    pub no_api_socket: bool,
     /// Watch delegated directories and show the Delegator's own changes on running mounts
     /// (`awcpfs` transport). Off: a mount sees the directory as it was when delegated.
     pub watch: bool,
@@ -164,6 +172,9 @@ impl DaemonConfig {
             api_token: None,
             unsafe_no_auth: false,
             executor_token: None,
+            trust_local_uid: true,
+            api_socket: None,
+            no_api_socket: false,
             watch: true,
             aecp_local_witness: None,
             aecp_hold_stale: false,
@@ -237,6 +248,8 @@ pub struct RunningDaemon {
     pub api_addr: SocketAddr,
     /// Where the data plane listens.
     pub export_addr: SocketAddr,
+    /// The daemon API's Unix socket, if it serves one.
+    pub api_socket: Option<PathBuf>,
     /// The daemon.
     pub daemon: Arc<Daemon>,
     shutdown: tokio::sync::watch::Sender<bool>,
@@ -264,6 +277,12 @@ impl RunningDaemon {
         }
     }
 
+    /// A client of this daemon over its Unix socket, with no token (`None` without one).
+    pub fn socket_client(&self) -> Option<crate::client::DaemonClient> {
+        let path = self.api_socket.as_ref()?;
+        Some(crate::client::DaemonClient::new("http://localhost").with_unix_socket(path))
+    }
+
     /// A client of this daemon, with its token.
     pub fn client(&self) -> crate::client::DaemonClient {
         crate::client::DaemonClient::new(&self.url())
@@ -285,8 +304,16 @@ impl RunningDaemon {
                 t.abort();
             }
         }
+        if let Some(p) = &self.api_socket {
+            let _ = std::fs::remove_file(p);
+        }
     }
 }
+
+/// The daemon API's Unix socket in the state directory (unless `serve --api-socket` puts it
+/// elsewhere): `awcp-ctl` run by the daemon's user talks to the daemon through it, with no
+/// token.
+pub const API_SOCKET_FILE: &str = "api.sock";
 
 /// The file in the state directory holding the daemon API's token (0600): `awcp-ctl`
 /// run by the daemon's user reads it, so local use needs no flag.
@@ -392,6 +419,26 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         );
     }
     let export_addr = export_listener.local_addr()?;
+    let api_socket = if cfg.no_api_socket {
+        None
+    } else {
+        let path = cfg
+            .api_socket
+            .clone()
+            .unwrap_or_else(|| cfg.state_dir.join(API_SOCKET_FILE));
+        // Without the socket the API still works over TCP: a path too long for a socket
+        // address, or a read-only directory, is worth a warning, not a refusal to start.
+        match crate::peer::UnixCallers::bind(path.clone()) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e,
+                    "the daemon API's Unix socket could not be created; local clients use TCP \
+                     (--api-socket PATH to put it elsewhere)");
+                None
+            }
+        }
+    };
+    let api_socket_path = api_socket.as_ref().map(|l| l.path().to_path_buf());
     let export_url = cfg
         .export_url
         .clone()
@@ -451,22 +498,48 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     }
     let (shutdown, rx) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
-    for (listener, router) in [
-        (api_listener, api::router(daemon.clone())),
-        (
-            export_listener,
-            daemon
-                .exports
-                .router()
-                .merge(storage_flow::router(daemon.clone())),
-        ),
-    ] {
+    // The daemon API: every connection is named by the kernel when it is accepted.
+    let api =
+        api::router(daemon.clone()).into_make_service_with_connect_info::<crate::peer::Caller>();
+    {
         let mut rx = rx.clone();
+        let api = api.clone();
+        let listener = crate::peer::TcpCallers(api_listener);
+        tasks.push(tokio::spawn(async move {
+            let r = axum::serve(listener, api)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.wait_for(|stop| *stop).await;
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "daemon API listener failed");
+            }
+        }));
+    }
+    if let Some(listener) = api_socket {
+        let mut rx = rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = axum::serve(listener, api)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.wait_for(|stop| *stop).await;
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "daemon API socket failed");
+            }
+        }));
+    }
+    {
+        let mut rx = rx.clone();
+        let router = daemon
+            .exports
+            .router()
+            .merge(storage_flow::router(daemon.clone()));
         tasks.push(tokio::spawn(async move {
             let r = axum::serve(
                 // Small answers (a manifest, one small file's block) must not wait for a
                 // delayed ACK (Nagle): up to 40 ms per request otherwise.
-                axum::serve::ListenerExt::tap_io(listener, |s| {
+                axum::serve::ListenerExt::tap_io(export_listener, |s| {
                     let _ = s.set_nodelay(true);
                 }),
                 router,
@@ -476,14 +549,16 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             })
             .await;
             if let Err(e) = r {
-                tracing::error!(error = %e, "listener failed");
+                tracing::error!(error = %e, "data plane listener failed");
             }
         }));
     }
-    tracing::info!(%api_addr, %export_addr, "delegator daemon listening");
+    tracing::info!(%api_addr, %export_addr, api_socket = ?api_socket_path,
+        "delegator daemon listening");
     Ok(RunningDaemon {
         api_addr,
         export_addr,
+        api_socket: api_socket_path,
         daemon,
         shutdown,
         tasks,

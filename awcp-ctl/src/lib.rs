@@ -14,6 +14,7 @@ pub mod executor;
 mod jsonsum;
 pub mod metrics;
 pub mod mcp;
+pub mod peer;
 pub mod sse;
 pub mod store;
 pub mod watch;

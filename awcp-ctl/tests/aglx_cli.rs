@@ -74,6 +74,9 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
         .await
         .unwrap();
 
+    // The key the Executor signs its announces with, and the Delegator trusts them by.
+    let key_file = tmp.path().join("exec.key");
+    std::fs::write(&key_file, "executor-zone-key-0123456789abcdef\n").unwrap();
     let (api, export, exec) = (free_port(), free_port(), free_port());
     let daemon = format!("http://127.0.0.1:{api}");
     // The daemon writes its API token there at start.
@@ -97,6 +100,8 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
             .arg(tmp.path().join("executor"))
             .args(["--agent-cmd", "echo auto > picked.txt"])
             .args(["--announce", &bridge.udp_addr().unwrap().to_string()])
+            .arg("--announce-key-file")
+            .arg(&key_file)
             .args([
                 "--announce-as",
                 "agent://exec-9.lab",
@@ -136,32 +141,126 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
     assert_eq!(entry.announce.awcp_url.as_deref(), Some(awcp_url.as_str()));
     assert_eq!(entry.announce.free_capacity, Some(8));
 
-    // delegate --to auto picks it, and the daemon tells the bridge.
+    assert!(entry.signed, "{line}");
+
+    // Issue 29: nobody announces itself unsigned, with a huge capacity, at an address that
+    // would receive the workspace.
+    let evil = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    evil.set_nonblocking(true).unwrap();
+    let evil_url = format!("http://{}/awcp", evil.local_addr().unwrap());
+    let forged = aglx_bridge::Frame::new(aglx_bridge::Transport::Udp, MessageType::AgentAnnounce)
+        .from("agent://evil.local".parse().unwrap())
+        .json(&aglx_bridge::registry::Announce {
+            awcp_url: Some(evil_url.clone()),
+            transports: vec!["awcpfs".into()],
+            free_capacity: Some(100_000),
+            ttl_seconds: Some(600),
+            ..Default::default()
+        })
+        .encode()
+        .unwrap();
+    let udp = bridge.udp_addr().unwrap();
+    let mut send = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "bash",
+            "-c",
+        ])
+        .arg(format!("cat > /dev/udp/{}/{}", udp.ip(), udp.port()))
+        .stdin(Stdio::piped())
+        .spawn()
+        .expect("setpriv (util-linux)");
+    {
+        use std::io::Write as _;
+        send.stdin.take().unwrap().write_all(&forged).unwrap();
+    }
+    assert!(send.wait().unwrap().success());
+    // peers lists it, marked: unsigned; the Executor's is signed with the key we trust.
+    let start = Instant::now();
+    let listed = loop {
+        let out = run(&[
+            "peers",
+            "--bridge",
+            &bridge_url,
+            "--json",
+            "--trust-key-file",
+            key_file.to_str().unwrap(),
+        ])
+        .await;
+        let text = String::from_utf8(out.stdout).unwrap();
+        let all: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        if all.len() == 2 {
+            break all;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "{text}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let trust_of = |agent: &str| {
+        listed
+            .iter()
+            .find(|e| e["agent"] == agent)
+            .map(|e| e["trust"].clone())
+            .unwrap()
+    };
+    assert_eq!(trust_of("agent://evil.local"), "unsigned");
+    assert_eq!(trust_of("agent://exec-9.lab"), "signed");
+
     let repo = tmp.path().join("repo");
     // The Executor drew its credential there at start; the Delegator presents it.
     let credential = tmp.path().join("executor/state/executor-token");
     std::fs::create_dir_all(&repo).unwrap();
     std::fs::write(repo.join("README"), "hi\n").unwrap();
-    let out = run(&[
-        "--daemon",
-        &daemon,
-        "--api-token-file",
-        token_file.to_str().unwrap(),
-        "delegate",
-        repo.to_str().unwrap(),
-        "--executor-token-file",
-        credential.to_str().unwrap(),
-        "--to",
-        "auto",
-        "--peers-bridge",
-        &bridge_url,
-        "--ttl",
-        "5m",
-        "--task",
-        "pick me",
-        "--wait",
+    let delegate_auto = |extra: Vec<String>| {
+        let mut args: Vec<String> = [
+            "--daemon",
+            &daemon,
+            "--api-token-file",
+            token_file.to_str().unwrap(),
+            "delegate",
+            repo.to_str().unwrap(),
+            "--executor-token-file",
+            credential.to_str().unwrap(),
+            "--to",
+            "auto",
+            "--peers-bridge",
+            &bridge_url,
+            "--ttl",
+            "5m",
+            "--task",
+            "pick me",
+            "--wait",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra);
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run(&args).await
+        }
+    };
+    // Without a key it trusts, --to auto chooses no one, and says how to fix it.
+    let out = delegate_auto(vec![]).await;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--peers-key-file"), "{err}");
+    assert!(!repo.join("picked.txt").exists());
+
+    // delegate --to auto picks the signed one, and the daemon tells the bridge.
+    let out = delegate_auto(vec![
+        "--peers-key-file".into(),
+        key_file.to_str().unwrap().into(),
     ])
     .await;
+    assert!(
+        evil.accept().is_err(),
+        "the unsigned announcer at {evil_url} was contacted"
+    );
     assert!(
         out.status.success(),
         "delegate --to auto failed: {}",

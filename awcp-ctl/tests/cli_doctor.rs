@@ -52,6 +52,9 @@ async fn doctor_reports_an_unreachable_daemon_with_a_fix_and_a_reachable_one_as_
     cfg.listen = "127.0.0.1:0".parse().unwrap();
     cfg.export_listen = "127.0.0.1:0".parse().unwrap();
     cfg.api_token = Some("tok".into());
+    // The test runs as the daemon's user, whom the kernel would vouch for: the token path
+    // is what this checks.
+    cfg.trust_local_uid = false;
     let d = awcp_ctl::daemon::start(cfg).await.unwrap();
     let run = |token: Option<&'static str>| {
         let url = d.url();

@@ -7,6 +7,7 @@
 pub mod agents;
 pub mod fleet;
 pub mod git_server;
+pub mod hostile;
 pub mod reference;
 pub mod s3;
 

@@ -171,7 +171,17 @@ async fn a_daemon_with_an_api_token_requires_it() {
     if !fuse_available() {
         return;
     }
-    let h = Harness::start_full("true", |d| d.api_token = Some("api-tok".into()), |_| {}).await;
+    // The test runs as the daemon's user, whom the kernel vouches for by default
+    // (tests/tests/peer_uid.rs): here every caller must bring the token.
+    let h = Harness::start_full(
+        "true",
+        |d| {
+            d.api_token = Some("api-tok".into());
+            d.trust_local_uid = false;
+        },
+        |_| {},
+    )
+    .await;
     let api = h.daemon.url();
     let http = reqwest::Client::new();
     let r = http.get(format!("{api}/health")).send().await.unwrap();

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
+use awcp_tests::hostile::curl_as;
 use awcp_tests::{Harness, appears, eventually, fuse_available, is_mounted, sample_repo};
 
 /// The uid a hostile local user has here.
@@ -94,30 +95,45 @@ async fn another_local_user_gets_nothing_from_the_daemon_the_executor_the_disk_o
     assert!(appears(&out.path().join("ready"), Duration::from_secs(30)).await);
     let http = reqwest::Client::new();
 
-    // The daemon API: 401 without the token, /health open, the token file unreadable.
+    // The daemon API, asked by nobody (the test's own uid is the daemon's, which the
+    // kernel vouches for): 401 without the token, /health open, the token file unreadable.
     let api = h.daemon.url();
     for path in ["/delegations", &format!("/delegation/{id}")] {
-        let r = http.get(format!("{api}{path}")).send().await.unwrap();
-        assert_eq!(status(&r), 401, "{path}");
+        let (s, _) = curl_as(NOBODY, &[&format!("{api}{path}")]);
+        assert_eq!(s, 401, "{path}");
     }
-    let r = http
-        .post(format!("{api}/delegation/{id}/revoke"))
-        .json(&serde_json::json!({}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(status(&r), 401);
-    let r = http
-        .post(format!("{api}/delegate"))
-        .json(&serde_json::json!({"executorUrl": "http://127.0.0.1:9/awcp",
-            "environment": {"resources": [{"name": "w", "type": "fs", "source": "/etc", "mode": "ro"}]},
-            "task": {"description": "steal", "prompt": "steal"}}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(status(&r), 401, "anyone may delegate /etc");
-    let r = http.get(format!("{api}/health")).send().await.unwrap();
-    assert_eq!(status(&r), 200);
+    let (s, _) = curl_as(
+        NOBODY,
+        &[
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            "{}",
+            &format!("{api}/delegation/{id}/revoke"),
+        ],
+    );
+    assert_eq!(s, 401);
+    let steal = serde_json::json!({"executorUrl": "http://127.0.0.1:9/awcp",
+        "environment": {"resources": [{"name": "w", "type": "fs", "source": "/etc", "mode": "ro"}]},
+        "task": {"description": "steal", "prompt": "steal"}})
+    .to_string();
+    let (s, _) = curl_as(
+        NOBODY,
+        &[
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            &steal,
+            &format!("{api}/delegate"),
+        ],
+    );
+    assert_eq!(s, 401, "anyone may delegate /etc");
+    let (s, _) = curl_as(NOBODY, &[&format!("{api}/health")]);
+    assert_eq!(s, 200);
     let wrong = http
         .get(format!("{api}/t/{}/delegations", "0".repeat(64)))
         .send()

@@ -508,15 +508,12 @@ async fn our_daemon_delegates_to_a_reference_executor_with_archive() {
     let r = &v.record;
     assert_eq!(r.result.as_ref().unwrap().summary, "did the work");
     assert_eq!(r.applied_snapshot_id.as_deref(), Some("snap_1a2b3c4d5e6f"));
-    let snaps: Value = reqwest::get(format!(
-        "{}/delegation/{id}/snapshots",
-        h.daemon.token_url()
-    ))
-    .await
-    .unwrap()
-    .json()
-    .await
-    .unwrap();
+    let snaps: Value = reqwest::get(format!("{}/delegation/{id}/snapshots", h.daemon.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let s = &snaps["snapshots"][0];
     assert_eq!(s["id"], "snap_1a2b3c4d5e6f");
     assert_eq!(s["status"], "applied");
@@ -545,7 +542,7 @@ async fn staged_snapshots_wait_for_apply_or_discard() {
     let h = Harness::start("true").await;
     let (ws, docs) = sample(&h);
     let rex = RefExecutor::start(&h.path("ref-work"), false, executor_work()).await;
-    let api = h.daemon.token_url();
+    let api = h.daemon.url();
     let http = reqwest::Client::new();
     let mut ids = Vec::new();
     for _ in 0..2 {
@@ -650,7 +647,7 @@ async fn archive_admission_refuses_sensitive_files_and_oversized_workspaces() {
     std::fs::create_dir_all(ws.join("conf")).unwrap();
     std::fs::write(ws.join("main.py"), "print(1)\n").unwrap();
     std::fs::write(ws.join("conf/.env"), "TOKEN=secret\n").unwrap();
-    let api = h.daemon.token_url();
+    let api = h.daemon.url();
     let mut body = serde_json::to_value(archive_request(
         rex.url(),
         vec![resource("workspace", &ws, AccessMode::Rw)],

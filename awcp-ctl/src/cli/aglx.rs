@@ -18,6 +18,17 @@ fn parse_agent(s: &str) -> Result<AgentUri, String> {
         .map_err(|_| format!("`{s}` is not an agent address; use agent://name.domain"))
 }
 
+/// `[ZONE=]PATH`: a key file, for one zone (a domain such as `lab.example`) or every zone.
+fn parse_zone_key(s: &str) -> Result<(Option<String>, PathBuf), String> {
+    match s.split_once('=') {
+        Some((zone, path)) if !zone.is_empty() && !path.is_empty() && !zone.contains('/') => {
+            Ok((Some(zone.to_string()), PathBuf::from(path)))
+        }
+        _ if s.is_empty() => Err("give a key file: [ZONE=]PATH".into()),
+        _ => Ok((None, PathBuf::from(s))),
+    }
+}
+
 fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
     s.parse()
         .map_err(|e: aglx_bridge::notify::BadEndpoint| e.to_string())
@@ -88,7 +99,9 @@ pub(super) struct AnnounceArgs {
     /// How often to announce; each announce lives three intervals.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     announce_interval: Duration,
-    /// Sign announces with the key in this file.
+    /// Sign announces with the key in this file (the key of --announce-as's zone). A
+    /// Delegator's `delegate --to auto` only chooses Executors whose announces are signed
+    /// with a key it trusts (its --peers-key-file).
     #[arg(long, value_name = "PATH")]
     announce_key_file: Option<PathBuf>,
 }
@@ -139,10 +152,21 @@ pub(super) struct PeersArgs {
     /// PEM certificate to trust for aglxs://.
     #[arg(long, value_name = "PATH")]
     ca: Option<PathBuf>,
+    /// Check announces against the key in this file (`ZONE=PATH`: for that zone and its
+    /// subdomains; `PATH`: for every zone); the TRUST column says which are signed with a
+    /// key you trust. Repeatable. --key-file counts as one for every zone.
+    #[arg(long, value_name = "[ZONE=]PATH", value_parser = parse_zone_key)]
+    trust_key_file: Vec<(Option<String>, PathBuf)>,
 }
 
 /// Prints the peers, as a table or one JSON object per line.
 pub(super) async fn peers(a: PeersArgs, json: bool) -> anyhow::Result<()> {
+    let mut trusted = a.trust_key_file.clone();
+    if let Some(k) = &a.key_file {
+        trusted.push((None, k.clone()));
+    }
+    let keys = awcp_ctl::aglx::trusted_keys(&trusted)?;
+    let now = aglx_bridge::security::unix_now();
     let list = awcp_ctl::aglx::peers(&PeersQuery {
         bridge: a.bridge,
         listen: a.listen,
@@ -154,7 +178,12 @@ pub(super) async fn peers(a: PeersArgs, json: bool) -> anyhow::Result<()> {
     .await?;
     if json {
         for e in &list {
-            println!("{}", serde_json::to_string(e)?);
+            let mut v = serde_json::to_value(e)?;
+            if let Some(o) = v.as_object_mut() {
+                let (trust, _) = awcp_ctl::aglx::check_entry(e, &keys, now);
+                o.insert("trust".into(), serde_json::to_value(trust)?);
+            }
+            println!("{v}");
         }
         return Ok(());
     }
@@ -163,14 +192,17 @@ pub(super) async fn peers(a: PeersArgs, json: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{:<36} {:<40} {:<12} {:>8} {:>5} {:>8}",
+        "{:<36} {:<40} {:<12} {:>8} {:>5} {:>8}  TRUST",
         "AGENT", "AWCP URL", "TRANSPORTS", "MAX TTL", "FREE", "EXPIRES"
     );
-    for e in list {
+    let mut untrusted = 0;
+    for e in &list {
+        let (trust, _) = awcp_ctl::aglx::check_entry(e, &keys, now);
+        untrusted += usize::from(trust != awcp_ctl::aglx::Trust::Signed);
         let a = &e.announce;
         let opt = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |v| v.to_string());
         println!(
-            "{:<36} {:<40} {:<12} {:>8} {:>5} {:>7}s",
+            "{:<36} {:<40} {:<12} {:>8} {:>5} {:>7}s  {}",
             e.agent.to_string(),
             a.awcp_url.as_deref().unwrap_or("-"),
             if a.transports.is_empty() {
@@ -180,7 +212,16 @@ pub(super) async fn peers(a: PeersArgs, json: bool) -> anyhow::Result<()> {
             },
             opt(a.max_ttl_seconds),
             opt(a.free_capacity.map(u64::from)),
-            e.expires_in_seconds
+            e.expires_in_seconds,
+            trust.as_str()
+        );
+    }
+    if untrusted > 0 {
+        eprintln!(
+            "{untrusted} of {} announces are not signed with a key you trust: `delegate --to auto` \
+             never chooses them (check with --trust-key-file [ZONE=]PATH, the key the Executors \
+             sign with: `executor --announce-key-file`)",
+            list.len()
         );
     }
     Ok(())
@@ -198,6 +239,16 @@ pub(super) struct AutoArgs {
     /// With `--to auto` and --peers-listen: how long to listen.
     #[arg(long, default_value = "3s", value_parser = parse_duration)]
     peers_wait: Duration,
+    /// With `--to auto`: trust announces signed with the key in this file (`ZONE=PATH`: for
+    /// that zone and its subdomains; `PATH`: for every zone), the key the Executors give
+    /// `executor --announce-key-file`. Only such Executors are chosen. Repeatable.
+    #[arg(long, value_name = "[ZONE=]PATH", value_parser = parse_zone_key)]
+    peers_key_file: Vec<(Option<String>, PathBuf)>,
+    /// UNSAFE: with `--to auto`, also choose Executors whose announces are unsigned or not
+    /// signed with a key you trust. Anyone who can send a UDP datagram to the bridge can
+    /// announce itself, with any capacity, and be sent the workspace.
+    #[arg(long)]
+    unsafe_unsigned_peers: bool,
 }
 
 impl AutoArgs {
@@ -222,6 +273,25 @@ impl AutoArgs {
             tls_ca: None,
         })
         .await?;
+        let keys = awcp_ctl::aglx::trusted_keys(&self.peers_key_file)?;
+        if self.unsafe_unsigned_peers {
+            tracing::warn!(
+                "--unsafe-unsigned-peers: an Executor that anyone announced may be sent the \
+                 workspace"
+            );
+        }
+        let candidates = awcp_ctl::aglx::trusted_peers(&peers, &keys, self.unsafe_unsigned_peers);
+        if candidates.is_empty() && !peers.is_empty() {
+            anyhow::bail!(
+                "--to auto: none of the {} announced Executors is signed with a key you trust \
+                 (an unsigned announce can come from anyone, in any name); give the key their \
+                 announces are signed with (`executor --announce-key-file`) with \
+                 --peers-key-file [ZONE=]PATH, or name the Executor with --to http://host:port/awcp \
+                 (`awcp-ctl peers` shows each one's TRUST)",
+                peers.len()
+            );
+        }
+        let peers = candidates;
         let chosen = awcp_ctl::aglx::pick_executor(&peers, ttl.as_secs()).ok_or_else(|| {
             anyhow::anyhow!(
                 "--to auto: none of the {} announced Executors takes awcpfs with a {}s lease and has free capacity (see `awcp-ctl peers`)",

@@ -142,17 +142,18 @@ fn not_found(d: &Daemon, id: &str) -> ApiFailure {
     ApiFailure(StatusCode::NOT_FOUND, e)
 }
 
-/// Every request but `GET /health` needs the daemon's API token as a bearer token (unless
-/// the daemon runs with `--unsafe-no-auth`). A layer over the whole router, so a route
-/// added later is covered without a check of its own.
+/// Every request but `GET /health` needs a credential (unless the daemon runs with
+/// `--unsafe-no-auth`): the kernel's word that the caller is the daemon's own user or root
+/// (see [`crate::peer`]), or the daemon's API token. A layer over the whole router, so a
+/// route added later is covered without a check of its own.
 async fn require_token(
     State(d): State<Arc<Daemon>>,
     mut req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
     // A client that cannot send headers (the reference's `DelegatorDaemonClient`, hence its
-    // MCP server) is given the daemon URL `http://host:port/t/<token>` instead: the token
-    // is taken out of the path before the request is routed.
+    // MCP server) on another machine is given the daemon URL `http://host:port/t/<token>`
+    // instead: the token is taken out of the path before the request is routed.
     let in_path = match strip_token(req.uri()) {
         Some((token, uri)) => {
             *req.uri_mut() = uri;
@@ -163,36 +164,79 @@ async fn require_token(
     let path = req.uri().path();
     let open = in_path.is_none() && req.method() == axum::http::Method::GET && path == "/health";
     let header = crate::bearer(req.headers());
-    let ok = open
-        || match &d.cfg.api_token {
-            None => true,
-            Some(t) => [header, in_path.as_deref()]
-                .into_iter()
-                .flatten()
-                .any(|b| crate::same_secret(b, t)),
-        };
     let given = header.or(in_path.as_deref());
-    if ok {
-        return next.run(req).await;
+    let caller = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<crate::peer::Caller>>()
+        .map(|c| c.0);
+    let how = match &d.cfg.api_token {
+        _ if open => Some(AUTH_OPEN),
+        None => Some(AUTH_NONE),
+        // A token sent is checked even from a recognised caller: a wrong one is a
+        // misconfigured client, told so.
+        Some(t) if given.is_some() => [header, in_path.as_deref()]
+            .into_iter()
+            .flatten()
+            .any(|b| crate::same_secret(b, t))
+            .then_some(AUTH_TOKEN),
+        Some(_) => (d.cfg.trust_local_uid && caller.is_some_and(|c| local_user(c.uid)))
+            .then_some(AUTH_PEER_UID),
+    };
+    if let Some(how) = how {
+        let mut resp = next.run(req).await;
+        resp.headers_mut()
+            .insert(AUTH_HEADER, axum::http::HeaderValue::from_static(how));
+        return resp;
     }
+    tracing::debug!(
+        ?caller,
+        token_sent = given.is_some(),
+        "daemon API request refused"
+    );
     let mut e = ApiError::new(if given.is_some() {
         "Unauthorized: the API token sent is not this daemon's"
     } else {
         "Unauthorized: this daemon requires its API token"
     });
     e.hint = Some(format!(
-        "awcp-ctl reads it from {} when run as the daemon's user; elsewhere send \
-         `Authorization: Bearer <token>` (awcp-ctl --api-token or AWCP_API_TOKEN)",
+        "the daemon's own user (uid {}) and root need no token on this machine; any other \
+         user or machine sends `Authorization: Bearer <token>` with the token of {} \
+         (awcp-ctl: --api-token-file or AWCP_API_TOKEN)",
+        daemon_uid(),
         d.cfg.state_dir.join(super::API_TOKEN_FILE).display()
     ));
     ApiFailure(StatusCode::UNAUTHORIZED, e).into_response()
 }
 
+/// Response header saying how the request was let in: [`AUTH_TOKEN`], [`AUTH_PEER_UID`],
+/// [`AUTH_NONE`] (`--unsafe-no-auth`) or [`AUTH_OPEN`] (`GET /health`). `doctor` reads it.
+pub const AUTH_HEADER: &str = "x-awcp-auth";
+/// [`AUTH_HEADER`]: the API token was sent.
+pub const AUTH_TOKEN: &str = "token";
+/// [`AUTH_HEADER`]: the kernel named the caller as the daemon's user or root.
+pub const AUTH_PEER_UID: &str = "peer-uid";
+/// [`AUTH_HEADER`]: the daemon takes no credential (`serve --unsafe-no-auth`).
+pub const AUTH_NONE: &str = "none";
+/// [`AUTH_HEADER`]: a route open to all (`GET /health`).
+pub const AUTH_OPEN: &str = "open";
+
+/// The daemon's effective uid.
+fn daemon_uid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+/// Whether a caller the kernel names as `uid` may use the API without a token: the
+/// daemon's own user, or root (which can read the token file and trace the daemon anyway).
+fn local_user(uid: Option<u32>) -> bool {
+    uid.is_some_and(|u| u == daemon_uid() || u == 0)
+}
+
 /// The largest request body the daemon API reads (larger: 413).
 const MAX_BODY_BYTES: usize = 16 << 20;
 
-/// Path prefix carrying the API token, for clients that cannot send an `Authorization`
-/// header: `/t/<token>/delegate` is `/delegate` with that token.
+/// Path prefix carrying the API token, for clients on another machine that cannot send an
+/// `Authorization` header: `/t/<token>/delegate` is `/delegate` with that token. (On the
+/// daemon's machine its own user needs no token at all.)
 pub const TOKEN_PREFIX: &str = "/t/";
 
 /// `/t/<token>/rest?query` → (`<token>`, `/rest?query`).
