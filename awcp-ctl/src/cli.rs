@@ -324,7 +324,8 @@ struct ExecutorArgs {
     #[arg(long, default_value = "127.0.0.1:7200")]
     listen: std::net::SocketAddr,
     /// Base directory: workspaces are mounted under `<dir>/work/<delegationId>`. Default:
-    /// `$XDG_STATE_HOME/awcp/executor` or `~/.local/state/awcp/executor`.
+    /// `/var/lib/awcp/executor` for root (its agents' user must reach the work directory),
+    /// else `$XDG_STATE_HOME/awcp/executor` or `~/.local/state/awcp/executor`.
     #[arg(long, env = "AWCP_EXECUTOR_DIR")]
     dir: Option<PathBuf>,
     /// Longest lease accepted.
@@ -425,9 +426,33 @@ struct ExecutorArgs {
     #[arg(long, hide = true, conflicts_with = "mount_access")]
     allow_other: bool,
     /// Run the agent as this non-root user (name or uid): the mounts' files are its own,
-    /// and it alone (besides root) can enter the work directory.
-    #[arg(long, value_name = "USER")]
+    /// and it alone (besides root) can enter the work directory. Default, for an Executor
+    /// running as root: `awcp-agent`, a system user created on first start (`useradd
+    /// --system`); an Executor not running as root runs agents as itself.
+    #[arg(long, value_name = "USER", conflicts_with = "unsafe_agent_as_root")]
     agent_user: Option<String>,
+    /// Run the agent as root, like the Executor (UNSAFE: whoever delegates runs code as
+    /// root; the agent stays under Landlock unless --unsafe-agent-unconfined).
+    #[arg(long)]
+    unsafe_agent_as_root: bool,
+    /// Run agents without Landlock (UNSAFE: they can read and write whatever their user
+    /// can). Needed only on kernels without Landlock, where the Executor otherwise
+    /// refuses to start.
+    #[arg(long)]
+    unsafe_agent_unconfined: bool,
+    /// Let agents also read (and execute) below PATH (repeatable): by default they read
+    /// only the system's directories (/usr, /etc, /opt, /proc, …), their workspace and
+    /// their own TMPDIR and HOME.
+    #[arg(long, value_name = "PATH")]
+    agent_allow_read: Vec<PathBuf>,
+    /// Let agents also write below PATH (repeatable): by default they write only in their
+    /// workspace and their own TMPDIR and HOME.
+    #[arg(long, value_name = "PATH")]
+    agent_allow_write: Vec<PathBuf>,
+    /// Run every agent with no network (its own network namespace, no TCP), whatever the
+    /// Delegator asks.
+    #[arg(long)]
+    agent_no_network: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -500,6 +525,11 @@ struct DelegateArgs {
     /// workspace still mounted, for `awcp-ctl continue <id> --task …` or `awcp-ctl close`.
     #[arg(long)]
     multi_round: bool,
+    /// Run the agent with no network (INVITE's `requirements.sandboxProfile
+    /// .allowNetwork: false`): an Executor of ours gives it a network namespace of its own
+    /// and no TCP at all; one that cannot declines the delegation.
+    #[arg(long)]
+    no_network: bool,
     /// The Executor's token (its `--token`), sent in INVITE's `auth`.
     #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
     executor_token: Option<String>,
@@ -545,6 +575,17 @@ fn default_state_dir(what: &str) -> PathBuf {
     match base {
         Some(b) => b.join("awcp").join(what),
         None => PathBuf::from(".awcp").join(what),
+    }
+}
+
+/// The Executor's base directory: for root `/var/lib/awcp/executor` (its agents run as
+/// another user, who must reach the work directory: not under root's 0700 home), else
+/// [`default_state_dir`]`("executor")`.
+fn default_executor_dir() -> PathBuf {
+    if nix::unistd::geteuid().is_root() {
+        PathBuf::from(awcp_ctl::executor::ROOT_DEFAULT_DIR)
+    } else {
+        default_state_dir("executor")
     }
 }
 
@@ -765,7 +806,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Executor(a) => {
-            let base = a.dir.unwrap_or_else(|| default_state_dir("executor"));
+            let base = a.dir.unwrap_or_else(default_executor_dir);
             let mut cfg = ExecutorConfig::new(a.agent_cmd, base.clone());
             cfg.block_cache = (!a.no_block_cache).then(|| {
                 let mut c = awcpfs::cache::CacheConfig::new(Some(
@@ -796,8 +837,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.agent_user = a
                 .agent_user
                 .as_deref()
-                .map(awcp_ctl::executor::AgentUser::lookup)
+                .map(awcp_ctl::executor::AgentUser::lookup_or_create)
                 .transpose()?;
+            cfg.unsafe_agent_as_root = a.unsafe_agent_as_root;
+            cfg.unsafe_agent_unconfined = a.unsafe_agent_unconfined;
+            cfg.agent_allow_read = a.agent_allow_read;
+            cfg.agent_allow_write = a.agent_allow_write;
+            cfg.agent_no_network = a.agent_no_network;
             let announce = a.aglx.config()?;
             let running = awcp_ctl::executor::start(cfg).await?;
             let announcing = match &announce {
@@ -877,6 +923,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }),
                 transport: a.transport.map(transport_of),
                 multi_round: a.multi_round.then_some(true),
+                no_network: a.no_network.then_some(true),
             };
             // The daemon answers after admission, the manifests (or the zip), INVITE and
             // START: on a large tree that takes a while, so show how far it has got.
@@ -1181,7 +1228,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let executor_dir = std::env::var_os("AWCP_EXECUTOR_DIR")
                 .filter(|d| !d.is_empty())
                 .map(PathBuf::from)
-                .unwrap_or_else(|| default_state_dir("executor"));
+                .unwrap_or_else(default_executor_dir);
             checks.push(doctor::file_modes(&daemon_state, &executor_dir));
             checks.push(doctor::mount_access(
                 &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),

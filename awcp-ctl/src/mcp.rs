@@ -291,6 +291,7 @@ impl AwcpMcp {
             auth,
             transport,
             multi_round: a.multi_round,
+            no_network: None,
         })
     }
 }

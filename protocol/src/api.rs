@@ -122,6 +122,11 @@ pub struct DelegateRequest {
     /// until `POST /delegation/:id/continue` or `…/close`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub multi_round: Option<bool>,
+    /// Ours (additive): run the agent with no network (INVITE's
+    /// `requirements.sandboxProfile.allowNetwork: false`); an Executor that cannot
+    /// declines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_network: Option<bool>,
 }
 
 /// `POST /delegate` 200 body. The reference answers only after INVITE, ACCEPT and START.

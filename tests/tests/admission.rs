@@ -42,6 +42,7 @@ fn request(
         auth: None,
         transport: None,
         multi_round: None,
+        no_network: None,
     }
 }
 

@@ -61,6 +61,7 @@ fn request(
         }),
         transport: Some(transport),
         multi_round: None,
+        no_network: None,
     }
 }
 

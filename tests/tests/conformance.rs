@@ -228,6 +228,7 @@ async fn daemon_setup(h: &Harness, setup: &str, vars: &mut BTreeMap<&str, String
         auth: None,
         transport: Some(TransportType::Archive),
         multi_round: None,
+        no_network: None,
     };
     let id = h.client.delegate(&req).await.unwrap().delegation_id;
     let id = id.as_str().to_string();

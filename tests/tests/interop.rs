@@ -398,6 +398,7 @@ fn archive_request(
         auth: None,
         transport: Some(TransportType::Archive),
         multi_round: None,
+        no_network: None,
     }
 }
 

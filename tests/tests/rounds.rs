@@ -28,6 +28,7 @@ fn request(
         access_mode: Some(AccessMode::Rw),
         transport: Some(transport),
         multi_round: multi.then_some(true),
+        no_network: None,
         ..awcp_tests::request(url, &[("workspace", dir, AccessMode::Rw)], 300)
     }
 }

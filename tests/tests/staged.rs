@@ -38,6 +38,7 @@ fn request(url: String, dir: &Path, mode: SnapshotMode, multi: bool) -> Delegate
         access_mode: Some(AccessMode::Rw),
         snapshot_mode: Some(mode),
         multi_round: multi.then_some(true),
+        no_network: None,
         ..awcp_tests::request(url, &[("workspace", dir, AccessMode::Rw)], 300)
     }
 }
@@ -444,6 +445,7 @@ async fn a_change_set_survives_a_daemon_restart() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    awcp_tests::open_to_agents(tmp.path());
     let out = tmp.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
     let dir = tmp.path().join("ws");
@@ -461,6 +463,7 @@ async fn a_change_set_survives_a_daemon_restart() {
     );
     let mut ecfg = ExecutorConfig::new(agent, tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    awcp_tests::share_named_paths(&mut ecfg);
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     let daemon = awcp_ctl::daemon::start(dcfg.clone()).await.unwrap();
     let client = daemon.client();
