@@ -110,7 +110,10 @@ fn check_report(report: &str) {
         assert_eq!(line(name), format!("{name}: ok"), "{report}");
     }
     for secret in ["victim-secret", "world-readable-secret", "root-secret"] {
-        assert!(!report.contains(secret), "the agent read {secret}:\n{report}");
+        assert!(
+            !report.contains(secret),
+            "the agent read {secret}:\n{report}"
+        );
     }
 }
 
@@ -149,7 +152,8 @@ async fn agent_is_confined(transport: TransportType) {
     // A delegation that did not ask for isolation has the network (the check below can fail).
     assert!(
         awcp_tests::eventually(Duration::from_secs(5), || {
-            std::fs::read_to_string(victim_src.join("net.txt")).is_ok_and(|s| s.contains("connected"))
+            std::fs::read_to_string(victim_src.join("net.txt"))
+                .is_ok_and(|s| s.contains("connected"))
         })
         .await,
         "the victim could not connect: {:?}",

@@ -175,7 +175,9 @@ pub(super) fn prepare_dirs(cfg: &ExecutorConfig) -> anyhow::Result<()> {
         // The base directory (0700 when made here) lets it pass through, without
         // listing: 0711. state/ and cache/ beside stay 0700.
         let mut blocked = u.blocked_at(dir);
-        while let Some(b) = blocked.filter(|b| created.contains(b) || Some(b.as_path()) == dir.parent()) {
+        while let Some(b) =
+            blocked.filter(|b| created.contains(b) || Some(b.as_path()) == dir.parent())
+        {
             use std::os::unix::fs::PermissionsExt as _;
             let mode = std::fs::metadata(&b)?.permissions().mode() & 0o7777;
             std::fs::set_permissions(&b, std::fs::Permissions::from_mode(mode | 0o011))
@@ -248,9 +250,16 @@ fn is_private_env(name: &str) -> bool {
     let upper = name.to_ascii_uppercase();
     upper.starts_with("AWCP_")
         || upper == "SSH_AUTH_SOCK"
-        || ["TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "API_KEY"]
-            .iter()
-            .any(|s| upper.contains(s))
+        || [
+            "TOKEN",
+            "SECRET",
+            "PASSWORD",
+            "PASSWD",
+            "CREDENTIAL",
+            "API_KEY",
+        ]
+        .iter()
+        .any(|s| upper.contains(s))
 }
 
 /// Set the agent command up to run confined in `cwd` (its workspace): its user, its
@@ -322,7 +331,10 @@ mod tests {
             assert!(is_private_env(name), "{name} would reach the agent");
         }
         for name in ["PATH", "LANG", "TERM", "CARGO_HOME", "PYTHONPATH"] {
-            assert!(!is_private_env(name), "{name} would be taken from the agent");
+            assert!(
+                !is_private_env(name),
+                "{name} would be taken from the agent"
+            );
         }
     }
 }
