@@ -1230,6 +1230,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .map(PathBuf::from)
                 .unwrap_or_else(default_executor_dir);
             checks.push(doctor::file_modes(&daemon_state, &executor_dir));
+            checks.extend(doctor::agent_sandbox(&doctor::processes()));
             checks.push(doctor::mount_access(
                 &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
                 doctor::mount_gate,
