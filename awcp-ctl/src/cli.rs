@@ -417,9 +417,9 @@ struct ExecutorArgs {
     /// the agent's own processes that switch user inside (a test suite dropping to
     /// `nobody`) — served by the files' modes, like a local directory; if the work
     /// directory is opened to others, only the Executor's user. `owner`: only the
-    /// Executor's user, always (not with --agent-user). `all`: every user who can reach a
-    /// mount (FUSE allow_other; a 0644 file, `.git` included, is then readable by all who
-    /// get there — the work directory itself stays 0700).
+    /// Executor's user, always (only where agents run as the Executor's user). `all`:
+    /// every user who can reach a mount (FUSE allow_other; a 0644 file, `.git` included,
+    /// is then readable by all who get there — the work directory itself stays 0700).
     #[arg(long, value_enum, default_value_t = awcpfs::mount::MountAccess::Path)]
     mount_access: awcpfs::mount::MountAccess,
     /// The same as `--mount-access all`.

@@ -332,9 +332,10 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
     confine::choose_agent(&mut cfg)?;
     anyhow::ensure!(
         !(cfg.agent_user.is_some() && cfg.mount_access == awcpfs::mount::MountAccess::Owner),
-        "--mount-access owner keeps --agent-user out of its own mounts (root mounts them): \
-         use the default --mount-access path, which lets in only who passes the 0700 work \
-         directory"
+        "--mount-access owner keeps the agents' user ({}) out of its own mounts (root \
+         mounts them): use the default --mount-access path, which lets in only who passes \
+         the 0700 work directory",
+        cfg.agent_user.as_ref().map_or("", |u| u.name.as_str())
     );
     // Private (0700): mount state holds handles (tokens), journals and workspace content;
     // the work directory leads into the mounts; the agents' directories are the agent
