@@ -111,6 +111,27 @@ impl Harness {
         adjust_daemon: impl FnOnce(&mut DaemonConfig),
         adjust: impl FnOnce(&mut ExecutorConfig),
     ) -> Harness {
+        Self::start_inner(agent_cmd, adjust_daemon, adjust, true).await
+    }
+
+    /// Start both services with the Executor exactly as the product starts it: the agent
+    /// shares nothing with the test (not even the temp dir, see [`Harness::start_full`]).
+    pub async fn start_confined(agent_cmd: &str) -> Harness {
+        Self::start_inner(agent_cmd, |_| {}, |_| {}, false).await
+    }
+
+    /// The Executor runs its agents as the product does: as its agents' user, under
+    /// Landlock. Beyond that, tests share with their agents what an operator would with
+    /// `--agent-allow-write`/`--agent-allow-read`: the paths the agent command names
+    /// ([`share_named_paths`]) and, with `share_tmp`, the temp dir itself (made the agent
+    /// user's; many agents write their output to `../../..`, the temp dir seen from the
+    /// mount). The Executor's `state/` and `cache/` below it stay root's, 0700.
+    async fn start_inner(
+        agent_cmd: &str,
+        adjust_daemon: impl FnOnce(&mut DaemonConfig),
+        adjust: impl FnOnce(&mut ExecutorConfig),
+        share_tmp: bool,
+    ) -> Harness {
         if let Ok(filter) = std::env::var("AWCP_LOG") {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
@@ -132,6 +153,12 @@ impl Harness {
         // command names (a test's output directory, a script) are shared with them.
         open_to_agents(tmp.path());
         share_named_paths(&mut ecfg);
+        if share_tmp {
+            if let Some(u) = agent_user_of(&ecfg) {
+                std::os::unix::fs::chown(tmp.path(), Some(u.uid), Some(u.gid)).unwrap();
+            }
+            ecfg.agent_allow_write.push(tmp.path().to_path_buf());
+        }
         let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
         // The daemon drew its API token in its state dir; the client sends it.
         let client = daemon.client();
@@ -298,11 +325,7 @@ pub fn named_paths(cmd: &str) -> Vec<PathBuf> {
 /// names (its top directory under the system temp dir, made the agent user's so that the
 /// agent can write there too) may be written; any other existing path it names may be read.
 pub fn share_named_paths(cfg: &mut ExecutorConfig) {
-    let user = match (&cfg.agent_user, cfg.unsafe_agent_as_root) {
-        (Some(u), _) => Some(u.clone()),
-        (None, true) => None,
-        (None, false) => default_agent_user(),
-    };
+    let user = agent_user_of(cfg);
     let (write, read) = shared_paths(&cfg.agent_cmd, user.as_ref());
     for w in write {
         if !cfg.agent_allow_write.contains(&w) {
@@ -313,6 +336,15 @@ pub fn share_named_paths(cfg: &mut ExecutorConfig) {
         if !cfg.agent_allow_read.contains(&r) {
             cfg.agent_allow_read.push(r);
         }
+    }
+}
+
+/// The user the Executor of `cfg` will run agents as (`None`: itself).
+pub fn agent_user_of(cfg: &ExecutorConfig) -> Option<awcp_ctl::executor::AgentUser> {
+    match (&cfg.agent_user, cfg.unsafe_agent_as_root) {
+        (Some(u), _) => Some(u.clone()),
+        (None, true) => None,
+        (None, false) => default_agent_user(),
     }
 }
 
@@ -349,10 +381,13 @@ fn shared_paths(
         {
             let dir = tmp.join(top);
             if dir.is_dir() && !write.contains(&dir) {
-                if let Some(u) = user {
-                    std::os::unix::fs::chown(&dir, Some(u.uid), Some(u.gid)).unwrap();
+                write.push(dir.clone());
+            }
+            // The directories on the way, down to the path itself, are the agent user's.
+            if let Some(u) = user {
+                for d in p.ancestors().filter(|d| d.starts_with(&dir) && d.is_dir()) {
+                    std::os::unix::fs::chown(d, Some(u.uid), Some(u.gid)).unwrap();
                 }
-                write.push(dir);
             }
         } else if p.exists() && !read.contains(&p) {
             read.push(p);

@@ -122,7 +122,7 @@ async fn agent_is_confined(transport: TransportType) {
     if !fuse_available() {
         return;
     }
-    let h = Harness::start(AGENT).await;
+    let h = Harness::start_confined(AGENT).await;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();

@@ -49,7 +49,7 @@ async fn run_agent_with(
 
 /// [`run_agent`], adjusting the Executor's config first. The agent runs confined, as by
 /// default, and may also write in the temp dir (`../../..`: its script, its log, fixtures),
-/// made its user's, as an operator would share a directory with `--agent-allow-write`.
+/// which the harness shares with it.
 async fn run_agent_cfg(
     script: &str,
     setup: impl FnOnce(&Path, &Path),
@@ -57,11 +57,6 @@ async fn run_agent_cfg(
 ) -> Run {
     let mut as_root = false;
     let h = Harness::start_with(AGENT, |c| {
-        let tmp = c.work_dir.parent().unwrap().parent().unwrap().to_path_buf();
-        if let Some(u) = awcp_tests::default_agent_user() {
-            std::os::unix::fs::chown(&tmp, Some(u.uid), Some(u.gid)).unwrap();
-        }
-        c.agent_allow_write.push(tmp);
         adjust(c);
         as_root = c.unsafe_agent_as_root;
     })
