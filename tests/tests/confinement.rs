@@ -219,3 +219,67 @@ async fn an_awcpfs_agent_is_confined_to_its_workspace() {
 async fn an_archive_agent_is_confined_to_its_workspace() {
     agent_is_confined(TransportType::Archive).await;
 }
+
+/// An Executor that accepts everything and confirms no sandbox, as the reference's does
+/// (its ACCEPT says `allowNetwork: true` whatever INVITE asked); it records the message
+/// types it receives.
+async fn careless_executor() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use axum::routing::post;
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let app = axum::Router::new().route(
+        "/awcp",
+        post(move |body: axum::Json<serde_json::Value>| {
+            let log = log.clone();
+            async move {
+                let kind = body["type"].as_str().unwrap_or("").to_string();
+                log.lock().unwrap().push(kind.clone());
+                axum::Json(if kind == "INVITE" {
+                    serde_json::json!({
+                        "type": "ACCEPT", "version": "1",
+                        "delegationId": body["delegationId"],
+                        "retentionMs": 60000,
+                        "executorWorkDir": { "path": "/srv/work" },
+                        "executorConstraints": { "sandboxProfile": {
+                            "cwdOnly": true, "allowNetwork": true, "allowExec": true } }
+                    })
+                } else {
+                    serde_json::json!({ "ok": true })
+                })
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/awcp", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
+
+// The Delegator asked for no network; an Executor that does not confirm it must not get the
+// workspace (START carries it, or the token to it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_network_is_never_sent_to_an_executor_that_does_not_confirm_it() {
+    if !fuse_available() {
+        return;
+    }
+    let h = Harness::start("true").await;
+    let (url, seen) = careless_executor().await;
+    let src = h.path("src");
+    sample_repo(&src);
+    let mut req = h.request(&[("workspace", &src, AccessMode::Rw)], 120);
+    req.executor_url = url;
+    req.no_network = Some(true);
+    let err = h.client.delegate(&req).await.expect_err("delegated");
+    let text = format!("{err:?}");
+    assert!(
+        text.contains("Declined") && text.contains("allowNetwork"),
+        "{text}"
+    );
+    let kinds = seen.lock().unwrap().clone();
+    assert!(kinds.contains(&"INVITE".to_string()), "{kinds:?}");
+    assert!(
+        !kinds.contains(&"START".to_string()),
+        "START was sent: {kinds:?}"
+    );
+    h.stop().await;
+}

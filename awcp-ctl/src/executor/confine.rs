@@ -174,15 +174,15 @@ pub(super) fn prepare_dirs(cfg: &ExecutorConfig) -> anyhow::Result<()> {
         })?;
         // The base directory (0700 when made here) lets it pass through, without
         // listing: 0711. state/ and cache/ beside stay 0700.
-        let mut blocked = u.blocked_at(dir);
-        while let Some(b) =
-            blocked.filter(|b| created.contains(b) || Some(b.as_path()) == dir.parent())
-        {
+        let mut opened: Vec<PathBuf> = Vec::new();
+        while let Some(b) = u.blocked_at(dir).filter(|b| {
+            !opened.contains(b) && (created.contains(b) || Some(b.as_path()) == dir.parent())
+        }) {
             use std::os::unix::fs::PermissionsExt as _;
             let mode = std::fs::metadata(&b)?.permissions().mode() & 0o7777;
             std::fs::set_permissions(&b, std::fs::Permissions::from_mode(mode | 0o011))
                 .with_context(|| format!("letting the agents' user through {}", b.display()))?;
-            blocked = u.blocked_at(dir);
+            opened.push(b);
         }
         if let Some(b) = u.blocked_at(dir) {
             anyhow::bail!(
