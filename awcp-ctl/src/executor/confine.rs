@@ -82,9 +82,9 @@ pub fn ensure_default_user() -> anyhow::Result<AgentUser> {
             );
             continue;
         }
-        // 9: the name exists (another Executor made it); 10: /etc/passwd is locked (another
-        // useradd is running): look again.
-        if std::time::Instant::now() > deadline || !matches!(out.status.code(), Some(9 | 10)) {
+        // Another Executor starting at once may have made it (9) or hold the lock on
+        // /etc/passwd (1, 10): look again, until the deadline.
+        if std::time::Instant::now() > deadline {
             anyhow::bail!(
                 "creating the agents' user {DEFAULT_AGENT_USER} failed ({}): {}; create it \
                  (`useradd --system --user-group {DEFAULT_AGENT_USER}`) or name another with \
