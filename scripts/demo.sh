@@ -25,6 +25,9 @@ cargo build --release -q -p awcp-ctl
 CTL="${CARGO_TARGET_DIR:-$ROOT/target}/release/awcp-ctl"
 
 WORK=$(mktemp -d /tmp/awcp-demo.XXXXXX)
+# The Executor runs its agent confined, as the unprivileged user awcp-agent: that user must
+# pass through $WORK to the work directory and read the agent's script (nothing else here).
+chmod 711 "$WORK"
 PIDS=()
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
@@ -73,7 +76,6 @@ python3 -m unittest -q 2>&1 | tail -1
 git -c user.email=agent@example.com -c user.name=agent commit -qam "calc: fix add"
 git log --oneline | head -2
 echo "agent: done; holding the workspace open until the lease ends"
-touch "$AWCP_DEMO_DIR/agent-finished"
 exec sleep 3600
 AGENT
 
@@ -81,8 +83,10 @@ say "Starting the Delegator daemon and the Executor service on loopback"
 "$CTL" serve --listen "127.0.0.1:$API_PORT" --export-listen "127.0.0.1:$DATA_PORT" \
   --state-dir "$WORK/delegator" >"$WORK/serve.log" 2>&1 &
 PIDS+=($!)
-AWCP_DEMO_DIR="$WORK" "$CTL" executor --listen "127.0.0.1:$EXEC_PORT" --dir "$WORK/executor" \
-  --agent-cmd "sh $WORK/agent.sh" >"$WORK/executor.log" 2>&1 &
+# The agent may write only in its workspace (and its own TMPDIR/HOME); it may read its script.
+chmod 644 "$WORK/agent.sh"
+"$CTL" executor --listen "127.0.0.1:$EXEC_PORT" --dir "$WORK/executor" \
+  --agent-cmd "sh $WORK/agent.sh" --agent-allow-read "$WORK/agent.sh" >"$WORK/executor.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 100); do
   curl -sf "$AWCP_DAEMON_URL/health" >/dev/null 2>&1 && curl -sf "http://127.0.0.1:$EXEC_PORT/awcp/status" >/dev/null 2>&1 && break
@@ -100,8 +104,10 @@ echo "delegation $ID"
 "$CTL" watch "$ID" | sed 's/^/  [watch] /' &
 PIDS+=($!)
 
-for _ in $(seq 600); do [ -e "$WORK/agent-finished" ] && break; sleep 0.1; done
-[ -e "$WORK/agent-finished" ] || { echo "the agent did not finish; see $WORK/executor.log" >&2; exit 1; }
+# The agent's commit comes back to the Delegator's repository while it still runs.
+agent_committed() { git -C "$WORK/repo" log --oneline 2>/dev/null | grep -q "calc: fix add"; }
+for _ in $(seq 600); do agent_committed && break; sleep 0.1; done
+agent_committed || { echo "the agent did not finish; see $WORK/executor.log" >&2; exit 1; }
 MNT="$WORK/executor/work/$ID"
 sleep 0.5
 

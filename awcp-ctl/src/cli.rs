@@ -401,7 +401,8 @@ struct ExecutorArgs {
     #[arg(long, default_value = "127.0.0.1:7200")]
     listen: std::net::SocketAddr,
     /// Base directory: workspaces are mounted under `<dir>/work/<delegationId>`. Default:
-    /// `$XDG_STATE_HOME/awcp/executor` or `~/.local/state/awcp/executor`.
+    /// `/var/lib/awcp/executor` for root (its agents' user must reach the work directory),
+    /// else `$XDG_STATE_HOME/awcp/executor` or `~/.local/state/awcp/executor`.
     #[arg(long, env = "AWCP_EXECUTOR_DIR")]
     dir: Option<PathBuf>,
     /// Longest lease accepted.
@@ -513,18 +514,42 @@ struct ExecutorArgs {
     /// the agent's own processes that switch user inside (a test suite dropping to
     /// `nobody`) — served by the files' modes, like a local directory; if the work
     /// directory is opened to others, only the Executor's user. `owner`: only the
-    /// Executor's user, always (not with --agent-user). `all`: every user who can reach a
-    /// mount (FUSE allow_other; a 0644 file, `.git` included, is then readable by all who
-    /// get there — the work directory itself stays 0700).
+    /// Executor's user, always (only where agents run as the Executor's user). `all`:
+    /// every user who can reach a mount (FUSE allow_other; a 0644 file, `.git` included,
+    /// is then readable by all who get there — the work directory itself stays 0700).
     #[arg(long, value_enum, default_value_t = awcpfs::mount::MountAccess::Path)]
     mount_access: awcpfs::mount::MountAccess,
     /// The same as `--mount-access all`.
     #[arg(long, hide = true, conflicts_with = "mount_access")]
     allow_other: bool,
     /// Run the agent as this non-root user (name or uid): the mounts' files are its own,
-    /// and it alone (besides root) can enter the work directory.
-    #[arg(long, value_name = "USER")]
+    /// and it alone (besides root) can enter the work directory. Default, for an Executor
+    /// running as root: `awcp-agent`, a system user created on first start (`useradd
+    /// --system`); an Executor not running as root runs agents as itself.
+    #[arg(long, value_name = "USER", conflicts_with = "unsafe_agent_as_root")]
     agent_user: Option<String>,
+    /// Run the agent as root, like the Executor (UNSAFE: whoever delegates runs code as
+    /// root; the agent stays under Landlock unless --unsafe-agent-unconfined).
+    #[arg(long)]
+    unsafe_agent_as_root: bool,
+    /// Run agents without Landlock (UNSAFE: they can read and write whatever their user
+    /// can). Needed only on kernels without Landlock, where the Executor otherwise
+    /// refuses to start.
+    #[arg(long)]
+    unsafe_agent_unconfined: bool,
+    /// Let agents also read (and execute) below PATH (repeatable): by default they read
+    /// only the system's directories (/usr, /etc, /opt, /proc, …), their workspace and
+    /// their own TMPDIR and HOME.
+    #[arg(long, value_name = "PATH")]
+    agent_allow_read: Vec<PathBuf>,
+    /// Let agents also write below PATH (repeatable): by default they write only in their
+    /// workspace and their own TMPDIR and HOME.
+    #[arg(long, value_name = "PATH")]
+    agent_allow_write: Vec<PathBuf>,
+    /// Run every agent with no network (its own network namespace, no TCP), whatever the
+    /// Delegator asks.
+    #[arg(long)]
+    agent_no_network: bool,
 }
 
 /// An agent URL must be http(s): said at start rather than at the first delegation.
@@ -618,6 +643,11 @@ struct DelegateArgs {
     /// `executor-token` file if this user can read it.
     #[command(flatten)]
     cred: secrets::ExecutorCredentialArgs,
+    /// Run the agent with no network (INVITE's `requirements.sandboxProfile
+    /// .allowNetwork: false`): an Executor of ours gives it a network namespace of its own
+    /// and no TCP at all; one that cannot declines the delegation.
+    #[arg(long)]
+    no_network: bool,
     /// AECP: the modules this worker owns, as workspace-relative globs (`pkg/**`,
     /// `pkg/acct.py`; repeatable). Findings about related modules are forwarded to owners.
     /// Default: it owns the files it writes back.
@@ -664,6 +694,17 @@ fn default_state_dir(what: &str) -> PathBuf {
     match base {
         Some(b) => b.join("awcp").join(what),
         None => PathBuf::from(".awcp").join(what),
+    }
+}
+
+/// The Executor's base directory: for root `/var/lib/awcp/executor` (its agents run as
+/// another user, who must reach the work directory: not under root's 0700 home), else
+/// [`default_state_dir`]`("executor")`.
+fn default_executor_dir() -> PathBuf {
+    if nix::unistd::geteuid().is_root() {
+        PathBuf::from(awcp_ctl::executor::ROOT_DEFAULT_DIR)
+    } else {
+        default_state_dir("executor")
     }
 }
 
@@ -959,7 +1000,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Executor(a) => {
-            let base = a.dir.unwrap_or_else(|| default_state_dir("executor"));
+            let base = a.dir.unwrap_or_else(default_executor_dir);
             let mut cfg = ExecutorConfig::new(a.agent_cmd.unwrap_or_default(), base.clone());
             cfg.remote_agent = match (a.agent_a2a, a.agent_http) {
                 (Some(u), _) => Some(awcp_ctl::executor::RemoteAgent::A2a(check_agent_url(
@@ -1012,8 +1053,13 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             cfg.agent_user = a
                 .agent_user
                 .as_deref()
-                .map(awcp_ctl::executor::AgentUser::lookup)
+                .map(awcp_ctl::executor::AgentUser::lookup_or_create)
                 .transpose()?;
+            cfg.unsafe_agent_as_root = a.unsafe_agent_as_root;
+            cfg.unsafe_agent_unconfined = a.unsafe_agent_unconfined;
+            cfg.agent_allow_read = a.agent_allow_read;
+            cfg.agent_allow_write = a.agent_allow_write;
+            cfg.agent_no_network = a.agent_no_network;
             let announce = a.aglx.config()?;
             let running = awcp_ctl::executor::start(cfg).await?;
             let announcing = match &announce {
@@ -1098,6 +1144,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
                 transport: a.transport.map(transport_of),
                 multi_round: a.multi_round.then_some(true),
                 git_remote: a.git_remote.clone(),
+                no_network: a.no_network.then_some(true),
             };
             // The daemon answers after admission, the manifests (or the zip), INVITE and
             // START: on a large tree that takes a while, so show how far it has got.
@@ -1400,8 +1447,9 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             let executor_dir = std::env::var_os("AWCP_EXECUTOR_DIR")
                 .filter(|d| !d.is_empty())
                 .map(PathBuf::from)
-                .unwrap_or_else(|| default_state_dir("executor"));
+                .unwrap_or_else(default_executor_dir);
             checks.push(doctor::file_modes(&daemon_state, &executor_dir));
+            checks.extend(doctor::agent_sandbox(&doctor::processes()));
             checks.push(doctor::mount_access(
                 &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),
                 doctor::mount_gate,

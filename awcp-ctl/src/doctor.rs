@@ -2,6 +2,10 @@
 //! device, the privileges to mount, kernel passthrough support, the daemon and Executors
 //! being reachable — and say how to fix each problem found.
 
+mod agents;
+
+pub use agents::{agent_sandbox, processes};
+
 use std::path::PathBuf;
 use std::time::Duration;
 

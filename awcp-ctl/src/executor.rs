@@ -20,11 +20,15 @@ pub(crate) use git_task::{
     branch_ok as git_branch_ok, remote_allowed as git_remote_allowed, token_env as git_token_env,
 };
 mod metrics;
+mod confine;
 mod mounts;
 mod pending;
 mod restart;
 mod routes;
+pub mod sandbox;
 mod task;
+
+pub use confine::{DEFAULT_AGENT_USER, ROOT_DEFAULT_DIR, ensure_default_user};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -130,8 +134,25 @@ pub struct ExecutorConfig {
     /// the 0700 work directory (the Executor's user, the agent user, and processes of the
     /// agent that change user inside), served by the files' modes.
     pub mount_access: awcpfs::mount::MountAccess,
-    /// Run the agent as this (non-root) user; the mounts' files are then its own.
+    /// Run the agent as this (non-root) user; the mounts' files are then its own. `None`:
+    /// [`DEFAULT_AGENT_USER`] (created if missing) when the Executor runs as root, else the
+    /// Executor's own user — set at [`start`].
     pub agent_user: Option<AgentUser>,
+    /// Run the agent as root when the Executor is root (`--unsafe-agent-as-root`).
+    pub unsafe_agent_as_root: bool,
+    /// Run agents without Landlock (`--unsafe-agent-unconfined`; the Executor refuses to
+    /// start on a kernel without Landlock otherwise).
+    pub unsafe_agent_unconfined: bool,
+    /// More paths agents may read (`--agent-allow-read`), besides the system's.
+    pub agent_allow_read: Vec<PathBuf>,
+    /// More paths agents may write (`--agent-allow-write`), besides their workspace and
+    /// their own directory.
+    pub agent_allow_write: Vec<PathBuf>,
+    /// No network for any agent (`--agent-no-network`), whatever INVITE asks.
+    pub agent_no_network: bool,
+    /// Each agent's own directory (`<agents_dir>/<delegationId>`: its `TMPDIR`, `HOME` and
+    /// AECP socket), owned by the agent's user.
+    pub agents_dir: PathBuf,
 }
 
 /// The user the agent runs as (`executor --agent-user`).
@@ -244,6 +265,12 @@ impl ExecutorConfig {
             max_pending_per_peer: 2,
             mount_access: awcpfs::mount::MountAccess::Path,
             agent_user: None,
+            unsafe_agent_as_root: false,
+            unsafe_agent_unconfined: false,
+            agent_allow_read: Vec::new(),
+            agent_allow_write: Vec::new(),
+            agent_no_network: false,
+            agents_dir: base.join("agents"),
         }
     }
 }
@@ -385,50 +412,20 @@ pub async fn start(mut cfg: ExecutorConfig) -> anyhow::Result<RunningExecutor> {
     // Absolute, so ACCEPT's executorWorkDir and the agent's AWCP_WORKSPACE are usable anywhere.
     cfg.work_dir = std::path::absolute(&cfg.work_dir)?;
     cfg.state_dir = std::path::absolute(&cfg.state_dir)?;
+    cfg.agents_dir = std::path::absolute(&cfg.agents_dir)?;
+    confine::choose_agent(&mut cfg)?;
     anyhow::ensure!(
         !(cfg.agent_user.is_some() && cfg.mount_access == awcpfs::mount::MountAccess::Owner),
-        "--mount-access owner keeps --agent-user out of its own mounts (root mounts them): \
-         use the default --mount-access path, which lets in only who passes the 0700 work \
-         directory"
+        "--mount-access owner keeps the agents' user ({}) out of its own mounts (root \
+         mounts them): use the default --mount-access path, which lets in only who passes \
+         the 0700 work directory",
+        cfg.agent_user.as_ref().map_or("", |u| u.name.as_str())
     );
     // Private (0700): mount state holds handles (tokens), journals and workspace content;
-    // the work directory leads into the mounts.
-    for dir in [&cfg.work_dir, &cfg.state_dir] {
-        awcpfs::private::create_dir_all(dir)
-            .with_context(|| format!("creating {}", dir.display()))?;
-    }
+    // the work directory leads into the mounts; the agents' directories are the agent
+    // user's alone.
+    confine::prepare_dirs(&cfg)?;
     credential::resolve(&mut cfg)?;
-    if let Some(u) = &cfg.agent_user {
-        // The agent user must reach its workspace, and it alone besides root: the work
-        // directory is its own, still 0700 (see docs/SECURITY.md).
-        nix::unistd::chown(
-            &cfg.work_dir,
-            Some(nix::unistd::Uid::from_raw(u.uid)),
-            Some(nix::unistd::Gid::from_raw(u.gid)),
-        )
-        .with_context(|| {
-            format!(
-                "giving {} to --agent-user {} (the Executor must run as root for it)",
-                cfg.work_dir.display(),
-                u.name
-            )
-        })?;
-        // Its parent (the Executor's base directory, 0700 when made here) lets it pass
-        // through, without listing: 0711. state/ and cache/ beside stay 0700.
-        if let Some(parent) = cfg.work_dir.parent()
-            && u.blocked_at(parent).as_deref() == Some(parent)
-        {
-            use std::os::unix::fs::PermissionsExt as _;
-            let mode = std::fs::metadata(parent)?.permissions().mode() & 0o7777;
-            std::fs::set_permissions(parent, std::fs::Permissions::from_mode(mode | 0o011))
-                .with_context(|| format!("letting --agent-user through {}", parent.display()))?;
-        }
-        if let Some(d) = u.blocked_at(&cfg.work_dir) {
-            tracing::warn!(dir = %d.display(), user = %u.name,
-                "--agent-user cannot pass through this directory to its workspace: its \
-                 agents will fail to start; use a --dir it can reach (e.g. under /var/lib)");
-        }
-    }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("binding the executor to {} (use --listen)", cfg.listen))?;

@@ -301,6 +301,7 @@ impl AwcpMcp {
             transport,
             multi_round: a.multi_round,
             git_remote: a.git_remote.clone(),
+            no_network: None,
         })
     }
 }

@@ -60,6 +60,12 @@ async fn notify_announce_peers_and_delegate_to_auto_from_the_cli() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let bridge = Bridge::start(BridgeConfig::new(
         "127.0.0.1:0".parse().unwrap(),
         Some("127.0.0.1:0".parse().unwrap()),

@@ -48,6 +48,12 @@ async fn json_and_piped_output_carry_no_progress_noise() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
@@ -152,6 +158,12 @@ async fn a_terminal_gets_the_setup_bar() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();

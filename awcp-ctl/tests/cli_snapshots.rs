@@ -27,6 +27,12 @@ async fn staged_snapshots_are_listed_diffed_applied_and_discarded_from_the_cli()
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();
@@ -119,6 +125,12 @@ async fn an_awcpfs_change_set_is_diffed_as_patches_from_the_cli() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();

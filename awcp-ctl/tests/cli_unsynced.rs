@@ -45,6 +45,12 @@ async fn status_says_not_synced_while_write_back_fails() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     // The data plane listens on a port of its own; mounts reach it through the proxy.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -51,6 +51,9 @@ fn executor(dir: &Path, port: u16, agent: &str, extra: &[&str]) -> Proc {
                 "--dir",
             ])
             .arg(dir)
+            // The agent records what it wrote in `out/` beside the Executor's directory.
+            .arg("--agent-allow-write")
+            .arg(dir.parent().unwrap().join("out"))
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
@@ -80,6 +83,12 @@ fn crash_and_recover(several: bool, extra: &[&str]) {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let repo = tmp.path().join("repo");
     std::fs::create_dir_all(&repo).unwrap();
     std::fs::write(repo.join("seed.txt"), "seed\n").unwrap();
@@ -93,6 +102,8 @@ fn crash_and_recover(several: bool, extra: &[&str]) {
     };
     let out = tmp.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
+    let u = awcp_ctl::executor::ensure_default_user().unwrap();
+    std::os::unix::fs::chown(&out, Some(u.uid), Some(u.gid)).unwrap();
     let (api, data, exec) = (free_port(), free_port(), free_port());
     let _serve = Proc(
         Command::new(BIN)

@@ -137,6 +137,7 @@ fn request(executor: &str, dir: &Path, ttl: u64, transport: TransportType) -> De
         transport: Some(transport),
         multi_round: None,
         git_remote: None,
+        no_network: None,
     }
 }
 
@@ -175,6 +176,12 @@ async fn daemon_b_takes_over_when_daemon_a_is_killed() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let repo = tmp.path().join("repo");
     std::fs::create_dir_all(&repo).unwrap();
     std::fs::write(repo.join("README.md"), "# failover\n").unwrap();
@@ -434,6 +441,12 @@ async fn a_stalled_daemon_that_wakes_up_stops_serving_what_was_taken_over() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let repo = tmp.path().join("repo");
     std::fs::create_dir_all(&repo).unwrap();
     std::fs::write(repo.join("README.md"), "# stall\n").unwrap();
@@ -554,6 +567,12 @@ async fn a_daemon_claims_nothing_before_it_has_beaten_for_a_full_lapse() {
     use awcp_ctl::store::postgres::PgStore;
     let Some(db) = fresh_database() else { return };
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let expires = (chrono::Utc::now() + chrono::Duration::seconds(120))
         .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     let ghost: StoredDelegation = serde_json::from_value(serde_json::json!({

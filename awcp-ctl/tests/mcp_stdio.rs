@@ -68,6 +68,12 @@ async fn an_mcp_client_delegates_and_reads_the_result_over_stdio() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The agents' user passes through to the Executor's work directory (0711).
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
     let mut dcfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("delegator"));
     dcfg.listen = "127.0.0.1:0".parse().unwrap();
     dcfg.export_listen = "127.0.0.1:0".parse().unwrap();

@@ -127,6 +127,11 @@ pub struct DelegateRequest {
     /// git's credential helper or its `--git-token-file`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub git_remote: Option<String>,
+    /// Ours (additive): run the agent with no network (INVITE's
+    /// `requirements.sandboxProfile.allowNetwork: false`); an Executor that cannot
+    /// declines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_network: Option<bool>,
 }
 
 /// `POST /delegate` 200 body. The reference answers only after INVITE, ACCEPT and START.

@@ -149,6 +149,20 @@ pub struct Requirements {
     /// The transport START will use.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport: Option<TransportType>,
+    /// Ours (additive, in the shape of ACCEPT's `executorConstraints.sandboxProfile`): the
+    /// sandbox the Delegator asks for; `allowNetwork: false` runs the agent with no
+    /// network. An Executor that cannot give it declines the INVITE.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_profile: Option<SandboxProfile>,
+}
+
+impl Requirements {
+    /// Whether the Delegator asked for an agent with no network.
+    pub fn no_network(&self) -> bool {
+        self.sandbox_profile
+            .as_ref()
+            .is_some_and(|s| s.allow_network == Some(false))
+    }
 }
 
 /// Kind of credential in INVITE's `auth`.

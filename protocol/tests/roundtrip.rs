@@ -196,7 +196,10 @@ fn invite() -> impl Strategy<Value = AwcpMessage> {
                     },
                     retention_ms,
                     environment: EnvironmentDeclaration { resources },
-                    requirements: req.map(|transport| Requirements { transport }),
+                    requirements: req.map(|transport| Requirements {
+                        transport,
+                        sandbox_profile: None,
+                    }),
                     auth,
                     multi_round: None,
                 })

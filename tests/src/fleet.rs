@@ -47,6 +47,11 @@ impl FleetExecutor {
     /// waits until it answers.
     pub fn spawn(bin: &Path, dir: &Path, agent_cmd: &str) -> FleetExecutor {
         std::fs::create_dir_all(dir).unwrap();
+        // Its agents' user passes through to the work directory; the paths the agent
+        // command names are shared with the agents.
+        if let Some(parent) = dir.parent() {
+            crate::open_to_agents(parent);
+        }
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -56,6 +61,7 @@ impl FleetExecutor {
         let child = Command::new(bin)
             .arg("executor")
             .args(["--agent-cmd", agent_cmd])
+            .args(crate::shared_path_args(agent_cmd))
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .arg("--dir")
             .arg(dir)

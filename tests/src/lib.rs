@@ -114,6 +114,27 @@ impl Harness {
         adjust_daemon: impl FnOnce(&mut DaemonConfig),
         adjust: impl FnOnce(&mut ExecutorConfig),
     ) -> Harness {
+        Self::start_inner(agent_cmd, adjust_daemon, adjust, true).await
+    }
+
+    /// Start both services with the Executor exactly as the product starts it: the agent
+    /// shares nothing with the test (not even the temp dir, see [`Harness::start_full`]).
+    pub async fn start_confined(agent_cmd: &str) -> Harness {
+        Self::start_inner(agent_cmd, |_| {}, |_| {}, false).await
+    }
+
+    /// The Executor runs its agents as the product does: as its agents' user, under
+    /// Landlock. Beyond that, tests share with their agents what an operator would with
+    /// `--agent-allow-write`/`--agent-allow-read`: the paths the agent command names
+    /// ([`share_named_paths`]) and, with `share_tmp`, the temp dir itself (made the agent
+    /// user's; many agents write their output to `../../..`, the temp dir seen from the
+    /// mount). The Executor's `state/` and `cache/` below it stay root's, 0700.
+    async fn start_inner(
+        agent_cmd: &str,
+        adjust_daemon: impl FnOnce(&mut DaemonConfig),
+        adjust: impl FnOnce(&mut ExecutorConfig),
+        share_tmp: bool,
+    ) -> Harness {
         if let Ok(filter) = std::env::var("AWCP_LOG") {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
@@ -124,6 +145,17 @@ impl Harness {
         let mut ecfg = ExecutorConfig::new(agent_cmd.to_string(), tmp.path().join("executor"));
         ecfg.listen = "127.0.0.1:0".parse().unwrap();
         adjust(&mut ecfg);
+        // The Executor runs its agents as the product does: as its agents' user, under
+        // Landlock. They reach their workspace through the temp dir; the paths the agent
+        // command names (a test's output directory, a script) are shared with them.
+        open_to_agents(tmp.path());
+        share_named_paths(&mut ecfg);
+        if share_tmp {
+            if let Some(u) = agent_user_of(&ecfg) {
+                std::os::unix::fs::chown(tmp.path(), Some(u.uid), Some(u.gid)).unwrap();
+            }
+            ecfg.agent_allow_write.push(tmp.path().to_path_buf());
+        }
         // The Executor draws its credential at first start (secure by default)...
         let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
         let mut dcfg = DaemonConfig::new(tmp.path().join("delegator"));
@@ -219,6 +251,7 @@ impl Harness {
             transport: None,
             multi_round: None,
             git_remote: None,
+            no_network: None,
         };
         self.client
             .delegate(&req)
@@ -275,6 +308,108 @@ impl Harness {
         self.executor.stop().await;
         self.daemon.stop().await;
     }
+}
+
+/// Let every user pass through `dir` (0711, no listing), as an Executor's base directory
+/// must be for its agents' user to reach the work directory below it.
+pub fn open_to_agents(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o7777;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o011)).unwrap();
+}
+
+/// The absolute paths an agent command names (`/tmp/.tmpX/ready`, `/…/script.py`): every
+/// run of characters starting with `/` after a space, a quote, `=` or the start, up to a
+/// space, a quote or a shell operator.
+pub fn named_paths(cmd: &str) -> Vec<PathBuf> {
+    let stop = |c: char| c.is_whitespace() || "'\"`;|&<>()$".contains(c);
+    let mut out = Vec::new();
+    let mut prev = ' ';
+    for (i, c) in cmd.char_indices() {
+        if c == '/' && (stop(prev) || prev == '=') {
+            let rest = &cmd[i..];
+            let end = rest.find(stop).unwrap_or(rest.len());
+            out.push(PathBuf::from(&rest[..end]));
+        }
+        prev = c;
+    }
+    out
+}
+
+/// What the tests' agents share with the test, as an operator would with
+/// `--agent-allow-write` and `--agent-allow-read`: each temp directory the agent command
+/// names (its top directory under the system temp dir, made the agent user's so that the
+/// agent can write there too) may be written; any other existing path it names may be read.
+pub fn share_named_paths(cfg: &mut ExecutorConfig) {
+    let user = agent_user_of(cfg);
+    let (write, read) = shared_paths(&cfg.agent_cmd, user.as_ref());
+    for w in write {
+        if !cfg.agent_allow_write.contains(&w) {
+            cfg.agent_allow_write.push(w);
+        }
+    }
+    for r in read {
+        if !cfg.agent_allow_read.contains(&r) {
+            cfg.agent_allow_read.push(r);
+        }
+    }
+}
+
+/// The user the Executor of `cfg` will run agents as (`None`: itself).
+pub fn agent_user_of(cfg: &ExecutorConfig) -> Option<awcp_ctl::executor::AgentUser> {
+    match (&cfg.agent_user, cfg.unsafe_agent_as_root) {
+        (Some(u), _) => Some(u.clone()),
+        (None, true) => None,
+        (None, false) => default_agent_user(),
+    }
+}
+
+/// The user an Executor of this process's user runs agents as by default (`None`: itself).
+pub fn default_agent_user() -> Option<awcp_ctl::executor::AgentUser> {
+    nix::unistd::geteuid()
+        .is_root()
+        .then(|| awcp_ctl::executor::ensure_default_user().expect("the agents' user"))
+}
+
+/// [`share_named_paths`] as `awcp-ctl executor` flags, for an Executor run as a process
+/// with its default agent user.
+pub fn shared_path_args(agent_cmd: &str) -> Vec<String> {
+    let (write, read) = shared_paths(agent_cmd, default_agent_user().as_ref());
+    let flag = |f: &str, p: PathBuf| [f.to_string(), p.display().to_string()];
+    write
+        .into_iter()
+        .flat_map(|p| flag("--agent-allow-write", p))
+        .chain(read.into_iter().flat_map(|p| flag("--agent-allow-read", p)))
+        .collect()
+}
+
+/// The (writable, readable) paths of [`share_named_paths`]; writable ones are given to
+/// `user`.
+fn shared_paths(
+    agent_cmd: &str,
+    user: Option<&awcp_ctl::executor::AgentUser>,
+) -> (Vec<PathBuf>, Vec<PathBuf>) {
+    let tmp = std::env::temp_dir();
+    let (mut write, mut read) = (Vec::new(), Vec::new());
+    for p in named_paths(agent_cmd) {
+        if let Ok(rel) = p.strip_prefix(&tmp)
+            && let Some(top) = rel.components().next()
+        {
+            let dir = tmp.join(top);
+            if dir.is_dir() && !write.contains(&dir) {
+                write.push(dir.clone());
+            }
+            // The directories on the way, down to the path itself, are the agent user's.
+            if let Some(u) = user {
+                for d in p.ancestors().filter(|d| d.starts_with(&dir) && d.is_dir()) {
+                    std::os::unix::fs::chown(d, Some(u.uid), Some(u.gid)).unwrap();
+                }
+            }
+        } else if p.exists() && !read.contains(&p) {
+            read.push(p);
+        }
+    }
+    (write, read)
 }
 
 /// Whether `path` is a mount point now.
@@ -368,5 +503,6 @@ pub fn request(
         transport: None,
         multi_round: None,
         git_remote: None,
+        no_network: None,
     }
 }

@@ -43,6 +43,7 @@ fn request(
         transport: None,
         multi_round: None,
         git_remote: None,
+        no_network: None,
     }
 }
 
@@ -339,7 +340,10 @@ async fn excluded_files_git_tracks_are_present_but_unreadable_never_deleted() {
         git status --porcelain > {o}/status-after.txt
         "#
     );
-    let h = Harness::start(&agent).await;
+    // As root (still under Landlock): git compares the index's owner with the mount's, and
+    // under the agents' user every file looks changed, so `commit -a` would try to read
+    // the excluded key (see docs/TROUBLESHOOTING.md).
+    let h = Harness::start_with(&agent, |c| c.unsafe_agent_as_root = true).await;
     let dir = h.path("repo");
     std::fs::create_dir_all(dir.join("rust-deps/llvm")).unwrap();
     std::fs::write(dir.join("main.py"), "print(1)\n").unwrap();
@@ -358,9 +362,20 @@ async fn excluded_files_git_tracks_are_present_but_unreadable_never_deleted() {
         .await
         .unwrap()
         .delegation_id;
+    let state = h.wait_end(id.as_str(), Duration::from_secs(90)).await;
+    let recorded: Vec<String> = std::fs::read_dir(out.path())
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+            format!("{}: {text}", e.file_name().to_string_lossy())
+        })
+        .collect();
     assert_eq!(
-        h.wait_end(id.as_str(), Duration::from_secs(90)).await,
-        DelegationState::Completed
+        state,
+        DelegationState::Completed,
+        "what the agent recorded: {recorded:#?}\n{:?}",
+        h.client.get(id.as_str()).await.map(|v| v.record.error)
     );
     let read = |f: &str| std::fs::read_to_string(out.path().join(f)).unwrap_or_default();
     assert_eq!(read("status.txt"), "", "git status on the mount is clean");

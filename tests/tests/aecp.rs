@@ -141,7 +141,7 @@ async fn finding_reaches_the_point_of_use(writeback_cache: bool) {
     assert!(!names.iter().any(|n| n == ".aecp"), "{names:?}");
 
     // B's harness listens on its socket.
-    let socket = h.path("executor-b/state").join(&b).join("aecp.sock");
+    let socket = h.path("executor-b/agents").join(&b).join("aecp.sock");
     assert!(
         eventually(WAIT, || socket.exists()).await,
         "no socket at {}",

@@ -262,7 +262,7 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
     );
 
     // The worker's harness listens on its delivery socket.
-    let socket = h.path("executor/state").join(&id).join("aecp.sock");
+    let socket = h.path("executor/agents").join(&id).join("aecp.sock");
     assert!(eventually(wait, || socket.exists()).await, "no socket");
     let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
     stream.set_read_timeout(Some(wait)).unwrap();

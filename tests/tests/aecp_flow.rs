@@ -222,7 +222,7 @@ async fn two_workers_share_a_finding_a_contract_and_its_revision() {
     );
     let inbox_b = mount_b.join(".aecp/inbox");
     assert!(json_lines(&inbox_b).is_empty(), "looking is not a delivery");
-    let socket = h.path("executor-b/state").join(&b).join("aecp.sock");
+    let socket = h.path("executor-b/agents").join(&b).join("aecp.sock");
     assert!(eventually(WAIT, || socket.exists()).await, "no socket");
     let from_socket = SocketLines::connect(&socket);
     // Let the reporter accept the connection before the delivery happens.

@@ -62,6 +62,7 @@ fn request(
         transport: Some(transport),
         multi_round: None,
         git_remote: None,
+        no_network: None,
     }
 }
 

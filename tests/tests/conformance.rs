@@ -243,6 +243,7 @@ async fn daemon_setup(h: &Harness, setup: &str, vars: &mut BTreeMap<&str, String
         transport: Some(TransportType::Archive),
         multi_round: None,
         git_remote: None,
+        no_network: None,
     };
     let id = h.client.delegate(&req).await.unwrap().delegation_id;
     let id = id.as_str().to_string();

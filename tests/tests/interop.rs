@@ -411,6 +411,7 @@ fn archive_request(
         transport: Some(TransportType::Archive),
         multi_round: None,
         git_remote: None,
+        no_network: None,
     }
 }
 

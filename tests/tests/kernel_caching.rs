@@ -16,7 +16,7 @@ async fn directories_open_without_round_trips_and_list_correctly() {
     }
     let agent = "ls -R > /dev/null && ls -R > /dev/null && \
                  mkdir -p new/deeper && touch new/deeper/f && rm -f new/deeper/f && touch new/g && \
-                 find . -path ./.git -prune -o -print | LC_ALL=C sort > /tmp/awcp-listing-$AWCP_DELEGATION_ID";
+                 find . -path ./.git -prune -o -print | LC_ALL=C sort > ../../../listing-$AWCP_DELEGATION_ID";
     let h = Harness::start(agent).await;
     let repo = h.path("repo");
     sample_repo(&repo);
@@ -29,7 +29,7 @@ async fn directories_open_without_round_trips_and_list_correctly() {
         h.wait_end(&id, Duration::from_secs(60)).await,
         DelegationState::Completed
     );
-    let listing_path = format!("/tmp/awcp-listing-{id}");
+    let listing_path = h.path(&format!("listing-{id}"));
     let on_mount = std::fs::read_to_string(&listing_path).unwrap();
     let _ = std::fs::remove_file(&listing_path);
     let native = sh(

@@ -50,6 +50,7 @@ async fn restart(several: bool, postgres: bool) {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    awcp_tests::open_to_agents(tmp.path());
     let out = tmp.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
     let repo = tmp.path().join("repo");
@@ -87,6 +88,7 @@ async fn restart(several: bool, postgres: bool) {
     );
     let mut ecfg = ExecutorConfig::new(agent, tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    awcp_tests::share_named_paths(&mut ecfg);
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     dcfg.executor_token = executor.executor.credential().map(str::to_owned);
     let daemon = awcp_ctl::daemon::start(dcfg.clone()).await.unwrap();
@@ -120,6 +122,7 @@ async fn restart(several: bool, postgres: bool) {
         transport: None,
         multi_round: None,
         git_remote: None,
+        no_network: None,
     };
     let id = client.delegate(&req).await.unwrap().delegation_id;
     let id = id.as_str().to_string();

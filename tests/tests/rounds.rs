@@ -29,6 +29,7 @@ fn request(
         transport: Some(transport),
         multi_round: multi.then_some(true),
         git_remote: None,
+        no_network: None,
         ..awcp_tests::request(url, &[("workspace", dir, AccessMode::Rw)], 300)
     }
 }

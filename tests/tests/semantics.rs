@@ -65,9 +65,12 @@ async fn operations_match(passthrough: bool, writeback_cache: bool) {
     // Some checks act as another user (a non-owner's write clearing set-user-ID): the
     // default mount access serves them, as a native directory does, since the Executor's
     // 0700 work directory keeps every other user out.
+    // The sequence also acts as root does (chown, set-ID bits, device nodes): the agent
+    // runs as root here, still under Landlock.
     let h = Harness::start_with(&agent, |c| {
         c.passthrough = passthrough;
         c.writeback_cache = writeback_cache;
+        c.unsafe_agent_as_root = true;
     })
     .await;
     let repo = h.path("repo");
@@ -204,7 +207,9 @@ async fn special_files_owners_and_long_names_match_a_native_directory() {
     // The script acts as other users on the mount too (chown/chmod rules, sticky
     // directories), from its working directory there: the default mount access serves
     // them by the files' modes, as a native directory would.
-    let h = Harness::start(&agent).await;
+    // Acting as other users and making device nodes needs root: the agent runs as root
+    // here, still under Landlock.
+    let h = Harness::start_with(&agent, |c| c.unsafe_agent_as_root = true).await;
     let repo = h.path("repo");
     std::fs::create_dir_all(&repo).unwrap();
     // A Delegator file that the mount replaces with a FIFO.

@@ -39,6 +39,7 @@ fn request(url: String, dir: &Path, mode: SnapshotMode, multi: bool) -> Delegate
         snapshot_mode: Some(mode),
         multi_round: multi.then_some(true),
         git_remote: None,
+        no_network: None,
         ..awcp_tests::request(url, &[("workspace", dir, AccessMode::Rw)], 300)
     }
 }
@@ -445,6 +446,7 @@ async fn a_change_set_survives_a_daemon_restart() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    awcp_tests::open_to_agents(tmp.path());
     let out = tmp.path().join("out");
     std::fs::create_dir_all(&out).unwrap();
     let dir = tmp.path().join("ws");
@@ -462,6 +464,7 @@ async fn a_change_set_survives_a_daemon_restart() {
     );
     let mut ecfg = ExecutorConfig::new(agent, tmp.path().join("executor"));
     ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    awcp_tests::share_named_paths(&mut ecfg);
     let executor = awcp_ctl::executor::start(ecfg).await.unwrap();
     dcfg.executor_token = executor.executor.credential().map(str::to_owned);
     let daemon = awcp_ctl::daemon::start(dcfg.clone()).await.unwrap();

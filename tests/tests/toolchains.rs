@@ -44,11 +44,41 @@ async fn run_agent_with(
     setup: impl FnOnce(&Path, &Path),
     writeback_cache: bool,
 ) -> Run {
-    let h = Harness::start_with(AGENT, |c| c.writeback_cache = writeback_cache).await;
+    run_agent_cfg(script, setup, |c| c.writeback_cache = writeback_cache).await
+}
+
+/// [`run_agent`], adjusting the Executor's config first. The agent runs confined, as by
+/// default, and may also write in the temp dir (`../../..`: its script, its log, fixtures),
+/// which the harness shares with it.
+async fn run_agent_cfg(
+    script: &str,
+    setup: impl FnOnce(&Path, &Path),
+    adjust: impl FnOnce(&mut awcp_ctl::executor::ExecutorConfig),
+) -> Run {
+    let mut as_root = false;
+    let h = Harness::start_with(AGENT, |c| {
+        adjust(c);
+        as_root = c.unsafe_agent_as_root;
+    })
+    .await;
     let repo = h.path("repo");
     std::fs::create_dir_all(&repo).unwrap();
     setup(h.tmp.path(), &repo);
     std::fs::write(h.path("agent.sh"), script).unwrap();
+    // What the setup left beside the workspace (a bare repository, fixtures) is the agent
+    // user's, as a directory shared with it would be (git refuses a repository of another
+    // owner).
+    if let Some(u) = awcp_tests::default_agent_user().filter(|_| !as_root) {
+        for entry in std::fs::read_dir(h.tmp.path()).unwrap().flatten() {
+            let name = entry.file_name();
+            if !["executor", "delegator", "repo"].contains(&name.to_str().unwrap_or("")) {
+                sh(
+                    h.tmp.path(),
+                    &format!("chown -R {}:{} '{}'", u.uid, u.gid, entry.path().display()),
+                );
+            }
+        }
+    }
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
     let state = h.wait_end(&id, TASK_TIMEOUT).await;
     let log = std::fs::read_to_string(h.path("agent.log")).unwrap_or_default();
@@ -167,7 +197,11 @@ async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(writeback_cach
         sh(&run.repo.join(clone), "git fsck --strict");
         assert_eq!(sh(&run.repo.join(clone), "git status --porcelain"), "");
     }
-    let log = sh(&run.tmp().join("bare.git"), "git log --format=%s main");
+    // The bare repository is the agent user's now (git refuses another owner's).
+    let log = sh(
+        &run.tmp().join("bare.git"),
+        "git -c safe.directory='*' log --format=%s main",
+    );
     assert!(log.starts_with("wip committed\nmerge feature\n"), "{log}");
     run.h.stop().await;
 }
@@ -449,20 +483,30 @@ RS
         cargo test -q > test2.out 2>&1
         echo cargo-ok
     "#;
-    let run = run_agent(script, |_, repo| {
-        let lib = repo.join("vendor/greet/src");
-        std::fs::create_dir_all(&lib).unwrap();
-        std::fs::write(
-            repo.join("vendor/greet/Cargo.toml"),
-            "[package]\nname = \"greet\"\nversion = \"0.1.0\"\nedition = \"2021\"\n",
-        )
-        .unwrap();
-        std::fs::write(
-            lib.join("lib.rs"),
-            "pub fn hello(name: &str) -> String {\n    format!(\"hello, {name}\")\n}\n",
-        )
-        .unwrap();
-    })
+    let run = run_agent_cfg(
+        script,
+        |_, repo| {
+            let lib = repo.join("vendor/greet/src");
+            std::fs::create_dir_all(&lib).unwrap();
+            std::fs::write(
+                repo.join("vendor/greet/Cargo.toml"),
+                "[package]\nname = \"greet\"\nversion = \"0.1.0\"\nedition = \"2021\"\n",
+            )
+            .unwrap();
+            std::fs::write(
+                lib.join("lib.rs"),
+                "pub fn hello(name: &str) -> String {\n    format!(\"hello, {name}\")\n}\n",
+            )
+            .unwrap();
+        },
+        // rustup's toolchain lives under /root (0700 here), out of the agents' user's
+        // reach: this agent runs as root, still under Landlock, reading the toolchain.
+        |c| {
+            c.unsafe_agent_as_root = true;
+            c.agent_allow_read
+                .extend(["/root/.cargo", "/root/.rustup"].map(PathBuf::from));
+        },
+    )
     .await;
     assert_eq!(read(run.repo.join("run1.txt")), "hello, mount\n");
     assert_eq!(read(run.repo.join("run2.txt")), "hi, mount\n");

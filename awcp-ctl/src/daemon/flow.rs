@@ -14,7 +14,7 @@ use awcp_protocol::api::{
 use awcp_protocol::dataplane::LeaseState;
 use awcp_protocol::messages::{
     AccessMode, ActiveLease, EnvironmentDeclaration, InviteMessage, LeaseConfig, ProtocolVersion,
-    Requirements, ResourceDeclaration, StartMessage,
+    Requirements, ResourceDeclaration, SandboxProfile, StartMessage,
 };
 use awcp_protocol::transport::{ArchiveHandle, AwcpfsHandle};
 use awcp_protocol::{
@@ -462,6 +462,10 @@ impl Daemon {
             },
             requirements: Some(Requirements {
                 transport: Some(handle.transport()),
+                sandbox_profile: (req.no_network == Some(true)).then_some(SandboxProfile {
+                    allow_network: Some(false),
+                    ..SandboxProfile::default()
+                }),
             }),
             auth: req.auth.clone(),
             multi_round: req
@@ -477,6 +481,24 @@ impl Daemon {
             .await?;
         match reply {
             AwcpMessage::Accept(a) => {
+                // Asked for no network: the workspace goes (with START) only to an Executor
+                // that says it gives none (the reference's ignores the request).
+                let no_network_granted = a
+                    .executor_constraints
+                    .as_ref()
+                    .and_then(|c| c.sandbox_profile)
+                    .is_some_and(|s| s.allow_network == Some(false));
+                if req.no_network == Some(true) && !no_network_granted {
+                    return Err(Refusal::bad(
+                        ErrorCode::Declined,
+                        "the Executor accepted without confirming that its agent has no \
+                         network (ACCEPT's executorConstraints.sandboxProfile.allowNetwork \
+                         is not false); the workspace was not sent"
+                            .into(),
+                        "Delegate to an Executor that isolates agents (awcp-ctl executor), \
+                         or without --no-network",
+                    ));
+                }
                 {
                     let mut d = live.d.lock();
                     d.record.executor_work_dir = Some(a.executor_work_dir.clone());

@@ -354,6 +354,7 @@ pub(super) async fn run(
     // The unpacked copy goes before the final event, so whoever sees `done` or `error`
     // finds it gone; the result stays in memory for `/tasks/:id/result`.
     cleanup(&a, Some(&out)).await;
+    super::confine::remove_agent_dir(&ex, a.invite.delegation_id.as_str());
     match end {
         End::Done(summary, snapshot) => finish_done(&a, summary, snapshot),
         End::Closed => close_session(&a),

@@ -481,6 +481,16 @@ fn invite(
             "Install git on the Executor, or delegate with another transport",
         );
     }
+    if inv.requirements.as_ref().is_some_and(|r| r.no_network())
+        && !super::confine::can_isolate_network(&ex.cfg)
+    {
+        return refuse(
+            ErrorCode::Declined,
+            "This Executor cannot run an agent without network".into(),
+            "Delegate to an Executor that runs as root or has Landlock's network rules, \
+             or allow the network",
+        );
+    }
     if !ex.cfg.access_modes.contains(&inv.lease.access_mode) {
         return refuse(
             ErrorCode::Declined,
@@ -559,9 +569,13 @@ fn invite(
         executor_constraints: Some(ExecutorConstraints {
             accepted_access_mode: Some(inv.lease.access_mode),
             max_ttl_seconds: Some(inv.lease.ttl_seconds.min(max_ttl)),
+            // What the agent will get (see executor/confine.rs).
             sandbox_profile: Some(SandboxProfile {
-                cwd_only: Some(true),
-                allow_network: Some(true),
+                cwd_only: Some(!ex.cfg.unsafe_agent_unconfined),
+                allow_network: Some(
+                    !(ex.cfg.agent_no_network
+                        || inv.requirements.as_ref().is_some_and(|r| r.no_network())),
+                ),
                 allow_exec: Some(true),
             }),
         }),

@@ -332,6 +332,8 @@ pub(super) fn spawn_agent(
     let id = a.invite.delegation_id.as_str();
     let task = a.task.lock().clone();
     let mut cmd = tokio::process::Command::new("sh");
+    // First: it scrubs the inherited environment, which the settings below then fill.
+    super::confine::apply(ex, a, cwd, &mut cmd)?;
     cmd.arg("-c")
         .arg(&ex.cfg.agent_cmd)
         .current_dir(cwd)
@@ -345,26 +347,12 @@ pub(super) fn spawn_agent(
                 .to_string(),
         )
         .env("AWCP_WORKSPACE", cwd)
-        .env(
-            "AECP_SOCKET",
-            ex.cfg
-                .state_dir
-                .join(id)
-                .join(awcpfs::mount::aecp::SOCKET_NAME),
-        )
+        .env("AECP_SOCKET", super::confine::aecp_socket(ex, id))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
-    if let Some(u) = &ex.cfg.agent_user {
-        // Run as the agent user (std drops root's supplementary groups when it sets the uid).
-        cmd.uid(u.uid)
-            .gid(u.gid)
-            .env("HOME", &u.home)
-            .env("USER", &u.name)
-            .env("LOGNAME", &u.name);
-    }
     if let Some(d) = ex.cfg.agent_user.as_ref().and_then(|u| u.blocked_at(cwd)) {
         return Err(std::io::Error::new(
             std::io::ErrorKind::PermissionDenied,
@@ -662,9 +650,19 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
             tracing::warn!(error = %e, "cannot save the transport handle; a crash would need manual recovery");
         }
     }
-    let ex2 = ex.clone();
+    // The agent's own directory holds the socket the mount binds.
+    if let Err(e) = super::confine::prepare_agent_dir(&ex, &id) {
+        finish_error(
+            &a,
+            ErrorCode::WorkdirDenied,
+            format!("cannot create the agent's directory: {e}"),
+            None,
+        );
+        return;
+    }
+    let (ex2, id2) = (ex.clone(), id.clone());
     let started = tokio::task::spawn_blocking(move || {
-        MountSet::start(&plans, |p| mount_config(&ex2, p, received))
+        MountSet::start(&plans, |p| mount_config(&ex2, &id2, p, received))
     })
     .await;
     let mount = match started {
@@ -685,6 +683,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                 Some("Check that the Delegator's export is reachable and /dev/fuse exists".into()),
             );
             let _ = std::fs::remove_dir(&a.work_path);
+            super::confine::remove_agent_dir(&ex, &id);
             return;
         }
         Err(e) => {
@@ -725,6 +724,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
                     format!("cannot start the agent command: {e}"),
                     None,
                 );
+                super::confine::remove_agent_dir(&ex, &id);
                 return;
             }
         };
@@ -830,6 +830,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     *a.mount.lock() = None;
     // What was written back needs its handle (a credential) no longer.
     mount.clean_up(&a.work_path, HANDLE_FILE);
+    super::confine::remove_agent_dir(&ex, &id);
 }
 
 /// Make `path` the agent user's (if there is one), so that it can work there.
@@ -846,7 +847,12 @@ pub(super) fn give_to_agent(ex: &Executor, path: &std::path::Path) -> std::io::R
 }
 
 /// The mount config of one resource.
-fn mount_config(ex: &Executor, p: &MountPlan, received: std::time::Instant) -> MountConfig {
+fn mount_config(
+    ex: &Executor,
+    id: &str,
+    p: &MountPlan,
+    received: std::time::Instant,
+) -> MountConfig {
     let h = &p.handle;
     let mut mcfg = MountConfig::new(
         &h.endpoint,
@@ -878,5 +884,10 @@ fn mount_config(ex: &Executor, p: &MountPlan, received: std::time::Instant) -> M
     // everyone else out (the mount checks that it does, see awcpfs::mount::access).
     mcfg.access = ex.cfg.mount_access;
     mcfg.owner = ex.cfg.agent_user.as_ref().map(|u| (u.uid, u.gid));
+    // The only resource's socket is the one AECP_SOCKET names, in the agent's own directory
+    // (the state directory is closed to the agent); several resources keep theirs.
+    if p.name.is_none() {
+        mcfg.aecp_socket = Some(super::confine::aecp_socket(ex, id));
+    }
     mcfg
 }

@@ -480,11 +480,13 @@ pub fn invalidate(fs: &super::fs::AwcpFs, notifier: &fuser::Notifier, path: Opti
 /// (`POST /aecp/delivered`: `{"id", "revision"}` and `{"uses": module, "revision"}` entries;
 /// best effort: a failed report is retried with the next batch, up to a bound), streams each
 /// delivery and revision notice line to the clients of the worker's socket, and invalidates
-/// the `.aecp/` contents. Removes the socket at the end.
+/// the `.aecp/` contents. The socket is made `owner`'s (uid, gid), if given, so that an
+/// agent running as that user can connect. Removes the socket at the end.
 pub fn report(
     fs: &super::fs::AwcpFs,
     remote: &dyn super::remote::Remote,
     socket: &std::path::Path,
+    owner: Option<(u32, u32)>,
     invalidate: impl Fn(),
     mut ended: impl FnMut() -> bool,
 ) {
@@ -496,6 +498,11 @@ pub fn report(
     let listener = match std::os::unix::net::UnixListener::bind(socket) {
         Ok(l) => {
             let _ = l.set_nonblocking(true);
+            if let Some((uid, gid)) = owner
+                && let Err(e) = std::os::unix::fs::chown(socket, Some(uid), Some(gid))
+            {
+                tracing::warn!(error = %e, socket = %socket.display(), "AECP: cannot give the delivery socket to the agent's user");
+            }
             Some(l)
         }
         Err(e) => {

@@ -90,6 +90,10 @@ pub struct MountConfig {
     /// Who owns every file and directory of the mount (uid, gid); default the mounting
     /// process's effective ids.
     pub owner: Option<(u32, u32)>,
+    /// Where the worker's AECP delivery socket is bound (default
+    /// `<state_dir>/`[`super::aecp::SOCKET_NAME`]); it is made `owner`'s, so that an agent
+    /// running as that user can connect.
+    pub aecp_socket: Option<PathBuf>,
 }
 
 impl MountConfig {
@@ -124,6 +128,7 @@ impl MountConfig {
             renew_margin: None,
             access: super::MountAccess::default(),
             owner: None,
+            aecp_socket: None,
         }
     }
 }
@@ -584,14 +589,27 @@ impl Mount {
         std::thread::Builder::new()
             .name("awcpfs-aecp".into())
             .spawn(move || {
-                let socket = m.inner.cfg.state_dir.join(super::aecp::SOCKET_NAME);
+                let socket = m
+                    .inner
+                    .cfg
+                    .aecp_socket
+                    .clone()
+                    .unwrap_or_else(|| m.inner.cfg.state_dir.join(super::aecp::SOCKET_NAME));
+                let owner = m.inner.cfg.owner;
                 let invalidate = || {
                     if let Some(s) = m.inner.session.lock().as_ref() {
                         super::aecp::invalidate(&m.inner.fs, &s.notifier(), None);
                     }
                 };
                 let ended = || m.wait(super::aecp::REPORT_EVERY).is_some();
-                super::aecp::report(&m.inner.fs, &*m.inner.remote, &socket, invalidate, ended);
+                super::aecp::report(
+                    &m.inner.fs,
+                    &*m.inner.remote,
+                    &socket,
+                    owner,
+                    invalidate,
+                    ended,
+                );
             })
             .expect("spawning a thread");
         if self.inner.cfg.kernel.writeback_cache {
