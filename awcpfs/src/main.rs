@@ -57,6 +57,17 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         aecp_events: Option<PathBuf>,
     },
+    /// git's filesystem monitor hook (`core.fsmonitor`, protocol version 2): prints what
+    /// changed on the awcpfs mount since TOKEN, so `git status` looks at those paths only.
+    /// git runs it in the work tree; `awcpfs mount` prints the settings that enable it
+    /// (environment variables: the repository's config is left alone).
+    Fsmonitor {
+        /// The hook protocol version git asks in (2).
+        version: String,
+        /// The token of git's last question (empty or unknown: everything changed).
+        #[arg(default_value = "")]
+        token: String,
+    },
     /// Write back what a mount that crashed (or was killed) had journaled but not yet
     /// committed. Give the same handle and --state-dir the mount had.
     Recover {
@@ -342,6 +353,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Fsmonitor { version, token } => {
+            let answer = awcpfs::fsmonitor::query(std::path::Path::new("."), &version, &token)
+                .context("awcpfs fsmonitor")?;
+            use std::io::Write as _;
+            let mut out = std::io::stdout().lock();
+            out.write_all(&answer)?;
+            out.flush()?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Recover { handle, state_dir } => {
             let h = read_handle(&handle)?;
             let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
@@ -423,6 +443,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 mountpoint.display(),
                 mount.access().describe(access_choice)
             );
+            if let Ok(exe) = std::env::current_exe() {
+                let hook = awcpfs::fsmonitor::hook_command(&exe, &["fsmonitor"]);
+                eprintln!(
+                    "awcpfs: `git status` in O(changes) for a repository on this mount (git's \
+                     fsmonitor, without touching its config):\n  export {}",
+                    awcpfs::fsmonitor::shell_setup(&hook)
+                );
+            }
             let m = mount.clone();
             let ended = tokio::task::spawn_blocking(move || {
                 loop {

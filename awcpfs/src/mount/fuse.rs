@@ -379,6 +379,8 @@ impl Filesystem for FuseAdapter {
         reply: ReplyAttr,
     ) {
         self.fs.stats().count_op("setattr");
+        // Until the reply is sent: git's fsmonitor tokens stay before this change.
+        let _change = self.fs.changes().begin();
         let set = SetAttr {
             mode,
             uid,
@@ -414,6 +416,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("mknod");
+        let _change = self.fs.changes().begin();
         match self
             .fs
             .mknod_as(caller(req), parent.0, name, mode & !umask, rdev)
@@ -433,6 +436,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("mkdir");
+        let _change = self.fs.changes().begin();
         match self.fs.mkdir_as(caller(req), parent.0, name, mode & !umask) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "mkdir", e),
@@ -441,6 +445,7 @@ impl Filesystem for FuseAdapter {
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.fs.stats().count_op("unlink");
+        let _change = self.fs.changes().begin();
         match self.fs.unlink(parent.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "unlink", e),
@@ -449,6 +454,7 @@ impl Filesystem for FuseAdapter {
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.fs.stats().count_op("rmdir");
+        let _change = self.fs.changes().begin();
         match self.fs.rmdir(parent.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "rmdir", e),
@@ -464,6 +470,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("symlink");
+        let _change = self.fs.changes().begin();
         match self
             .fs
             .symlink_as(caller(req), parent.0, link_name, target.as_os_str())
@@ -484,6 +491,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("rename");
+        let _change = self.fs.changes().begin();
         // RENAME_WHITEOUT (overlayfs on top of the mount) would need a whiteout device node,
         // which awcpfs cannot store: refuse it as filesystems without support do, instead of
         // renaming without the whiteout.
@@ -516,6 +524,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("link");
+        let _change = self.fs.changes().begin();
         match self.fs.link(ino.0, newparent.0, newname) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "link", e),
@@ -528,6 +537,7 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         self.fs.stats().count_op("open");
+        let _change = self.fs.changes().begin();
         if let Some(r) = self
             .fs
             .aecp()
@@ -600,6 +610,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyWrite,
     ) {
         self.fs.stats().count_op("write");
+        let _change = self.fs.changes().begin();
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
             // We told the kernel we clear set-user-ID and set-group-ID on writes
             // (FUSE_HANDLE_KILLPRIV_V2).
@@ -811,6 +822,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyCreate,
     ) {
         self.fs.stats().count_op("create");
+        let _change = self.fs.changes().begin();
         match self
             .fs
             .create_as(caller(req), parent.0, name, mode & !umask, flags)
@@ -880,6 +892,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("fallocate");
+        let _change = self.fs.changes().begin();
         match self.fs.fallocate(ino.0, fh.0, offset, length, mode) {
             Ok(_) => reply.ok(),
             Err(e) => reply_err!(reply, "fallocate", e),

@@ -1100,6 +1100,9 @@ impl Mount {
         if self.inner.fs.fenced().is_some() {
             return;
         }
+        // Until the kernel has been told to forget what it cached: git's fsmonitor tokens
+        // stay before these changes (see `mount/changes.rs`).
+        let _change = self.inner.fs.changes().begin();
         if self.inner.fs.writeback_cache()
             && entries
             && let Some(root) = self.open_root()
