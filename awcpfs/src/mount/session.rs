@@ -1121,6 +1121,17 @@ impl Mount {
             Some(s) => s.notifier(),
             None => return,
         };
+        // A directory whose names changed: the kernel keeps its listing (no-opendir caches
+        // it) until its pages are dropped; `inval_entry` alone leaves a new name out of
+        // `ls` and `git status`, and a removed one in.
+        let dirs: std::collections::BTreeSet<u64> = invals
+            .iter()
+            .filter_map(|i| match i {
+                Inval::Entry(parent, _) | Inval::Delete(parent, _, _) => Some(*parent),
+                _ => None,
+            })
+            .collect();
+        let invals = invals.into_iter().chain(dirs.into_iter().map(Inval::Inode));
         for inval in invals {
             // ENOENT: the kernel had nothing cached for it.
             let r = match &inval {
