@@ -124,6 +124,17 @@ enum Command {
         #[arg(long, env = "AWCP_EXECUTOR_TOKEN", hide_env_values = true)]
         executor_token: Option<String>,
     },
+    /// git's filesystem monitor hook for a workspace on an awcpfs mount (`core.fsmonitor`,
+    /// protocol version 2): prints what changed since TOKEN. The Executor sets it in the
+    /// agent's environment (GIT_CONFIG_COUNT/KEY/VALUE), so `git status` looks at changed
+    /// paths only; the repository's config is never changed.
+    Fsmonitor {
+        /// The hook protocol version git asks in (2).
+        version: String,
+        /// The token of git's last question (empty or unknown: everything changed).
+        #[arg(default_value = "")]
+        token: String,
+    },
     /// Print a shell completion script, e.g. `awcp-ctl completions bash >
     /// /etc/bash_completion.d/awcp-ctl`.
     Completions {
@@ -378,6 +389,12 @@ struct ExecutorArgs {
     /// cache is off with --passthrough.
     #[arg(long)]
     no_writeback_cache: bool,
+    /// Leave git's filesystem monitor off for agents (by default their environment makes
+    /// `awcp-ctl fsmonitor` git's `core.fsmonitor` hook, with the untracked cache, so `git
+    /// status` on the mount looks only at what changed; the repository's config is never
+    /// touched).
+    #[arg(long)]
+    no_git_fsmonitor: bool,
     /// The default (see --no-writeback-cache); accepted for older scripts.
     #[arg(long, hide = true, conflicts_with = "no_writeback_cache")]
     writeback_cache: bool,
@@ -663,6 +680,10 @@ fn exit_for(state: DelegationState) -> ExitCode {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Fsmonitor { version, token } = &cli.command {
+        // Run by git on every `git status`: no runtime, no logging set-up.
+        return awcp_ctl::executor::fsmonitor_hook(version, token);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AWCP_LOG").unwrap_or_else(|_| {
@@ -782,6 +803,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.hydrate = a.hydrate;
             cfg.track_opens = a.track_opens;
             cfg.writeback_cache = !a.no_writeback_cache;
+            cfg.git_fsmonitor = !a.no_git_fsmonitor;
             cfg.renew_margin = a.renew_margin;
             cfg.read_timeout = a.read_timeout;
             cfg.transports = a.transports.into_iter().map(transport_of).collect();
@@ -1210,6 +1232,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::SUCCESS
             })
+        }
+        Command::Fsmonitor { version, token } => {
+            Ok(awcp_ctl::executor::fsmonitor_hook(&version, &token))
         }
         Command::Completions { shell } => {
             use clap::CommandFactory;

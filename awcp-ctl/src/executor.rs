@@ -12,6 +12,8 @@
 
 mod aecp;
 mod archive_task;
+mod fsmonitor;
+pub use fsmonitor::fsmonitor_hook;
 mod mounts;
 mod routes;
 mod task;
@@ -58,6 +60,9 @@ pub struct ExecutorConfig {
     /// Let the kernel cache writes (on by default; see
     /// [`awcpfs::mount::KernelOptions::writeback_cache`]).
     pub writeback_cache: bool,
+    /// Give agents on a mount git's filesystem monitor (`awcp-ctl fsmonitor`, through
+    /// their environment): `git status` costs O(changes). On by default.
+    pub git_fsmonitor: bool,
     /// Renew each lease with the Delegator's export when less than this is left (`None`:
     /// leases end when the Delegator's TTL runs out unless it renews them).
     pub renew_margin: Option<Duration>,
@@ -172,6 +177,7 @@ impl ExecutorConfig {
             hydrate: None,
             track_opens: false,
             writeback_cache: true,
+            git_fsmonitor: true,
             renew_margin: None,
             read_timeout: Duration::from_secs(30),
             sync_debounce: Duration::from_millis(50),

@@ -202,6 +202,7 @@ pub(super) fn spawn_agent(
     ex: &Executor,
     a: &Arc<Assignment>,
     cwd: &std::path::Path,
+    on_mount: bool,
 ) -> std::io::Result<Agent> {
     let id = a.invite.delegation_id.as_str();
     let task = a.task.lock().clone();
@@ -231,6 +232,9 @@ pub(super) fn spawn_agent(
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
+    if on_mount && ex.cfg.git_fsmonitor {
+        cmd.envs(super::fsmonitor::agent_git_env());
+    }
     if let Some(u) = &ex.cfg.agent_user {
         // Run as the agent user (std drops root's supplementary groups when it sets the uid).
         cmd.uid(u.uid)
@@ -574,7 +578,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     let mut end_rx = end_rx;
     let mut rounds = a.rounds_rx.lock().take();
     loop {
-        let mut agent = match spawn_agent(&ex, &a, &a.work_path) {
+        let mut agent = match spawn_agent(&ex, &a, &a.work_path, true) {
             Ok(agent) => agent,
             Err(e) => {
                 let m = mount.clone();
