@@ -63,6 +63,8 @@ pub struct ExecutorConfig {
     /// Give agents on a mount git's filesystem monitor (`awcp-ctl fsmonitor`, through
     /// their environment): `git status` costs O(changes). On by default.
     pub git_fsmonitor: bool,
+    /// The hook command git runs for it (`None`: this binary, `awcp-ctl fsmonitor`).
+    pub fsmonitor_hook: Option<String>,
     /// Renew each lease with the Delegator's export when less than this is left (`None`:
     /// leases end when the Delegator's TTL runs out unless it renews them).
     pub renew_margin: Option<Duration>,
@@ -178,6 +180,7 @@ impl ExecutorConfig {
             track_opens: false,
             writeback_cache: true,
             git_fsmonitor: true,
+            fsmonitor_hook: None,
             renew_margin: None,
             read_timeout: Duration::from_secs(30),
             sync_debounce: Duration::from_millis(50),

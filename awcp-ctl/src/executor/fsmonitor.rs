@@ -7,13 +7,19 @@
 use std::process::ExitCode;
 
 /// The environment for an agent on a mount: git's settings, after any the Executor's own
-/// environment already gives. None when this binary's path is unknown.
-pub(super) fn agent_git_env() -> Vec<(String, std::ffi::OsString)> {
-    let Ok(exe) = std::env::current_exe() else {
-        tracing::warn!("cannot find this binary's path: git's fsmonitor stays off for agents");
-        return Vec::new();
+/// environment already gives, with `hook` as the hook command (`None`: this binary's
+/// `fsmonitor`). Empty when this binary's path is unknown.
+pub(super) fn agent_git_env(hook: Option<&str>) -> Vec<(String, std::ffi::OsString)> {
+    let hook = match hook {
+        Some(h) => h.to_string(),
+        None => match std::env::current_exe() {
+            Ok(exe) => awcpfs::fsmonitor::hook_command(&exe, &["fsmonitor"]),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot find this binary's path: git's fsmonitor stays off for agents");
+                return Vec::new();
+            }
+        },
     };
-    let hook = awcpfs::fsmonitor::hook_command(&exe, &["fsmonitor"]);
     let existing = std::env::var("GIT_CONFIG_COUNT").ok();
     awcpfs::fsmonitor::git_config_env(&hook, existing.as_deref())
 }

@@ -233,7 +233,9 @@ pub(super) fn spawn_agent(
         .process_group(0)
         .kill_on_drop(true);
     if on_mount && ex.cfg.git_fsmonitor {
-        cmd.envs(super::fsmonitor::agent_git_env());
+        cmd.envs(super::fsmonitor::agent_git_env(
+            ex.cfg.fsmonitor_hook.as_deref(),
+        ));
     }
     if let Some(u) = &ex.cfg.agent_user {
         // Run as the agent user (std drops root's supplementary groups when it sets the uid).
