@@ -57,7 +57,7 @@ pub struct ExecutorConfig {
     /// Ask the mount at every open and close of an existing file (see
     /// [`awcpfs::mount::KernelOptions::no_open`]).
     pub track_opens: bool,
-    /// Let the kernel cache writes (on by default; see
+    /// Let the kernel cache writes (off by default; see
     /// [`awcpfs::mount::KernelOptions::writeback_cache`]).
     pub writeback_cache: bool,
     /// Give agents on a mount git's filesystem monitor (`awcp-ctl fsmonitor`, through
@@ -178,7 +178,7 @@ impl ExecutorConfig {
             passthrough: false,
             hydrate: None,
             track_opens: false,
-            writeback_cache: true,
+            writeback_cache: false,
             git_fsmonitor: true,
             fsmonitor_hook: None,
             renew_margin: None,

@@ -110,19 +110,21 @@ enum Command {
         /// it for 50 ms. Implied by --passthrough.
         #[arg(long)]
         track_opens: bool,
-        /// Send every write to awcpfs as it is made, instead of letting the kernel cache
-        /// writes and send them in batches (the FUSE writeback cache, on by default: builds
-        /// that write many small pieces, a linker or compileall, stop paying a round trip
-        /// per write; close and fsync still hand the file's data to awcpfs before they
-        /// return, a file kept open is written back within about a second, and the end of
-        /// the lease writes what the kernel holds back within the flush grace). Without the
-        /// cache a write(2) that returned is already awcpfs's, and a full disk fails the
-        /// write itself rather than the fsync or close. The cache is off with --passthrough.
-        #[arg(long)]
-        no_writeback_cache: bool,
-        /// The default (see --no-writeback-cache); accepted for older scripts.
-        #[arg(long, hide = true, conflicts_with = "no_writeback_cache")]
+        /// Let the kernel cache writes and send them to awcpfs in batches (the FUSE
+        /// writeback cache): builds that write many small pieces, a linker or compileall,
+        /// stop paying a round trip per write (close and fsync still hand the file's data
+        /// to awcpfs before they return, a file kept open is written back within about a
+        /// second, the end of the lease writes what the kernel holds back within the flush
+        /// grace), but every `stat` of a file closed since costs a round trip, so rereading
+        /// files is slower: off by default, chosen by the agent-session replay
+        /// (docs/BENCHMARKS.md). Under the cache a full disk fails the fsync or close
+        /// rather than the write. Ignored with --passthrough.
+        #[arg(long, conflicts_with = "no_writeback_cache")]
         writeback_cache: bool,
+        /// The default (every write reaches awcpfs as it is made); accepted for older
+        /// scripts.
+        #[arg(long, hide = true)]
+        no_writeback_cache: bool,
         /// A read (or open) that needs the network fails with EIO after this many seconds
         /// when the export does not answer; also the bound on each data-plane request.
         #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -403,8 +405,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cache_size,
             passthrough,
             track_opens,
-            no_writeback_cache,
-            writeback_cache: _,
+            writeback_cache,
+            no_writeback_cache: _,
             read_timeout_secs,
             access,
             allow_other,
@@ -426,7 +428,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             cfg.kernel.passthrough = passthrough;
             cfg.kernel.no_open = !track_opens;
-            cfg.kernel.writeback_cache = !no_writeback_cache;
+            cfg.kernel.writeback_cache = writeback_cache;
             cfg.access = if allow_other {
                 MountAccess::All
             } else {

@@ -55,7 +55,10 @@ pub struct KernelOptions {
     /// makes the kernel forget the inode; the end of the lease writes dirty pages back
     /// (`syncfs`, within the flush grace) before the mount is fenced, and the mount has the
     /// kernel write back every [`KERNEL_WRITEBACK_EVERY`](super::session::KERNEL_WRITEBACK_EVERY)
-    /// meanwhile. On by default; ignored with `passthrough`.
+    /// meanwhile. The cost: the kernel marks a file's block count stale at every `close`
+    /// under the cache, so the next `stat` of a file closed since is a round trip. Off by
+    /// default (chosen by the agent-session replay, docs/BENCHMARKS.md); ignored with
+    /// `passthrough`.
     pub writeback_cache: bool,
 }
 
@@ -66,7 +69,7 @@ impl Default for KernelOptions {
             passthrough: false,
             no_opendir: true,
             no_open: true,
-            writeback_cache: true,
+            writeback_cache: false,
         }
     }
 }
