@@ -4,7 +4,7 @@
 //! git runs the hook in the work tree with two arguments, the protocol version and the
 //! token of its last question, and reads `<new token> NUL <path> NUL …` (or `/` for
 //! "everything") from its output. [`query`] asks the mount for exactly that with one
-//! `getxattr` of [`FSMONITOR_XATTR`](crate::mount::changes::FSMONITOR_XATTR)`<token>` on
+//! `getxattr` of [`FSMONITOR_XATTR`]`<token>` on
 //! the work tree (see `mount/changes.rs` for how the mount builds the answer): the hook
 //! needs nothing but the mount, so it works for an agent confined to its workspace.
 //!
