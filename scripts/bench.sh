@@ -23,7 +23,16 @@ usage: bash scripts/bench.sh [options]
   --files N           files in the synthetic repository (default 20000; 100000 = large case)
   --runs N            timed runs per cell; each figure is their median (default 5)
   --only LIST         comma-separated workloads:
-                      delegate,git,stat,read,seq,fio,make,loop,pyc,visible,aecp,cold
+                      replay,gitfsm,delegate,git,stat,read,seq,fio,make,loop,pyc,visible,
+                      aecp,cold
+                      (replay: an agent's session replayed (scripts/bench/replay.sh:
+                      git status/log, grep searches, reading the hits, a test run, sed
+                      edits, git diff, git status, the tests again, a commit) on native,
+                      awcpfs as mounted by default, awcpfs with the other writeback-cache
+                      setting (--replay-alt), and sshfs - the headline figure;
+                      gitfsm: git status warm, after the dentries were dropped, and on a
+                      fresh mount, with git's fsmonitor served by the mount against
+                      without it and against native ext4;
                       (loop: edit 5 C files -> make -j2 -> run the program -> git commit,
                       and append to 200 files -> git add -A -> git commit;
                       pyc: python3 -m compileall of ~1,800 modules, a write-heavy build;
@@ -32,6 +41,8 @@ usage: bash scripts/bench.sh [options]
                       cold: the agent's first commands on a fresh mount: time to a
                       usable mount, the first git status, the first test run's reads,
                       and copying those files through the same link as the baseline)
+  --replay-alt "..."  the mount options of the replay's second awcpfs arm (default
+                      "--writeback-cache": the setting the default mount does not use)
   --big-mib N         size of the sequential-read file in MiB (default 512)
   --c-units N         C compilation units (default 300)
   --fio-secs N        length of each fio job in seconds (default 5)
@@ -86,7 +97,7 @@ HELPERS=$REPO_DIR/scripts/bench
 
 FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0 FLEET= WARM_ONLY=0 NO_SSHFS=0
 SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET= IDLE_WAIT= MOUNT_OPTS=
-LINK_DELAY_MS=0 LINK_MBIT=0 NO_SSHFS=0
+LINK_DELAY_MS=0 LINK_MBIT=0 NO_SSHFS=0 REPLAY_ALT=--writeback-cache
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
 OUT_DIR=${AWCP_BENCH_OUT_DIR:-/var/tmp/awcpfs-bench-results}
@@ -113,6 +124,7 @@ while [[ $# -gt 0 ]]; do
         --cell-budget) need_arg "$@"; CELL_BUDGET=$2; shift ;;
         --idle-wait) need_arg "$@"; IDLE_WAIT=$2; shift ;;
         --mount-opts) need_arg "$@"; MOUNT_OPTS=$2; shift ;;
+        --replay-alt) need_arg "$@"; REPLAY_ALT=$2; shift ;;
         --fleet) need_arg "$@"; FLEET=$2; shift ;;
         --link-delay-ms) need_arg "$@"; LINK_DELAY_MS=$2; shift ;;
         --link-mbit) need_arg "$@"; LINK_MBIT=$2; shift ;;
@@ -138,7 +150,7 @@ LINK=0
 [[ $LINK_DELAY_MS != 0 || $LINK_MBIT != 0 ]] && LINK=1
 LINK_DESC=loopback
 ((LINK)) && LINK_DESC="emulated link: ${LINK_DELAY_MS} ms round trip, ${LINK_MBIT} Mbit/s each way (0: unlimited)"
-ALL_WORKLOADS=(delegate git stat read seq fio make loop pyc visible aecp cold)
+ALL_WORKLOADS=(replay gitfsm delegate git stat read seq fio make loop pyc visible aecp cold)
 if [[ -n $ONLY ]]; then
     IFS=, read -r -a WORKLOADS <<<"$ONLY"
     for w in "${WORKLOADS[@]}"; do
@@ -176,6 +188,7 @@ log() { printf '[bench %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 declare -A EXPORT_PID=() MOUNT_PID=() STATE_OF=() SRC_OF=() LINK_PID=() MOUNT_HANDLE=()
+declare -A MOUNT_EXTRA=()   # mount options of one mount by name, after $MOUNT_OPTS
 SSH_LINK_PID=
 CTL_PIDS=()
 SSHD_PID=
@@ -311,7 +324,9 @@ fi
 BIN_DIR=$(cd "$BIN_DIR" && pwd) || die "--bin-dir $BIN_DIR does not exist"
 AWCPFS=$BIN_DIR/awcpfs
 AWCP_CTL=$BIN_DIR/awcp-ctl
-[[ -x $AWCPFS && -x $AWCP_CTL ]] || die "no awcpfs / awcp-ctl in $BIN_DIR"
+[[ -x $AWCPFS ]] || die "no awcpfs in $BIN_DIR"
+# awcp-ctl only for the delegate workload
+! wants delegate || [[ -x $AWCP_CTL ]] || die "no awcp-ctl in $BIN_DIR (the delegate workload needs it)"
 
 # ---------------------------------------------------------------------------------------------
 # work directory, dataset
@@ -446,7 +461,7 @@ awcpfs_mount_up() {
     mkdir -p "$mnt"
     # shellcheck disable=SC2086 # MOUNT_OPTS is a list of options
     local t0=${EPOCHREALTIME/./}
-    "$AWCPFS" mount "${MOUNT_HANDLE[$name]}" "$mnt" --state-dir "$st/mount" $MOUNT_OPTS \
+    "$AWCPFS" mount "${MOUNT_HANDLE[$name]}" "$mnt" --state-dir "$st/mount" $MOUNT_OPTS ${MOUNT_EXTRA[$name]:-} \
         >>"$LOGS/awcpfs-$name-mount.log" 2>&1 &
     MOUNT_PID[$name]=$!
     wait_for "awcpfs mount at $mnt" 300 "${MOUNT_PID[$name]}" mount_ready "$mnt" "${SRC_OF[$name]}" || return 1
@@ -1154,6 +1169,82 @@ wl_aecp() {
     git_refresh "$D_AW/repo"
 }
 
+# The agent-session replay (scripts/bench/replay.sh), the headline figure: native, awcpfs
+# as a user mounts it by default, awcpfs with the other writeback-cache setting
+# ($REPLAY_ALT), and sshfs, each on its own copy of the repository (every run edits five
+# files and commits). warm: mounted and replayed once before; ttl: the kernel's dentries and
+# inodes dropped before each run (page cache kept), as after a pause.
+REPLAY_N=0
+REPLAY_CMD="sh '$HELPERS/replay.sh' \"\$(cat '$RUN/replay-n')\" '$HELPERS'"
+replay_next() { echo $((++REPLAY_N)) >"$RUN/replay-n"; }
+wl_replay() {
+    log "workload: agent-session replay (default mount vs ${REPLAY_ALT})"
+    local d_alt=$DATA/awcpfs-alt d base
+    base=$(git -C "$D_NAT/repo" rev-parse HEAD)
+    rm -rf "$d_alt"
+    mkdir -p "$d_alt"
+    cp -a "$D_AW/repo" "$d_alt/repo"
+    replay_next
+    warm_setup repo "$REPLAY_CMD"
+    local alt_ok=0
+    MOUNT_EXTRA[replayalt]=$REPLAY_ALT
+    awcpfs_up replayalt "$d_alt/repo" && warmup awcpfs-alt "$MNT/replayalt" "$REPLAY_CMD" && alt_ok=1
+    local v prep
+    for v in warm ttl; do
+        [[ $v == warm ]] && prep=replay_next || prep="replay_next && after_ttl"
+        cell replay "$v"
+        warm_arms repo "$prep" "$REPLAY_CMD"
+        if ((alt_ok)); then arm awcpfs-alt "$MNT/replayalt" "$prep" "$REPLAY_CMD"; else record replay "$v" awcpfs-alt s fail; fi
+        run_cell
+    done
+    echo "$REPLAY_ALT" >"$RUN/replay-alt"
+    awcpfs_down replayalt
+    awcpfs_down repo
+    unset "MOUNT_EXTRA[replayalt]"
+    rm -rf "$d_alt"
+    # the copies' repositories carry the replay's commits: back to the dataset's state
+    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+        git -C "$d/repo" reset -q --hard "$base"
+        git_refresh "$d/repo"
+    done
+}
+
+# git status with git's fsmonitor served by the mount (`awcpfs fsmonitor`, the untracked
+# cache on) against the same mount without it and native ext4 without it: warm, after the
+# kernel dropped its dentries and inodes, and on a fresh mount. Two mounts of two copies:
+# a git run without the monitor would clear the index's marks the monitored one relies on.
+FSM_GIT="git -c 'core.fsmonitor=$AWCPFS fsmonitor' -c core.fsmonitorHookVersion=2 -c core.untrackedCache=true"
+FSM_CMD="$FSM_GIT status >/dev/null"
+wl_gitfsm() {
+    log "workload: git status with the mount's fsmonitor"
+    local d_fsm=$DATA/awcpfs-fsm ok=0 fsm_ok=0
+    rm -rf "$d_fsm"
+    mkdir -p "$d_fsm"
+    cp -a "$D_AW/repo" "$d_fsm/repo"
+    warmup native "$D_NAT/repo" "$GIT_CMD" || true
+    awcpfs_up repo "$D_AW/repo" && warmup awcpfs "$MNT/repo" "$GIT_CMD" && ok=1
+    # twice: the first monitored run writes the index with the monitor's marks
+    awcpfs_up fsm "$d_fsm/repo" && warmup awcpfs-fsm "$MNT/fsm" "$FSM_CMD" &&
+        warmup awcpfs-fsm "$MNT/fsm" "$FSM_CMD" && fsm_ok=1
+    local v prep_n prep_a prep_f
+    for v in warm ttl fresh; do
+        case $v in
+            warm) prep_n=- prep_a=- prep_f=- ;;
+            ttl) prep_n=after_ttl prep_a=after_ttl prep_f=after_ttl ;;
+            fresh) prep_n=after_ttl prep_a="awcpfs_down repo && awcpfs_up repo '$D_AW/repo'"
+                prep_f="awcpfs_down fsm && awcpfs_up fsm '$d_fsm/repo'" ;;
+        esac
+        cell gitfsm "$v"
+        arm native "$D_NAT/repo" "$prep_n" "$GIT_CMD"
+        if ((ok)); then arm awcpfs "$MNT/repo" "$prep_a" "$GIT_CMD"; else record gitfsm "$v" awcpfs s fail; fi
+        if ((fsm_ok)); then arm awcpfs-fsm "$MNT/fsm" "$prep_f" "$FSM_CMD"; else record gitfsm "$v" awcpfs-fsm s fail; fi
+        run_cell
+    done
+    awcpfs_down fsm
+    awcpfs_down repo
+    rm -rf "$d_fsm"
+}
+
 # ---------------------------------------------------------------------------------------------
 # main
 
@@ -1166,7 +1257,7 @@ log "machine: $MACHINE"
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 log "binaries: $BIN_DIR; work dir: $WORK; runs per cell: $RUNS; workloads: ${WORKLOADS[*]}"
 measure_overhead
-if { ((NO_SSHFS == 0)) && { wants git || wants stat || wants read || wants seq || wants fio || wants make || wants loop || wants pyc || wants visible; }; } || wants cold; then
+if { ((NO_SSHFS == 0)) && { wants replay || wants git || wants stat || wants read || wants seq || wants fio || wants make || wants loop || wants pyc || wants visible; }; } || wants cold; then
     sshd_start
     sshfs_up || die "sshfs mount failed (see $LOGS/sshfs.log)"
 fi
@@ -1181,8 +1272,8 @@ RESULT_MD=$OUT_DIR/results-$STAMP_T.md
 RESULT_TSV=$OUT_DIR/results-$STAMP_T.tsv
 cp "$RAW" "$RESULT_TSV"
 cp -r "$LOGS" "$OUT_DIR/results-$STAMP_T.logs" 2>/dev/null || true
-printf '{"files": %d, "big_bytes": %d, "runs": %d, "samples": %d, "link": "%s"}\n' "$FILES" "$BIG_BYTES" "$RUNS" "$SAMPLES" \
-    "$( ((LINK)) && echo "${LINK_DELAY_MS} ms RTT, ${LINK_MBIT} Mbit/s" || echo loopback)" >"$RUN/meta.json"
+printf '{"files": %d, "big_bytes": %d, "runs": %d, "samples": %d, "link": "%s", "replay_alt": "%s", "mount_opts": "%s"}\n' "$FILES" "$BIG_BYTES" "$RUNS" "$SAMPLES" \
+    "$( ((LINK)) && echo "${LINK_DELAY_MS} ms RTT, ${LINK_MBIT} Mbit/s" || echo loopback)" "$REPLAY_ALT" "$MOUNT_OPTS" >"$RUN/meta.json"
 ELAPSED=$((SECONDS - T_START))
 {
     echo "# awcpfs benchmark, $(date -u +%Y-%m-%dT%H:%MZ)"

@@ -126,6 +126,17 @@ enum Command {
         #[command(flatten)]
         cred: secrets::ExecutorCredentialArgs,
     },
+    /// git's filesystem monitor hook for a workspace on an awcpfs mount (`core.fsmonitor`,
+    /// protocol version 2): prints what changed since TOKEN. The Executor sets it in the
+    /// agent's environment (GIT_CONFIG_COUNT/KEY/VALUE), so `git status` looks at changed
+    /// paths only; the repository's config is never changed.
+    Fsmonitor {
+        /// The hook protocol version git asks in (2).
+        version: String,
+        /// The token of git's last question (empty or unknown: everything changed).
+        #[arg(default_value = "")]
+        token: String,
+    },
     /// Print a shell completion script, e.g. `awcp-ctl completions bash >
     /// /etc/bash_completion.d/awcp-ctl`.
     Completions {
@@ -446,19 +457,26 @@ struct ExecutorArgs {
     /// Implied by --passthrough.
     #[arg(long)]
     track_opens: bool,
-    /// Have each mount take every write as it is made, instead of letting the kernel cache
-    /// writes and send them in batches (the FUSE writeback cache, on by default: builds
-    /// that write many small pieces stop paying a round trip per write; close and fsync
-    /// still hand the data to the mount before they return, a file kept open is written
-    /// back within about a second, and a revocation writes back what the kernel holds
-    /// within the flush grace). Without the cache a write(2) that returned is already the
-    /// mount's, and a full disk fails the write itself rather than the fsync or close. The
-    /// cache is off with --passthrough.
-    #[arg(long)]
-    no_writeback_cache: bool,
-    /// The default (see --no-writeback-cache); accepted for older scripts.
-    #[arg(long, hide = true, conflicts_with = "no_writeback_cache")]
+    /// Have each mount let the kernel cache writes and send them in batches (the FUSE
+    /// writeback cache): builds that write many small pieces stop paying a round trip per
+    /// write (close and fsync still hand the data to the mount before they return, a file
+    /// kept open is written back within about a second, a revocation writes back what the
+    /// kernel holds within the flush grace), but every `stat` of a file closed since costs
+    /// a round trip, so rereading files is slower: off by default, chosen by the
+    /// agent-session replay (docs/BENCHMARKS.md). Under the cache a full disk fails the
+    /// fsync or close rather than the write. Ignored with --passthrough.
+    #[arg(long, conflicts_with = "no_writeback_cache")]
     writeback_cache: bool,
+    /// Leave git's filesystem monitor off for agents (by default their environment makes
+    /// `awcp-ctl fsmonitor` git's `core.fsmonitor` hook, with the untracked cache, so `git
+    /// status` on the mount looks only at what changed; the repository's config is never
+    /// touched).
+    #[arg(long)]
+    no_git_fsmonitor: bool,
+    /// The default (every write reaches the mount as it is made); accepted for older
+    /// scripts.
+    #[arg(long, hide = true)]
+    no_writeback_cache: bool,
     /// Renew each lease with the Delegator when less than this is left (e.g. `30s`), up to
     /// the Delegator's --max-lease. Without it, a lease ends when its TTL runs out unless
     /// the Delegator renews it.
@@ -875,6 +893,10 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    if let Command::Fsmonitor { version, token } = &cli.command {
+        // Run by git on every `git status`: no runtime, no logging set-up.
+        return awcp_ctl::executor::fsmonitor_hook(version, token);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AWCP_LOG").unwrap_or_else(|_| {
@@ -1030,7 +1052,8 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             cfg.passthrough = a.passthrough;
             cfg.hydrate = a.hydrate;
             cfg.track_opens = a.track_opens;
-            cfg.writeback_cache = !a.no_writeback_cache;
+            cfg.writeback_cache = a.writeback_cache;
+            cfg.git_fsmonitor = !a.no_git_fsmonitor;
             cfg.renew_margin = a.renew_margin;
             cfg.read_timeout = a.read_timeout;
             cfg.transports = a.transports.into_iter().map(transport_of).collect();
@@ -1480,6 +1503,9 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::SUCCESS
             })
+        }
+        Command::Fsmonitor { version, token } => {
+            Ok(awcp_ctl::executor::fsmonitor_hook(&version, &token))
         }
         Command::Completions { shell } => {
             use clap::CommandFactory;

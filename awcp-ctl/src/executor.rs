@@ -21,6 +21,8 @@ pub(crate) use git_task::{
 };
 mod metrics;
 mod confine;
+mod fsmonitor;
+pub use fsmonitor::fsmonitor_hook;
 mod mounts;
 mod pending;
 mod restart;
@@ -86,9 +88,14 @@ pub struct ExecutorConfig {
     /// Ask the mount at every open and close of an existing file (see
     /// [`awcpfs::mount::KernelOptions::no_open`]).
     pub track_opens: bool,
-    /// Let the kernel cache writes (on by default; see
+    /// Let the kernel cache writes (off by default; see
     /// [`awcpfs::mount::KernelOptions::writeback_cache`]).
     pub writeback_cache: bool,
+    /// Give agents on a mount git's filesystem monitor (`awcp-ctl fsmonitor`, through
+    /// their environment): `git status` costs O(changes). On by default.
+    pub git_fsmonitor: bool,
+    /// The hook command git runs for it (`None`: this binary, `awcp-ctl fsmonitor`).
+    pub fsmonitor_hook: Option<String>,
     /// Renew each lease with the Delegator's export when less than this is left (`None`:
     /// leases end when the Delegator's TTL runs out unless it renews them).
     pub renew_margin: Option<Duration>,
@@ -240,7 +247,9 @@ impl ExecutorConfig {
             passthrough: false,
             hydrate: None,
             track_opens: false,
-            writeback_cache: true,
+            writeback_cache: false,
+            git_fsmonitor: true,
+            fsmonitor_hook: None,
             renew_margin: None,
             read_timeout: Duration::from_secs(30),
             sync_debounce: Duration::from_millis(50),

@@ -57,6 +57,17 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         aecp_events: Option<PathBuf>,
     },
+    /// git's filesystem monitor hook (`core.fsmonitor`, protocol version 2): prints what
+    /// changed on the awcpfs mount since TOKEN, so `git status` looks at those paths only.
+    /// git runs it in the work tree; `awcpfs mount` prints the settings that enable it
+    /// (environment variables: the repository's config is left alone).
+    Fsmonitor {
+        /// The hook protocol version git asks in (2).
+        version: String,
+        /// The token of git's last question (empty or unknown: everything changed).
+        #[arg(default_value = "")]
+        token: String,
+    },
     /// Write back what a mount that crashed (or was killed) had journaled but not yet
     /// committed. Give the same handle and --state-dir the mount had.
     Recover {
@@ -99,19 +110,21 @@ enum Command {
         /// it for 50 ms. Implied by --passthrough.
         #[arg(long)]
         track_opens: bool,
-        /// Send every write to awcpfs as it is made, instead of letting the kernel cache
-        /// writes and send them in batches (the FUSE writeback cache, on by default: builds
-        /// that write many small pieces, a linker or compileall, stop paying a round trip
-        /// per write; close and fsync still hand the file's data to awcpfs before they
-        /// return, a file kept open is written back within about a second, and the end of
-        /// the lease writes what the kernel holds back within the flush grace). Without the
-        /// cache a write(2) that returned is already awcpfs's, and a full disk fails the
-        /// write itself rather than the fsync or close. The cache is off with --passthrough.
-        #[arg(long)]
-        no_writeback_cache: bool,
-        /// The default (see --no-writeback-cache); accepted for older scripts.
-        #[arg(long, hide = true, conflicts_with = "no_writeback_cache")]
+        /// Let the kernel cache writes and send them to awcpfs in batches (the FUSE
+        /// writeback cache): builds that write many small pieces, a linker or compileall,
+        /// stop paying a round trip per write (close and fsync still hand the file's data
+        /// to awcpfs before they return, a file kept open is written back within about a
+        /// second, the end of the lease writes what the kernel holds back within the flush
+        /// grace), but every `stat` of a file closed since costs a round trip, so rereading
+        /// files is slower: off by default, chosen by the agent-session replay
+        /// (docs/BENCHMARKS.md). Under the cache a full disk fails the fsync or close
+        /// rather than the write. Ignored with --passthrough.
+        #[arg(long, conflicts_with = "no_writeback_cache")]
         writeback_cache: bool,
+        /// The default (every write reaches awcpfs as it is made); accepted for older
+        /// scripts.
+        #[arg(long, hide = true)]
+        no_writeback_cache: bool,
         /// A read (or open) that needs the network fails with EIO after this many seconds
         /// when the export does not answer; also the bound on each data-plane request.
         #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -344,6 +357,15 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             .await?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Fsmonitor { version, token } => {
+            let answer = awcpfs::fsmonitor::query(std::path::Path::new("."), &version, &token)
+                .context("awcpfs fsmonitor")?;
+            use std::io::Write as _;
+            let mut out = std::io::stdout().lock();
+            out.write_all(&answer)?;
+            out.flush()?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Recover { handle, state_dir } => {
             let h = read_handle(&handle)?;
             let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
@@ -385,8 +407,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cache_size,
             passthrough,
             track_opens,
-            no_writeback_cache,
-            writeback_cache: _,
+            writeback_cache,
+            no_writeback_cache: _,
             read_timeout_secs,
             access,
             allow_other,
@@ -408,7 +430,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             cfg.kernel.passthrough = passthrough;
             cfg.kernel.no_open = !track_opens;
-            cfg.kernel.writeback_cache = !no_writeback_cache;
+            cfg.kernel.writeback_cache = writeback_cache;
             cfg.access = if allow_other {
                 MountAccess::All
             } else {
@@ -425,6 +447,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 mountpoint.display(),
                 mount.access().describe(access_choice)
             );
+            if let Ok(exe) = std::env::current_exe() {
+                let hook = awcpfs::fsmonitor::hook_command(&exe, &["fsmonitor"]);
+                eprintln!(
+                    "awcpfs: `git status` in O(changes) for a repository on this mount (git's \
+                     fsmonitor, without touching its config):\n  export {}",
+                    awcpfs::fsmonitor::shell_setup(&hook)
+                );
+            }
             let m = mount.clone();
             let ended = tokio::task::spawn_blocking(move || {
                 loop {

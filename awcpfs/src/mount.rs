@@ -13,6 +13,7 @@ pub mod access;
 pub mod aecp;
 pub mod budget;
 pub mod cached;
+pub mod changes;
 pub mod content;
 pub mod error;
 pub mod fs;

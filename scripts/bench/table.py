@@ -219,7 +219,8 @@ def main():
     out.append("| workload | native | awcpfs | sshfs | awcpfs ÷ native | awcpfs ÷ sshfs "
                "| target | verdict |")
     out.append("|---|---:|---:|---:|---:|---:|---|---|")
-    order = list(labels.keys()) + [k for k in data if k not in labels and k[0] != "aecp"]
+    own = ("aecp", "replay", "gitfsm")   # workloads with tables of their own
+    order = list(labels.keys()) + [k for k in data if k not in labels and k[0] not in own]
     for key in order:
         if key not in data:
             continue
@@ -269,8 +270,61 @@ def main():
     out.append("</details>")
     if not any(k in data for k in order):
         out = []   # an `--only aecp` run: its own table alone
+    out = replay_tables(data, files, runs, meta) + out
     out.extend(aecp_table(data, files, runs))
     print("\n".join(out))
+
+
+def arms_table(data, workload, arms, labels, runs):
+    """One table of a workload measured on several arms, each as its median and as a
+    ratio to native (lower is better)."""
+    keys = [k for k in data if k[0] == workload]
+    if not keys:
+        return []
+    head = "| workload | " + " | ".join(n for _, n in arms) + " | " + \
+        " | ".join(f"{n} ÷ native" for c, n in arms if c != "native") + " |"
+    out = [head, "|---|" + "---:|" * (2 * len(arms) - 1)]
+    for key in keys:
+        cells = data[key]
+        unit = next(iter(cells.values()))["unit"]
+        med = {c: median(cells.get(c)) for c, _ in arms}
+        row = [labels.get(key[1], key[1])]
+        for c, _ in arms:
+            txt = fmt_val(med[c], unit) if med[c] is not None else "—"
+            n = len(cells[c]["vals"]) if c in cells else 0
+            if runs and 0 < n < runs:
+                txt += f" (n={n})"
+            row.append(txt)
+        for c, _ in arms:
+            if c != "native":
+                row.append(fmt_ratio(slowdown(med[c], med["native"], unit)))
+        out.append("| " + " | ".join(row) + " |")
+    return out
+
+
+def replay_tables(data, files, runs, meta):
+    """The agent-session replay (the headline) and git status with the fsmonitor."""
+    out = []
+    default = meta.get("mount_opts") or "default mount"
+    alt = meta.get("replay_alt", "--writeback-cache")
+    t = arms_table(data, "replay", [("native", "native"), ("awcpfs", f"awcpfs ({default})"),
+                                    ("awcpfs-alt", f"awcpfs {alt}"), ("sshfs", "sshfs")],
+                   {"warm": "agent-session replay, warm",
+                    "ttl": "agent-session replay, dentries + inodes dropped before each run"},
+                   runs)
+    if t:
+        out += [f"Agent-session replay (scripts/bench/replay.sh; {files:,} files):", ""] + t + [""]
+    t = arms_table(data, "gitfsm", [("native", "native"), ("awcpfs", "awcpfs"),
+                                    ("awcpfs-fsm", "awcpfs + fsmonitor")],
+                   {"warm": "`git status`, warm",
+                    "ttl": "`git status`, dentries + inodes dropped",
+                    "fresh": "`git status`, first on a fresh mount (native: dentries dropped)"},
+                   runs)
+    if t:
+        out += [f"`git status` with git's fsmonitor served by the mount ({files:,} files; "
+                "awcpfs + fsmonitor: `core.fsmonitor` = `awcpfs fsmonitor`, "
+                "`core.untrackedCache`):", ""] + t + [""]
+    return out
 
 
 AECP_LABELS = {

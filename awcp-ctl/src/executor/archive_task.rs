@@ -415,7 +415,7 @@ async fn run_rounds(
     let cancelled = || End::Error(ErrorCode::Cancelled, super::routes::cancel_reason(a), None);
     let cwd = agent_dir(a);
     loop {
-        let mut agent = match spawn_agent(ex, a, &cwd) {
+        let mut agent = match spawn_agent(ex, a, &cwd, false) {
             Ok(agent) => agent,
             Err(e) => {
                 return End::Error(

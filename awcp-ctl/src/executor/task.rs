@@ -325,6 +325,7 @@ pub(super) fn spawn_agent(
     ex: &Executor,
     a: &Arc<Assignment>,
     cwd: &std::path::Path,
+    on_mount: bool,
 ) -> std::io::Result<Agent> {
     if let Some(remote) = &ex.cfg.remote_agent {
         return Ok(start_remote(ex, remote, a, cwd));
@@ -353,6 +354,11 @@ pub(super) fn spawn_agent(
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
+    if on_mount && ex.cfg.git_fsmonitor {
+        cmd.envs(super::fsmonitor::agent_git_env(
+            ex.cfg.fsmonitor_hook.as_deref(),
+        ));
+    }
     if let Some(d) = ex.cfg.agent_user.as_ref().and_then(|u| u.blocked_at(cwd)) {
         return Err(std::io::Error::new(
             std::io::ErrorKind::PermissionDenied,
@@ -713,7 +719,7 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
     let mut end_rx = end_rx;
     let mut rounds = a.rounds_rx.lock().take();
     loop {
-        let mut agent = match spawn_agent(&ex, &a, &a.work_path) {
+        let mut agent = match spawn_agent(&ex, &a, &a.work_path, true) {
             Ok(agent) => agent,
             Err(e) => {
                 let m = mount.clone();

@@ -1300,6 +1300,7 @@ impl AwcpFs {
         h.wrote.store(true, Ordering::Relaxed);
         let mut table = self.table.lock();
         table.mark_node(h.ino);
+        self.changes.note_write(h.ino);
         if let Some(node) = table.get_mut(h.ino) {
             node.size = node.size.max(end);
             // Under the writeback cache the kernel stamps the times at the `write(2)` and

@@ -138,6 +138,8 @@ pub struct AwcpFs {
     pub(super) upper: super::upper::UpperFiles,
     /// AECP: the access observer and the `.aecp/` tree (`mount/aecp.rs`).
     pub(super) aecp: super::aecp::MountAecp,
+    /// Every change, for git's fsmonitor (`mount/changes.rs`).
+    pub(super) changes: super::changes::ChangeLog,
     /// The agent's fetches before background ones (`mount/hydrate.rs`).
     pub(super) priority: super::hydrate::Priority,
     /// Background hydration's plan and progress (`mount/hydrate.rs`).
@@ -267,6 +269,7 @@ impl AwcpFs {
             pack: super::pack::Pack::new(opts.upper_dir.join(".pack"), pack_limit),
             upper: super::upper::UpperFiles::new(opts.upper_dir.clone()),
             aecp: super::aecp::MountAecp::new(opts.uid, opts.gid),
+            changes: Default::default(),
             priority: Default::default(),
             hydration: Default::default(),
             streams_whole: AtomicBool::new(true),
@@ -282,6 +285,11 @@ impl AwcpFs {
     /// AECP's side of this mount.
     pub fn aecp(&self) -> &super::aecp::MountAecp {
         &self.aecp
+    }
+
+    /// The mount's change log (git's fsmonitor).
+    pub fn changes(&self) -> &super::changes::ChangeLog {
+        &self.changes
     }
 
     /// The kernel opens files without asking from now on (it was answered `ENOSYS`).
@@ -495,7 +503,10 @@ impl AwcpFs {
         }
     }
 
+    /// Journal `records` and note them in the change log (even when the journal fails:
+    /// the change is made, and git must see it).
     pub(super) fn journal(&self, records: &[Record]) -> Result<(), FsError> {
+        self.changes.note_records(records);
         self.journal.append(records).map_err(FsError::from)
     }
 

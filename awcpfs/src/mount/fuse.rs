@@ -55,7 +55,10 @@ pub struct KernelOptions {
     /// makes the kernel forget the inode; the end of the lease writes dirty pages back
     /// (`syncfs`, within the flush grace) before the mount is fenced, and the mount has the
     /// kernel write back every [`KERNEL_WRITEBACK_EVERY`](super::session::KERNEL_WRITEBACK_EVERY)
-    /// meanwhile. On by default; ignored with `passthrough`.
+    /// meanwhile. The cost: the kernel marks a file's block count stale at every `close`
+    /// under the cache, so the next `stat` of a file closed since is a round trip. Off by
+    /// default (chosen by the agent-session replay, docs/BENCHMARKS.md); ignored with
+    /// `passthrough`.
     pub writeback_cache: bool,
 }
 
@@ -66,7 +69,7 @@ impl Default for KernelOptions {
             passthrough: false,
             no_opendir: true,
             no_open: true,
-            writeback_cache: true,
+            writeback_cache: false,
         }
     }
 }
@@ -379,6 +382,8 @@ impl Filesystem for FuseAdapter {
         reply: ReplyAttr,
     ) {
         self.fs.stats().count_op("setattr");
+        // Until the reply is sent: git's fsmonitor tokens stay before this change.
+        let _change = self.fs.changes().begin();
         let set = SetAttr {
             mode,
             uid,
@@ -414,6 +419,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("mknod");
+        let _change = self.fs.changes().begin();
         match self
             .fs
             .mknod_as(caller(req), parent.0, name, mode & !umask, rdev)
@@ -433,6 +439,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("mkdir");
+        let _change = self.fs.changes().begin();
         match self.fs.mkdir_as(caller(req), parent.0, name, mode & !umask) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "mkdir", e),
@@ -441,6 +448,7 @@ impl Filesystem for FuseAdapter {
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.fs.stats().count_op("unlink");
+        let _change = self.fs.changes().begin();
         match self.fs.unlink(parent.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "unlink", e),
@@ -449,6 +457,7 @@ impl Filesystem for FuseAdapter {
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         self.fs.stats().count_op("rmdir");
+        let _change = self.fs.changes().begin();
         match self.fs.rmdir(parent.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "rmdir", e),
@@ -464,6 +473,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("symlink");
+        let _change = self.fs.changes().begin();
         match self
             .fs
             .symlink_as(caller(req), parent.0, link_name, target.as_os_str())
@@ -484,6 +494,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("rename");
+        let _change = self.fs.changes().begin();
         // RENAME_WHITEOUT (overlayfs on top of the mount) would need a whiteout device node,
         // which awcpfs cannot store: refuse it as filesystems without support do, instead of
         // renaming without the whiteout.
@@ -516,6 +527,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         self.fs.stats().count_op("link");
+        let _change = self.fs.changes().begin();
         match self.fs.link(ino.0, newparent.0, newname) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
             Err(e) => reply_err!(reply, "link", e),
@@ -528,6 +540,7 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         self.fs.stats().count_op("open");
+        let _change = self.fs.changes().begin();
         if let Some(r) = self
             .fs
             .aecp()
@@ -600,6 +613,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyWrite,
     ) {
         self.fs.stats().count_op("write");
+        let _change = self.fs.changes().begin();
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
             // We told the kernel we clear set-user-ID and set-group-ID on writes
             // (FUSE_HANDLE_KILLPRIV_V2).
@@ -811,6 +825,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyCreate,
     ) {
         self.fs.stats().count_op("create");
+        let _change = self.fs.changes().begin();
         match self
             .fs
             .create_as(caller(req), parent.0, name, mode & !umask, flags)
@@ -880,6 +895,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("fallocate");
+        let _change = self.fs.changes().begin();
         match self.fs.fallocate(ino.0, fh.0, offset, length, mode) {
             Ok(_) => reply.ok(),
             Err(e) => reply_err!(reply, "fallocate", e),

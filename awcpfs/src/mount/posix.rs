@@ -147,6 +147,16 @@ impl AwcpFs {
     pub fn getxattr(&self, ino: Ino, name: &OsStr, size: u32) -> Result<XattrReply, FsError> {
         self.check()?;
         let table = self.table.lock();
+        // git's fsmonitor hook asking what changed since a token (`mount/changes.rs`).
+        if let Some(token) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(super::changes::FSMONITOR_XATTR))
+        {
+            if table.get(ino).map(|n| n.kind) != Some(Kind::Dir) {
+                return Err(FsError::NoAttr);
+            }
+            return sized(self.changes.answer(&table, ino, token).to_bytes(), size);
+        }
         if let Some(r) = self
             .aecp
             .getxattr(&table, ino, &name.to_string_lossy(), size)

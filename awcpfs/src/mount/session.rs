@@ -1118,6 +1118,9 @@ impl Mount {
         if self.inner.fs.fenced().is_some() {
             return;
         }
+        // Until the kernel has been told to forget what it cached: git's fsmonitor tokens
+        // stay before these changes (see `mount/changes.rs`).
+        let _change = self.inner.fs.changes().begin();
         if self.inner.fs.writeback_cache()
             && entries
             && let Some(root) = self.open_root()
@@ -1136,6 +1139,17 @@ impl Mount {
             Some(s) => s.notifier(),
             None => return,
         };
+        // A directory whose names changed: the kernel keeps its listing (no-opendir caches
+        // it) until its pages are dropped; `inval_entry` alone leaves a new name out of
+        // `ls` and `git status`, and a removed one in.
+        let dirs: std::collections::BTreeSet<u64> = invals
+            .iter()
+            .filter_map(|i| match i {
+                Inval::Entry(parent, _) | Inval::Delete(parent, _, _) => Some(*parent),
+                _ => None,
+            })
+            .collect();
+        let invals = invals.into_iter().chain(dirs.into_iter().map(Inval::Inode));
         for inval in invals {
             // ENOENT: the kernel had nothing cached for it.
             let r = match &inval {

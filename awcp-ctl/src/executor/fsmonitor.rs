@@ -1,0 +1,50 @@
+//! git's filesystem monitor for agents on an awcpfs mount: the agent's environment names
+//! `awcp-ctl fsmonitor` as git's `core.fsmonitor` hook (with the untracked cache), so
+//! `git status` in the workspace looks only at what the mount's change log says changed
+//! (see `awcpfs::fsmonitor`). The settings travel in `GIT_CONFIG_COUNT`/`KEY`/`VALUE`:
+//! the Delegator's `.git/config` is never changed.
+
+use std::process::ExitCode;
+
+/// The environment for an agent on a mount: git's settings, after any the Executor's own
+/// environment already gives, with `hook` as the hook command (`None`: this binary's
+/// `fsmonitor`). Empty when this binary's path is unknown.
+pub(super) fn agent_git_env(hook: Option<&str>) -> Vec<(String, std::ffi::OsString)> {
+    let hook = match hook {
+        Some(h) => h.to_string(),
+        None => match std::env::current_exe() {
+            Ok(exe) => awcpfs::fsmonitor::hook_command(&exe, &["fsmonitor"]),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot find this binary's path: git's fsmonitor stays off for agents");
+                return Vec::new();
+            }
+        },
+    };
+    let existing = std::env::var("GIT_CONFIG_COUNT").ok();
+    awcpfs::fsmonitor::git_config_env(&hook, existing.as_deref())
+}
+
+/// `awcp-ctl fsmonitor VERSION TOKEN`, run by git in the work tree: prints the mount's
+/// answer. A failure exits 1, and git then looks at every file itself.
+pub fn fsmonitor_hook(version: &str, token: &str) -> ExitCode {
+    use std::io::Write as _;
+    match awcpfs::fsmonitor::query(std::path::Path::new("."), version, token) {
+        Ok(answer) => {
+            let mut out = std::io::stdout().lock();
+            if out.write_all(&answer).and_then(|_| out.flush()).is_err() {
+                return ExitCode::from(1);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let mut msg = format!("awcp-ctl fsmonitor: {e}");
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(&format!(": {s}"));
+                src = s.source();
+            }
+            eprintln!("{msg}");
+            ExitCode::from(1)
+        }
+    }
+}
