@@ -19,9 +19,9 @@ mod git_task;
 pub(crate) use git_task::{
     branch_ok as git_branch_ok, remote_allowed as git_remote_allowed, token_env as git_token_env,
 };
-mod metrics;
 mod confine;
 mod fsmonitor;
+mod metrics;
 pub use fsmonitor::fsmonitor_hook;
 mod mounts;
 mod pending;

@@ -998,7 +998,7 @@ async fn a_reference_delegator_continues_our_executor_with_reference_rounds() {
     let awcp = h.executor.awcp_url();
     let id = new_id();
     // The reference's INVITE: no multiRound.
-    let inv = invite(&id, 600, "archive");
+    let inv = invite(&h.credential(), &id, 600, "archive");
     assert!(inv.get("multiRound").is_none());
     let (_, accept) = post(&awcp, &inv).await;
     assert_eq!(accept["type"], "ACCEPT", "{accept}");
@@ -1063,7 +1063,7 @@ async fn an_idle_reference_session_is_closed_by_our_executor() {
         &[("workspace/a.txt", b"a")],
         zip::CompressionMethod::Deflated,
     );
-    let evs = delegate_archive(&awcp, &id, &zip, &sha256_hex(&zip)).await;
+    let evs = delegate_archive(&awcp, &h.credential(), &id, &zip, &sha256_hex(&zip)).await;
     let kinds: Vec<&str> = evs.iter().filter_map(|e| e["type"].as_str()).collect();
     assert!(kinds.contains(&"round_done"), "{kinds:?}");
     assert_eq!(kinds.last(), Some(&"done"), "{kinds:?}");

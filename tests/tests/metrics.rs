@@ -34,11 +34,7 @@ async fn scrape(url: &str, token: Option<&str>) -> HashMap<String, f64> {
     assert!(!parsed.samples.is_empty(), "{text}");
     let mut out = HashMap::new();
     for s in parsed.samples {
-        let mut labels: Vec<String> = s
-            .labels
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
+        let mut labels: Vec<String> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
         labels.sort();
         let key = if labels.is_empty() {
             s.metric.clone()
@@ -66,7 +62,9 @@ async fn metrics_parse_and_agree_with_status_after_the_delegations_ended() {
     if !fuse_available() {
         return;
     }
-    let h = Harness::start("cat README.md > /dev/null && echo more >> README.md && echo new > new.txt").await;
+    let h =
+        Harness::start("cat README.md > /dev/null && echo more >> README.md && echo new > new.txt")
+            .await;
     let mut served = 0u64;
     let mut ids = Vec::new();
     for i in 0..2 {
@@ -77,7 +75,10 @@ async fn metrics_parse_and_agree_with_status_after_the_delegations_ended() {
             h.wait_end(&id, Duration::from_secs(60)).await,
             DelegationState::Completed
         );
-        assert_eq!(std::fs::read_to_string(repo.join("new.txt")).unwrap(), "new\n");
+        assert_eq!(
+            std::fs::read_to_string(repo.join("new.txt")).unwrap(),
+            "new\n"
+        );
         let v = h.client.get(&id).await.unwrap();
         served += v
             .transfer
@@ -127,6 +128,10 @@ async fn metrics_parse_and_agree_with_status_after_the_delegations_ended() {
         served as f64
     );
     let anonymous = reqwest::get(&url).await.unwrap();
-    assert_eq!(anonymous.status().as_u16(), 401, "the Executor's metrics need its credential");
+    assert_eq!(
+        anonymous.status().as_u16(),
+        401,
+        "the Executor's metrics need its credential"
+    );
     h.stop().await;
 }

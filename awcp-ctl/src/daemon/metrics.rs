@@ -184,8 +184,5 @@ pub(super) async fn metrics(State(d): State<Arc<Daemon>>) -> impl IntoResponse {
                 .map(|st| (st, i64::from(st == state))),
         );
     }
-    (
-        [(header::CONTENT_TYPE, CONTENT_TYPE)],
-        s.finish(),
-    )
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], s.finish())
 }

@@ -295,8 +295,15 @@ pub(super) fn apply(
     } else {
         let mut write = vec![cwd.to_path_buf(), a.work_path.clone(), own];
         write.extend(ex.cfg.agent_allow_write.iter().cloned());
+        let mut read = ex.cfg.agent_allow_read.clone();
+        if ex.cfg.git_fsmonitor {
+            // git runs the fsmonitor hook (this binary, or the configured one) as the agent.
+            read.extend(super::fsmonitor::hook_binary(
+                ex.cfg.fsmonitor_hook.as_deref(),
+            ));
+        }
         let policy = Policy {
-            read: ex.cfg.agent_allow_read.clone(),
+            read,
             write,
             no_network: no_net,
         };

@@ -21,7 +21,31 @@ pub(super) fn agent_git_env(hook: Option<&str>) -> Vec<(String, std::ffi::OsStri
         },
     };
     let existing = std::env::var("GIT_CONFIG_COUNT").ok();
-    awcpfs::fsmonitor::git_config_env(&hook, existing.as_deref())
+    let mut env = awcpfs::fsmonitor::git_config_env(&hook, existing.as_deref());
+    // The mount shows the agent's user as every file's owner, while the Delegator's index
+    // records its own: with git's default stat check every entry would look changed and
+    // the first `git status` would read (fetch) the whole workspace. Compare times and
+    // sizes only.
+    if let Some(pos) = env.iter().position(|(k, _)| k == "GIT_CONFIG_COUNT") {
+        let n: usize = env[pos].1.to_string_lossy().parse().unwrap_or(0);
+        env[pos].1 = (n + 1).to_string().into();
+        env.push((format!("GIT_CONFIG_KEY_{n}"), "core.checkStat".into()));
+        env.push((format!("GIT_CONFIG_VALUE_{n}"), "minimal".into()));
+    }
+    env
+}
+
+/// The program the hook runs (`hook`'s first word, else this binary), for the agent's
+/// sandbox to let it execute; `None` if it cannot be told.
+pub(super) fn hook_binary(hook: Option<&str>) -> Option<std::path::PathBuf> {
+    match hook {
+        Some(h) => h
+            .split_whitespace()
+            .next()
+            .map(|w| std::path::PathBuf::from(w.trim_matches(['\'', '"'])))
+            .filter(|p| p.is_absolute()),
+        None => std::env::current_exe().ok(),
+    }
 }
 
 /// `awcp-ctl fsmonitor VERSION TOKEN`, run by git in the work tree: prints the mount's

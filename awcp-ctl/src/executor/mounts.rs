@@ -223,7 +223,10 @@ impl MountSet {
 
     /// Each member mount's counters now.
     pub(crate) fn stats_snapshots(&self) -> Vec<awcpfs::mount::stats::StatsSnapshot> {
-        self.members.iter().map(|m| m.mount.status().stats).collect()
+        self.members
+            .iter()
+            .map(|m| m.mount.status().stats)
+            .collect()
     }
 
     /// The status the Executor reports (`GET /awcp/status`): one mount's as it is; several

@@ -203,8 +203,15 @@ impl ChangeLog {
     /// Journaled records (the mount's own changes and the Delegator's it applied).
     pub fn note_records(&self, records: &[Record]) {
         let mut changes = Vec::with_capacity(records.len() * 2);
+        Self::collect(records, &mut changes);
+        self.note(changes);
+    }
+
+    /// The changes `records` name, into `changes` (a batch's records in order).
+    fn collect(records: &[Record], changes: &mut Vec<Change>) {
         for r in records {
             match r {
+                Record::Batch { records } => Self::collect(records, changes),
                 Record::Node {
                     ino, parent, name, ..
                 }
@@ -231,7 +238,6 @@ impl ChangeLog {
                 Record::Xattr { .. } => {}
             }
         }
-        self.note(changes);
     }
 
     fn token(&self, seq: u64) -> String {
