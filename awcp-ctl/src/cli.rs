@@ -132,6 +132,7 @@ enum Command {
     /// paths only; the repository's config is never changed.
     Fsmonitor {
         /// The hook protocol version git asks in (2).
+        #[arg(id = "hook_version", value_name = "VERSION")]
         version: String,
         /// The token of git's last question (empty or unknown: everything changed).
         #[arg(default_value = "")]

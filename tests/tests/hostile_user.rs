@@ -464,8 +464,11 @@ async fn anonymous_invite_and_start_are_refused_and_the_attackers_code_never_run
         return;
     }
     let out = tempfile::tempdir().unwrap();
+    // The confined agent may write its proof there (the positive control below).
+    std::fs::set_permissions(out.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let shared = out.path().to_path_buf();
     // The agent runs what the workspace holds (as an agent running its tests does).
-    let h = Harness::start("sh attack.sh").await;
+    let h = Harness::start_with("sh attack.sh", move |c| c.agent_allow_write.push(shared)).await;
     let awcp = h.executor.awcp_url();
     let pwned = out.path().join("pwned");
     let attack = format!("id -u > {}", pwned.display());

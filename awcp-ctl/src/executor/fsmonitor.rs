@@ -12,12 +12,9 @@ use std::process::ExitCode;
 pub(super) fn agent_git_env(hook: Option<&str>) -> Vec<(String, std::ffi::OsString)> {
     let hook = match hook {
         Some(h) => h.to_string(),
-        None => match std::env::current_exe() {
-            Ok(exe) => awcpfs::fsmonitor::hook_command(&exe, &["fsmonitor"]),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot find this binary's path: git's fsmonitor stays off for agents");
-                return Vec::new();
-            }
+        None => match own_binary() {
+            Some(exe) => awcpfs::fsmonitor::hook_command(&exe, &["fsmonitor"]),
+            None => return Vec::new(),
         },
     };
     let existing = std::env::var("GIT_CONFIG_COUNT").ok();
@@ -44,7 +41,25 @@ pub(super) fn hook_binary(hook: Option<&str>) -> Option<std::path::PathBuf> {
             .next()
             .map(|w| std::path::PathBuf::from(w.trim_matches(['\'', '"'])))
             .filter(|p| p.is_absolute()),
-        None => std::env::current_exe().ok(),
+        None => own_binary(),
+    }
+}
+
+/// This process's binary when it is `awcp-ctl` (the hook is its `fsmonitor` command).
+/// Another program embedding the Executor (a test binary) has no such command: run as the
+/// hook it would print something git takes for "nothing changed", so the monitor stays off
+/// unless [`super::ExecutorConfig::fsmonitor_hook`] names one.
+fn own_binary() -> Option<std::path::PathBuf> {
+    match std::env::current_exe() {
+        Ok(exe) if exe.file_name().is_some_and(|n| n == "awcp-ctl") => Some(exe),
+        Ok(exe) => {
+            tracing::debug!(exe = %exe.display(), "not awcp-ctl: git's fsmonitor stays off for agents");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot find this binary's path: git's fsmonitor stays off for agents");
+            None
+        }
     }
 }
 
