@@ -166,8 +166,10 @@ async fn s3faults_a_store_whose_bucket_is_gone_fails_no_read() {
         Duration::from_secs(10),
     )
     .await;
-    // Every upload is refused from now on.
+    // Every upload is refused from now on: where the bucket was, a plain file (the server
+    // cannot create a directory there; a removed one it would make again).
     std::fs::remove_dir_all(s3.root.join(BUCKET)).unwrap();
+    std::fs::write(s3.root.join(BUCKET), b"").unwrap();
     let r = fleet::run(&daemon, &bin, work.path(), &ws, 2).await;
     assert_read_intact(&r, &native, "with the bucket gone");
     let stats = daemon.daemon.block_tier_stats().unwrap();

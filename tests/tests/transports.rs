@@ -29,7 +29,13 @@ async fn start(agent: &str) -> (Harness, GitServer) {
         |d| {
             d.git_remote = Some(remote);
         },
-        |_| {},
+        // The agents here run git in the clone, whose git directory the Executor keeps in
+        // its state directory, out of a confined agent's reach (docs/PROTOCOL.md, the
+        // transports table): they run as the Executor's user, unconfined.
+        |e| {
+            e.unsafe_agent_as_root = true;
+            e.unsafe_agent_unconfined = true;
+        },
     )
     .await;
     (h, server)
@@ -413,10 +419,17 @@ async fn our_daemon_delegates_to_a_reference_executor_with_git() {
 
 /// A reference-shaped Delegator (the reference's JSON, reading only `data:` SSE lines)
 /// drives our Executor: INVITE, open the stream, START; returns the events.
-async fn reference_delegator(awcp: &str, id: &str, transport: &str, handle: Value) -> Vec<Value> {
+async fn reference_delegator(
+    awcp: &str,
+    credential: &str,
+    id: &str,
+    transport: &str,
+    handle: Value,
+) -> Vec<Value> {
     let client = reqwest::Client::new();
     let invite = json!({
         "version": "1", "type": "INVITE", "delegationId": id,
+        "auth": {"type": "bearer", "credential": credential},
         "task": {"description": "Fix it", "prompt": "Fix the bug"},
         "lease": {"ttlSeconds": 600, "accessMode": "rw"},
         "retentionMs": 604800000,
@@ -505,6 +518,7 @@ async fn a_reference_delegator_drives_our_executor_with_storage() {
     let id = new_id();
     let events = reference_delegator(
         &h.executor.awcp_url(),
+        &h.credential(),
         &id,
         "storage",
         json!({"transport": "storage", "downloadUrl": format!("{base}/ws.zip"),
@@ -529,6 +543,7 @@ async fn a_reference_delegator_drives_our_executor_with_storage() {
     let id = new_id();
     let events = reference_delegator(
         &h.executor.awcp_url(),
+        &h.credential(),
         &id,
         "storage",
         json!({"transport": "storage", "downloadUrl": format!("{base}/ws.zip"),
@@ -550,7 +565,15 @@ async fn a_reference_delegator_drives_our_executor_with_git() {
     // The reference's git Delegator: the workspace committed and force-pushed as `main`.
     let srv = GitServer::start_temp();
     let url = srv.bare("ref.git");
-    let h = Harness::start("echo agent > a.txt && git log --oneline | grep -q initial").await;
+    // The agent runs git in the clone: as the Executor's user, unconfined (see `start`).
+    let h = Harness::start_with(
+        "echo agent > a.txt && git log --oneline | grep -q initial",
+        |e| {
+            e.unsafe_agent_as_root = true;
+            e.unsafe_agent_unconfined = true;
+        },
+    )
+    .await;
     let src = h.path("src");
     std::fs::create_dir_all(src.join("workspace")).unwrap();
     std::fs::write(src.join("workspace/a.txt"), "original\n").unwrap();
@@ -565,6 +588,7 @@ async fn a_reference_delegator_drives_our_executor_with_git() {
     let id = new_id();
     let events = reference_delegator(
         &h.executor.awcp_url(),
+        &h.credential(),
         &id,
         "git",
         json!({"transport": "git", "repoUrl": url, "baseBranch": "main",
@@ -587,6 +611,7 @@ async fn a_reference_delegator_drives_our_executor_with_git() {
     let id = new_id();
     let events = reference_delegator(
         &h.executor.awcp_url(),
+        &h.credential(),
         &id,
         "git",
         json!({"transport": "git", "repoUrl": src.display().to_string(), "baseBranch": "main",
