@@ -70,7 +70,7 @@ pub(super) async fn metrics(State(d): State<Arc<Daemon>>) -> impl IntoResponse {
         if let Some(i) = STATES.iter().position(|s| *s == state) {
             by_state[i] += 1;
         }
-        renewals += l.lease.snapshot().renewals as u64;
+        renewals += l.lease.snapshot().renewals;
         for e in l.exports.lock().iter() {
             exports.add(&e.stats());
         }
