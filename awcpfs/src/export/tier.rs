@@ -137,7 +137,7 @@ pub struct BlockTierConfig {
     pub options: Vec<(String, String)>,
     /// The longest one call to the store may take, its client's retries included; also the
     /// longest `POST /locate` waits for the store before it answers `null` for what is not
-    /// stored yet (see [`health`]).
+    /// stored yet (see `tier/health.rs`, and [`BreakerState`]).
     pub call_timeout: Duration,
 }
 
