@@ -6,7 +6,7 @@
 # every operation (awcpfs/tests/posix_suites.rs, 100,000 operations), each with a fresh
 # seed, until a time budget is used up. Prints the seeds, the operations done and the
 # failures; a failure's seed reproduces it:
-#   AWCP_SEED=<seed> AWCP_EXERCISER_OPS=<n> cargo test -p awcp-tests --test exerciser
+#   AWCP_SEED=<seed> AWCP_EXERCISER_OPS=<n> cargo test -p awcp-tests --test e2e exerciser::
 #   AWCP_SEED=<seed> AWCP_FAULT_SEEDS=1 AWCP_FAULT_SECS=<s> cargo test -p awcpfs --test fault_matrix
 #   AWCP_FSX_SEED=<seed> AWCP_FSX_OPS=100000 cargo test -p awcpfs --test posix_suites fsx
 # Usage: scripts/soak.sh [minutes (default 10)] [ops per exerciser run (default 10000)]
@@ -17,7 +17,7 @@ minutes=${1:-10}
 ops=${2:-10000}
 fault_secs=${3:-20}
 deadline=$(( $(date +%s) + minutes * 60 ))
-cargo test -q -p awcp-tests --test exerciser --no-run
+cargo test -q -p awcp-tests --test e2e --no-run
 cargo test -q -p awcpfs --test crash_recovery --no-run
 cargo test -q -p awcpfs --test fault_matrix --no-run
 cargo test -q -p awcpfs --test posix_suites --no-run
@@ -25,7 +25,7 @@ cargo test -q -p awcpfs --test crash_points --no-run
 runs=0; failures=0; total_ops=0
 while [ "$(date +%s)" -lt "$deadline" ]; do
   seed=$(python3 -c 'import random; print(random.getrandbits(63))')
-  if AWCP_SEED=$seed AWCP_EXERCISER_OPS=$ops cargo test -q -p awcp-tests --test exerciser >/tmp/awcp-soak.log 2>&1; then
+  if AWCP_SEED=$seed AWCP_EXERCISER_OPS=$ops cargo test -q -p awcp-tests --test e2e exerciser:: >/tmp/awcp-soak.log 2>&1; then
     echo "exerciser seed $seed: ok ($ops ops)"
   else
     failures=$((failures + 1)); echo "exerciser seed $seed: FAILED (log: /tmp/awcp-soak.$seed.log)"
