@@ -274,6 +274,11 @@ fn remaining_until(iso: &str) -> Option<Duration> {
     )
 }
 
+/// `fsync` the directory `dir`: the names in it reach the disk.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
 /// Write `bytes` to `path` and fsync it: recovery after a machine crash needs it.
 fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
@@ -412,6 +417,11 @@ impl Mount {
         let synced_path = cfg.state_dir.join(super::recover::SYNCED_FILE);
         let _ = std::fs::remove_file(&synced_path);
         let synced_log = super::sync::SyncedLog::open(&synced_path).map_err(state_err)?;
+        // The state files named durably: a power loss must not keep the journal's records
+        // and lose the manifest they replay over (or the state directory itself).
+        sync_dir(&cfg.state_dir)
+            .and_then(|()| cfg.state_dir.parent().map_or(Ok(()), sync_dir))
+            .map_err(state_err)?;
         let read_only = cfg.read_only || manifest.read_only;
         let signal = Arc::new(SyncSignal::default());
         let stats = Arc::new(Stats::default());
