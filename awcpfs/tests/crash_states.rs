@@ -414,8 +414,30 @@ fn every_crash_point_of_the_state_directory_recovers_everything_acknowledged() {
                     sync_dir(&mnt);
                 }
                 let end = recorder.len();
+                // The file's earlier contents may surface under the new name after a power
+                // loss (a write after its last sync lost, the rename kept), and the new name
+                // holds its content durably only where the content itself was synced.
+                let moved = history.get(&pick).cloned().unwrap_or_default();
+                for v in moved.iter().filter(|v| v.content.is_some()) {
+                    note(
+                        &mut history,
+                        &to,
+                        v.content.clone(),
+                        start,
+                        usize::MAX,
+                        false,
+                    );
+                }
+                let content_durable = moved.last().is_some_and(|v| v.durable.is_some());
                 note(&mut history, &pick, None, start, end, durable);
-                note(&mut history, &to, Some(content), start, end, durable);
+                note(
+                    &mut history,
+                    &to,
+                    Some(content),
+                    start,
+                    end,
+                    durable && content_durable,
+                );
                 if !names.contains(&to) {
                     names.push(to);
                 }
@@ -639,7 +661,10 @@ fn check(
             // After a power loss, a write after the last acknowledged version may be torn.
             || (loss == Loss::Power
                 && g.is_some()
-                && allowed.iter().skip(1).any(|v| v.content.is_some() && v.durable.is_none_or(|d| d > k)));
+                && allowed
+                    .iter()
+                    .skip(usize::from(floor.is_some()))
+                    .any(|v| v.content.is_some() && v.durable.is_none_or(|d| d > k)));
         if !ok {
             wrong.push(format!(
                 "{path}: recovered {g:?}; acknowledged {:?}, allowed {:?}; history {versions:?}",
@@ -649,4 +674,143 @@ fn check(
         }
     }
     wrong
+}
+
+/// The export in this process over `src`, and a handle to it in `handle`; the runtime
+/// serving it must live as long as it is used.
+fn serve_export(
+    src: &Path,
+    staging: &Path,
+    handle: &Path,
+) -> (tokio::runtime::Runtime, Arc<awcpfs::export::Export>) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let registry = ExportRegistry::new();
+    let export = registry
+        .register(
+            EXPORT_ID.into(),
+            TOKEN.into(),
+            ExportConfig {
+                root: src.to_path_buf(),
+                read_only: false,
+                block_size: 4096,
+                staging_dir: staging.to_path_buf(),
+            },
+            lease(),
+        )
+        .unwrap();
+    let router = registry.router();
+    let addr = rt.block_on(async {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, router).await });
+        a
+    });
+    std::fs::write(
+        handle,
+        serde_json::to_vec(&TransportHandle::Awcpfs(AwcpfsHandle {
+            endpoint: format!("http://{addr}"),
+            token: TOKEN.into(),
+            export_id: EXPORT_ID.into(),
+            manifest_digest: export.manifest_digest(),
+            block_size: 4096,
+            expires_at: "2099-01-01T00:00:00.000Z".into(),
+            tls_fingerprint: None,
+            remaining_ms: None,
+            resources: None,
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    (rt, export)
+}
+
+// Regression (issue 30): a commit the export applied but whose outcome synced.log could not
+// record (ENOSPC on the `resolved` line) was forgotten once a later commit went through;
+// after `kill -9`, recovery compared the mount's next change at that path with the state
+// before the forgotten commit and kept the mount's own work as a conflict copy ("changed
+// on the export since the base"). Recovery now asks the export which of the commits it
+// never saw resolved were applied, and counts those as written back.
+#[test]
+fn enospc_on_a_commits_outcome_then_kill_9_and_recover_makes_no_conflict_with_itself() {
+    if !fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let backing = tmp.path().join("backing");
+    let recmnt = tmp.path().join("state");
+    let mnt = tmp.path().join("mnt");
+    for d in [&src, &backing, &recmnt, &mnt] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    for f in ["a", "b"] {
+        std::fs::write(src.join(f), format!("orig {f}\n")).unwrap();
+    }
+    let recorder = Recorder::mount(&backing, &recmnt).unwrap();
+    let handle = tmp.path().join("h.json");
+    let (_rt, _export) = serve_export(&src, &tmp.path().join("staging"), &handle);
+    let mut mount = Killed(
+        Command::new(BIN)
+            .arg("mount")
+            .arg(&handle)
+            .arg(&mnt)
+            .arg("--state-dir")
+            .arg(&recmnt)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the mount", || is_mounted(&mnt));
+    let at_export = |f: &str| std::fs::read_to_string(src.join(f)).ok();
+
+    // 1. a and b written back; the line that records the outcome fails: the state disk
+    //    is full just then.
+    recorder.fail_writes(Some(("synced.log", "{\"resolved\"", libc::ENOSPC)));
+    std::fs::write(mnt.join("a"), "a 1\n").unwrap();
+    std::fs::write(mnt.join("b"), "b 1\n").unwrap();
+    wait_for("the first commit", || {
+        at_export("a").as_deref() == Some("a 1\n") && at_export("b").as_deref() == Some("b 1\n")
+    });
+    // 2. Space again: a later commit (of c only) is recorded whole.
+    recorder.fail_writes(None);
+    std::fs::write(mnt.join("c"), "c 1\n").unwrap();
+    wait_for("the second commit", || {
+        at_export("c").as_deref() == Some("c 1\n")
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    // 3. Full again: b changes once more, journaled but never sent (its commit cannot be
+    //    recorded); then the mount is killed.
+    recorder.fail_writes(Some(("synced.log", "", libc::ENOSPC)));
+    std::fs::write(mnt.join("b"), "b 2\n").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(at_export("b").as_deref(), Some("b 1\n"), "sent unrecorded");
+    mount.0.kill().unwrap();
+    mount.0.wait().unwrap();
+    let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+    recorder.fail_writes(None);
+
+    let out = Command::new(BIN)
+        .arg("recover")
+        .arg(&handle)
+        .arg("--state-dir")
+        .arg(&recmnt)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "recover failed: {said}");
+    let now = files(&src);
+    let conflicts: Vec<&String> = now
+        .keys()
+        .filter(|p| p.contains(".awcp-conflict-"))
+        .collect();
+    assert!(
+        conflicts.is_empty(),
+        "recovery made conflict copies of the mount's own commit: {conflicts:?}\n{said}"
+    );
+    assert!(said.contains(" 0 conflict(s)"), "{said}");
+    let want: BTreeMap<String, String> = [("a", "a 1\n"), ("b", "b 2\n"), ("c", "c 1\n")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    assert_eq!(now, want, "{said}");
 }

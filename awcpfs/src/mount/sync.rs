@@ -253,6 +253,11 @@ pub struct SyncedLogContents {
     pub records: Vec<SyncedRecord>,
     /// The last commit written as pending and not resolved.
     pub pending: Option<PendingCommit>,
+    /// Earlier commits written as pending and never resolved, though a later one was sent
+    /// (their `resolved` line could not be written: a full state disk), each with the
+    /// number of `records` before the next commit's pending line — where what it left
+    /// belongs, if the export applied it (recovery asks: see [`super::recover`]).
+    pub unanswered: Vec<(usize, PendingCommit)>,
 }
 
 /// Append-only log of committed state (see [`SyncedRecord`]).
@@ -336,7 +341,11 @@ impl SyncedLog {
         for line in std::io::BufReader::new(file).split(b'\n') {
             match serde_json::from_slice(&line?) {
                 Ok(LogLine::Record(r)) => out.records.push(r),
-                Ok(LogLine::Pending { pending }) => out.pending = Some(pending),
+                Ok(LogLine::Pending { pending }) => {
+                    if let Some(earlier) = out.pending.replace(pending) {
+                        out.unanswered.push((out.records.len(), earlier));
+                    }
+                }
                 Ok(LogLine::Resolved { resolved }) => {
                     if out
                         .pending
@@ -345,6 +354,7 @@ impl SyncedLog {
                     {
                         out.pending = None;
                     }
+                    out.unanswered.retain(|(_, p)| p.set.commit_id != resolved);
                 }
                 Err(_) => {}
             }

@@ -119,7 +119,14 @@ struct Shared {
     root_ino: u64,
     ops: Mutex<Vec<Op>>,
     state: Mutex<State>,
-    fail: Mutex<Option<(OsString, i32)>>,
+    fail: Mutex<Option<Fault>>,
+}
+
+/// Writes that fail.
+struct Fault {
+    name: OsString,
+    containing: Vec<u8>,
+    errno: i32,
 }
 
 struct RecordFs(Arc<Shared>);
@@ -186,9 +193,14 @@ impl Recorder {
         self.shared.ops.lock().clone()
     }
 
-    /// From now on, writes to files named `name` fail with `errno` (`None`: no more).
-    pub fn fail_writes(&self, fault: Option<(&str, i32)>) {
-        *self.shared.fail.lock() = fault.map(|(n, e)| (OsString::from(n), e));
+    /// From now on, writes to files named `name` whose data contains `containing` (every
+    /// write when empty) fail with `errno`; `None`: no more.
+    pub fn fail_writes(&self, fault: Option<(&str, &str, i32)>) {
+        *self.shared.fail.lock() = fault.map(|(name, containing, errno)| Fault {
+            name: name.into(),
+            containing: containing.as_bytes().to_vec(),
+            errno,
+        });
     }
 
     /// Where it is mounted.
@@ -295,10 +307,14 @@ impl Shared {
         self.ops.lock().push(op);
     }
 
-    fn failing(&self, path: &Path) -> Option<i32> {
+    fn failing(&self, path: &Path, data: &[u8]) -> Option<i32> {
         let fail = self.fail.lock();
-        let (name, errno) = fail.as_ref()?;
-        (path.file_name() == Some(name.as_os_str())).then_some(*errno)
+        let f = fail.as_ref()?;
+        let contains = f.containing.is_empty()
+            || data
+                .windows(f.containing.len())
+                .any(|w| w == f.containing.as_slice());
+        (path.file_name() == Some(f.name.as_os_str()) && contains).then_some(f.errno)
     }
 
     fn handle(&self, fh: FileHandle) -> Result<Arc<File>, Errno> {
@@ -659,7 +675,7 @@ impl Filesystem for RecordFs {
     ) {
         let r = (|| {
             let (path, fid) = self.0.path(ino)?;
-            if let Some(errno) = self.0.failing(&path) {
+            if let Some(errno) = self.0.failing(&path, data) {
                 return Err(Errno::from_i32(errno));
             }
             let f = self.0.handle(fh)?;
