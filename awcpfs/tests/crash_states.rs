@@ -814,3 +814,182 @@ fn enospc_on_a_commits_outcome_then_kill_9_and_recover_makes_no_conflict_with_it
         .collect();
     assert_eq!(now, want, "{said}");
 }
+
+/// Names of the files the recorded operations touch: fid → path in the state directory.
+fn names_of(ops: &[Op]) -> std::collections::HashMap<u64, String> {
+    let mut out = std::collections::HashMap::new();
+    for op in ops {
+        if let Op::Create { fid, .. } = op {
+            out.insert(*fid, recordfs::describe(ops, *fid));
+        }
+    }
+    out
+}
+
+// Regressions (issue 30), found by the crash-point test above, checked here on the order of
+// the mount's own writes to its state directory, deterministically:
+// * a commit was recorded (and sent) before the journal and the committed upper files were
+//   synced: after a power loss, recovery sent the older or torn local copy back over the
+//   committed content;
+// * `fsync` of a directory on the mount was a no-op: a rename or unlink followed by it was
+//   lost with a power loss;
+// * the state directory (manifest.bin, journal.log, synced.log) and the upper directory
+//   were never synced: the manifest could vanish under a journal that survived;
+// * manifest.bin was written in place: a crash mid-write left a torn manifest, and
+//   recovery refused the state directory;
+// * an unlinked file's upper file was emptied before it was renamed into the pool: a power
+//   loss that kept the truncation but not the (unsynced) unlink left an fsynced file empty.
+#[test]
+fn the_mounts_state_writes_are_ordered_so_a_power_loss_keeps_what_was_acknowledged() {
+    if !fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let backing = tmp.path().join("backing");
+    let recmnt = tmp.path().join("state");
+    let mnt = tmp.path().join("mnt");
+    for d in [&src, &backing, &recmnt, &mnt] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    std::fs::write(src.join("old"), "old\n").unwrap();
+    let recorder = Recorder::mount(&backing, &recmnt).unwrap();
+    let handle = tmp.path().join("h.json");
+    let (_rt, _export) = serve_export(&src, &tmp.path().join("staging"), &handle);
+    let mut mount = Killed(
+        Command::new(BIN)
+            .arg("mount")
+            .arg(&handle)
+            .arg(&mnt)
+            .arg("--state-dir")
+            .arg(&recmnt)
+            .args(["--hydrate", "none"])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the mount", || is_mounted(&mnt));
+    let started = recorder.len();
+
+    // A new file, synced by its writer.
+    let mut f = std::fs::File::create(mnt.join("x")).unwrap();
+    f.write_all(b"x content\n").unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let fsynced = recorder.len();
+    // Renamed, and the directory synced.
+    std::fs::rename(mnt.join("x"), mnt.join("y")).unwrap();
+    let renamed = recorder.len();
+    std::fs::File::open(&mnt).unwrap().sync_all().unwrap();
+    let dir_synced = recorder.len();
+    // Written back.
+    wait_for("the write-back", || src.join("y").exists());
+    std::thread::sleep(Duration::from_millis(200));
+    // Removed (its upper file goes to the pool).
+    std::fs::remove_file(mnt.join("y")).unwrap();
+    wait_for("the write-back of the removal", || !src.join("y").exists());
+    std::thread::sleep(Duration::from_millis(200));
+    mount.0.kill().unwrap();
+    mount.0.wait().unwrap();
+    let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+    let ops = recorder.ops();
+    let names = names_of(&ops);
+    let name = |fid: &u64| names.get(fid).cloned().unwrap_or_default();
+    let fid_of = |n: &str| {
+        *names
+            .iter()
+            .find(|(_, v)| v.as_str() == n)
+            .unwrap_or_else(|| panic!("{n} never created; names: {names:?}"))
+            .0
+    };
+    let state = fid_of(EXPORT_ID);
+    let journal = fid_of(&format!("{EXPORT_ID}/journal.log"));
+    let upper_dir = fid_of(&format!("{EXPORT_ID}/upper"));
+    let synced_log = fid_of(&format!("{EXPORT_ID}/synced.log"));
+    let synced_after = |fid: u64, from: usize, to: usize| {
+        ops[from..to]
+            .iter()
+            .any(|op| matches!(op, Op::Fsync { fid: f } | Op::FsyncDir { fid: f } if *f == fid))
+    };
+
+    // The state files' names synced before the mount served anything.
+    let created_last = ops[..started]
+        .iter()
+        .rposition(|op| {
+            matches!(op, Op::Create { parent, name, .. } if *parent == state
+                && ["manifest.bin", "journal.log", "synced.log", "upper"]
+                    .contains(&name.to_string_lossy().as_ref()))
+        })
+        .unwrap();
+    assert!(
+        synced_after(state, created_last, started),
+        "the state directory was never synced after its files were created"
+    );
+    // The manifest never written in place (a crash mid-write left a torn one that recovery
+    // refused): written beside, synced, renamed.
+    assert!(
+        ops[..started]
+            .iter()
+            .any(|op| matches!(op, Op::Rename { newname, .. } if newname == "manifest.bin")),
+        "manifest.bin was written in place"
+    );
+    // The caller's fsync: the upper directory (the new file's name) and the journal.
+    assert!(
+        synced_after(upper_dir, started, fsynced) && synced_after(journal, started, fsynced),
+        "fsync of a new file left its upper file's name or its journal record unsynced"
+    );
+    // The directory sync after a rename: the journal, after the rename's record.
+    let rename_record = ops[fsynced..renamed]
+        .iter()
+        .rposition(|op| matches!(op, Op::Write { fid, .. } if *fid == journal))
+        .map(|i| i + fsynced)
+        .expect("the rename was not journaled");
+    assert!(
+        synced_after(journal, rename_record, dir_synced),
+        "fsync of the directory did not sync the journal after a rename"
+    );
+    // Every commit recorded only once the journal and the files it carries were synced.
+    let mut commits = 0;
+    for (i, op) in ops.iter().enumerate() {
+        let Op::Write { fid, data, .. } = op else {
+            continue;
+        };
+        if *fid != synced_log || !String::from_utf8_lossy(data).contains("\"pending\"") {
+            continue;
+        }
+        commits += 1;
+        for (j, earlier) in ops[..i].iter().enumerate().rev() {
+            let Op::Write { fid: w, .. } = earlier else {
+                continue;
+            };
+            let upper = name(w).starts_with(&format!("{EXPORT_ID}/upper/"));
+            if (*w == journal || upper) && !synced_after(*w, j, i) {
+                // An upper file written and never synced before this commit is only
+                // allowed if the commit does not carry it (here: every file it carries).
+                assert!(
+                    !upper || name(w).contains("free-") || name(w).contains(".pack"),
+                    "a commit was recorded while {} held writes not yet synced",
+                    name(w)
+                );
+                assert_ne!(
+                    *w, journal,
+                    "a commit was recorded before the journal was synced"
+                );
+            }
+        }
+    }
+    assert!(commits >= 2, "{commits} commits recorded");
+    // The removed file's upper file: renamed into the pool before it was emptied.
+    let pooled = ops
+        .iter()
+        .position(|op| matches!(op, Op::Rename { newname, .. } if newname.to_string_lossy().starts_with("free-")))
+        .expect("the removed file's upper file was not pooled");
+    let emptied = ops
+        .iter()
+        .rposition(|op| matches!(op, Op::Truncate { size: 0, .. }))
+        .expect("the pooled file was not emptied");
+    assert!(
+        pooled < emptied,
+        "the upper file was emptied (op {emptied}) before it was renamed into the pool (op {pooled})"
+    );
+}

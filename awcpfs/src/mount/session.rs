@@ -279,12 +279,16 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
-/// Write `bytes` to `path` and fsync it: recovery after a machine crash needs it.
+/// Write `bytes` to `path` whole, and fsync it: recovery after a machine crash needs it.
+/// Written beside and renamed into place, so a crash mid-write leaves no torn file for
+/// recovery to choke on (the directory is synced once the mount's files are all there).
 fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
-    let mut f = std::fs::File::create(path)?;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
     f.write_all(bytes)?;
-    f.sync_all()
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
 }
 
 /// Whether `mountpoint` is mounted now with the FUSE connection `conn` (read from

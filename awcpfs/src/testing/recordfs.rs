@@ -13,7 +13,8 @@
 //! size) or where they fall before a random cut — the journal of a metadata-journaling
 //! filesystem such as ext4 or XFS keeps them in order — and writes after a file's last
 //! sync each kept or dropped (a dropped one leaves a hole of zeros under a later kept one:
-//! the kernel writes pages back in any order) or torn.
+//! the kernel writes pages back in any order) or torn; writes after a lost truncation of
+//! their file are lost with it (they went to blocks allocated after it).
 //!
 //! Faults can be injected too ([`Recorder::fail_writes`]): writes to files of one name then
 //! fail with an errno (a full disk for one file).
@@ -862,6 +863,7 @@ pub fn crash_image(
     let durable_in = |dir: Fid, i: usize| dir_synced.get(&dir).is_some_and(|s| *s > i);
     let mut nodes: HashMap<Fid, Built> = HashMap::new();
     nodes.insert(0, Built::Dir(BTreeMap::new()));
+    let mut cut_off: std::collections::HashSet<Fid> = std::collections::HashSet::new();
     // Data, per file: each change kept when synced later, else at random.
     let keep_data = |fid: Fid, i: usize, rng: &mut dyn rand::RngCore| {
         loss == Loss::Process || synced.get(&fid).is_some_and(|s| *s > i) || rng.random_bool(0.5)
@@ -917,7 +919,7 @@ pub fn crash_image(
                 }
             }
             Op::Write { fid, offset, data } => {
-                if !keep_data(*fid, i, rng) {
+                if cut_off.contains(fid) || !keep_data(*fid, i, rng) {
                     continue;
                 }
                 let mut data = &data[..];
@@ -939,10 +941,14 @@ pub fn crash_image(
             }
             Op::Truncate { fid, size } => {
                 // A size change is metadata: journaled in order with the namespace.
-                if (i < cut || synced.get(fid).is_some_and(|s| *s > i))
-                    && let Some(Built::File(content)) = nodes.get_mut(fid)
-                {
-                    content.resize(*size as usize, 0);
+                if i < cut || synced.get(fid).is_some_and(|s| *s > i) {
+                    if let Some(Built::File(content)) = nodes.get_mut(fid) {
+                        content.resize(*size as usize, 0);
+                    }
+                } else {
+                    // Writes after a lost truncation are lost with it: they went to blocks
+                    // allocated after it, in metadata journaled after it.
+                    cut_off.insert(*fid);
                 }
             }
             Op::Fsync { .. } | Op::FsyncDir { .. } => {}
