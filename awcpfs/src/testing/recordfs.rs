@@ -887,10 +887,10 @@ pub fn crash_image(
                         Built::Other
                     },
                 );
-                if i < cut || durable_in(*parent, i) {
-                    if let Some(Built::Dir(entries)) = nodes.get_mut(parent) {
-                        entries.insert(name.clone(), *fid);
-                    }
+                if (i < cut || durable_in(*parent, i))
+                    && let Some(Built::Dir(entries)) = nodes.get_mut(parent)
+                {
+                    entries.insert(name.clone(), *fid);
                 }
             }
             Op::Rename {
@@ -924,7 +924,7 @@ pub fn crash_image(
                 }
                 let mut data = &data[..];
                 if loss == Loss::Power
-                    && !synced.get(fid).is_some_and(|s| *s > i)
+                    && synced.get(fid).is_none_or(|s| *s <= i)
                     && data.len() > 1
                     && rng.random_bool(0.2)
                 {
