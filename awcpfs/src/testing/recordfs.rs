@@ -1012,3 +1012,78 @@ pub fn describe(ops: &[Op], fid: Fid) -> String {
     parts.reverse();
     parts.join("/")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn image(ops: &[Op], loss: Loss, seed: u64) -> BTreeMap<String, Vec<u8>> {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        crash_image(ops, ops.len(), loss, &mut rng, dir.path()).unwrap();
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| {
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_crash_image_keeps_what_was_synced_and_loses_only_what_was_not() {
+        let create = |name: &str, fid| Op::Create {
+            parent: 0,
+            name: name.into(),
+            fid,
+            dir: false,
+            file: true,
+        };
+        let write = |fid, offset, data: &[u8]| Op::Write {
+            fid,
+            offset,
+            data: data.to_vec(),
+        };
+        let ops = vec![
+            create("a", 1),
+            write(1, 0, b"synced"),
+            Op::Fsync { fid: 1 },
+            Op::FsyncDir { fid: 0 },
+            write(1, 6, b" later"),
+            create("b", 2),
+            write(2, 0, b"never synced"),
+            Op::Rename {
+                parent: 0,
+                name: "b".into(),
+                newparent: 0,
+                newname: "c".into(),
+            },
+        ];
+        // A killed process loses nothing.
+        let all = image(&ops, Loss::Process, 0);
+        assert_eq!(all.get("a").map(Vec::as_slice), Some(&b"synced later"[..]));
+        assert_eq!(all.get("c").map(Vec::as_slice), Some(&b"never synced"[..]));
+        assert!(!all.contains_key("b"));
+        // A power loss keeps the synced part always, and loses the rest in every way.
+        let (mut lost_later, mut kept_later, mut no_b_or_c, mut torn) = (0, 0, 0, 0);
+        for seed in 0..200 {
+            let img = image(&ops, Loss::Power, seed);
+            let a = img.get("a").expect("a synced file and name are kept");
+            assert!(a.starts_with(b"synced"), "{a:?}");
+            match a.as_slice() {
+                b"synced" => lost_later += 1,
+                b"synced later" => kept_later += 1,
+                _ => torn += 1,
+            }
+            assert!(!(img.contains_key("b") && img.contains_key("c")));
+            if !img.contains_key("b") && !img.contains_key("c") {
+                no_b_or_c += 1;
+            }
+        }
+        assert!(lost_later > 0 && kept_later > 0 && torn > 0 && no_b_or_c > 0);
+    }
+}
