@@ -14,6 +14,7 @@ pub mod private;
 #[doc(hidden)]
 pub mod testing {
     pub mod proxy;
+    pub mod recordfs;
 
     /// The environment variable naming a file where skipped suites are recorded, one
     /// `suite<TAB>how to install it` line each; `scripts/test.sh` sets it and lists them at

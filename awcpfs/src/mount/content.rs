@@ -1268,7 +1268,7 @@ impl AwcpFs {
         } else {
             self.settle(&h)?;
         }
-        self.journal.sync()?;
+        self.sync_namespace()?;
         Ok(())
     }
 

@@ -783,7 +783,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         self.fs.stats().count_op("fsyncdir");
-        match self.fs.access(fuser::INodeNo::ROOT.0, false) {
+        match self.fs.fsyncdir() {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "fsyncdir", e),
         }

@@ -274,12 +274,21 @@ fn remaining_until(iso: &str) -> Option<Duration> {
     )
 }
 
-/// Write `bytes` to `path` and fsync it: recovery after a machine crash needs it.
+/// `fsync` the directory `dir`: the names in it reach the disk.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Write `bytes` to `path` whole, and fsync it: recovery after a machine crash needs it.
+/// Written beside and renamed into place, so a crash mid-write leaves no torn file for
+/// recovery to choke on (the directory is synced once the mount's files are all there).
 fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
-    let mut f = std::fs::File::create(path)?;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
     f.write_all(bytes)?;
-    f.sync_all()
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
 }
 
 /// Whether `mountpoint` is mounted now with the FUSE connection `conn` (read from
@@ -412,6 +421,11 @@ impl Mount {
         let synced_path = cfg.state_dir.join(super::recover::SYNCED_FILE);
         let _ = std::fs::remove_file(&synced_path);
         let synced_log = super::sync::SyncedLog::open(&synced_path).map_err(state_err)?;
+        // The state files named durably: a power loss must not keep the journal's records
+        // and lose the manifest they replay over (or the state directory itself).
+        sync_dir(&cfg.state_dir)
+            .and_then(|()| cfg.state_dir.parent().map_or(Ok(()), sync_dir))
+            .map_err(state_err)?;
         let read_only = cfg.read_only || manifest.read_only;
         let signal = Arc::new(SyncSignal::default());
         let stats = Arc::new(Stats::default());
