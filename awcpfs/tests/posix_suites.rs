@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use awcpfs::testing::fuse_available;
+use awcpfs::testing::{fuse_available, uring_available};
 
 const BIN: &str = env!("CARGO_BIN_EXE_awcpfs");
 
@@ -239,14 +239,29 @@ fn expected_failures(text: &str) -> BTreeMap<String, String> {
 /// Without the kernel's writeback cache: every write and time is the mount's.
 #[test]
 fn pjdfstest_passes_but_for_the_listed_failures() {
-    pjdfstest_on(&["--no-writeback-cache"]);
+    pjdfstest_on(&["--no-writeback-cache", "--fuse-transport", "dev"]);
 }
 
-/// The same with the kernel's writeback cache on (the default): its own sizes and times,
-/// batched writes.
+/// The same with the kernel's writeback cache on: its own sizes and times, batched writes.
 #[test]
 fn wbcache_pjdfstest_passes_with_the_writeback_cache() {
-    pjdfstest_on(&["--writeback-cache"]);
+    pjdfstest_on(&["--writeback-cache", "--fuse-transport", "dev"]);
+}
+
+/// The same over FUSE-over-io_uring (the second adapter, `mount/uring`).
+#[test]
+fn uring_pjdfstest_passes_but_for_the_listed_failures() {
+    if uring_available() {
+        pjdfstest_on(&["--no-writeback-cache", "--fuse-transport", "uring"]);
+    }
+}
+
+/// io_uring with the kernel's writeback cache.
+#[test]
+fn uring_wbcache_pjdfstest_passes_with_the_writeback_cache() {
+    if uring_available() {
+        pjdfstest_on(&["--writeback-cache", "--fuse-transport", "uring"]);
+    }
 }
 
 fn pjdfstest_on(extra: &[&str]) {
@@ -491,14 +506,30 @@ fn mount_access_follows_the_path_by_default_and_owner_keeps_everyone_else_out() 
 /// Without the kernel's writeback cache: every write reaches the mount as it is made.
 #[test]
 fn fsx_with_every_operation_finds_no_difference() {
-    fsx_on(&["--no-writeback-cache"]);
+    fsx_on(&["--no-writeback-cache", "--fuse-transport", "dev"]);
 }
 
-/// The same with the kernel's writeback cache on, the default (fsx checks sizes after
-/// every operation, through `mmap` as well).
+/// The same with the kernel's writeback cache on (fsx checks sizes after every operation,
+/// through `mmap` as well).
 #[test]
 fn wbcache_fsx_finds_no_difference_with_the_writeback_cache() {
-    fsx_on(&["--writeback-cache"]);
+    fsx_on(&["--writeback-cache", "--fuse-transport", "dev"]);
+}
+
+/// The same over FUSE-over-io_uring.
+#[test]
+fn uring_fsx_with_every_operation_finds_no_difference() {
+    if uring_available() {
+        fsx_on(&["--no-writeback-cache", "--fuse-transport", "uring"]);
+    }
+}
+
+/// io_uring with the kernel's writeback cache.
+#[test]
+fn uring_wbcache_fsx_finds_no_difference_with_the_writeback_cache() {
+    if uring_available() {
+        fsx_on(&["--writeback-cache", "--fuse-transport", "uring"]);
+    }
 }
 
 fn fsx_on(extra: &[&str]) {
