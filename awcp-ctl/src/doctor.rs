@@ -435,7 +435,7 @@ pub fn mount_access(
 }
 
 /// Which FUSE transport the running mounts use (from each mount's `status.json` below
-/// `executor_dir`, `fuse_transport`), and what `--fuse-transport auto` would choose here.
+/// `executor_dir`, `fuseTransport`), and what `--fuse-transport auto` would choose here.
 pub fn fuse_transport(executor_dir: &std::path::Path) -> Check {
     const NAME: &str = "fuse transport";
     let mut mounts = Vec::new();
@@ -453,7 +453,7 @@ pub fn fuse_transport(executor_dir: &std::path::Path) -> Check {
                 && let Ok(st) = serde_json::from_str::<serde_json::Value>(&text)
                 && st["state"] == "mounted"
                 && let (Some(mp), Some(t)) =
-                    (st["mountpoint"].as_str(), st["fuse_transport"].as_str())
+                    (st["mountpoint"].as_str(), st["fuseTransport"].as_str())
             {
                 mounts.push(format!("{mp} over {t}"));
             }
@@ -615,7 +615,7 @@ mod tests {
         let task = dir.path().join("state").join("task-1");
         std::fs::create_dir_all(&task).unwrap();
         let status = |state: &str, mp: &str, t: &str| {
-            serde_json::json!({"state": state, "mountpoint": mp, "fuse_transport": t}).to_string()
+            serde_json::json!({"state": state, "mountpoint": mp, "fuseTransport": t}).to_string()
         };
         std::fs::write(task.join("status.json"), status("mounted", "/w/a", "io_uring")).unwrap();
         let ended = dir.path().join("state").join("task-2");

@@ -55,10 +55,21 @@ impl std::fmt::Display for FuseTransport {
     }
 }
 
+/// The environment variable naming another file to read `enable_uring` from (containers
+/// that see the host's `/sys` elsewhere; tests of the fallback).
+pub const ENABLE_URING_VAR: &str = "AWCPFS_ENABLE_URING_PARAM";
+
+/// Where the `enable_uring` parameter is read.
+fn enable_uring_path() -> PathBuf {
+    std::env::var_os(ENABLE_URING_VAR)
+        .filter(|v| !v.is_empty())
+        .map_or_else(|| PathBuf::from(ENABLE_URING), PathBuf::from)
+}
+
 /// Whether the kernel offers FUSE over io_uring: `None` when this kernel has no such
 /// parameter (built without `CONFIG_FUSE_IO_URING`, or older than 6.14).
 pub fn kernel_enables_uring() -> Option<bool> {
-    std::fs::read_to_string(ENABLE_URING)
+    std::fs::read_to_string(enable_uring_path())
         .ok()
         .map(|s| s.trim() == "Y" || s.trim() == "1")
 }
@@ -68,12 +79,14 @@ pub fn uring_unavailable() -> Option<String> {
     if !nix::unistd::geteuid().is_root() {
         return Some("awcpfs mounts over io_uring only as root (it mounts with mount(2) itself)".into());
     }
+    let param = enable_uring_path();
+    let param = param.display();
     match kernel_enables_uring() {
         None => Some(format!(
-            "this kernel has no FUSE over io_uring ({ENABLE_URING} is missing: Linux 6.14+ built with CONFIG_FUSE_IO_URING)"
+            "this kernel has no FUSE over io_uring ({param} is missing: Linux 6.14+ built with CONFIG_FUSE_IO_URING)"
         )),
         Some(false) => Some(format!(
-            "the kernel does not offer FUSE over io_uring: {ENABLE_URING} is N (as root: echo Y > {ENABLE_URING})"
+            "the kernel does not offer FUSE over io_uring: {param} is N (as root: echo Y > {param})"
         )),
         Some(true) => None,
     }
