@@ -617,13 +617,25 @@ mod tests {
         let status = |state: &str, mp: &str, t: &str| {
             serde_json::json!({"state": state, "mountpoint": mp, "fuseTransport": t}).to_string()
         };
-        std::fs::write(task.join("status.json"), status("mounted", "/w/a", "io_uring")).unwrap();
+        std::fs::write(
+            task.join("status.json"),
+            status("mounted", "/w/a", "io_uring"),
+        )
+        .unwrap();
         let ended = dir.path().join("state").join("task-2");
         std::fs::create_dir_all(&ended).unwrap();
-        std::fs::write(ended.join("status.json"), status("ended", "/w/b", "/dev/fuse")).unwrap();
+        std::fs::write(
+            ended.join("status.json"),
+            status("ended", "/w/b", "/dev/fuse"),
+        )
+        .unwrap();
         let c = super::fuse_transport(dir.path());
         assert!(c.detail.contains("/w/a over io_uring"), "{}", c.detail);
-        assert!(!c.detail.contains("/w/b"), "an ended mount is not running: {}", c.detail);
+        assert!(
+            !c.detail.contains("/w/b"),
+            "an ended mount is not running: {}",
+            c.detail
+        );
         assert!(c.detail.contains("--fuse-transport auto"), "{}", c.detail);
     }
 }

@@ -629,7 +629,10 @@ fn round_trip(fs: &mut Standalone) {
     assert_eq!(std::fs::read(fs.mnt.join("l")).unwrap(), b"over the wire\n");
     let status = fs.unmount();
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
-    assert_eq!(std::fs::read(fs.src.join("d/f")).unwrap(), b"over the wire\n");
+    assert_eq!(
+        std::fs::read(fs.src.join("d/f")).unwrap(),
+        b"over the wire\n"
+    );
 }
 
 /// `--fuse-transport auto` where the kernel does not offer io_uring (`enable_uring` read as
@@ -655,7 +658,11 @@ fn uring_refuses_to_mount_when_enable_uring_is_n() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let (src, mnt, handle) = (tmp.path().join("src"), tmp.path().join("mnt"), tmp.path().join("h"));
+    let (src, mnt, handle) = (
+        tmp.path().join("src"),
+        tmp.path().join("mnt"),
+        tmp.path().join("h"),
+    );
     std::fs::create_dir_all(&src).unwrap();
     std::fs::create_dir_all(&mnt).unwrap();
     let param = tmp.path().join("enable_uring");

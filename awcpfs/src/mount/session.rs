@@ -192,13 +192,17 @@ pub enum MountError {
         source: std::io::Error,
     },
     /// `--fuse-transport uring` where the kernel does not offer it.
-    #[error("--fuse-transport uring: {reason} (or use --fuse-transport auto to fall back to /dev/fuse)")]
+    #[error(
+        "--fuse-transport uring: {reason} (or use --fuse-transport auto to fall back to /dev/fuse)"
+    )]
     UringUnavailable {
         /// Why not.
         reason: String,
     },
     /// Serving over io_uring failed.
-    #[error("serving FUSE over io_uring at {mountpoint} failed (--fuse-transport auto or dev serves over /dev/fuse)")]
+    #[error(
+        "serving FUSE over io_uring at {mountpoint} failed (--fuse-transport auto or dev serves over /dev/fuse)"
+    )]
     Uring {
         /// Where.
         mountpoint: PathBuf,
@@ -494,13 +498,8 @@ impl Mount {
         fcfg.clone_fd = cfg.fuse_threads > 1;
         let t_state = t0.elapsed();
         ensure_fusectl();
-        let session = super::transport::start(
-            fs.clone(),
-            &cfg,
-            access.allow_other,
-            read_only,
-            fcfg,
-        )?;
+        let session =
+            super::transport::start(fs.clone(), &cfg, access.allow_other, read_only, fcfg)?;
         let dev = std::fs::metadata(&cfg.mountpoint).ok().map(|m| m.dev());
         let conn_id =
             dev.map(|dev| (u64::from(libc::major(dev)) << 20) | u64::from(libc::minor(dev)));

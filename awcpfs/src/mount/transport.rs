@@ -82,9 +82,7 @@ impl Notifier {
     /// `name` in `parent`, inode `child`, is gone.
     pub fn delete(&self, parent: u64, child: u64, name: &OsStr) -> std::io::Result<()> {
         absent_is_ok(match self {
-            Notifier::Fuser(n) => {
-                n.delete(fuser::INodeNo(parent), fuser::INodeNo(child), name)
-            }
+            Notifier::Fuser(n) => n.delete(fuser::INodeNo(parent), fuser::INodeNo(child), name),
             Notifier::Dev(n) => n.delete(parent, child, name.as_bytes()),
         })
     }
@@ -134,7 +132,11 @@ pub fn start(
         })?;
         tracing::info!(
             "FUSE transport: {} (--fuse-transport {choice})",
-            if s.uses_rings() { "io_uring" } else { "/dev/fuse" }
+            if s.uses_rings() {
+                "io_uring"
+            } else {
+                "/dev/fuse"
+            }
         );
         return Ok(KernelSession::Uring(s));
     }

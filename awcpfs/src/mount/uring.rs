@@ -77,7 +77,9 @@ pub fn kernel_enables_uring() -> Option<bool> {
 /// Why io_uring cannot be used here, or `None` when it can be tried.
 pub fn uring_unavailable() -> Option<String> {
     if !nix::unistd::geteuid().is_root() {
-        return Some("awcpfs mounts over io_uring only as root (it mounts with mount(2) itself)".into());
+        return Some(
+            "awcpfs mounts over io_uring only as root (it mounts with mount(2) itself)".into(),
+        );
     }
     let param = enable_uring_path();
     let param = param.display();
@@ -170,12 +172,7 @@ impl UringSession {
         opts: &UringOptions,
     ) -> Result<UringSession, UringError> {
         // SAFETY: a plain open of a constant path; the descriptor is checked and owned.
-        let raw = unsafe {
-            libc::open(
-                c"/dev/fuse".as_ptr(),
-                libc::O_RDWR | libc::O_CLOEXEC,
-            )
-        };
+        let raw = unsafe { libc::open(c"/dev/fuse".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
         if raw < 0 {
             return Err(UringError::Sys {
                 what: "open /dev/fuse",
@@ -212,8 +209,8 @@ impl UringSession {
         let adapter = Arc::new(dispatch::Adapter::new(fs, opts.kernel, dev.clone()));
         let negotiated = init(&adapter, &dev)?;
         let uring = negotiated.flags & abi::init::OVER_IO_URING != 0;
-        let (jobs, mut threads) = ring::spawn_workers(&adapter, opts.workers)
-            .map_err(sys("starting FUSE workers"))?;
+        let (jobs, mut threads) =
+            ring::spawn_workers(&adapter, opts.workers).map_err(sys("starting FUSE workers"))?;
         let mut rings = 0;
         let mut refused = None;
         if !uring {
@@ -264,9 +261,7 @@ impl UringSession {
                 // The guard unmounts and aborts the connection; the rings end with it.
                 return Err(UringError::Refused(why.clone()));
             }
-            tracing::warn!(
-                "FUSE over io_uring not used ({why}); serving requests over /dev/fuse"
-            );
+            tracing::warn!("FUSE over io_uring not used ({why}); serving requests over /dev/fuse");
         }
         // The reader: FORGET and INTERRUPT always come here, and every request before the
         // kernel switches to the rings (or when it never does).
@@ -334,7 +329,10 @@ fn init(adapter: &dispatch::Adapter, dev: &OwnedFd) -> Result<dispatch::Negotiat
         })
         .ok_or_else(|| UringError::Init("short INIT".into()))?;
     if init.major != abi::KERNEL_VERSION {
-        return Err(UringError::Init(format!("protocol {}.{}", init.major, init.minor)));
+        return Err(UringError::Init(format!(
+            "protocol {}.{}",
+            init.major, init.minor
+        )));
     }
     let (out, negotiated) = adapter.init(&init, true);
     let hdr = abi::OutHeader {
@@ -366,7 +364,8 @@ pub struct DevNotifier(Arc<OwnedFd>);
 
 impl DevNotifier {
     fn send(&self, code: i32, parts: &[&[u8]]) -> std::io::Result<()> {
-        let len = std::mem::size_of::<abi::OutHeader>() + parts.iter().map(|p| p.len()).sum::<usize>();
+        let len =
+            std::mem::size_of::<abi::OutHeader>() + parts.iter().map(|p| p.len()).sum::<usize>();
         let h = abi::OutHeader {
             len: len as u32,
             error: code,

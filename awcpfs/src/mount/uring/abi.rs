@@ -23,7 +23,10 @@ pub unsafe trait Wire: Copy + Default {
     fn bytes(&self) -> &[u8] {
         // SAFETY: `Self` has no padding (the trait's contract), so every byte is initialised.
         unsafe {
-            std::slice::from_raw_parts((self as *const Self).cast::<u8>(), std::mem::size_of::<Self>())
+            std::slice::from_raw_parts(
+                (self as *const Self).cast::<u8>(),
+                std::mem::size_of::<Self>(),
+            )
         }
     }
 }
@@ -349,7 +352,10 @@ mod tests {
         assert_eq!(size_of::<BackingMap>(), 16);
         assert_eq!(size_of::<UringEntInOut>(), 32);
         assert_eq!(size_of::<UringCmdReq>(), 24);
-        assert_eq!(URING_ENT_IN_OUT + size_of::<UringEntInOut>(), URING_HEADER_SIZE);
+        assert_eq!(
+            URING_ENT_IN_OUT + size_of::<UringEntInOut>(),
+            URING_HEADER_SIZE
+        );
     }
 
     #[test]

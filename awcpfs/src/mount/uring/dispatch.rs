@@ -357,8 +357,7 @@ impl Adapter {
             // Content not here yet is fetched first; a local file is a `pread`/`pwrite`.
             op::READ | op::WRITE => !self.fs.content_is_local(req.header.nodeid),
             // A truncation of a remote file fetches it first.
-            op::SETATTR => abi::SetattrIn::read(req.arg)
-                .is_none_or(|s| s.valid & fattr::SIZE != 0),
+            op::SETATTR => abi::SetattrIn::read(req.arg).is_none_or(|s| s.valid & fattr::SIZE != 0),
             op::OPEN | op::FLUSH | op::RELEASE | op::FSYNC | op::FSYNCDIR | op::FALLOCATE => true,
             _ => false,
         }
@@ -605,7 +604,13 @@ impl Adapter {
                 let n = fs
                     .write_at(ino, w.fh, w.offset, data)
                     .map_err(|e| errno(&e))?;
-                out.extend_from_slice(abi::WriteOut { size: n, padding: 0 }.bytes());
+                out.extend_from_slice(
+                    abi::WriteOut {
+                        size: n,
+                        padding: 0,
+                    }
+                    .bytes(),
+                );
                 Ok(Reply::Ok)
             }
             op::FLUSH => {
@@ -710,13 +715,7 @@ impl Adapter {
                 let (n, _) = name(req.data)?;
                 *change = Some(fs.changes().begin());
                 let (a, fh) = fs
-                    .create_as(
-                        Self::caller(req),
-                        ino,
-                        n,
-                        c.mode & !c.umask,
-                        c.flags as i32,
-                    )
+                    .create_as(Self::caller(req), ino, n, c.mode & !c.umask, c.flags as i32)
                     .map_err(|e| errno(&e))?;
                 out.extend_from_slice(entry(self.ttl, &a).bytes());
                 Ok(Self::put_open(out, fh, fopen::KEEP_CACHE, 0))
@@ -731,9 +730,13 @@ impl Adapter {
                     fs.getxattr(ino, name(req.data)?.0, g.size)
                 };
                 match r.map_err(|e| errno(&e))? {
-                    XattrReply::Size(n) => {
-                        out.extend_from_slice(abi::GetxattrOut { size: n, padding: 0 }.bytes())
-                    }
+                    XattrReply::Size(n) => out.extend_from_slice(
+                        abi::GetxattrOut {
+                            size: n,
+                            padding: 0,
+                        }
+                        .bytes(),
+                    ),
                     XattrReply::Data(d) => out.extend_from_slice(&d),
                 }
                 Ok(Reply::Ok)
@@ -855,13 +858,29 @@ mod tests {
     #[test]
     fn a_dirent_is_padded_to_eight_bytes_and_refused_past_the_limit() {
         let mut out = Vec::new();
-        assert!(push_dirent(&mut out, 64, None, 5, 1, FileType::Directory, b"abc"));
+        assert!(push_dirent(
+            &mut out,
+            64,
+            None,
+            5,
+            1,
+            FileType::Directory,
+            b"abc"
+        ));
         assert_eq!(out.len(), 32);
         let d = abi::Dirent::read(&out).unwrap();
         assert_eq!((d.ino, d.off, d.namelen, d.typ), (5, 1, 3, 4));
         assert_eq!(&out[24..27], b"abc");
         // 32 more would pass 60.
-        assert!(!push_dirent(&mut out, 60, None, 6, 2, FileType::RegularFile, b"x"));
+        assert!(!push_dirent(
+            &mut out,
+            60,
+            None,
+            6,
+            2,
+            FileType::RegularFile,
+            b"x"
+        ));
         assert_eq!(out.len(), 32);
     }
 

@@ -351,7 +351,10 @@ pub fn ring_loop(
     if let Some(e) = refused.first() {
         // Entries the kernel accepted still point at these buffers: keep them.
         std::mem::forget(ents);
-        return fail("FUSE_IO_URING_CMD_REGISTER", std::io::Error::from_raw_os_error(*e));
+        return fail(
+            "FUSE_IO_URING_CMD_REGISTER",
+            std::io::Error::from_raw_os_error(*e),
+        );
     }
     let _ = ready.send(Ok(()));
 
@@ -395,8 +398,8 @@ pub fn ring_loop(
                 continue;
             }
             let Some(e) = ents.get_mut(idx) else { continue };
-            let ent = abi::UringEntInOut::read(&e.header.0[abi::URING_ENT_IN_OUT..])
-                .unwrap_or_default();
+            let ent =
+                abi::UringEntInOut::read(&e.header.0[abi::URING_ENT_IN_OUT..]).unwrap_or_default();
             e.commit_id = ent.commit_id;
             let Some(header) = abi::InHeader::read(&e.header.0) else {
                 continue;
@@ -463,7 +466,8 @@ fn commit(
         unique,
     };
     e.header.0[..h.bytes().len()].copy_from_slice(h.bytes());
-    let mut ent = abi::UringEntInOut::read(&e.header.0[abi::URING_ENT_IN_OUT..]).unwrap_or_default();
+    let mut ent =
+        abi::UringEntInOut::read(&e.header.0[abi::URING_ENT_IN_OUT..]).unwrap_or_default();
     ent.payload_sz = n as u32;
     e.header.0[abi::URING_ENT_IN_OUT..].copy_from_slice(ent.bytes());
     cmd_sqe(
