@@ -379,6 +379,16 @@ pub fn ring_loop(
         done.extend(ring.completion().map(|c| (c.user_data(), c.result())));
         for (ud, res) in done.drain(..) {
             if ud == WAKE {
+                if res < 0 {
+                    // Cancelled as the ring goes away, or the eventfd is unusable: workers'
+                    // replies can no longer be committed here (their requests fail when the
+                    // connection ends).
+                    if res != -libc::ECANCELED {
+                        tracing::warn!(qid, error = %std::io::Error::from_raw_os_error(-res),
+                            "a FUSE ring lost its wake-up; replies from workers wait");
+                    }
+                    continue;
+                }
                 let replies = std::mem::take(&mut *mailbox.done.lock());
                 for (idx, reply, body) in replies {
                     let Some(e) = ents.get_mut(idx) else { continue };
