@@ -397,7 +397,7 @@ mod tests {
         };
         assert_eq!(InHeader::read(h.bytes()), Some(h));
         // Unaligned input reads as well.
-        let mut b = vec![0u8; 41];
+        let mut b = [0u8; 41];
         b[1..].copy_from_slice(h.bytes());
         assert_eq!(InHeader::read(&b[1..]), Some(h));
     }
