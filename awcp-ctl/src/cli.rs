@@ -468,6 +468,12 @@ struct ExecutorArgs {
     /// fsync or close rather than the write. Ignored with --passthrough.
     #[arg(long, conflicts_with = "no_writeback_cache")]
     writeback_cache: bool,
+    /// How FUSE requests reach each mount. `auto`: over io_uring where the kernel offers
+    /// it (Linux 6.14+ with /sys/module/fuse/parameters/enable_uring set to Y; never set
+    /// by awcp-ctl), otherwise over /dev/fuse. `uring`: io_uring or the mount fails.
+    /// `dev`: always /dev/fuse. `awcp-ctl doctor` shows which a running mount uses.
+    #[arg(long, value_enum, default_value_t = awcpfs::mount::FuseTransport::Auto)]
+    fuse_transport: awcpfs::mount::FuseTransport,
     /// Leave git's filesystem monitor off for agents (by default their environment makes
     /// `awcp-ctl fsmonitor` git's `core.fsmonitor` hook, with the untracked cache, so `git
     /// status` on the mount looks only at what changed; the repository's config is never
@@ -1054,6 +1060,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             cfg.hydrate = a.hydrate;
             cfg.track_opens = a.track_opens;
             cfg.writeback_cache = a.writeback_cache;
+            cfg.fuse_transport = a.fuse_transport;
             cfg.git_fsmonitor = !a.no_git_fsmonitor;
             cfg.renew_margin = a.renew_margin;
             cfg.read_timeout = a.read_timeout;
@@ -1473,6 +1480,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
                 .map(PathBuf::from)
                 .unwrap_or_else(default_executor_dir);
             checks.push(doctor::file_modes(&daemon_state, &executor_dir));
+            checks.push(doctor::fuse_transport(&executor_dir));
             checks.extend(doctor::agent_sandbox(&doctor::processes()));
             checks.push(doctor::mount_access(
                 &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),

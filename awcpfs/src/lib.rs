@@ -57,6 +57,29 @@ pub mod testing {
         }
         ok
     }
+
+    /// Whether FUSE-over-io_uring tests can run here: the FUSE tests can, and the kernel
+    /// offers io_uring (`/sys/module/fuse/parameters/enable_uring` is Y; `.ci/run` sets it).
+    /// When it does not, says so loudly, and panics under `CI=true`.
+    pub fn uring_available() -> bool {
+        if !fuse_available() {
+            return false;
+        }
+        match crate::mount::uring::uring_unavailable() {
+            None => true,
+            Some(why) => {
+                assert!(
+                    std::env::var("CI").as_deref() != Ok("true"),
+                    "the io_uring FUSE tests must run in CI: {why}"
+                );
+                skipped(
+                    "the FUSE-over-io_uring tests",
+                    &format!("{why}; .ci/run sets it"),
+                );
+                false
+            }
+        }
+    }
 }
 
 /// Raise this process's soft limit on open files to its hard limit, and say what it is.

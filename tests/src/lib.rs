@@ -22,7 +22,7 @@ use awcp_protocol::DelegationState;
 use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
 use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
 
-pub use awcpfs::testing::fuse_available;
+pub use awcpfs::testing::{fuse_available, uring_available};
 
 /// Run a command, panic with its output if it fails; return stdout.
 pub fn sh(dir: &Path, script: &str) -> String {

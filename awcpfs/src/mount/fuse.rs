@@ -60,6 +60,9 @@ pub struct KernelOptions {
     /// default (chosen by the agent-session replay, docs/BENCHMARKS.md); ignored with
     /// `passthrough`.
     pub writeback_cache: bool,
+    /// The transport requests come over (`--fuse-transport`): io_uring where the kernel
+    /// offers it (`auto`), or one of the two by name.
+    pub transport: super::uring::FuseTransport,
 }
 
 impl Default for KernelOptions {
@@ -70,6 +73,7 @@ impl Default for KernelOptions {
             no_opendir: true,
             no_open: true,
             writeback_cache: false,
+            transport: super::uring::FuseTransport::Auto,
         }
     }
 }
