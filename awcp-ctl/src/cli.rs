@@ -108,6 +108,11 @@ enum Command {
         #[arg(long)]
         discard: bool,
     },
+    /// Print a one-time link that opens the daemon's live view in a browser: delegations,
+    /// leases, events as they come, what each Executor read and wrote back, conflicts, AECP
+    /// findings and held write-backs, with revoke / renew / apply. The link works once,
+    /// within 2 minutes, and leaves an HttpOnly session cookie (12 h) in that browser.
+    Ui,
     /// Follow a delegation's events as they come, until it ends.
     Watch {
         /// Delegation id.
@@ -1429,6 +1434,20 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
                         c.kept_as.as_deref().unwrap_or("-")
                     );
                 }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Ui => {
+            let (url, ttl) = client.ui_login_link().await?;
+            if cli.json {
+                println!("{}", serde_json::json!({"url": url, "expiresInSeconds": ttl}));
+            } else {
+                println!("{url}");
+                eprintln!(
+                    "open this link in a browser within {ttl} s; it works once (run `awcp-ctl ui` \
+                     again for another browser). Anyone who opens it first gets the session: do \
+                     not paste it where others read."
+                );
             }
             Ok(ExitCode::SUCCESS)
         }

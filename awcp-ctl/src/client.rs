@@ -130,6 +130,22 @@ impl DaemonClient {
             .map_err(|source| ClientError::Protocol { source })
     }
 
+    /// The daemon's base URL, as given.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// Ours: `POST /ui/login-link`: a one-time link that opens the live view in a browser.
+    /// The returned URL is on this client's daemon address, without any token it carries.
+    pub async fn ui_login_link(&self) -> Result<(String, u64), ClientError> {
+        let link: crate::daemon::ui::LoginLink = self.send(self.post_("/ui/login-link")).await?;
+        let origin = match reqwest::Url::parse(&self.base) {
+            Ok(u) => u.origin().ascii_serialization(),
+            Err(_) => self.base.clone(),
+        };
+        Ok((format!("{origin}{}", link.path), link.expires_in_seconds))
+    }
+
     /// `POST /delegate`.
     pub async fn delegate(&self, req: &DelegateRequest) -> Result<DelegateResponse, ClientError> {
         self.send(self.post_("/delegate").json(req)).await

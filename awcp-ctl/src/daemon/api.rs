@@ -162,7 +162,34 @@ async fn require_token(
         None => None,
     };
     let path = req.uri().path();
-    let open = in_path.is_none() && req.method() == axum::http::Method::GET && path == "/health";
+    // `/ui/login` checks its one-time code itself (it is how a browser gets a session).
+    let open = in_path.is_none()
+        && req.method() == axum::http::Method::GET
+        && (path == "/health" || path == super::ui::LOGIN_PATH);
+    if super::ui::cross_site(req.headers()) {
+        // A page of another site, in a browser the daemon's own user runs, would otherwise
+        // be let in by that user's uid (or its live-view cookie, were SameSite ignored).
+        let mut e = ApiError::new("Forbidden: a request sent by a page of another site");
+        e.hint = Some(
+            "The daemon API answers its own live view (`awcp-ctl ui`) and clients that are \
+             not browsers"
+                .into(),
+        );
+        return ApiFailure(StatusCode::FORBIDDEN, e).into_response();
+    }
+    let cookie = if in_path.is_none() {
+        d.ui.check(req.headers(), req.method())
+    } else {
+        super::ui::CookieAuth::None
+    };
+    if cookie == super::ui::CookieAuth::NoCsrf && crate::bearer(req.headers()).is_none() {
+        let mut e = ApiError::new("Forbidden: a change from the live view without its CSRF token");
+        e.hint = Some(format!(
+            "the live view sends its session's token in {}; reload the page",
+            super::ui::CSRF_HEADER
+        ));
+        return ApiFailure(StatusCode::FORBIDDEN, e).into_response();
+    }
     let header = crate::bearer(req.headers());
     let given = header.or(in_path.as_deref());
     let caller = req
@@ -179,6 +206,7 @@ async fn require_token(
             .flatten()
             .any(|b| crate::same_secret(b, t))
             .then_some(AUTH_TOKEN),
+        Some(_) if cookie == super::ui::CookieAuth::Ok => Some(AUTH_UI_SESSION),
         Some(_) => (d.cfg.trust_local_uid && caller.is_some_and(|c| local_user(c.uid)))
             .then_some(AUTH_PEER_UID),
     };
@@ -219,6 +247,8 @@ pub const AUTH_PEER_UID: &str = "peer-uid";
 pub const AUTH_NONE: &str = "none";
 /// [`AUTH_HEADER`]: a route open to all (`GET /health`).
 pub const AUTH_OPEN: &str = "open";
+/// [`AUTH_HEADER`]: the live view's session cookie (see [`super::ui`]).
+pub const AUTH_UI_SESSION: &str = "ui-session";
 
 /// The daemon's effective uid.
 fn daemon_uid() -> u32 {
@@ -289,6 +319,7 @@ fn routes() -> Router<Arc<Daemon>> {
         .route("/delegation/{id}/events", get(events))
         .route("/delegation/{id}/collect", post(collect))
         .merge(super::aecp::routes())
+        .merge(super::ui::routes())
         .route("/health", get(|| async { Json(HealthResponse::ok()) }))
         .route("/metrics", get(super::metrics::metrics))
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
