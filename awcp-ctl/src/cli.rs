@@ -1440,7 +1440,10 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
         Command::Ui => {
             let (url, ttl) = client.ui_login_link().await?;
             if cli.json {
-                println!("{}", serde_json::json!({"url": url, "expiresInSeconds": ttl}));
+                println!(
+                    "{}",
+                    serde_json::json!({"url": url, "expiresInSeconds": ttl})
+                );
             } else {
                 println!("{url}");
                 eprintln!(

@@ -24,6 +24,7 @@ mod git_fsmonitor;
 mod hostile_user;
 mod interop;
 mod kernel_caching;
+mod live_view;
 mod load;
 mod metrics;
 mod peer_uid;

@@ -247,7 +247,10 @@ fn page_headers(resp: &mut Response) {
         h.insert(header::CONTENT_SECURITY_POLICY, v);
     }
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     h.insert(
         header::X_CONTENT_TYPE_OPTIONS,
@@ -296,7 +299,10 @@ async fn login(State(d): State<Arc<Daemon>>, Query(q): Query<LoginQuery>) -> Res
     );
     let mut resp = (
         StatusCode::SEE_OTHER,
-        [(header::LOCATION, "/ui".to_string()), (header::SET_COOKIE, cookie)],
+        [
+            (header::LOCATION, "/ui".to_string()),
+            (header::SET_COOKIE, cookie),
+        ],
     )
         .into_response();
     page_headers(&mut resp);
