@@ -20,6 +20,7 @@ mod conflicts_and_events;
 mod conformance;
 mod core_loop;
 mod exerciser;
+mod fleet_cli;
 mod git_fsmonitor;
 mod hostile_user;
 mod interop;
