@@ -8,6 +8,7 @@ mod aglx;
 mod bars;
 mod fleet;
 mod secrets;
+mod tokens;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,7 +35,10 @@ use awcp_protocol::{DelegationState, TransportType};
 #[derive(Debug, Parser)]
 #[command(name = "awcp-ctl", version, propagate_version = true)]
 struct Cli {
-    /// Daemon API URL for client commands.
+    /// Daemon API URL for client commands; several, comma-separated, for daemons sharing
+    /// one database (`serve --state postgres://…`): the client uses the first that
+    /// answers and moves to the next when it cannot connect (give them a token of
+    /// `awcp-ctl token create`, which all of them accept).
     #[arg(
         long,
         global = true,
@@ -119,6 +123,12 @@ enum Command {
         /// Drop the kept changes instead.
         #[arg(long)]
         discard: bool,
+    },
+    /// Client tokens kept hashed in the daemon's database: one credential that every daemon
+    /// of a shared database accepts (create, list, delete).
+    Token {
+        #[command(subcommand)]
+        cmd: tokens::TokenCommand,
     },
     /// Print a one-time link that opens the daemon's live view in a browser: delegations,
     /// leases, events as they come, what each Executor read and wrote back, conflicts, AECP
@@ -1505,6 +1515,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Token { cmd } => tokens::run(cmd, cli.json, &client).await,
         Command::Ui => {
             let (url, ttl) = client.ui_login_link().await?;
             if cli.json {

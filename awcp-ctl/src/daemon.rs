@@ -32,6 +32,7 @@ mod rounds;
 pub mod shared;
 mod staged;
 mod storage_flow;
+pub mod tokens;
 pub mod ui;
 
 use std::collections::HashMap;
@@ -234,6 +235,8 @@ pub struct Daemon {
     pub(crate) aecp: aecp::Aecp,
     /// The live view's login codes and browser sessions (`GET /ui`).
     pub(crate) ui: ui::UiSessions,
+    /// The client tokens of the state database, as last read.
+    pub(crate) tokens: tokens::TokenCache,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -484,6 +487,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         export_url,
         tasks: Mutex::new(Vec::new()),
         ui: Default::default(),
+        tokens: Default::default(),
     });
     if daemon.store.shared() {
         // Beat before anything else, so no other daemon takes this one's delegations

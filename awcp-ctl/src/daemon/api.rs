@@ -196,9 +196,21 @@ async fn require_token(
         .extensions()
         .get::<axum::extract::ConnectInfo<crate::peer::Caller>>()
         .map(|c| c.0);
+    // A client token of the state database (`awcp-ctl token create`): every daemon of a
+    // shared database takes it.
+    let mut stored = false;
+    if !open && d.cfg.api_token.is_some() {
+        for b in [header, in_path.as_deref()].into_iter().flatten() {
+            if d.client_token_ok(b).await {
+                stored = true;
+                break;
+            }
+        }
+    }
     let how = match &d.cfg.api_token {
         _ if open => Some(AUTH_OPEN),
         None => Some(AUTH_NONE),
+        Some(_) if stored => Some(AUTH_CLIENT_TOKEN),
         // A token sent is checked even from a recognised caller: a wrong one is a
         // misconfigured client, told so.
         Some(t) if given.is_some() => [header, in_path.as_deref()]
@@ -247,6 +259,8 @@ pub const AUTH_PEER_UID: &str = "peer-uid";
 pub const AUTH_NONE: &str = "none";
 /// [`AUTH_HEADER`]: a route open to all (`GET /health`).
 pub const AUTH_OPEN: &str = "open";
+/// [`AUTH_HEADER`]: a client token of the state database (`awcp-ctl token create`).
+pub const AUTH_CLIENT_TOKEN: &str = "client-token";
 /// [`AUTH_HEADER`]: the live view's session cookie (see [`super::ui`]).
 pub const AUTH_UI_SESSION: &str = "ui-session";
 
@@ -320,6 +334,7 @@ fn routes() -> Router<Arc<Daemon>> {
         .route("/delegation/{id}/collect", post(collect))
         .merge(super::aecp::routes())
         .merge(super::ui::routes())
+        .merge(super::tokens::routes())
         .route("/health", get(|| async { Json(HealthResponse::ok()) }))
         .route("/metrics", get(super::metrics::metrics))
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
