@@ -114,10 +114,13 @@ impl Scrape {
     }
 }
 
-/// A histogram whose observations were bucketed elsewhere (the mounts count them):
-/// (sum, count, per-bucket counts with their upper bounds, the last +Inf).
+/// A histogram's values: sum, count, and per-bucket counts with their upper bounds (the
+/// last +Inf).
+type HistogramValues = (f64, u64, Vec<(f64, u64)>);
+
+/// A histogram whose observations were bucketed elsewhere (the mounts count them).
 #[derive(Debug, Default)]
-pub(crate) struct Bucketed(Mutex<(f64, u64, Vec<(f64, u64)>)>);
+pub(crate) struct Bucketed(Mutex<HistogramValues>);
 
 impl Bucketed {
     /// From a mount's latency counts (µs bounds [`LATENCY_BOUNDS_US`]) to seconds.
