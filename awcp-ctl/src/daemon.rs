@@ -32,6 +32,8 @@ mod rounds;
 pub mod shared;
 mod staged;
 mod storage_flow;
+pub mod tokens;
+pub mod ui;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -231,6 +233,10 @@ pub struct Daemon {
     pub(crate) aglx: Option<crate::aglx::DaemonNotifier>,
     /// AECP: the artifact store and policy.
     pub(crate) aecp: aecp::Aecp,
+    /// The live view's login codes and browser sessions (`GET /ui`).
+    pub(crate) ui: ui::UiSessions,
+    /// The client tokens of the state database, as last read.
+    pub(crate) tokens: tokens::TokenCache,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -480,6 +486,8 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             .build()?,
         export_url,
         tasks: Mutex::new(Vec::new()),
+        ui: Default::default(),
+        tokens: Default::default(),
     });
     if daemon.store.shared() {
         // Beat before anything else, so no other daemon takes this one's delegations

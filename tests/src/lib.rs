@@ -5,6 +5,7 @@
 //! except under `CI=true`, where a missing FUSE device fails the test.
 
 pub mod agents;
+pub mod browser;
 pub mod fleet;
 pub mod git_server;
 pub mod hostile;

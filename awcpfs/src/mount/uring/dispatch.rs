@@ -385,8 +385,10 @@ impl Adapter {
         }
     }
 
-    fn count(&self, name: &str) {
-        self.fs.stats().count_op(name);
+    /// Count a request of operation `name` and time it until the returned timer drops
+    /// (the end of its arm in `Adapter::dispatch`).
+    fn count(&self, name: &str) -> crate::mount::stats::OpTimer<'_> {
+        self.fs.stats().count_op(name)
     }
 
     fn put_entry(&self, out: &mut Vec<u8>, r: Result<FileAttr, FsError>) -> Result<Reply, i32> {
@@ -438,7 +440,7 @@ impl Adapter {
         let ino = h.nodeid;
         match h.opcode {
             op::LOOKUP => {
-                self.count("lookup");
+                let _op = self.count("lookup");
                 let (n, _) = name(req.data)?;
                 match fs.lookup(ino, n) {
                     Ok(a) => {
@@ -472,12 +474,12 @@ impl Adapter {
                 Ok(Reply::None)
             }
             op::GETATTR => {
-                self.count("getattr");
+                let _op = self.count("getattr");
                 let a = fs.getattr(ino).map_err(|e| errno(&e))?;
                 Ok(self.put_attr(out, self.ttl_of(ino), &a))
             }
             op::SETATTR => {
-                self.count("setattr");
+                let _op = self.count("setattr");
                 let s: abi::SetattrIn = arg(req)?;
                 *change = Some(fs.changes().begin());
                 let time = |now: u32, bit: u32, secs: u64, nsec: u32| {
@@ -509,13 +511,13 @@ impl Adapter {
                 Ok(self.put_attr(out, self.ttl, &a))
             }
             op::READLINK => {
-                self.count("readlink");
+                let _op = self.count("readlink");
                 let t = fs.readlink(ino).map_err(|e| errno(&e))?;
                 out.extend_from_slice(&rawname::to_bytes(&t));
                 Ok(Reply::Ok)
             }
             op::MKNOD => {
-                self.count("mknod");
+                let _op = self.count("mknod");
                 let m: abi::MknodIn = arg(req)?;
                 let (n, _) = name(req.data)?;
                 *change = Some(fs.changes().begin());
@@ -523,7 +525,7 @@ impl Adapter {
                 self.put_entry(out, r)
             }
             op::MKDIR => {
-                self.count("mkdir");
+                let _op = self.count("mkdir");
                 let m: abi::MkdirIn = arg(req)?;
                 let (n, _) = name(req.data)?;
                 *change = Some(fs.changes().begin());
@@ -531,19 +533,19 @@ impl Adapter {
                 self.put_entry(out, r)
             }
             op::UNLINK => {
-                self.count("unlink");
+                let _op = self.count("unlink");
                 let (n, _) = name(req.data)?;
                 *change = Some(fs.changes().begin());
                 Self::unit(fs.unlink(ino, n))
             }
             op::RMDIR => {
-                self.count("rmdir");
+                let _op = self.count("rmdir");
                 let (n, _) = name(req.data)?;
                 *change = Some(fs.changes().begin());
                 Self::unit(fs.rmdir(ino, n))
             }
             op::SYMLINK => {
-                self.count("symlink");
+                let _op = self.count("symlink");
                 let (n, rest) = name(req.data)?;
                 let (target, _) = name(rest)?;
                 *change = Some(fs.changes().begin());
@@ -551,7 +553,7 @@ impl Adapter {
                 self.put_entry(out, r)
             }
             op::RENAME | op::RENAME2 => {
-                self.count("rename");
+                let _op = self.count("rename");
                 let (newdir, flags) = if h.opcode == op::RENAME {
                     (arg::<abi::RenameIn>(req)?.newdir, 0)
                 } else {
@@ -575,7 +577,7 @@ impl Adapter {
                 ))
             }
             op::LINK => {
-                self.count("link");
+                let _op = self.count("link");
                 let l: abi::LinkIn = arg(req)?;
                 let (n, _) = name(req.data)?;
                 *change = Some(fs.changes().begin());
@@ -584,7 +586,7 @@ impl Adapter {
             }
             op::OPEN => self.open(req, out, change),
             op::READ => {
-                self.count("read");
+                let _op = self.count("read");
                 let r: abi::ReadIn = arg(req)?;
                 let data = self
                     .fs
@@ -594,7 +596,7 @@ impl Adapter {
                 Ok(Reply::Ok)
             }
             op::WRITE => {
-                self.count("write");
+                let _op = self.count("write");
                 let w: abi::WriteIn = arg(req)?;
                 let data = req.data.get(..w.size as usize).ok_or(libc::EIO)?;
                 *change = Some(fs.changes().begin());
@@ -614,7 +616,7 @@ impl Adapter {
                 Ok(Reply::Ok)
             }
             op::FLUSH => {
-                self.count("flush");
+                let _op = self.count("flush");
                 let f: abi::FlushIn = arg(req)?;
                 match fs.flush_at(f.fh) {
                     // With no-open, ENOSYS stops further flushes (see fuse.rs).
@@ -623,7 +625,7 @@ impl Adapter {
                 }
             }
             op::RELEASE => {
-                self.count("release");
+                let _op = self.count("release");
                 let r: abi::ReleaseIn = arg(req)?;
                 if r.fh == 0 && self.no_open {
                     return Ok(Reply::Ok);
@@ -633,12 +635,12 @@ impl Adapter {
                 Self::unit(result)
             }
             op::FSYNC => {
-                self.count("fsync");
+                let _op = self.count("fsync");
                 let f: abi::FsyncIn = arg(req)?;
                 Self::unit(fs.fsync_at(ino, f.fh, f.fsync_flags & abi::FSYNC_FDATASYNC != 0))
             }
             op::OPENDIR => {
-                self.count("opendir");
+                let _op = self.count("opendir");
                 if self.no_opendir.load(Ordering::Relaxed) {
                     return Err(libc::ENOSYS);
                 }
@@ -652,7 +654,7 @@ impl Adapter {
             }
             op::READDIR | op::READDIRPLUS => {
                 let plus = h.opcode == op::READDIRPLUS;
-                self.count(if plus { "readdirplus" } else { "readdir" });
+                let _op = self.count(if plus { "readdirplus" } else { "readdir" });
                 let r: abi::ReadIn = arg(req)?;
                 let (entries, generation, start) = if r.fh == 0 {
                     fs.listing_at(ino, r.offset)
@@ -678,17 +680,17 @@ impl Adapter {
                 Ok(Reply::Ok)
             }
             op::RELEASEDIR => {
-                self.count("releasedir");
+                let _op = self.count("releasedir");
                 let r: abi::ReleaseIn = arg(req)?;
                 fs.releasedir(r.fh);
                 Ok(Reply::Ok)
             }
             op::FSYNCDIR => {
-                self.count("fsyncdir");
+                let _op = self.count("fsyncdir");
                 Self::unit(fs.access(fuser::INodeNo::ROOT.0, false))
             }
             op::STATFS => {
-                self.count("statfs");
+                let _op = self.count("statfs");
                 let s = fs.statfs().map_err(|e| errno(&e))?;
                 let o = abi::StatfsOut {
                     blocks: s.blocks(),
@@ -705,12 +707,12 @@ impl Adapter {
                 Ok(Reply::Ok)
             }
             op::ACCESS => {
-                self.count("access");
+                let _op = self.count("access");
                 let a: abi::AccessIn = arg(req)?;
                 Self::unit(fs.access(ino, a.mask & libc::W_OK as u32 != 0))
             }
             op::CREATE => {
-                self.count("create");
+                let _op = self.count("create");
                 let c: abi::CreateIn = arg(req)?;
                 let (n, _) = name(req.data)?;
                 *change = Some(fs.changes().begin());
@@ -722,7 +724,7 @@ impl Adapter {
             }
             op::GETXATTR | op::LISTXATTR => {
                 let list = h.opcode == op::LISTXATTR;
-                self.count(if list { "listxattr" } else { "getxattr" });
+                let _op = self.count(if list { "listxattr" } else { "getxattr" });
                 let g: abi::GetxattrIn = arg(req)?;
                 let r = if list {
                     fs.listxattr(ino, g.size)
@@ -742,19 +744,19 @@ impl Adapter {
                 Ok(Reply::Ok)
             }
             op::SETXATTR => {
-                self.count("setxattr");
+                let _op = self.count("setxattr");
                 let s: abi::SetxattrIn = arg(req)?;
                 let (n, rest) = name(req.data)?;
                 let value = rest.get(..s.size as usize).ok_or(libc::EIO)?;
                 Self::unit(fs.setxattr(ino, n, value, s.flags as i32))
             }
             op::REMOVEXATTR => {
-                self.count("removexattr");
+                let _op = self.count("removexattr");
                 let (n, _) = name(req.data)?;
                 Self::unit(fs.removexattr(ino, n))
             }
             op::FALLOCATE => {
-                self.count("fallocate");
+                let _op = self.count("fallocate");
                 let f: abi::FallocateIn = arg(req)?;
                 *change = Some(fs.changes().begin());
                 fs.fallocate(ino, f.fh, f.offset, f.length, f.mode as i32)
@@ -777,7 +779,7 @@ impl Adapter {
         out: &mut Vec<u8>,
         change: &mut Option<InFlight<'a>>,
     ) -> Result<Reply, i32> {
-        self.count("open");
+        let _op = self.count("open");
         let fs = &*self.fs;
         let ino = req.header.nodeid;
         let o: abi::OpenIn = arg(req)?;
