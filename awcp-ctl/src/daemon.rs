@@ -30,8 +30,11 @@ pub mod recover;
 mod resources;
 mod rounds;
 pub mod shared;
+mod sshfs_flow;
 mod staged;
 mod storage_flow;
+
+pub use sshfs_flow::SshfsConfig;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -139,6 +142,8 @@ pub struct DaemonConfig {
     pub git_remote: Option<String>,
     /// `git` delegations: a file holding an HTTPS token for the remote.
     pub git_token_file: Option<PathBuf>,
+    /// `sshfs` delegations: the per-delegation sshd (see [`SshfsConfig`]).
+    pub sshfs: SshfsConfig,
 }
 
 impl DaemonConfig {
@@ -186,6 +191,7 @@ impl DaemonConfig {
             failover_after: Duration::from_secs(15),
             git_remote: None,
             git_token_file: None,
+            sshfs: SshfsConfig::default(),
         }
     }
 }
@@ -231,6 +237,8 @@ pub struct Daemon {
     pub(crate) aglx: Option<crate::aglx::DaemonNotifier>,
     /// AECP: the artifact store and policy.
     pub(crate) aecp: aecp::Aecp,
+    /// The sshd of each running `sshfs` delegation.
+    pub(crate) sshfs: sshfs_flow::Servers,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -295,6 +303,8 @@ impl RunningDaemon {
         for t in self.daemon.tasks.lock().drain(..) {
             t.abort();
         }
+        let d = self.daemon.clone();
+        let _ = tokio::task::spawn_blocking(move || d.sshfs_stop_all()).await;
         let _ = self.shutdown.send(true);
         for mut t in self.tasks {
             if tokio::time::timeout(Duration::from_secs(2), &mut t)
@@ -466,6 +476,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     let daemon = Arc::new(Daemon {
         aglx,
         aecp,
+        sshfs: Default::default(),
         cfg,
         store,
         daemon_id,
@@ -666,6 +677,7 @@ impl Daemon {
     /// grace), then drop the export.
     fn retire(&self, live: &Live) {
         live.lease.revoke(true);
+        self.sshfs_release(live);
         self.release_copies(live);
         // Snapshot mode `discard`: the change set the export kept is dropped with it.
         let discarded = self.drop_discarded(live);
