@@ -339,6 +339,26 @@ struct ServeArgs {
     /// handle carries no `auth` (the Executor uses its own credentials).
     #[arg(long, value_name = "FILE")]
     git_token_file: Option<PathBuf>,
+    /// `sshfs` delegations (the daemon must run as root): the sshd binary run once per
+    /// delegation, chrooted to it and SFTP-only (default /usr/sbin/sshd, else sshd on PATH).
+    #[arg(long, value_name = "PATH")]
+    sshd: Option<PathBuf>,
+    /// `sshfs` delegations: the address each delegation's sshd listens on (a free port is
+    /// picked per delegation). Executors on other machines need a reachable address.
+    #[arg(long, value_name = "IP", default_value = "127.0.0.1")]
+    sshfs_listen: std::net::IpAddr,
+    /// `sshfs` delegations: the host name Executors are told to connect to (default the
+    /// --sshfs-listen address).
+    #[arg(long, value_name = "HOST")]
+    sshfs_host: Option<String>,
+    /// `sshfs` delegations: the user the Executor logs in as, hence the owner of the files
+    /// it writes (default the owner of the delegated directory). Not a locked account.
+    #[arg(long, value_name = "NAME")]
+    sshfs_user: Option<String>,
+    /// `sshfs` delegations: where each delegation's chroot is built; every component of
+    /// the path must be root-owned and writable by no one else (sshd's rule).
+    #[arg(long, value_name = "DIR", default_value = "/run/awcp-sshfs")]
+    sshfs_chroot_dir: PathBuf,
     /// Sensitive-file globs that refuse an `archive` delegation (repeatable); replaces the
     /// default list (`.env`, `.env.*`, `*.pem`, `*.key`, `id_rsa`, `credentials.json`, …).
     /// `--sensitive ''` turns the check off.
@@ -623,7 +643,10 @@ struct DelegateArgs {
     /// How the workspace travels: `awcpfs` (live mount, ours), `archive` (one zip in
     /// START; limited in size), `storage` (a zip behind a download URL on the daemon's
     /// data plane, the result uploaded back) or `git` (pushed to a branch of
-    /// --git-remote, the result fetched from the Executor's branch). Default: the
+    /// --git-remote, the result fetched from the Executor's branch) or `sshfs` (the
+    /// Executor mounts the directory from a chrooted, SFTP-only sshd of the daemon with a
+    /// certificate valid for the lease, and writes into it live; the daemon runs as root;
+    /// snapshot mode `auto` only). Default: the
     /// daemon's choice (`serve --default-transport`; unless set there, what the Executor
     /// serves, `awcpfs` preferred).
     #[arg(long, value_enum)]
@@ -680,6 +703,7 @@ enum Transport {
     Archive,
     Storage,
     Git,
+    Sshfs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -829,6 +853,7 @@ fn transport_of(t: Transport) -> TransportType {
         Transport::Archive => TransportType::Archive,
         Transport::Storage => TransportType::Storage,
         Transport::Git => TransportType::Git,
+        Transport::Sshfs => TransportType::Sshfs,
     }
 }
 
@@ -981,6 +1006,13 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             };
             cfg.git_remote = a.git_remote;
             cfg.git_token_file = a.git_token_file;
+            cfg.sshfs = awcp_ctl::daemon::SshfsConfig {
+                sshd: a.sshd,
+                listen: a.sshfs_listen,
+                host: a.sshfs_host,
+                user: a.sshfs_user,
+                chroot_base: a.sshfs_chroot_dir,
+            };
             cfg.aecp_local_witness = a.aecp_local_witness;
             cfg.state = a.state;
             cfg.failover_after = a.failover_after;
