@@ -761,6 +761,116 @@ mod tests {
         assert!(err.contains("writable by others"), "{err}");
     }
 
+    /// Whether `sftp` logs in with `key` + `cert` and lists `name` at the root.
+    fn sftp_lists(port: u16, user: &str, dir: &Path, cred: &SshCredential, name: &str) -> bool {
+        let key = dir.join("k");
+        let _ = std::fs::remove_file(&key);
+        awcpfs::private::write(&key, cred.private_key.as_bytes()).unwrap();
+        std::fs::write(dir.join("k-cert.pub"), format!("{}\n", cred.certificate)).unwrap();
+        let out = Command::new("sftp")
+            .args(["-b", "-", "-P", &port.to_string()])
+            .arg("-o")
+            .arg(format!("IdentityFile={}", key.display()))
+            .arg("-o")
+            .arg(format!(
+                "CertificateFile={}",
+                dir.join("k-cert.pub").display()
+            ))
+            .args([
+                "-o",
+                "IdentitiesOnly=yes",
+                "-o",
+                "BatchMode=yes",
+                "-o",
+                "StrictHostKeyChecking=no",
+                "-o",
+                "UserKnownHostsFile=/dev/null",
+            ])
+            .arg(format!("{user}@127.0.0.1"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write as _;
+                c.stdin.take().unwrap().write_all(b"ls /\n")?;
+                c.wait_with_output()
+            })
+            .unwrap();
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains(name)
+    }
+
+    /// A real sshd: the delegation's certificate logs in (and sees only its resources),
+    /// the same certificate once expired does not, nor one of the same CA issued for
+    /// another delegation's principal; stopping it detaches the bind and leaves the
+    /// workspace whole.
+    #[test]
+    fn the_delegations_sshd_takes_its_certificate_only_while_valid() {
+        let Some(sshd) = sshd_binary(&SshfsConfig::default()) else {
+            assert_ne!(
+                std::env::var("CI").as_deref(),
+                Ok("true"),
+                "sshd is missing under CI (.ci/run installs openssh-server)"
+            );
+            eprintln!("SKIPPED: sshd is not installed (apt-get install openssh-server)");
+            return;
+        };
+        if !nix::unistd::geteuid().is_root() {
+            assert_ne!(
+                std::env::var("CI").as_deref(),
+                Ok("true"),
+                "CI runs as root"
+            );
+            eprintln!("SKIPPED: the sshfs server needs root (chroot, bind mounts)");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let ws = tmp.path().join("ws");
+        std::fs::create_dir(&ws).unwrap();
+        std::fs::write(ws.join("a.txt"), "kept\n").unwrap();
+        let id = format!("dlg_{}", hex::encode(rand::random::<[u8; 16]>()));
+        let plan = |id: &str, ttl: u64| Plan {
+            id: id.to_string(),
+            keys: tmp.path().join("state/sshfs"),
+            state: tmp.path().join("state/sshfs").join(id),
+            dir: PathBuf::from("/run/awcp-sshfs").join(id),
+            sshd: sshd.clone(),
+            listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            user: "root".into(),
+            ttl: Duration::from_secs(ttl),
+            read_only: false,
+            resources: vec![("workspace".into(), ws.clone(), true)],
+        };
+        let (server, port, cred, host_key) = start_server(&plan(&id, 3)).unwrap();
+        assert!(host_key.starts_with("ssh-ed25519 "), "{host_key}");
+        assert!(
+            sftp_lists(port, "root", tmp.path(), &cred, "workspace"),
+            "the delegation's own certificate must log in"
+        );
+        // Another delegation of the same daemon (same CA): its certificate names its own
+        // principal, which this sshd does not accept.
+        let other = format!("dlg_{}", hex::encode(rand::random::<[u8; 16]>()));
+        let (server2, port2, cred2, _) = start_server(&plan(&other, 60)).unwrap();
+        assert!(sftp_lists(port2, "root", tmp.path(), &cred2, "workspace"));
+        assert!(
+            !sftp_lists(port, "root", tmp.path(), &cred2, "workspace"),
+            "another delegation's certificate must be refused"
+        );
+        server2.stop(&other);
+        // Past its validity (the lease, 3 s), the certificate is refused by the live sshd.
+        std::thread::sleep(Duration::from_secs(5));
+        assert!(
+            !sftp_lists(port, "root", tmp.path(), &cred, "workspace"),
+            "an expired certificate must be refused"
+        );
+        let log = std::fs::read_to_string(plan(&id, 3).state.join("sshd.log")).unwrap();
+        assert!(log.contains("expired"), "sshd says why: {log}");
+        let root = plan(&id, 3).dir;
+        server.stop(&id);
+        assert!(!root.exists(), "the chroot is removed");
+        assert_eq!(std::fs::read_to_string(ws.join("a.txt")).unwrap(), "kept\n");
+    }
+
     #[test]
     fn user_names_are_plain() {
         assert!(plain_user("alice"));

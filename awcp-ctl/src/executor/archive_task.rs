@@ -306,11 +306,15 @@ async fn setup(
                 .state_dir
                 .join(a2.invite.delegation_id.as_str())
                 .join("sshfs");
-            let m =
-                super::sshfs_task::mount(&h, &a2.work_path, &keys, ex2.cfg.agent_user.is_some())
-                    .inspect_err(|_| {
-                        let _ = std::fs::remove_dir(&a2.work_path);
-                    })?;
+            let m = super::sshfs_task::mount(
+                &h,
+                &a2.work_path,
+                &keys,
+                ex2.cfg.agent_user.as_ref().map(|u| (u.uid, u.gid)),
+            )
+            .inspect_err(|_| {
+                let _ = std::fs::remove_dir(&a2.work_path);
+            })?;
             Ok((
                 format!(
                     "Task execution started ({}@{}:{} mounted at {} with sshfs)",

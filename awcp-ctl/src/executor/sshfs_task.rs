@@ -91,7 +91,11 @@ fn plain_user(u: &str) -> bool {
 }
 
 /// The `-o` option list of a mount, or why the handle is refused.
-fn options(h: &SshfsHandle, keys: &Path, allow_other: bool) -> Result<Vec<String>, Failure> {
+fn options(
+    h: &SshfsHandle,
+    keys: &Path,
+    agent: Option<(u32, u32)>,
+) -> Result<Vec<String>, Failure> {
     let mut o = vec![
         format!("IdentityFile={}", keys.join("key").display()),
         format!("CertificateFile={}", keys.join("key-cert.pub").display()),
@@ -116,9 +120,13 @@ fn options(h: &SshfsHandle, keys: &Path, allow_other: bool) -> Result<Vec<String
         // directory holds symbolic links): follow them on the server, as its Executor does.
         o.push("follow_symlinks".into());
     }
-    if allow_other {
-        // The agent runs as its own user; the 0700 work directory keeps everyone else out.
+    if let Some((uid, gid)) = agent {
+        // The agent runs as its own user: let it in (the 0700 work directory keeps
+        // everyone else out), and show it the files as its own, as they are to the server's
+        // login user (git refuses a repository owned by someone else).
         o.push("allow_other".into());
+        o.push(format!("uid={uid}"));
+        o.push(format!("gid={gid}"));
     }
     for (k, v) in h.options.iter().flatten() {
         let plain = |s: &str| {
@@ -184,12 +192,12 @@ pub(super) fn unmount(path: &Path) -> bool {
 }
 
 /// Mount the handle at `mountpoint` (blocking). `keys` is the delegation's private
-/// directory for the credential; `allow_other` lets the agent's user in.
+/// directory for the credential; `agent` the agent's user `(uid, gid)`, let in.
 pub(super) fn mount(
     h: &SshfsHandle,
     mountpoint: &Path,
     keys: &Path,
-    allow_other: bool,
+    agent: Option<(u32, u32)>,
 ) -> Result<SshfsMount, Failure> {
     if !available() {
         return Err((
@@ -272,7 +280,7 @@ pub(super) fn mount(
         mountpoint: mountpoint.to_path_buf(),
         keys: keys.to_path_buf(),
     };
-    let opts = match options(h, keys, allow_other) {
+    let opts = match options(h, keys, agent) {
         Ok(o) => o,
         Err(e) => {
             m.remove_keys();
@@ -406,14 +414,15 @@ mod tests {
         ] {
             let mut h = handle();
             h.options = Some([(k.to_string(), v.to_string())].into());
-            let err = options(&h, Path::new("/k"), false).unwrap_err();
+            let err = options(&h, Path::new("/k"), None).unwrap_err();
             assert_eq!(err.0, ErrorCode::WorkspaceInvalid, "{k}={v}");
         }
         let mut h = handle();
         h.options = Some([("reconnect".to_string(), String::new())].into());
-        let o = options(&h, Path::new("/k"), true).unwrap();
+        let o = options(&h, Path::new("/k"), Some((1000, 1000))).unwrap();
         assert!(o.contains(&"reconnect".to_string()));
         assert!(o.contains(&"allow_other".to_string()));
+        assert!(o.contains(&"uid=1000".to_string()));
         assert!(o.contains(&"StrictHostKeyChecking=yes".to_string()));
     }
 
@@ -421,7 +430,7 @@ mod tests {
     fn without_a_host_key_the_first_is_pinned_per_delegation() {
         let mut h = handle();
         h.host_key = None;
-        let o = options(&h, Path::new("/k"), false).unwrap();
+        let o = options(&h, Path::new("/k"), None).unwrap();
         assert!(o.contains(&"StrictHostKeyChecking=accept-new".to_string()));
         assert!(o.contains(&"UserKnownHostsFile=/k/known_hosts".to_string()));
         assert!(o.contains(&"follow_symlinks".to_string()));
