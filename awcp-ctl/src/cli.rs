@@ -510,14 +510,10 @@ struct ExecutorArgs {
     read_timeout: Duration,
     #[command(flatten)]
     aglx: aglx::AnnounceArgs,
-    /// Transports offered (INVITEs asking for another get DEP_MISSING).
-    #[arg(
-        long,
-        value_enum,
-        value_delimiter = ',',
-        default_value = "awcpfs,archive,storage,git"
-    )]
-    transports: Vec<Transport>,
+    /// Transports offered (INVITEs asking for another get DEP_MISSING). Default:
+    /// awcpfs,archive,storage,git, and sshfs where the `sshfs` command is installed.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    transports: Option<Vec<Transport>>,
     /// Access modes accepted (INVITEs asking for another are DECLINED).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "ro,rw")]
     modes: Vec<Mode>,
@@ -1089,7 +1085,9 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             cfg.git_fsmonitor = !a.no_git_fsmonitor;
             cfg.renew_margin = a.renew_margin;
             cfg.read_timeout = a.read_timeout;
-            cfg.transports = a.transports.into_iter().map(transport_of).collect();
+            if let Some(t) = a.transports {
+                cfg.transports = t.into_iter().map(transport_of).collect();
+            }
             cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
             cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
             cfg.token = secrets::resolve(
