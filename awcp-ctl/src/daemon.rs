@@ -378,6 +378,12 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     if cfg.api_token.is_none() && !cfg.unsafe_no_auth {
         cfg.api_token = Some(load_or_create_api_token(&cfg.state_dir)?);
     }
+    // A daemon that died left its sshfs servers running: they end now (their delegations'
+    // Executors see the mount go, and report it).
+    {
+        let (state, base) = (cfg.state_dir.clone(), cfg.sshfs.chroot_base.clone());
+        tokio::task::spawn_blocking(move || sshfs_flow::sweep_leftovers(&state, &base)).await?;
+    }
     let location = StateLocation::parse(cfg.state.as_deref(), &cfg.state_dir)?;
     let store = {
         let location = location.clone();

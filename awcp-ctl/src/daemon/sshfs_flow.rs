@@ -533,6 +533,67 @@ fn start_server(plan: &Plan) -> Result<(Server, u16, SshCredential, String), Str
     Ok((server, port, credential, host_key))
 }
 
+/// The processes whose command line holds `needle`.
+fn processes_with(needle: &str) -> Vec<i32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            String::from_utf8_lossy(&cmd)
+                .contains(needle)
+                .then_some(pid)
+        })
+        .collect()
+}
+
+/// End what an earlier run of this daemon (state in `state_dir`) left behind: the sshd of
+/// each delegation it had (found by its configuration's path) with its sessions, the bind
+/// mounts and the chroot (blocking).
+pub(crate) fn sweep_leftovers(state_dir: &Path, chroot_base: &Path) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let Ok(rd) = std::fs::read_dir(state_dir.join("sshfs")) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let Some(id) = e.file_name().to_str().map(str::to_owned) else {
+            continue;
+        };
+        if !id.starts_with("dlg_") || !e.path().is_dir() {
+            continue;
+        }
+        let cfg = e.path().join("sshd_config");
+        if !cfg.exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+            continue;
+        }
+        for pid in processes_with(&cfg.display().to_string()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGSTOP);
+            for p in descendants(pid) {
+                let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
+            }
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        let dir = chroot_base.join(&id);
+        let binds = std::fs::read_dir(dir.join("root"))
+            .map(|rd| rd.flatten().map(|b| b.path()).collect())
+            .unwrap_or_default();
+        Server {
+            child: None,
+            dir,
+            binds,
+        }
+        .stop(&id);
+        let _ = std::fs::remove_file(&cfg);
+        let _ = std::fs::remove_file(e.path().join("sshd.log"));
+        let _ = std::fs::remove_dir(e.path());
+        tracing::warn!(%id, "ended an sshfs server left by an earlier run of the daemon");
+    }
+}
+
 impl Daemon {
     /// `POST /delegate` with `transport: "sshfs"`.
     pub(crate) async fn delegate_sshfs(
@@ -712,6 +773,8 @@ impl Daemon {
         std::thread::spawn(move || {
             server.stop(&id);
             let _ = std::fs::remove_file(state.join("sshd_config"));
+            let _ = std::fs::remove_file(state.join("sshd.log"));
+            let _ = std::fs::remove_dir(&state);
         });
     }
 
@@ -868,6 +931,63 @@ mod tests {
         let root = plan(&id, 3).dir;
         server.stop(&id);
         assert!(!root.exists(), "the chroot is removed");
+        assert_eq!(std::fs::read_to_string(ws.join("a.txt")).unwrap(), "kept\n");
+    }
+
+    /// A daemon that died left an sshd running: the next start ends it and its chroot.
+    #[test]
+    fn leftovers_of_a_dead_daemon_are_swept() {
+        let Some(sshd) = sshd_binary(&SshfsConfig::default()) else {
+            assert_ne!(
+                std::env::var("CI").as_deref(),
+                Ok("true"),
+                "sshd is missing under CI"
+            );
+            eprintln!("SKIPPED: sshd is not installed (apt-get install openssh-server)");
+            return;
+        };
+        if !nix::unistd::geteuid().is_root() {
+            assert_ne!(
+                std::env::var("CI").as_deref(),
+                Ok("true"),
+                "CI runs as root"
+            );
+            eprintln!("SKIPPED: the sshfs server needs root (chroot, bind mounts)");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let ws = tmp.path().join("ws");
+        std::fs::create_dir(&ws).unwrap();
+        std::fs::write(ws.join("a.txt"), "kept\n").unwrap();
+        let id = format!("dlg_{}", hex::encode(rand::random::<[u8; 16]>()));
+        let base = PathBuf::from("/run/awcp-sshfs");
+        let state = tmp.path().join("state");
+        let plan = Plan {
+            id: id.clone(),
+            keys: state.join("sshfs"),
+            state: state.join("sshfs").join(&id),
+            dir: base.join(&id),
+            sshd: sshd.clone(),
+            listen: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            user: "root".into(),
+            ttl: Duration::from_secs(60),
+            read_only: true,
+            resources: vec![("workspace".into(), ws.clone(), true)],
+        };
+        let (server, _port, _cred, _) = start_server(&plan).unwrap();
+        let pid = server.child.as_ref().unwrap().id() as i32;
+        // The daemon "dies": nothing stops this server.
+        std::mem::forget(server);
+        assert!(base.join(&id).join("root/workspace/a.txt").exists());
+        sweep_leftovers(&state, &base);
+        let alive =
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "));
+        assert!(!alive, "the leftover sshd survived the sweep");
+        assert!(
+            !base.join(&id).exists(),
+            "the leftover chroot survived the sweep"
+        );
+        assert!(!plan.state.exists());
         assert_eq!(std::fs::read_to_string(ws.join("a.txt")).unwrap(), "kept\n");
     }
 
