@@ -229,8 +229,9 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
             st.proceed.notified().await;
         }
         (st.work)(&dir);
+        // Lazily, as the reference's forced unmount ends a mount whose server is gone.
         let _ = std::process::Command::new("fusermount")
-            .arg("-u")
+            .arg("-uz")
             .arg(&dir)
             .status();
         let _ = std::fs::remove_dir_all(&keys);

@@ -271,6 +271,24 @@ fn sftp_with(handle: &Value, dir: &Path) -> Result<String, String> {
     }
 }
 
+/// Wait until the Executor reported `running` (the reference-shaped one: once mounted, so
+/// that it then waits for `proceed`).
+async fn running(h: &Harness, id: &str) {
+    let start = std::time::Instant::now();
+    loop {
+        let s = h.client.get(id).await.unwrap().record.state;
+        if s == DelegationState::Running {
+            return;
+        }
+        assert!(
+            !s.is_terminal() && start.elapsed() < Duration::from_secs(30),
+            "{id} is {} while waiting for running",
+            s.as_str()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 /// The START a reference-shaped Executor received for `id`.
 fn start_handle(ex: &RefExecutor, id: &str) -> Value {
     ex.state
@@ -330,6 +348,7 @@ async fn a_reference_executor_mounts_our_handle_and_the_certificate_ends_with_th
     // 1. Completed: the wire shape, a live login, the reference's write, then refused.
     let id = send(300).await;
     let handle = start_handle(&ex, &id);
+    running(&h, &id).await;
     assert_eq!(handle["transport"], "sshfs");
     assert_eq!(handle["exportLocator"], "/");
     assert_eq!(handle["endpoint"]["host"], "127.0.0.1");
@@ -382,6 +401,7 @@ async fn a_reference_executor_mounts_our_handle_and_the_certificate_ends_with_th
     // 2. Revoked while running: refused from then on.
     let id = send(300).await;
     let handle = start_handle(&ex, &id);
+    running(&h, &id).await;
     sftp_with(&handle, creds.path()).expect("logs in while running");
     h.client.revoke(&id, true).await.unwrap();
     assert_eq!(
@@ -395,9 +415,10 @@ async fn a_reference_executor_mounts_our_handle_and_the_certificate_ends_with_th
     );
     ex.state.proceed.notify_one();
 
-    // 3. The lease expires (3 s): refused from then on.
-    let id = send(3).await;
+    // 3. The lease expires (8 s): refused from then on.
+    let id = send(8).await;
     let handle = start_handle(&ex, &id);
+    running(&h, &id).await;
     sftp_with(&handle, creds.path()).expect("logs in while the lease lasts");
     assert_eq!(
         h.wait_end(&id, Duration::from_secs(30)).await,
@@ -410,7 +431,7 @@ async fn a_reference_executor_mounts_our_handle_and_the_certificate_ends_with_th
     );
     ex.state.proceed.notify_one();
     assert!(
-        eventually(Duration::from_secs(10), || !std::fs::read_dir(&ref_work)
+        eventually(Duration::from_secs(30), || !std::fs::read_dir(&ref_work)
             .unwrap()
             .flatten()
             .any(|e| mounted(&e.path())))
