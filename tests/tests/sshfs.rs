@@ -5,7 +5,8 @@
 //! revoke mid-task unmounts the Executor and ends the sshd with its sessions; a
 //! reference-shaped Executor ([`awcp_tests::reference::RefExecutor`]) mounts our handle as
 //! the reference's does, and the handle's certificate logs in while the delegation runs and
-//! is refused once it was revoked or its lease expired.
+//! is refused once it was revoked or its lease expired; and a reference Delegator's handle
+//! (no `hostKey`) drives our Executor, which refuses handle options that could run a command.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -437,6 +438,145 @@ async fn a_reference_executor_mounts_our_handle_and_the_certificate_ends_with_th
             .any(|e| mounted(&e.path())))
         .await,
         "a mount was left behind"
+    );
+    h.stop().await;
+}
+
+/// A reference Delegator's handle (no `hostKey`: the first key is pinned per delegation;
+/// `follow_symlinks`, as its export root links to the resources) drives our Executor: the
+/// agent writes through the mount, `done` names no snapshot, nothing stays mounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reference_delegator_drives_our_executor_with_sshfs() {
+    if !ready() {
+        return;
+    }
+    let h = Harness::start("python3 -c \"open('from-agent.txt', 'w').write('agent\\n')\"").await;
+    // A live sshd and a handle for it: our daemon's, for a delegation held by a
+    // reference-shaped Executor that only mounts and waits.
+    let ref_work = h.path("ref-work");
+    std::fs::create_dir_all(&ref_work).unwrap();
+    let ex = RefExecutor::start(&ref_work, true, Arc::new(|_: &Path| {})).await;
+    let ws = h.path("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("a.txt"), "a\n").unwrap();
+    let mut req = awcp_tests::request(
+        ex.url(),
+        &[("workspace", ws.as_path(), AccessMode::Rw)],
+        300,
+    );
+    req.transport = Some(TransportType::Sshfs);
+    let held = h.client.delegate(&req).await.unwrap().delegation_id;
+    let held = held.as_str().to_string();
+    running(&h, &held).await;
+    let mut handle = start_handle(&ex, &held);
+    handle.as_object_mut().unwrap().remove("hostKey");
+    handle["options"] = serde_json::json!({"ServerAliveInterval": "15"});
+
+    let awcp = h.executor.awcp_url();
+    let id = awcp_protocol::DelegationId::from_random_bytes(rand::random())
+        .as_str()
+        .to_string();
+    let client = reqwest::Client::new();
+    let invite = serde_json::json!({
+        "version": "1", "type": "INVITE", "delegationId": id,
+        "auth": {"type": "bearer", "credential": h.credential()},
+        "task": {"description": "Write", "prompt": "Write a file"},
+        "lease": {"ttlSeconds": 600, "accessMode": "rw"},
+        "retentionMs": 604800000,
+        "environment": {"resources": [{"name": "workspace", "type": "fs", "mode": "rw"}]},
+        "requirements": {"transport": "sshfs"}
+    });
+    let accept: Value = client
+        .post(&awcp)
+        .json(&invite)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(accept["type"], "ACCEPT", "{accept}");
+    let events = reqwest::get(format!("{awcp}/tasks/{id}/events"))
+        .await
+        .unwrap();
+    let start = serde_json::json!({
+        "version": "1", "type": "START", "delegationId": id,
+        "lease": {"expiresAt": "2099-01-01T00:00:00.000Z", "accessMode": "rw"},
+        "transportHandle": handle
+    });
+    let ok: Value = client
+        .post(&awcp)
+        .json(&start)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ok, serde_json::json!({"ok": true}));
+    let events = tokio::time::timeout(
+        Duration::from_secs(60),
+        awcp_tests::reference::read_data_lines(events),
+    )
+    .await
+    .expect("the task did not end");
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "done", "{events:#?}");
+    assert!(last.get("snapshotIds").is_none(), "{last}");
+    assert!(
+        !events.iter().any(|e| e["type"] == "snapshot"),
+        "{events:#?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.join("from-agent.txt")).unwrap(),
+        "agent\n"
+    );
+    let mp = h.mountpoint(&id);
+    assert!(!mounted(&mp));
+    assert!(!h.path(&format!("executor/state/{id}/sshfs")).exists());
+    // A handle asking for an option that would run a command is refused before mounting.
+    let mut bad = start_handle(&ex, &held);
+    bad["options"] = serde_json::json!({"ssh_command": "touch /tmp/owned"});
+    let id2 = awcp_protocol::DelegationId::from_random_bytes(rand::random())
+        .as_str()
+        .to_string();
+    let mut invite2 = invite.clone();
+    invite2["delegationId"] = id2.clone().into();
+    let accept: Value = client
+        .post(&awcp)
+        .json(&invite2)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(accept["type"], "ACCEPT", "{accept}");
+    let events = reqwest::get(format!("{awcp}/tasks/{id2}/events"))
+        .await
+        .unwrap();
+    let mut start2 = start.clone();
+    start2["delegationId"] = id2.clone().into();
+    start2["transportHandle"] = bad;
+    client.post(&awcp).json(&start2).send().await.unwrap();
+    let events = tokio::time::timeout(
+        Duration::from_secs(60),
+        awcp_tests::reference::read_data_lines(events),
+    )
+    .await
+    .expect("the task did not end");
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "error", "{events:#?}");
+    assert_eq!(last["code"], "WORKSPACE_INVALID", "{last}");
+    assert!(
+        last["message"].as_str().unwrap().contains("ssh_command"),
+        "{last}"
+    );
+    assert!(!mounted(&h.mountpoint(&id2)));
+    ex.state.proceed.notify_one();
+    assert_eq!(
+        h.wait_end(&held, Duration::from_secs(60)).await,
+        DelegationState::Completed
     );
     h.stop().await;
 }
