@@ -323,7 +323,8 @@ struct ServeArgs {
     /// The transport of a delegation that names none (the reference's MCP server and
     /// client never do): `auto` asks the Executor's `/awcp/status` (the first it serves of
     /// `awcpfs`, `archive`, `storage`, and `git` given a --git-remote; a reference
-    /// Executor lists none and gets `archive`).
+    /// Executor lists none and gets `archive`; `auto` never picks `sshfs`, which must be
+    /// named, here or by `delegate --transport`).
     #[arg(long, value_enum, default_value = "auto")]
     default_transport: DefaultTransport,
     /// `git` delegations: the remote the workspace is pushed to when `delegate` names none
@@ -638,7 +639,7 @@ struct DelegateArgs {
     auto: aglx::AutoArgs,
     /// How the workspace travels: `awcpfs` (live mount, ours), `archive` (one zip in
     /// START; limited in size), `storage` (a zip behind a download URL on the daemon's
-    /// data plane, the result uploaded back) or `git` (pushed to a branch of
+    /// data plane, the result uploaded back), `git` (pushed to a branch of
     /// --git-remote, the result fetched from the Executor's branch) or `sshfs` (the
     /// Executor mounts the directory from a chrooted, SFTP-only sshd of the daemon with a
     /// certificate valid for the lease, and writes into it live; the daemon runs as root;
@@ -709,6 +710,7 @@ enum DefaultTransport {
     Archive,
     Storage,
     Git,
+    Sshfs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -999,6 +1001,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
                 DefaultTransport::Archive => Some(TransportType::Archive),
                 DefaultTransport::Storage => Some(TransportType::Storage),
                 DefaultTransport::Git => Some(TransportType::Git),
+                DefaultTransport::Sshfs => Some(TransportType::Sshfs),
             };
             cfg.git_remote = a.git_remote;
             cfg.git_token_file = a.git_token_file;
