@@ -578,5 +578,13 @@ async fn a_reference_delegator_drives_our_executor_with_sshfs() {
         h.wait_end(&held, Duration::from_secs(60)).await,
         DelegationState::Completed
     );
+    // A daemon stopped right after a delegation ended still takes its server down whole
+    // (the stop waits for it): no bind mount outlives the daemon.
     h.stop().await;
+    let chroot = PathBuf::from("/run/awcp-sshfs").join(&held);
+    assert!(
+        !mounted(&chroot.join("root/workspace")),
+        "a bind mount outlived the daemon"
+    );
+    assert!(!chroot.exists(), "a chroot outlived the daemon");
 }

@@ -79,6 +79,9 @@ impl Default for SshfsConfig {
 #[derive(Default)]
 pub(crate) struct Servers {
     map: Mutex<HashMap<String, Server>>,
+    /// Servers being stopped: a daemon that stops waits for them (an exit half-way would
+    /// leave a bind mount behind).
+    stopping: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Servers {
@@ -770,12 +773,14 @@ impl Daemon {
             return;
         };
         let state = self.cfg.state_dir.join("sshfs").join(&id);
-        std::thread::spawn(move || {
+        let mut stopping = self.sshfs.stopping.lock();
+        stopping.retain(|t| !t.is_finished());
+        stopping.push(std::thread::spawn(move || {
             server.stop(&id);
             let _ = std::fs::remove_file(state.join("sshd_config"));
             let _ = std::fs::remove_file(state.join("sshd.log"));
             let _ = std::fs::remove_dir(&state);
-        });
+        }));
     }
 
     /// The daemon stops: every sshd with it (blocking).
@@ -783,6 +788,10 @@ impl Daemon {
         let servers: Vec<(String, Server)> = self.sshfs.map.lock().drain().collect();
         for (id, server) in servers {
             server.stop(&id);
+        }
+        let stopping: Vec<_> = self.sshfs.stopping.lock().drain(..).collect();
+        for t in stopping {
+            let _ = t.join();
         }
     }
 }
