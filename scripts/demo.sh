@@ -30,6 +30,15 @@ WORK=$(mktemp -d /tmp/awcp-demo.XXXXXX)
 chmod 711 "$WORK"
 PIDS=()
 cleanup() {
+  local rc=$?
+  if [ "$rc" -ne 0 ]; then
+    # What the services said, before their directory goes.
+    for log in serve executor; do
+      [ -s "$WORK/$log.log" ] || continue
+      echo "--- the last lines of $log.log:" >&2
+      tail -n 25 "$WORK/$log.log" >&2
+    done
+  fi
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
   # Anything still mounted under the demo directory is unmounted (lazily) before removal.
@@ -106,8 +115,9 @@ PIDS+=($!)
 
 # The agent's commit comes back to the Delegator's repository while it still runs.
 agent_committed() { git -C "$WORK/repo" log --oneline 2>/dev/null | grep -q "calc: fix add"; }
-for _ in $(seq 600); do agent_committed && break; sleep 0.1; done
-agent_committed || { echo "the agent did not finish; see $WORK/executor.log" >&2; exit 1; }
+# (A second on an idle machine; up to two minutes allowed for a loaded one.)
+for _ in $(seq 1200); do agent_committed && break; sleep 0.1; done
+agent_committed || { echo "the agent did not commit within two minutes" >&2; exit 1; }
 MNT="$WORK/executor/work/$ID"
 sleep 0.5
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Longer runs of the random-operation exerciser (tests/tests/exerciser.rs), of the crash
-# recovery tests, of every crash point of the journal (awcpfs/tests/crash_points.rs), of the
+# recovery tests, of every crash point of the journal (awcpfs/tests/crash_points.rs) and of
+# the whole state directory through the real recovery (awcpfs/tests/crash_states.rs), of the
 # network fault matrix (awcpfs/tests/fault_matrix.rs: one reset,
 # seconds of resets, a blackhole, kill -9 with a commit's answer in flight) and of fsx with
 # every operation (awcpfs/tests/posix_suites.rs, 100,000 operations), each with a fresh
 # seed, until a time budget is used up. Prints the seeds, the operations done and the
 # failures; a failure's seed reproduces it:
 #   AWCP_SEED=<seed> AWCP_EXERCISER_OPS=<n> cargo test -p awcp-tests --test e2e exerciser::
+#   AWCP_SEED=<seed> AWCP_CRASH_OPS=120 AWCP_CRASH_STATES=400 cargo test -p awcpfs --test crash_states
 #   AWCP_SEED=<seed> AWCP_FAULT_SEEDS=1 AWCP_FAULT_SECS=<s> cargo test -p awcpfs --test fault_matrix
 #   AWCP_FSX_SEED=<seed> AWCP_FSX_OPS=100000 cargo test -p awcpfs --test posix_suites fsx
 # Usage: scripts/soak.sh [minutes (default 10)] [ops per exerciser run (default 10000)]
@@ -22,6 +24,7 @@ cargo test -q -p awcpfs --test crash_recovery --no-run
 cargo test -q -p awcpfs --test fault_matrix --no-run
 cargo test -q -p awcpfs --test posix_suites --no-run
 cargo test -q -p awcpfs --test crash_points --no-run
+cargo test -q -p awcpfs --test crash_states --no-run
 runs=0; failures=0; total_ops=0
 while [ "$(date +%s)" -lt "$deadline" ]; do
   seed=$(python3 -c 'import random; print(random.getrandbits(63))')
@@ -51,6 +54,14 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
   else
     failures=$((failures + 1)); echo "journal crash points seed $seed: FAILED (log: /tmp/awcp-soak.crash-points.$seed.log)"
     cp /tmp/awcp-soak.log "/tmp/awcp-soak.crash-points.$seed.log"
+  fi
+  # Every crash point of the whole state directory through the real recovery
+  # (awcpfs/tests/crash_states.rs), at a larger size than CI's.
+  if AWCP_SEED=$seed AWCP_CRASH_OPS=120 AWCP_CRASH_STATES=400 cargo test -q -p awcpfs --test crash_states every_crash_point >/tmp/awcp-soak.log 2>&1; then
+    echo "state-directory crash points seed $seed: ok (120 operations, 400 crash states recovered)"
+  else
+    failures=$((failures + 1)); echo "state-directory crash points seed $seed: FAILED (log: /tmp/awcp-soak.crash-states.$seed.log)"
+    cp /tmp/awcp-soak.log "/tmp/awcp-soak.crash-states.$seed.log"
   fi
   if AWCP_FSX_SEED=$seed AWCP_FSX_OPS=100000 cargo test -q -p awcpfs --test posix_suites fsx >/tmp/awcp-soak.log 2>&1; then
     echo "fsx seed $seed: ok (100000 ops, every operation)"

@@ -6,7 +6,9 @@
 mod aecp;
 mod aglx;
 mod bars;
+mod fleet;
 mod secrets;
+mod tokens;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -33,7 +35,10 @@ use awcp_protocol::{DelegationState, TransportType};
 #[derive(Debug, Parser)]
 #[command(name = "awcp-ctl", version, propagate_version = true)]
 struct Cli {
-    /// Daemon API URL for client commands.
+    /// Daemon API URL for client commands; several, comma-separated, for daemons sharing
+    /// one database (`serve --state postgres://…`): the client uses the first that
+    /// answers and moves to the next when it cannot connect (give them a token of
+    /// `awcp-ctl token create`, which all of them accept).
     #[arg(
         long,
         global = true,
@@ -73,10 +78,21 @@ enum Command {
         #[command(subcommand)]
         cmd: aecp::AecpCommand,
     },
-    /// Show delegations (all, or one in detail).
+    /// Show delegations: all (no id), one in detail, or several (a fleet: one line each
+    /// and the totals).
     Status {
-        /// Delegation id (`dlg_…`); omit to list all.
-        id: Option<String>,
+        /// Delegation ids (`dlg_…`); omit to list all.
+        ids: Vec<String>,
+    },
+    /// Wait until every delegation named has ended, printing each end; the exit code is
+    /// the worst end's (0 completed, 3 cancelled, 4 expired, 5 error; 1 past --timeout).
+    Wait {
+        /// Delegation ids (e.g. those a fleet `delegate --to A --to B` printed).
+        #[arg(required = true)]
+        ids: Vec<String>,
+        /// Give up after this long (e.g. `30m`); default: wait as long as it takes.
+        #[arg(long, value_parser = parse_duration)]
+        timeout: Option<Duration>,
     },
     /// End a delegation's access now: the export refuses its token, the mount is fenced
     /// and unmounted.
@@ -108,6 +124,17 @@ enum Command {
         #[arg(long)]
         discard: bool,
     },
+    /// Client tokens kept hashed in the daemon's database: one credential that every daemon
+    /// of a shared database accepts (create, list, delete).
+    Token {
+        #[command(subcommand)]
+        cmd: tokens::TokenCommand,
+    },
+    /// Print a one-time link that opens the daemon's live view in a browser: delegations,
+    /// leases, events as they come, what each Executor read and wrote back, conflicts, AECP
+    /// findings and held write-backs, with revoke / renew / apply. The link works once,
+    /// within 2 minutes, and leaves an HttpOnly session cookie (12 h) in that browser.
+    Ui,
     /// Follow a delegation's events as they come, until it ends.
     Watch {
         /// Delegation id.
@@ -489,6 +516,12 @@ struct ExecutorArgs {
     /// fsync or close rather than the write. Ignored with --passthrough.
     #[arg(long, conflicts_with = "no_writeback_cache")]
     writeback_cache: bool,
+    /// How FUSE requests reach each mount. `auto`: over io_uring where the kernel offers
+    /// it (Linux 6.14+ with /sys/module/fuse/parameters/enable_uring set to Y; never set
+    /// by awcp-ctl), otherwise over /dev/fuse. `uring`: io_uring or the mount fails.
+    /// `dev`: always /dev/fuse. `awcp-ctl doctor` shows which a running mount uses.
+    #[arg(long, value_enum, default_value_t = awcpfs::mount::FuseTransport::Auto)]
+    fuse_transport: awcpfs::mount::FuseTransport,
     /// Leave git's filesystem monitor off for agents (by default their environment makes
     /// `awcp-ctl fsmonitor` git's `core.fsmonitor` hook, with the untracked cache, so `git
     /// status` on the mount looks only at what changed; the repository's config is never
@@ -609,8 +642,14 @@ struct DelegateArgs {
     dir: PathBuf,
     /// The Executor's AWCP endpoint, e.g. `http://127.0.0.1:7200/awcp`, or `auto`: the
     /// freest Executor announced over AGLX (needs --peers-bridge or --peers-listen).
-    #[arg(long)]
-    to: String,
+    /// Repeatable: `--to A --to B` delegates the workspace to each (a fleet: one delegation
+    /// per Executor, their ids printed; `status ID ID …` and `wait ID ID …` show them all).
+    #[arg(long, required_unless_present = "to_file")]
+    to: Vec<String>,
+    /// Also delegate to each Executor listed in this file: one AWCP URL a line, blank lines
+    /// and `#` comments ignored.
+    #[arg(long, value_name = "FILE")]
+    to_file: Option<PathBuf>,
     /// Lease length, e.g. `10m`, `2h`.
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     ttl: Duration,
@@ -1085,6 +1124,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             cfg.hydrate = a.hydrate;
             cfg.track_opens = a.track_opens;
             cfg.writeback_cache = a.writeback_cache;
+            cfg.fuse_transport = a.fuse_transport;
             cfg.git_fsmonitor = !a.no_git_fsmonitor;
             cfg.renew_margin = a.renew_margin;
             cfg.read_timeout = a.read_timeout;
@@ -1153,7 +1193,8 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             let dir = std::path::absolute(&a.dir)
                 .with_context(|| format!("resolving {}", a.dir.display()))?;
             let mode = mode_of(a.mode);
-            let to = a.auto.resolve(&a.to, a.ttl).await?;
+            let executors = fleet::executors(&a.to, a.to_file.as_deref())?;
+            let to = a.auto.resolve(&executors[0], a.ttl).await?;
             let mut resources = vec![(a.name, dir.clone(), mode)];
             for (name, rdir, rmode) in a.resources {
                 let rdir = std::path::absolute(&rdir)
@@ -1203,6 +1244,52 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
                 git_remote: a.git_remote.clone(),
                 no_network: a.no_network.then_some(true),
             };
+            if executors.len() > 1 {
+                // A fleet: the same request to each Executor, with its own credential.
+                let cred = a.cred.resolve()?;
+                let reqs = executors
+                    .iter()
+                    .map(|e| {
+                        let mut r = req.clone();
+                        r.executor_url = e.clone();
+                        r.auth = cred
+                            .clone()
+                            .or_else(|| secrets::local_executor(e, default_state_dir("executor")))
+                            .map(|t| AuthCredential {
+                                auth_type: AuthType::Bearer,
+                                credential: t,
+                                metadata: None,
+                            });
+                        r
+                    })
+                    .collect();
+                let (ids, failed) = fleet::delegate_all(&client, reqs, &dir, cli.json).await;
+                if !a.owns.is_empty() {
+                    for id in &ids {
+                        client
+                            .aecp_owners(id, &a.owns)
+                            .await
+                            .with_context(|| format!("recording --owns for {id}"))?;
+                    }
+                }
+                anyhow::ensure!(
+                    !ids.is_empty(),
+                    "every Executor refused the delegation (see above)"
+                );
+                if failed > 0 {
+                    eprintln!(
+                        "{failed} of {} Executor(s) refused; the {} delegation(s) above run                          (`awcp-ctl revoke ID` ends one)",
+                        executors.len(),
+                        ids.len()
+                    );
+                }
+                let code = if a.wait {
+                    fleet::wait(&client, &ids, cli.json, None).await?
+                } else {
+                    ExitCode::SUCCESS
+                };
+                return Ok(if failed > 0 { ExitCode::from(1) } else { code });
+            }
             // The daemon answers after admission, the manifests (or the zip), INVITE and
             // START: on a large tree that takes a while, so show how far it has got.
             let resp = if bars::wanted(cli.json) {
@@ -1236,8 +1323,11 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             let idle_at = if a.multi_round { 1 } else { usize::MAX };
             follow(&client, &id, cli.json, idle_at).await
         }
-        Command::Status { id: Some(id) } => {
-            let v = client.get(&id).await?;
+        Command::Status { ids } if ids.len() > 1 => fleet::status(&client, &ids, cli.json).await,
+        Command::Wait { ids, timeout } => fleet::wait(&client, &ids, cli.json, timeout).await,
+        Command::Status { ids } if ids.len() == 1 => {
+            let id = &ids[0];
+            let v = client.get(id).await?;
             if cli.json {
                 println!("{}", serde_json::to_string(&v)?);
             } else {
@@ -1379,7 +1469,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Status { id: None } => {
+        Command::Status { .. } => {
             let list = client.list().await?;
             if cli.json {
                 for d in &list.delegations {
@@ -1465,6 +1555,24 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Token { cmd } => tokens::run(cmd, cli.json, &client).await,
+        Command::Ui => {
+            let (url, ttl) = client.ui_login_link().await?;
+            if cli.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"url": url, "expiresInSeconds": ttl})
+                );
+            } else {
+                println!("{url}");
+                eprintln!(
+                    "open this link in a browser within {ttl} s; it works once (run `awcp-ctl ui` \
+                     again for another browser). Anyone who opens it first gets the session: do \
+                     not paste it where others read."
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Watch { id } => follow(&client, &id, cli.json, usize::MAX).await,
         Command::Continue {
             id,
@@ -1506,6 +1614,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
                 .map(PathBuf::from)
                 .unwrap_or_else(default_executor_dir);
             checks.push(doctor::file_modes(&daemon_state, &executor_dir));
+            checks.push(doctor::fuse_transport(&executor_dir));
             checks.extend(doctor::agent_sandbox(&doctor::processes()));
             checks.push(doctor::mount_access(
                 &std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default(),

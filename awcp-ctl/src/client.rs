@@ -53,18 +53,36 @@ pub enum ClientError {
 }
 
 /// The client.
+///
+/// It may be given several daemons (`http://a:3100,http://b:3100`: daemons sharing one
+/// PostgreSQL database, which all show every delegation): it talks to one, and when that
+/// one cannot be connected to, it moves to the next that can, and stays there. Only a
+/// request that never reached a daemon is sent again (a connection refused or timed out),
+/// so nothing is done twice.
 #[derive(Debug, Clone)]
 pub struct DaemonClient {
-    base: String,
+    bases: Vec<String>,
+    /// The index in `bases` of the daemon in use.
+    current: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     http: reqwest::Client,
     token: Option<String>,
 }
 
 impl DaemonClient {
-    /// A client of the daemon at `base` (e.g. `http://127.0.0.1:3100`).
+    /// A client of the daemon at `base` (e.g. `http://127.0.0.1:3100`), or of the first
+    /// of a comma-separated list that answers.
     pub fn new(base: &str) -> Self {
+        let mut bases: Vec<String> = base
+            .split(',')
+            .map(|b| b.trim().trim_end_matches('/').to_string())
+            .filter(|b| !b.is_empty())
+            .collect();
+        if bases.is_empty() {
+            bases.push(base.to_string());
+        }
         DaemonClient {
-            base: base.trim_end_matches('/').to_string(),
+            bases,
+            current: Default::default(),
             http: reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(5))
                 .build()
@@ -92,11 +110,79 @@ impl DaemonClient {
     }
 
     fn get_(&self, path: &str) -> reqwest::RequestBuilder {
-        self.auth(self.http.get(format!("{}{path}", self.base)))
+        self.auth(self.http.get(format!("{}{path}", self.base())))
     }
 
     fn post_(&self, path: &str) -> reqwest::RequestBuilder {
-        self.auth(self.http.post(format!("{}{path}", self.base)))
+        self.auth(self.http.post(format!("{}{path}", self.base())))
+    }
+
+    /// Send `rq` to the daemon in use; if it cannot be connected to, to the next of the
+    /// list that can (which is then the one in use).
+    async fn execute(&self, rq: reqwest::RequestBuilder) -> Result<reqwest::Response, ClientError> {
+        let first = self.current.load(std::sync::atomic::Ordering::Relaxed) % self.bases.len();
+        let req = rq.build().map_err(|source| ClientError::Unreachable {
+            url: self.bases[first].clone(),
+            source,
+        })?;
+        let url = req.url().to_string();
+        let rest = url
+            .strip_prefix(self.bases[first].as_str())
+            .unwrap_or("")
+            .to_string();
+        let mut failure = None;
+        for k in 0..self.bases.len() {
+            let i = (first + k) % self.bases.len();
+            let mut attempt = match req.try_clone() {
+                Some(r) => r,
+                None => break,
+            };
+            if i != first {
+                let Ok(u) = format!("{}{rest}", self.bases[i]).parse() else {
+                    continue;
+                };
+                *attempt.url_mut() = u;
+            }
+            match self.http.execute(attempt).await {
+                Ok(resp) => {
+                    if i != first {
+                        tracing::warn!(from = %self.bases[first], to = %self.bases[i],
+                            "the daemon could not be reached; using the next one");
+                        self.current.store(i, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    return Ok(resp);
+                }
+                // Only a request that never reached a daemon goes to the next one.
+                Err(e) if self.bases.len() > 1 && e.is_connect() => {
+                    failure = Some((i, e));
+                }
+                Err(source) => {
+                    return Err(ClientError::Unreachable {
+                        url: self.bases[i].clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        match failure {
+            Some((i, source)) => Err(ClientError::Unreachable {
+                url: if self.bases.len() > 1 {
+                    self.bases.join(",")
+                } else {
+                    self.bases[i].clone()
+                },
+                source,
+            }),
+            // A body that cannot be sent twice: once, as built.
+            None => self
+                .http
+                .execute(req)
+                .await
+                .map_err(|source| ClientError::Unreachable {
+                    url: self.bases[first].clone(),
+                    source,
+                }),
+        }
     }
 
     fn auth(&self, rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
@@ -110,10 +196,7 @@ impl DaemonClient {
         &self,
         rq: reqwest::RequestBuilder,
     ) -> Result<T, ClientError> {
-        let resp = rq.send().await.map_err(|source| ClientError::Unreachable {
-            url: self.base.clone(),
-            source,
-        })?;
+        let resp = self.execute(rq).await?;
         let status = resp.status();
         if !status.is_success() {
             let body = resp
@@ -128,6 +211,47 @@ impl DaemonClient {
         resp.json()
             .await
             .map_err(|source| ClientError::Protocol { source })
+    }
+
+    /// The daemon's base URL, as given.
+    pub fn base(&self) -> &str {
+        &self.bases[self.current.load(std::sync::atomic::Ordering::Relaxed) % self.bases.len()]
+    }
+
+    /// Ours: `POST /ui/login-link`: a one-time link that opens the live view in a browser.
+    /// The returned URL is on this client's daemon address, without any token it carries.
+    pub async fn ui_login_link(&self) -> Result<(String, u64), ClientError> {
+        let link: crate::daemon::ui::LoginLink = self.send(self.post_("/ui/login-link")).await?;
+        let origin = match reqwest::Url::parse(self.base()) {
+            Ok(u) => u.origin().ascii_serialization(),
+            Err(_) => self.base().to_string(),
+        };
+        Ok((format!("{origin}{}", link.path), link.expires_in_seconds))
+    }
+
+    /// Ours: `POST /api-tokens`: a client token every daemon of the database accepts.
+    pub async fn create_token(
+        &self,
+        label: &str,
+    ) -> Result<crate::daemon::tokens::CreateTokenResponse, ClientError> {
+        self.send(
+            self.post_("/api-tokens")
+                .json(&crate::daemon::tokens::CreateTokenRequest {
+                    label: label.to_string(),
+                }),
+        )
+        .await
+    }
+
+    /// Ours: `GET /api-tokens`.
+    pub async fn tokens(&self) -> Result<crate::daemon::tokens::TokenList, ClientError> {
+        self.send(self.get_("/api-tokens")).await
+    }
+
+    /// Ours: `DELETE /api-tokens/:id`.
+    pub async fn delete_token(&self, id: &str) -> Result<OkResponse, ClientError> {
+        self.send(self.auth(self.http.delete(format!("{}/api-tokens/{id}", self.base()))))
+            .await
     }
 
     /// `POST /delegate`.
@@ -314,13 +438,8 @@ impl DaemonClient {
         mut stop: impl FnMut(&WatchEvent) -> bool,
     ) -> Result<Option<WatchEvent>, ClientError> {
         let resp = self
-            .get_(&format!("/delegation/{id}/events"))
-            .send()
-            .await
-            .map_err(|source| ClientError::Unreachable {
-                url: self.base.clone(),
-                source,
-            })?;
+            .execute(self.get_(&format!("/delegation/{id}/events")))
+            .await?;
         if !resp.status().is_success() {
             let status = resp.status();
             let body = resp

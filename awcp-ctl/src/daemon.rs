@@ -33,6 +33,8 @@ pub mod shared;
 mod sshfs_flow;
 mod staged;
 mod storage_flow;
+pub mod tokens;
+pub mod ui;
 
 pub use sshfs_flow::SshfsConfig;
 
@@ -237,6 +239,10 @@ pub struct Daemon {
     pub(crate) aglx: Option<crate::aglx::DaemonNotifier>,
     /// AECP: the artifact store and policy.
     pub(crate) aecp: aecp::Aecp,
+    /// The live view's login codes and browser sessions (`GET /ui`).
+    pub(crate) ui: ui::UiSessions,
+    /// The client tokens of the state database, as last read.
+    pub(crate) tokens: tokens::TokenCache,
     /// The sshd of each running `sshfs` delegation.
     pub(crate) sshfs: sshfs_flow::Servers,
 }
@@ -497,6 +503,8 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             .build()?,
         export_url,
         tasks: Mutex::new(Vec::new()),
+        ui: Default::default(),
+        tokens: Default::default(),
     });
     if daemon.store.shared() {
         // Beat before anything else, so no other daemon takes this one's delegations

@@ -479,6 +479,44 @@ pub fn mount_access(
     check(NAME, Status::Ok, detail, None)
 }
 
+/// Which FUSE transport the running mounts use (from each mount's `status.json` below
+/// `executor_dir`, `fuseTransport`), and what `--fuse-transport auto` would choose here.
+pub fn fuse_transport(executor_dir: &std::path::Path) -> Check {
+    const NAME: &str = "fuse transport";
+    let mut mounts = Vec::new();
+    let mut dirs = vec![(executor_dir.to_path_buf(), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            if e.file_type().is_ok_and(|t| t.is_dir()) && depth < 3 {
+                dirs.push((p, depth + 1));
+            } else if e.file_name() == "status.json"
+                && let Ok(text) = std::fs::read_to_string(&p)
+                && let Ok(st) = serde_json::from_str::<serde_json::Value>(&text)
+                && st["state"] == "mounted"
+                && let (Some(mp), Some(t)) =
+                    (st["mountpoint"].as_str(), st["fuseTransport"].as_str())
+            {
+                mounts.push(format!("{mp} over {t}"));
+            }
+        }
+    }
+    mounts.sort();
+    let auto = match awcpfs::mount::uring::uring_unavailable() {
+        None => "--fuse-transport auto serves new mounts over io_uring".to_string(),
+        Some(why) => format!("--fuse-transport auto serves new mounts over /dev/fuse: {why}"),
+    };
+    let detail = if mounts.is_empty() {
+        format!("no running mount below {}; {auto}", executor_dir.display())
+    } else {
+        format!("{}; {auto}", mounts.join(", "))
+    };
+    check(NAME, Status::Ok, detail, None)
+}
+
 /// The gate of a mount seen in mountinfo: judged for the mounting user (`user_id`, root
 /// here) and the owner of the mount's root (an Executor's `--agent-user`).
 pub fn mount_gate(mountpoint: &std::path::Path) -> Option<PathBuf> {
@@ -614,5 +652,35 @@ mod tests {
         assert!(low.fix.as_deref().unwrap().contains("max_user_watches"));
         assert_eq!(inotify_watches(Some(1 << 20)).status, Status::Ok);
         assert_eq!(inotify_watches(None).status, Status::Warn);
+    }
+
+    #[test]
+    fn the_fuse_transport_check_names_each_running_mounts_transport() {
+        let dir = tempfile::tempdir().unwrap();
+        let task = dir.path().join("state").join("task-1");
+        std::fs::create_dir_all(&task).unwrap();
+        let status = |state: &str, mp: &str, t: &str| {
+            serde_json::json!({"state": state, "mountpoint": mp, "fuseTransport": t}).to_string()
+        };
+        std::fs::write(
+            task.join("status.json"),
+            status("mounted", "/w/a", "io_uring"),
+        )
+        .unwrap();
+        let ended = dir.path().join("state").join("task-2");
+        std::fs::create_dir_all(&ended).unwrap();
+        std::fs::write(
+            ended.join("status.json"),
+            status("ended", "/w/b", "/dev/fuse"),
+        )
+        .unwrap();
+        let c = super::fuse_transport(dir.path());
+        assert!(c.detail.contains("/w/a over io_uring"), "{}", c.detail);
+        assert!(
+            !c.detail.contains("/w/b"),
+            "an ended mount is not running: {}",
+            c.detail
+        );
+        assert!(c.detail.contains("--fuse-transport auto"), "{}", c.detail);
     }
 }

@@ -92,6 +92,8 @@ pub struct ExecutorConfig {
     /// Let the kernel cache writes (off by default; see
     /// [`awcpfs::mount::KernelOptions::writeback_cache`]).
     pub writeback_cache: bool,
+    /// The FUSE transport of each mount (see [`awcpfs::mount::FuseTransport`]).
+    pub fuse_transport: awcpfs::mount::FuseTransport,
     /// Give agents on a mount git's filesystem monitor (`awcp-ctl fsmonitor`, through
     /// their environment): `git status` costs O(changes). On by default.
     pub git_fsmonitor: bool,
@@ -250,6 +252,7 @@ impl ExecutorConfig {
             hydrate: None,
             track_opens: false,
             writeback_cache: false,
+            fuse_transport: awcpfs::mount::FuseTransport::Auto,
             git_fsmonitor: true,
             fsmonitor_hook: None,
             renew_margin: None,

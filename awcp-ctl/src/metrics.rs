@@ -18,7 +18,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use awcpfs::mount::stats::StatsSnapshot;
+use awcpfs::mount::stats::{LATENCY_BOUNDS_US, OpLatency, StatsSnapshot};
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::{MetricType, TypedMetric};
 
 /// The content type of the text format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -85,6 +87,24 @@ impl Scrape {
         self.registry.register(name, help, family);
     }
 
+    /// A histogram per label set, from counts already bucketed (bounds in seconds).
+    pub(crate) fn histograms<'a>(
+        &mut self,
+        name: &str,
+        help: &str,
+        label: &str,
+        values: impl IntoIterator<Item = (&'a str, Bucketed)>,
+    ) {
+        let family = Family::<Labels, Bucketed>::default();
+        for (v, h) in values {
+            *family
+                .get_or_create(&vec![(label.to_owned(), v.to_owned())])
+                .0
+                .lock() = h.0.into_inner();
+        }
+        self.registry.register(name, help, family);
+    }
+
     /// The text exposition.
     pub(crate) fn finish(self) -> String {
         let mut out = String::new();
@@ -94,11 +114,64 @@ impl Scrape {
     }
 }
 
+/// A histogram's values: sum, count, and per-bucket counts with their upper bounds (the
+/// last +Inf).
+type HistogramValues = (f64, u64, Vec<(f64, u64)>);
+
+/// A histogram whose observations were bucketed elsewhere (the mounts count them).
+#[derive(Debug, Default)]
+pub(crate) struct Bucketed(Mutex<HistogramValues>);
+
+impl Bucketed {
+    /// From a mount's latency counts (µs bounds [`LATENCY_BOUNDS_US`]) to seconds.
+    pub(crate) fn from_latency(l: &OpLatency) -> Bucketed {
+        let buckets = LATENCY_BOUNDS_US
+            .iter()
+            .map(|us| *us as f64 / 1e6)
+            .chain([f64::INFINITY])
+            .zip(l.counts.iter().copied().chain(std::iter::repeat(0)))
+            .collect();
+        Bucketed(Mutex::new((
+            l.sum_micros as f64 / 1e6,
+            l.counts.iter().sum(),
+            buckets,
+        )))
+    }
+}
+
+impl TypedMetric for Bucketed {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Bucketed {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let (sum, count, buckets) = &*self.0.lock();
+        encoder.encode_histogram::<NoLabelSet>(*sum, *count, buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+/// `a` plus `b`, bucket by bucket.
+fn add_latency(a: &mut OpLatency, b: &OpLatency) {
+    if a.counts.len() < b.counts.len() {
+        a.counts.resize(b.counts.len(), 0);
+    }
+    for (x, y) in a.counts.iter_mut().zip(&b.counts) {
+        *x += y;
+    }
+    a.sum_micros += b.sum_micros;
+}
+
 /// The counters of mounts summed: what the Executor reports as its mounts' totals.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct MountTotals {
     /// FUSE requests served, by operation.
     pub ops: BTreeMap<String, u64>,
+    /// How long they took, by operation.
+    pub op_latency: BTreeMap<String, OpLatency>,
     /// Content bytes fetched (both tiers and the block cache).
     pub bytes_fetched: u64,
     /// Of those, from the Delegator's block tier.
@@ -131,6 +204,9 @@ impl MountTotals {
         for (op, n) in &s.ops {
             *self.ops.entry(op.clone()).or_default() += n;
         }
+        for (op, l) in &s.op_latency {
+            add_latency(self.op_latency.entry(op.clone()).or_default(), l);
+        }
         self.bytes_fetched += s.bytes_fetched;
         self.bytes_from_store += s.bytes_from_store;
         self.bytes_from_cache += s.bytes_from_cache;
@@ -150,6 +226,9 @@ impl MountTotals {
         let mut m = self.clone();
         for (op, n) in &other.ops {
             *m.ops.entry(op.clone()).or_default() += n;
+        }
+        for (op, l) in &other.op_latency {
+            add_latency(m.op_latency.entry(op.clone()).or_default(), l);
         }
         m.bytes_fetched += other.bytes_fetched;
         m.bytes_from_store += other.bytes_from_store;
@@ -173,6 +252,14 @@ impl MountTotals {
             "FUSE requests the mounts served, by operation",
             "op",
             self.ops.iter().map(|(k, v)| (k.as_str(), *v)),
+        );
+        s.histograms(
+            "mount_fuse_request_duration_seconds",
+            "how long the mounts took to serve FUSE requests, by operation (until the reply)",
+            "op",
+            self.op_latency
+                .iter()
+                .map(|(k, l)| (k.as_str(), Bucketed::from_latency(l))),
         );
         s.counter(
             "mount_bytes_fetched",

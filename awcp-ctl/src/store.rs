@@ -225,6 +225,25 @@ pub struct DaemonRow {
     pub age: Duration,
 }
 
+/// A client credential of the daemon API as stored (`awcp-ctl token create`): never the
+/// token itself, only a salted hash of it (see [`crate::daemon::tokens`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientTokenRow {
+    /// Its public id (`tok_…`), also the token's first part.
+    pub id: String,
+    /// Random salt, hex.
+    #[serde(skip_serializing)]
+    pub salt: String,
+    /// SHA-256 of salt and secret, hex.
+    #[serde(skip_serializing)]
+    pub hash: String,
+    /// What the operator called it.
+    pub label: String,
+    /// When it was made, ISO 8601.
+    pub created_at: String,
+}
+
 /// The daemon's durable state: see the module docs.
 ///
 /// Calls block (a local file, or a round trip to PostgreSQL); they are short, and the
@@ -272,6 +291,15 @@ pub trait StateStore: Send + Sync + std::fmt::Debug {
     /// claimed unless `daemon`'s own heartbeat is fresh (a daemon cut off from the
     /// database must not take anything). Returns the rows claimed.
     fn claim_orphans(&self, daemon: &str, lapse: Duration) -> Result<Vec<StoredRow>, StoreError>;
+
+    /// Record a client credential (its salted hash), for every daemon of this store.
+    fn add_client_token(&self, t: &ClientTokenRow) -> Result<(), StoreError>;
+
+    /// Every client credential, oldest first.
+    fn client_tokens(&self) -> Result<Vec<ClientTokenRow>, StoreError>;
+
+    /// Forget a client credential; whether there was one.
+    fn remove_client_token(&self, id: &str) -> Result<bool, StoreError>;
 }
 
 /// Where the daemon keeps its state.

@@ -640,3 +640,161 @@ async fn a_daemon_claims_nothing_before_it_has_beaten_for_a_full_lapse() {
     );
     b.stop().await;
 }
+
+/// Issue 34: after a failover, clients had to find the new daemon's URL and its own API
+/// token. Here a client is given both daemons' URLs and one client token (kept hashed in the
+/// database); when the first daemon is killed it keeps working — `status` and `revoke` — on
+/// the second, without being told anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_with_both_urls_and_one_token_survives_the_first_daemons_death() {
+    let Some(db) = fresh_database() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
+    let small = tmp.path().join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    std::fs::write(small.join("a.txt"), "a\n").unwrap();
+    let mut ecfg = ExecutorConfig::new("sleep 120".into(), tmp.path().join("e1"));
+    ecfg.listen = "127.0.0.1:0".parse().unwrap();
+    ecfg.token = Some(CREDENTIAL.into());
+    let e1 = awcp_ctl::executor::start(ecfg).await.unwrap();
+
+    let a = Daemon::start(&tmp.path().join("a"), &db.url);
+    let b = Daemon::start(&tmp.path().join("b"), &db.url);
+    let (ca, cb) = (a.client().await, b.client().await);
+    let b_id = b.id();
+    let (a_log, b_log) = (a.log_path(), b.log_path());
+    let logs = || {
+        let read = |p: &PathBuf| std::fs::read_to_string(p).unwrap_or_default();
+        format!(
+            "--- daemon A ---\n{}\n--- daemon B ---\n{}",
+            read(&a_log),
+            read(&b_log)
+        )
+    };
+
+    // One client token, made on A: the database keeps a salted hash, B accepts it too.
+    let made = ca.create_token("failover test").await.unwrap();
+    assert!(made.shared, "{made:?}");
+    let token = made.token.clone();
+    let (url, tok) = (db.url.clone(), token.clone());
+    let rows: Vec<(String, String, String)> = off_runtime(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+        c.query("SELECT id, salt, hash FROM client_tokens", &[])
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect()
+    });
+    assert_eq!(rows.len(), 1);
+    let secret = tok.split_once('.').unwrap().1;
+    assert!(
+        rows.iter()
+            .all(|(_, salt, hash)| !hash.contains(secret) && !salt.contains(secret)),
+        "the token is not in the database"
+    );
+    let on_b = DaemonClient::new(&b.url).with_token(Some(token.clone()));
+    on_b.list().await.expect("B accepts the token made on A");
+    let forged = format!("{}.{}", made.id, "0".repeat(64));
+    match DaemonClient::new(&b.url)
+        .with_token(Some(forged))
+        .list()
+        .await
+    {
+        Err(ClientError::Refused { status: 401, .. }) => {}
+        other => panic!("a forged secret under a real id: {other:?}"),
+    }
+
+    // The client: both URLs, that token.
+    let both = format!("{},{}", a.url, b.url);
+    let client = DaemonClient::new(&both).with_token(Some(token.clone()));
+    let id = client
+        .delegate(&request(
+            &e1.awcp_url(),
+            &small,
+            600,
+            TransportType::Archive,
+        ))
+        .await
+        .unwrap()
+        .delegation_id
+        .as_str()
+        .to_string();
+    until(
+        "the delegation to run",
+        Duration::from_secs(30),
+        async || {
+            (client.get(&id).await.ok()?.record.state == DelegationState::Running).then_some(())
+        },
+        &logs,
+    )
+    .await;
+    assert_eq!(client.base(), a.url, "the first daemon answers first");
+    let a_id = a.id();
+    assert_eq!(
+        client.get(&id).await.unwrap().owner.as_deref(),
+        Some(a_id.as_str())
+    );
+
+    // A dies. The same client, unchanged, reaches B, which takes the delegation over.
+    drop(a.proc);
+    until(
+        "B to take the delegation over",
+        Duration::from_secs(20),
+        async || {
+            (client.get(&id).await.ok()?.owner.as_deref() == Some(b_id.as_str())).then_some(())
+        },
+        &logs,
+    )
+    .await;
+    assert_eq!(client.base(), b.url, "the client moved to B");
+    // The CLI too, given the list and the token (status: text and --json name the owner).
+    let out = Command::new(BIN)
+        .args(["--daemon", &both, "status", &id])
+        .env("AWCP_API_TOKEN", &token)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains(&format!("daemon      {b_id}")), "{text}");
+    let out = Command::new(BIN)
+        .args(["--json", "--daemon", &both, "status", &id])
+        .env("AWCP_API_TOKEN", &token)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["owner"], b_id.as_str(), "{v}");
+    // And revoke, through the client that was never told about B.
+    client.revoke(&id, false).await.unwrap();
+    assert_eq!(
+        client.get(&id).await.unwrap().record.state,
+        DelegationState::Cancelled,
+        "{}",
+        logs()
+    );
+
+    // Deleted, the token stops working on every daemon (within the 5 s the rows are kept).
+    cb.delete_token(&made.id).await.unwrap();
+    until(
+        "B to refuse the deleted token",
+        Duration::from_secs(10),
+        async || {
+            matches!(
+                on_b.list().await,
+                Err(ClientError::Refused { status: 401, .. })
+            )
+            .then_some(())
+        },
+        &logs,
+    )
+    .await;
+    e1.stop().await;
+    drop(b);
+}

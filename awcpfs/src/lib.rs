@@ -14,6 +14,7 @@ pub mod private;
 #[doc(hidden)]
 pub mod testing {
     pub mod proxy;
+    pub mod recordfs;
 
     /// The environment variable naming a file where skipped suites are recorded, one
     /// `suite<TAB>how to install it` line each; `scripts/test.sh` sets it and lists them at
@@ -55,6 +56,29 @@ pub mod testing {
             );
         }
         ok
+    }
+
+    /// Whether FUSE-over-io_uring tests can run here: the FUSE tests can, and the kernel
+    /// offers io_uring (`/sys/module/fuse/parameters/enable_uring` is Y; `.ci/run` sets it).
+    /// When it does not, says so loudly, and panics under `CI=true`.
+    pub fn uring_available() -> bool {
+        if !fuse_available() {
+            return false;
+        }
+        match crate::mount::uring::uring_unavailable() {
+            None => true,
+            Some(why) => {
+                assert!(
+                    std::env::var("CI").as_deref() != Ok("true"),
+                    "the io_uring FUSE tests must run in CI: {why}"
+                );
+                skipped(
+                    "the FUSE-over-io_uring tests",
+                    &format!("{why}; .ci/run sets it"),
+                );
+                false
+            }
+        }
     }
 }
 

@@ -152,6 +152,13 @@ enum Command {
         /// link carries what is used). Progress: `hydration` in status.json.
         #[arg(long, value_name = "none|first|all[:SIZE]")]
         hydrate: Option<awcpfs::mount::hydrate::HydratePolicy>,
+        /// How FUSE requests reach awcpfs. `auto`: over io_uring where the kernel offers
+        /// it (Linux 6.14+, run as root, with /sys/module/fuse/parameters/enable_uring set
+        /// to Y — awcpfs never sets it), otherwise over /dev/fuse; the log says which.
+        /// `uring`: io_uring or fail. `dev`: always /dev/fuse. io_uring answers a request
+        /// in about a third of the time (docs/BENCHMARKS.md).
+        #[arg(long, value_enum, default_value_t = awcpfs::mount::FuseTransport::Auto)]
+        fuse_transport: awcpfs::mount::FuseTransport,
     },
 }
 
@@ -413,6 +420,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             access,
             allow_other,
             hydrate,
+            fuse_transport,
         } => {
             let h = read_handle(&handle)?;
             let state_dir = std::path::absolute(&state_dir)?.join(&h.export_id);
@@ -431,6 +439,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.kernel.passthrough = passthrough;
             cfg.kernel.no_open = !track_opens;
             cfg.kernel.writeback_cache = writeback_cache;
+            cfg.kernel.transport = fuse_transport;
             cfg.access = if allow_other {
                 MountAccess::All
             } else {
@@ -443,9 +452,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let mount = tokio::task::spawn_blocking(move || Mount::start(cfg)).await??;
             eprintln!(
                 "awcpfs: mounted at {}; Ctrl-C unmounts (after writing changes back)\n\
-                 awcpfs: access: {}",
+                 awcpfs: access: {}\n\
+                 awcpfs: FUSE transport: {}",
                 mountpoint.display(),
-                mount.access().describe(access_choice)
+                mount.access().describe(access_choice),
+                mount.fuse_transport()
             );
             if let Ok(exe) = std::env::current_exe() {
                 let hook = awcpfs::fsmonitor::hook_command(&exe, &["fsmonitor"]);

@@ -3,7 +3,9 @@
 //! Layers, top to bottom:
 //! * [`session`] — a mount's life: start, lease watching, fencing, final flush, unmount;
 //! * [`access`] — who the kernel lets in (`allow_other` only behind a private path);
-//! * `fuse` — the thin `fuser::Filesystem` adapter (no logic);
+//! * [`transport`] — the running FUSE session, whichever adapter serves it:
+//!   * `fuse` — the thin `fuser::Filesystem` adapter over `/dev/fuse` (no logic);
+//!   * [`uring`] — the second adapter, over FUSE-over-io_uring (Linux 6.14+);
 //! * [`fs`] and [`content`] — the operations as plain functions over the inode table;
 //! * [`posix`] — extended attributes and `fallocate`;
 //! * [`inode`], [`journal`], [`sync`] — the namespace, its durable log, and write-back;
@@ -30,7 +32,10 @@ pub mod session;
 pub mod special;
 pub mod stats;
 pub mod sync;
+pub mod transport;
 pub mod upper;
+pub mod uring;
+pub use uring::FuseTransport;
 pub mod upstream;
 
 pub use access::MountAccess;

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use awcp_lease::{Lease, LeaseTerms, ManualClock};
 use awcp_protocol::dataplane::{
-    BlockRequest, Change, ChangeSet, CommitResult, DataPlaneError, EntryKind, ExportEvent,
-    LEASE_EXPIRES_HEADER, LeaseState, Manifest, MissingBlocks, UploadResult, decode_block_frames,
-    encode_block_frame,
+    AppliedCommits, AppliedQuery, BlockRequest, Change, ChangeSet, CommitResult, DataPlaneError,
+    EntryKind, ExportEvent, LEASE_EXPIRES_HEADER, LeaseState, MAX_APPLIED_QUERY, Manifest,
+    MissingBlocks, UploadResult, decode_block_frames, encode_block_frame,
 };
 use awcpfs::export::{Export, ExportConfig, ExportRegistry};
 use futures::StreamExt;
@@ -2209,4 +2209,63 @@ async fn a_catch_up_resumes_after_the_sequence_the_mount_has() {
         (StatusCode::BAD_REQUEST, "BAD_REQUEST")
     );
     assert!(body.message.contains("since"), "{}", body.message);
+}
+
+#[tokio::test]
+async fn applied_commits_are_named_to_the_token_holder_only_and_bad_questions_refused() {
+    let f = fixture(small_tree).await;
+    f.upload(b"once").await;
+    let first = f
+        .commit(&cs("c-1", vec![write("once.txt", None, b"once", 0o644)]))
+        .await;
+    // Which of these did the export apply? Only c-1, with its first outcome.
+    let resp = f
+        .post("commits/applied")
+        .json(&AppliedQuery {
+            ids: vec!["c-0".into(), "c-1".into(), "never".into()],
+        })
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let answer: AppliedCommits = resp.json().await.unwrap();
+    assert_eq!(answer.applied, vec![first]);
+    // Without the token: refused like every other route.
+    let (status, err) = refusal(
+        f.client
+            .post(f.url("commits/applied"))
+            .json(&AppliedQuery {
+                ids: vec!["c-1".into()],
+            })
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (status, err.code.as_str()),
+        (StatusCode::UNAUTHORIZED, "AUTH_FAILED")
+    );
+    // Bad questions get a readable refusal, never an answer.
+    for (body, says) in [
+        (serde_json::json!({ "ids": [""] }), "1 to 256 bytes"),
+        (
+            serde_json::json!({ "ids": ["x".repeat(257)] }),
+            "1 to 256 bytes",
+        ),
+        (
+            serde_json::json!({ "ids": vec!["c"; MAX_APPLIED_QUERY + 1] }),
+            "commit ids in one question",
+        ),
+        (serde_json::json!({ "id": "c-1" }), "ids"),
+    ] {
+        let resp = f.post("commits/applied").json(&body).send().await.unwrap();
+        let (status, err) = refusal(resp).await;
+        assert!(status.is_client_error(), "{status} {err:?}");
+        assert!(
+            err.message.contains(says),
+            "{says:?} not in {}",
+            err.message
+        );
+    }
 }

@@ -1746,7 +1746,9 @@ fn rounds_never_take_a_file_created_but_not_yet_written() {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         rounds.join().unwrap()
     });
-    assert!(n > 10, "only {n} rounds ran alongside the writer");
+    // Each round syncs what it commits to the state disk first, so on a loaded machine
+    // fewer rounds fit beside the 400 creations; a handful interleave all the same.
+    assert!(n > 4, "only {n} rounds ran alongside the writer");
     let empty = blake3::hash(b"").to_hex().to_string();
     let taken_empty: Vec<String> = gated
         .commits

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use awcpfs::testing::fuse_available;
+use awcpfs::testing::{fuse_available, uring_available};
 
 const BIN: &str = env!("CARGO_BIN_EXE_awcpfs");
 
@@ -66,6 +66,11 @@ impl Standalone {
 
     /// [`Standalone::start`] with the temp dir's mode set to `tmp_mode` before mounting.
     fn start_in(tmp_mode: u32, extra: &[&str]) -> Standalone {
+        Standalone::start_env(tmp_mode, extra, &[])
+    }
+
+    /// [`Standalone::start_in`] with `env` set for `awcpfs mount`.
+    fn start_env(tmp_mode: u32, extra: &[&str], env: &[(&str, &Path)]) -> Standalone {
         let tmp = tempfile::tempdir().unwrap();
         std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(tmp_mode)).unwrap();
         let src = tmp.path().join("src");
@@ -99,6 +104,7 @@ impl Standalone {
                 .args(extra)
                 .arg("--state-dir")
                 .arg(s.tmp.path().join("mount-state"))
+                .envs(env.iter().map(|(k, v)| (k, v)))
                 .spawn()
                 .unwrap(),
         );
@@ -239,14 +245,29 @@ fn expected_failures(text: &str) -> BTreeMap<String, String> {
 /// Without the kernel's writeback cache: every write and time is the mount's.
 #[test]
 fn pjdfstest_passes_but_for_the_listed_failures() {
-    pjdfstest_on(&["--no-writeback-cache"]);
+    pjdfstest_on(&["--no-writeback-cache", "--fuse-transport", "dev"]);
 }
 
-/// The same with the kernel's writeback cache on (the default): its own sizes and times,
-/// batched writes.
+/// The same with the kernel's writeback cache on: its own sizes and times, batched writes.
 #[test]
 fn wbcache_pjdfstest_passes_with_the_writeback_cache() {
-    pjdfstest_on(&["--writeback-cache"]);
+    pjdfstest_on(&["--writeback-cache", "--fuse-transport", "dev"]);
+}
+
+/// The same over FUSE-over-io_uring (the second adapter, `mount/uring`).
+#[test]
+fn uring_pjdfstest_passes_but_for_the_listed_failures() {
+    if uring_available() {
+        pjdfstest_on(&["--no-writeback-cache", "--fuse-transport", "uring"]);
+    }
+}
+
+/// io_uring with the kernel's writeback cache.
+#[test]
+fn uring_wbcache_pjdfstest_passes_with_the_writeback_cache() {
+    if uring_available() {
+        pjdfstest_on(&["--writeback-cache", "--fuse-transport", "uring"]);
+    }
 }
 
 fn pjdfstest_on(extra: &[&str]) {
@@ -491,14 +512,30 @@ fn mount_access_follows_the_path_by_default_and_owner_keeps_everyone_else_out() 
 /// Without the kernel's writeback cache: every write reaches the mount as it is made.
 #[test]
 fn fsx_with_every_operation_finds_no_difference() {
-    fsx_on(&["--no-writeback-cache"]);
+    fsx_on(&["--no-writeback-cache", "--fuse-transport", "dev"]);
 }
 
-/// The same with the kernel's writeback cache on, the default (fsx checks sizes after
-/// every operation, through `mmap` as well).
+/// The same with the kernel's writeback cache on (fsx checks sizes after every operation,
+/// through `mmap` as well).
 #[test]
 fn wbcache_fsx_finds_no_difference_with_the_writeback_cache() {
-    fsx_on(&["--writeback-cache"]);
+    fsx_on(&["--writeback-cache", "--fuse-transport", "dev"]);
+}
+
+/// The same over FUSE-over-io_uring.
+#[test]
+fn uring_fsx_with_every_operation_finds_no_difference() {
+    if uring_available() {
+        fsx_on(&["--no-writeback-cache", "--fuse-transport", "uring"]);
+    }
+}
+
+/// io_uring with the kernel's writeback cache.
+#[test]
+fn uring_wbcache_fsx_finds_no_difference_with_the_writeback_cache() {
+    if uring_available() {
+        fsx_on(&["--writeback-cache", "--fuse-transport", "uring"]);
+    }
 }
 
 fn fsx_on(extra: &[&str]) {
@@ -560,6 +597,133 @@ fn fsx_on(extra: &[&str]) {
         on_mount,
         "the Delegator's copy differs from the mount's"
     );
+}
+
+/// The transport a standalone mount reports in its `status.json`.
+fn transport_of(fs: &Standalone) -> String {
+    let states = fs.tmp.path().join("mount-state");
+    let mut found = String::new();
+    wait_for("status.json", || {
+        let Ok(dirs) = std::fs::read_dir(&states) else {
+            return false;
+        };
+        for d in dirs.flatten() {
+            let Ok(text) = std::fs::read_to_string(d.path().join("status.json")) else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+                continue;
+            };
+            found = v["fuseTransport"].as_str().unwrap_or_default().to_owned();
+        }
+        !found.is_empty()
+    });
+    found
+}
+
+/// A tree written and read back through the mount, then unmounted: what the Delegator got.
+fn round_trip(fs: &mut Standalone) {
+    std::fs::create_dir(fs.mnt.join("d")).unwrap();
+    std::fs::write(fs.mnt.join("d/f"), b"over the wire\n").unwrap();
+    std::os::unix::fs::symlink("d/f", fs.mnt.join("l")).unwrap();
+    assert_eq!(std::fs::read(fs.mnt.join("l")).unwrap(), b"over the wire\n");
+    let status = fs.unmount();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert_eq!(
+        std::fs::read(fs.src.join("d/f")).unwrap(),
+        b"over the wire\n"
+    );
+}
+
+/// `--fuse-transport auto` where the kernel does not offer io_uring (`enable_uring` read as
+/// N, from a file standing in for the parameter): the mount serves over /dev/fuse.
+#[test]
+fn auto_falls_back_to_dev_fuse_when_enable_uring_is_n() {
+    if !fuse_available() {
+        return;
+    }
+    let param = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(param.path(), "N\n").unwrap();
+    let env = [(awcpfs::mount::uring::ENABLE_URING_VAR, param.path())];
+    let mut fs = Standalone::start_env(0o755, &["--fuse-transport", "auto"], &env);
+    assert_eq!(transport_of(&fs), "/dev/fuse");
+    round_trip(&mut fs);
+}
+
+/// `--fuse-transport uring` where the kernel does not offer it fails, saying how to enable
+/// it, instead of mounting over something else.
+#[test]
+fn uring_refuses_to_mount_when_enable_uring_is_n() {
+    if !fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (src, mnt, handle) = (
+        tmp.path().join("src"),
+        tmp.path().join("mnt"),
+        tmp.path().join("h"),
+    );
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
+    let param = tmp.path().join("enable_uring");
+    std::fs::write(&param, "N\n").unwrap();
+    let mut export = Command::new(BIN)
+        .arg("export")
+        .arg(&src)
+        .args(["--listen", "127.0.0.1:0", "--handle-out"])
+        .arg(&handle)
+        .arg("--state-dir")
+        .arg(tmp.path().join("export-state"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for("the handle", || handle.exists());
+    let out = Command::new(BIN)
+        .arg("mount")
+        .arg(&handle)
+        .arg(&mnt)
+        .args(["--fuse-transport", "uring", "--state-dir"])
+        .arg(tmp.path().join("mount-state"))
+        .env(awcpfs::mount::uring::ENABLE_URING_VAR, &param)
+        .output()
+        .unwrap();
+    let _ = export.kill();
+    let _ = export.wait();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "mounted anyway: {err}");
+    assert!(!is_mounted(&mnt));
+    assert!(
+        err.contains("--fuse-transport uring") && err.contains("is N (as root: echo Y >"),
+        "the error does not say how to enable io_uring: {err}"
+    );
+}
+
+/// `auto` where the kernel offers io_uring: the mount uses it, and says so.
+#[test]
+fn auto_uses_io_uring_when_the_kernel_offers_it() {
+    if !uring_available() {
+        return;
+    }
+    let mut fs = Standalone::start(&["--fuse-transport", "auto"]);
+    assert_eq!(transport_of(&fs), "io_uring");
+    round_trip(&mut fs);
+}
+
+/// Told io_uring is on (the stand-in file says Y) where the kernel does not offer it in
+/// INIT: `auto` still mounts, served over /dev/fuse by the io_uring adapter itself.
+#[test]
+fn auto_serves_over_dev_fuse_when_init_does_not_offer_io_uring() {
+    if !fuse_available() || awcpfs::mount::uring::kernel_enables_uring() == Some(true) {
+        // With the kernel's parameter Y, INIT offers io_uring: covered above.
+        return;
+    }
+    let param = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(param.path(), "Y\n").unwrap();
+    let env = [(awcpfs::mount::uring::ENABLE_URING_VAR, param.path())];
+    let mut fs = Standalone::start_env(0o755, &["--fuse-transport", "auto"], &env);
+    assert_eq!(transport_of(&fs), "/dev/fuse");
+    round_trip(&mut fs);
 }
 
 #[test]

@@ -12,6 +12,7 @@
 //! | `POST /missing` | [`BlockRequest`] | [`MissingBlocks`] |
 //! | `POST /upload` | block frames | [`UploadResult`] |
 //! | `POST /commit` | [`ChangeSet`] | [`CommitResult`] |
+//! | `POST /commits/applied` | [`AppliedQuery`] | [`AppliedCommits`] |
 //! | `GET  /events` | — | SSE stream of [`ExportEvent`] |
 //!
 //! Paths on the wire are always relative to the export root, `/`-separated, never empty,
@@ -169,6 +170,29 @@ pub struct BlockLocations {
 pub struct MissingBlocks {
     /// blake3 hashes (hex) to upload before committing.
     pub missing: Vec<String>,
+}
+
+/// Body of `POST /commits/applied`: ids of commits an Executor sent and never saw
+/// answered, or whose answer it could not record (crash recovery asks, so as not to take
+/// its own applied commits for the Delegator's changes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AppliedQuery {
+    /// Commit ids, at most [`MAX_APPLIED_QUERY`], each 1 to 256 bytes.
+    pub ids: Vec<String>,
+}
+
+/// Most ids in one [`AppliedQuery`] (an export remembers this many outcomes).
+pub const MAX_APPLIED_QUERY: usize = 4096;
+
+/// Answer to `POST /commits/applied`: the first outcome of each asked commit the export
+/// applied and still remembers; an id it does not know was never applied there (or so
+/// long ago that it has forgotten it: it remembers the last 4,096).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AppliedCommits {
+    /// The outcomes, in the order asked.
+    pub applied: Vec<CommitResult>,
 }
 
 /// Answer to `POST /upload`.

@@ -5,6 +5,7 @@
 //! except under `CI=true`, where a missing FUSE device fails the test.
 
 pub mod agents;
+pub mod browser;
 pub mod fleet;
 pub mod git_server;
 pub mod hostile;
@@ -22,7 +23,7 @@ use awcp_protocol::DelegationState;
 use awcp_protocol::api::{DelegateRequest, EnvironmentSpec, ResourceSpec};
 use awcp_protocol::messages::{AccessMode, ResourceType, TaskSpec};
 
-pub use awcpfs::testing::fuse_available;
+pub use awcpfs::testing::{fuse_available, uring_available};
 
 /// Run a command, panic with its output if it fails; return stdout.
 pub fn sh(dir: &Path, script: &str) -> String {

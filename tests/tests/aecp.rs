@@ -190,6 +190,27 @@ async fn finding_reaches_the_point_of_use(writeback_cache: bool) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(recorded, "the delivery was recorded on the Delegator");
+    // The daemon's metrics count it: one delivery (to B), as the inboxes show.
+    let inboxes =
+        h.client.aecp_inbox(&a).await.unwrap().len() + h.client.aecp_inbox(&b).await.unwrap().len();
+    let scrape = reqwest::Client::new()
+        .get(format!("{}/metrics", h.daemon.url()))
+        .bearer_auth(h.daemon.api_token().unwrap())
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let counted: f64 = scrape
+        .lines()
+        .find_map(|l| l.strip_prefix("awcp_aecp_deliveries_total "))
+        .unwrap_or_else(|| panic!("no awcp_aecp_deliveries_total in {scrape}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(inboxes, 1);
+    assert_eq!(counted, inboxes as f64);
     // Nothing of AECP shows in the workspace itself.
     let grep = std::process::Command::new("grep")
         .args(["-r", "-l", "LIMIT"])

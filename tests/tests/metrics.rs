@@ -45,6 +45,30 @@ async fn scrape(url: &str, token: Option<&str>) -> HashMap<String, f64> {
             prometheus_parse::Value::Counter(v)
             | prometheus_parse::Value::Gauge(v)
             | prometheus_parse::Value::Untyped(v) => v,
+            // A histogram: its observations in all (the +Inf bucket), as `<name>_observed`.
+            prometheus_parse::Value::Histogram(buckets) => {
+                let all = buckets
+                    .iter()
+                    .find(|b| b.less_than.is_infinite())
+                    .unwrap_or_else(|| panic!("{}: no +Inf bucket", s.metric))
+                    .count;
+                let mut sorted = buckets.clone();
+                sorted.sort_by(|a, b| a.less_than.total_cmp(&b.less_than));
+                assert!(
+                    sorted.windows(2).all(|w| w[0].count <= w[1].count),
+                    "{}: buckets are cumulative: {sorted:?}",
+                    s.metric
+                );
+                out.insert(
+                    if labels.is_empty() {
+                        format!("{}_observed", s.metric)
+                    } else {
+                        format!("{}_observed{{{}}}", s.metric, labels.join(","))
+                    },
+                    all,
+                );
+                continue;
+            }
             other => panic!("{}: unexpected {other:?}", s.metric),
         };
         out.insert(key, v);
@@ -122,6 +146,26 @@ async fn metrics_parse_and_agree_with_status_after_the_delegations_ended() {
     assert_eq!(get(&e, "awcp_mounts_total"), 2.0);
     assert!(get(&e, "awcp_mount_files_written_back_total") >= 4.0);
     assert!(get(&e, "awcp_mount_fuse_requests_total{op=lookup}") > 0.0);
+    // Every request counted was timed: each operation's latency histogram holds as many
+    // observations as its request counter.
+    let ops: Vec<(String, f64)> = e
+        .iter()
+        .filter_map(|(k, v)| {
+            let op = k.strip_prefix("awcp_mount_fuse_requests_total{op=")?;
+            Some((op.trim_end_matches('}').to_owned(), *v))
+        })
+        .collect();
+    assert!(ops.len() >= 3, "{ops:?}");
+    for (op, n) in ops {
+        assert_eq!(
+            get(
+                &e,
+                &format!("awcp_mount_fuse_request_duration_seconds_observed{{op={op}}}")
+            ),
+            n,
+            "{op}"
+        );
+    }
     // The mounts fetched content (the export's own counter is checked against status
     // above; the mount-side sum can exceed it where a read and hydration fetch the same
     // block, a known double count).

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use awcp_protocol::DelegationState;
 use awcp_protocol::messages::AccessMode;
-use awcp_tests::{Harness, fuse_available, sample_repo, sh, tools_available};
+use awcp_tests::{Harness, fuse_available, sample_repo, sh, tools_available, uring_available};
+use awcpfs::mount::FuseTransport;
 
 const TASK_TIMEOUT: Duration = Duration::from_secs(240);
 
@@ -45,6 +46,20 @@ async fn run_agent_with(
     writeback_cache: bool,
 ) -> Run {
     run_agent_cfg(script, setup, |c| c.writeback_cache = writeback_cache).await
+}
+
+/// [`run_agent_with`], the mounts served over `transport`.
+async fn run_agent_on(
+    script: &str,
+    setup: impl FnOnce(&Path, &Path),
+    writeback_cache: bool,
+    transport: FuseTransport,
+) -> Run {
+    run_agent_cfg(script, setup, |c| {
+        c.writeback_cache = writeback_cache;
+        c.fuse_transport = transport;
+    })
+    .await
 }
 
 /// [`run_agent`], adjusting the Executor's config first. The agent runs confined, as by
@@ -99,16 +114,27 @@ fn read(p: impl AsRef<Path>) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount() {
-    git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(false).await;
+    git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(false, FuseTransport::Auto).await;
+}
+
+/// The same over FUSE-over-io_uring (the second adapter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn uring_git_clone_branch_rebase_merge_stash_gc_on_the_mount() {
+    if uring_available() {
+        git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(false, FuseTransport::Uring).await;
+    }
 }
 
 /// The same with git's index, packs and refs written through the kernel's writeback cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn wbcache_git_clone_branch_rebase_merge_stash_gc_with_the_writeback_cache() {
-    git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(true).await;
+    git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(true, FuseTransport::Auto).await;
 }
 
-async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(writeback_cache: bool) {
+async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(
+    writeback_cache: bool,
+    transport: FuseTransport,
+) {
     if !fuse_available() || !tools_available(&["git"]) {
         return;
     }
@@ -160,7 +186,7 @@ async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(writeback_cach
         test -z "$($G status --porcelain)"
         echo git-ok
     "#;
-    let run = run_agent_with(
+    let run = run_agent_on(
         script,
         |tmp, repo| {
             sample_repo(repo);
@@ -170,6 +196,7 @@ async fn git_clone_branch_rebase_merge_stash_gc_on_the_mount_case(writeback_cach
             // that is what an agent does, so keep them.
         },
         writeback_cache,
+        transport,
     )
     .await;
     let status = read(run.tmp().join("status.txt"));
@@ -332,16 +359,27 @@ async fn sqlite3_transactions_and_concurrent_writers_arrive_intact_case(writebac
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn python_venv_editable_install_tests_and_compileall() {
-    python_venv_editable_install_tests_and_compileall_case(false).await;
+    python_venv_editable_install_tests_and_compileall_case(false, FuseTransport::Auto).await;
+}
+
+/// The same over FUSE-over-io_uring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn uring_python_venv_editable_install_tests_and_compileall() {
+    if uring_available() {
+        python_venv_editable_install_tests_and_compileall_case(false, FuseTransport::Uring).await;
+    }
 }
 
 /// The same with thousands of small .pyc and venv files written through the writeback cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn wbcache_python_venv_tests_and_compileall_with_the_writeback_cache() {
-    python_venv_editable_install_tests_and_compileall_case(true).await;
+    python_venv_editable_install_tests_and_compileall_case(true, FuseTransport::Auto).await;
 }
 
-async fn python_venv_editable_install_tests_and_compileall_case(writeback_cache: bool) {
+async fn python_venv_editable_install_tests_and_compileall_case(
+    writeback_cache: bool,
+    transport: FuseTransport,
+) {
     if !fuse_available() || !tools_available(&["python3"]) {
         return;
     }
@@ -371,7 +409,7 @@ async fn python_venv_editable_install_tests_and_compileall_case(writeback_cache:
         ls calc/__pycache__ > pycache.txt
         echo python-ok
     "#;
-    let run = run_agent_with(script, |_, repo| {
+    let run = run_agent_on(script, |_, repo| {
         sample_repo(repo);
         std::fs::write(
             repo.join("pyproject-setuptools.toml"),
@@ -424,7 +462,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 "#,
         )
         .unwrap();
-    }, writeback_cache)
+    }, writeback_cache, transport)
     .await;
     let log = read(run.tmp().join("agent.log"));
     assert!(log.contains("python-ok"), "{log}");

@@ -29,13 +29,9 @@ async fn start(agent: &str) -> (Harness, GitServer) {
         |d| {
             d.git_remote = Some(remote);
         },
-        // The agents here run git in the clone, whose git directory the Executor keeps in
-        // its state directory, out of a confined agent's reach (docs/PROTOCOL.md, the
-        // transports table): they run as the Executor's user, unconfined.
-        |e| {
-            e.unsafe_agent_as_root = true;
-            e.unsafe_agent_unconfined = true;
-        },
+        // The agents run as the product runs them: as the agents' user, under Landlock; with
+        // `git` they use the repository the Executor gives them in the clone.
+        |_| {},
     )
     .await;
     (h, server)
@@ -70,18 +66,22 @@ fn read(p: &Path) -> String {
 }
 
 /// The agent: edits the package with Python, proves the tests pass with the edit, adds and
-/// deletes a file; with `git`, it first checks that its workspace is a clone of the base.
+/// deletes a file; with `git`, it first checks that its workspace is a clean clone of the
+/// base, and commits its edit (the rest stays uncommitted).
 fn python_agent(git_check: bool) -> String {
-    let check = if git_check {
-        "git log --oneline | grep -q 'AWCP: Initial workspace' && \
-         test -z \"$(git status --porcelain)\" && "
+    let (check, commit) = if git_check {
+        (
+            "git log --oneline | grep -q 'AWCP: Initial workspace' && \
+             test -z \"$(git status --porcelain)\" && ",
+            "git commit -qam 'agent: sub' && ",
+        )
     } else {
-        ""
+        ("", "")
     };
     format!(
         "{check}python3 -c \"import pathlib; p = pathlib.Path('calc/ops.py'); \
          p.write_text(p.read_text() + '\\n\\ndef sub(a, b):\\n    return a - b\\n')\" && \
-         printf 'from calc.ops import sub\\nassert sub(5, 3) == 2\\nprint(\"sub ok\")\\n' > check_sub.py && \
+         {commit}printf 'from calc.ops import sub\\nassert sub(5, 3) == 2\\nprint(\"sub ok\")\\n' > check_sub.py && \
          python3 check_sub.py > sub.out && \
          python3 -m unittest -q 2> unittest.out && \
          rm README.md"
@@ -183,6 +183,12 @@ async fn git_clones_the_pushed_workspace_commits_a_branch_and_the_delegator_appl
         log.contains(&format!("AWCP: Task completed for {id}")),
         "{log}"
     );
+    // The agent's own commit, made confined in its repository, is the Executor's parent.
+    let parent = srv
+        .show("ws.git", &format!("awcp/{id}~1"))
+        .expect("the agent's commit");
+    assert!(parent.contains("agent: sub"), "{parent}");
+    assert!(parent.contains("AWCP Agent"), "{parent}");
     // The workspace's own `.git` never travelled.
     assert!(
         srv.show("ws.git", &format!("awcp-base/{id}:workspace/.git/HEAD"))
@@ -334,6 +340,43 @@ async fn git_revoke_stops_the_agent_and_pushes_no_result() {
         vec![format!("awcp-base/{id}")],
         "no result branch after a revoke"
     );
+    h.stop().await;
+}
+
+/// The agent's repository is the agent's: hooks, `core.fsmonitor` and alternates it plants
+/// there never run or count when the Executor brings its commits over and pushes (the
+/// Executor runs nothing of that repository), yet its commit arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn git_an_agent_planting_hooks_and_config_runs_nothing_as_the_executor() {
+    if !tools_available(&["git"]) {
+        return;
+    }
+    let secret = tempfile::tempdir().unwrap();
+    let mark = secret.path().join("pwned");
+    let agent = format!(
+        "echo agent > README.md && git commit -qam 'agent: readme' && \
+         printf '#!/bin/sh\\ntouch {m}\\n' > ../.git/hooks/post-commit && \
+         chmod +x ../.git/hooks/post-commit && cp ../.git/hooks/post-commit ../.git/hooks/pre-push && \
+         git config core.fsmonitor 'touch {m}' && git config core.hooksPath .git/hooks && \
+         echo /nonexistent/objects > ../.git/objects/info/alternates && \
+         echo more > more.txt",
+        m = mark.display()
+    );
+    let (h, srv) = start(&agent).await;
+    let dir = h.path("ws");
+    sample_repo(&dir);
+    let id = delegate(&h, &dir, TransportType::Git, 300).await;
+    completed(&h, &id).await;
+    assert!(
+        !mark.exists(),
+        "something of the agent's repository ran as the Executor"
+    );
+    assert_eq!(read(&dir.join("README.md")), "agent\n");
+    assert_eq!(read(&dir.join("more.txt")), "more\n");
+    let parent = srv
+        .show("ws.git", &format!("awcp/{id}~1"))
+        .expect("the agent's commit");
+    assert!(parent.contains("agent: readme"), "{parent}");
     h.stop().await;
 }
 
@@ -565,13 +608,9 @@ async fn a_reference_delegator_drives_our_executor_with_git() {
     // The reference's git Delegator: the workspace committed and force-pushed as `main`.
     let srv = GitServer::start_temp();
     let url = srv.bare("ref.git");
-    // The agent runs git in the clone: as the Executor's user, unconfined (see `start`).
-    let h = Harness::start_with(
-        "echo agent > a.txt && git log --oneline | grep -q initial",
-        |e| {
-            e.unsafe_agent_as_root = true;
-            e.unsafe_agent_unconfined = true;
-        },
+    // The agent, confined, runs git in its own repository of the clone.
+    let h = Harness::start(
+        "git log --oneline | grep -q initial && echo agent > a.txt && git status --porcelain | grep -q 'a.txt'",
     )
     .await;
     let src = h.path("src");
@@ -631,12 +670,15 @@ async fn wait_state(h: &Harness, id: &str, want: DelegationState) {
         if s == want {
             return;
         }
-        assert!(
-            !s.is_terminal() && start.elapsed() < Duration::from_secs(60),
-            "{id} is {} while waiting for {}",
-            s.as_str(),
-            want.as_str()
-        );
+        if s.is_terminal() || start.elapsed() > Duration::from_secs(60) {
+            let v = h.client.get(id).await.unwrap();
+            panic!(
+                "{id} is {} while waiting for {}: {:?}",
+                s.as_str(),
+                want.as_str(),
+                v.record.error
+            );
+        }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }

@@ -148,16 +148,24 @@ async fn git_sees_a_delegator_commit(writeback_cache: bool) {
     sample_repo(&repo);
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
     assert!(appears(&out.path().join("ready"), Duration::from_secs(30)).await);
-    // The agent's `git status` refreshed the index's stat data, and the mount writes that
-    // back (a metadata-only change) whenever its round comes: it may cross the Delegator's
-    // commit, and the mount must still end with the Delegator's index
-    // (`awcpfs/tests/mount_sync.rs`'s `…_crossing_a_delegator_rewrite_…` make that race
-    // deterministic).
+    // The agent's `git status` rewrote the index (its stat data, the fsmonitor extension),
+    // and the mount writes that back when its round comes. Were that write-back to cross the
+    // Delegator's commit, it would conflict with the Delegator's index, and the mount keeps
+    // its own version at a conflicting write (docs/SEMANTICS.md; the crossings are made
+    // deterministic in `awcpfs/tests/mount_sync.rs`'s `…_crossing_a_delegator_rewrite_…`).
+    // This test is about the Delegator's commit reaching the mount, so the Delegator commits
+    // once the agent's index has arrived (with the writeback cache, the kernel sends the
+    // pages later than without).
+    let mnt = h.mountpoint(&id);
+    let landed = eventually(Duration::from_secs(20), || {
+        std::fs::read(mnt.join(".git/index")).ok() == std::fs::read(repo.join(".git/index")).ok()
+    })
+    .await;
+    assert!(landed, "the agent's index never reached the Delegator");
     sh(
         &repo,
         "sed -i 's/a + b/b + a/' calc/ops.py && git -c user.email=d@x -c user.name=delegator commit -qam 'delegator: swap'",
     );
-    let mnt = h.mountpoint(&id);
     let head = sh(&repo, "git rev-parse HEAD");
     // git renames its new index into place after it moves the branch: wait for both (they
     // can reach the mount in two batches of changes).

@@ -162,16 +162,55 @@ async fn require_token(
         None => None,
     };
     let path = req.uri().path();
-    let open = in_path.is_none() && req.method() == axum::http::Method::GET && path == "/health";
+    // `/ui/login` checks its one-time code itself (it is how a browser gets a session).
+    let open = in_path.is_none()
+        && req.method() == axum::http::Method::GET
+        && (path == "/health" || path == super::ui::LOGIN_PATH);
+    if super::ui::cross_site(req.headers()) {
+        // A page of another site, in a browser the daemon's own user runs, would otherwise
+        // be let in by that user's uid (or its live-view cookie, were SameSite ignored).
+        let mut e = ApiError::new("Forbidden: a request sent by a page of another site");
+        e.hint = Some(
+            "The daemon API answers its own live view (`awcp-ctl ui`) and clients that are \
+             not browsers"
+                .into(),
+        );
+        return ApiFailure(StatusCode::FORBIDDEN, e).into_response();
+    }
+    let cookie = if in_path.is_none() {
+        d.ui.check(req.headers(), req.method())
+    } else {
+        super::ui::CookieAuth::None
+    };
+    if cookie == super::ui::CookieAuth::NoCsrf && crate::bearer(req.headers()).is_none() {
+        let mut e = ApiError::new("Forbidden: a change from the live view without its CSRF token");
+        e.hint = Some(format!(
+            "the live view sends its session's token in {}; reload the page",
+            super::ui::CSRF_HEADER
+        ));
+        return ApiFailure(StatusCode::FORBIDDEN, e).into_response();
+    }
     let header = crate::bearer(req.headers());
     let given = header.or(in_path.as_deref());
     let caller = req
         .extensions()
         .get::<axum::extract::ConnectInfo<crate::peer::Caller>>()
         .map(|c| c.0);
+    // A client token of the state database (`awcp-ctl token create`): every daemon of a
+    // shared database takes it.
+    let mut stored = false;
+    if !open && d.cfg.api_token.is_some() {
+        for b in [header, in_path.as_deref()].into_iter().flatten() {
+            if d.client_token_ok(b).await {
+                stored = true;
+                break;
+            }
+        }
+    }
     let how = match &d.cfg.api_token {
         _ if open => Some(AUTH_OPEN),
         None => Some(AUTH_NONE),
+        Some(_) if stored => Some(AUTH_CLIENT_TOKEN),
         // A token sent is checked even from a recognised caller: a wrong one is a
         // misconfigured client, told so.
         Some(t) if given.is_some() => [header, in_path.as_deref()]
@@ -179,6 +218,7 @@ async fn require_token(
             .flatten()
             .any(|b| crate::same_secret(b, t))
             .then_some(AUTH_TOKEN),
+        Some(_) if cookie == super::ui::CookieAuth::Ok => Some(AUTH_UI_SESSION),
         Some(_) => (d.cfg.trust_local_uid && caller.is_some_and(|c| local_user(c.uid)))
             .then_some(AUTH_PEER_UID),
     };
@@ -219,6 +259,10 @@ pub const AUTH_PEER_UID: &str = "peer-uid";
 pub const AUTH_NONE: &str = "none";
 /// [`AUTH_HEADER`]: a route open to all (`GET /health`).
 pub const AUTH_OPEN: &str = "open";
+/// [`AUTH_HEADER`]: a client token of the state database (`awcp-ctl token create`).
+pub const AUTH_CLIENT_TOKEN: &str = "client-token";
+/// [`AUTH_HEADER`]: the live view's session cookie (see [`super::ui`]).
+pub const AUTH_UI_SESSION: &str = "ui-session";
 
 /// The daemon's effective uid.
 fn daemon_uid() -> u32 {
@@ -289,6 +333,8 @@ fn routes() -> Router<Arc<Daemon>> {
         .route("/delegation/{id}/events", get(events))
         .route("/delegation/{id}/collect", post(collect))
         .merge(super::aecp::routes())
+        .merge(super::ui::routes())
+        .merge(super::tokens::routes())
         .route("/health", get(|| async { Json(HealthResponse::ok()) }))
         .route("/metrics", get(super::metrics::metrics))
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })

@@ -65,6 +65,14 @@ pub(super) async fn metrics(State(d): State<Arc<Daemon>>) -> impl IntoResponse {
     let mut by_state = [0i64; STATES.len()];
     let mut exports = Exports::default();
     let mut renewals = 0u64;
+    // AECP: what each worker (a delegation) has been delivered, from the artifact store.
+    let deliveries: u64 = live
+        .iter()
+        .map(|l| {
+            let id = l.d.lock().record.id.as_str().to_string();
+            d.aecp.store.delivered(&id).map_or(0, |v| v.len() as u64)
+        })
+        .sum();
     for l in &live {
         let state = l.d.lock().record.state;
         if let Some(i) = STATES.iter().position(|s| *s == state) {
@@ -83,6 +91,11 @@ pub(super) async fn metrics(State(d): State<Arc<Daemon>>) -> impl IntoResponse {
         STATES.iter().zip(by_state).map(|(st, n)| (st.as_str(), n)),
     );
     s.counter("lease_renewals", "lease renewals granted", renewals);
+    s.counter(
+        "aecp_deliveries",
+        "AECP findings delivered to workers (one per finding and worker that received it)",
+        deliveries,
+    );
     s.counter(
         "export_bytes_served",
         "block bytes the exports served to mounts (POST /blocks)",

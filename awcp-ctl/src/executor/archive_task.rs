@@ -407,7 +407,7 @@ pub(super) async fn run(
 /// (`<workPath>/<name>`, the reference's layout), so the agent's working directory is the
 /// workspace, as with `awcpfs`; with several, the work directory holding one directory per
 /// resource.
-fn agent_dir(a: &Assignment) -> std::path::PathBuf {
+fn agent_dir(ex: &Executor, a: &Assignment) -> std::path::PathBuf {
     // Only a plain name (one normal path component) may choose a directory below the work
     // directory; anything else (`..`, `a/b`) keeps the agent in the work directory.
     let plain = |name: &str| {
@@ -420,8 +420,16 @@ fn agent_dir(a: &Assignment) -> std::path::PathBuf {
     match a.invite.environment.resources.as_slice() {
         [one] if plain(&one.name) => {
             let dir = a.work_path.join(&one.name);
-            // A resource with no files has no entries in the zip, hence no directory yet.
-            if let Err(e) = std::fs::create_dir_all(&dir) {
+            // A resource with no files has no entries in the zip (nor in a git tree), hence
+            // no directory yet; made here, it is the agent's like the rest of the tree.
+            let made = !dir.exists();
+            if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| {
+                if made {
+                    super::task::give_to_agent(ex, &dir)
+                } else {
+                    Ok(())
+                }
+            }) {
                 tracing::warn!(dir = %dir.display(), error = %e, "cannot create the resource directory; the agent runs in the work directory");
                 return a.work_path.clone();
             }
@@ -454,7 +462,7 @@ async fn run_rounds(
         )
     };
     let cancelled = || End::Error(ErrorCode::Cancelled, super::routes::cancel_reason(a), None);
-    let cwd = agent_dir(a);
+    let cwd = agent_dir(ex, a);
     loop {
         let mut agent = match spawn_agent(ex, a, &cwd, false) {
             Ok(agent) => agent,

@@ -3,13 +3,19 @@
 //! branch `awcp/<delegationId>` (the reference's name) and push it, reporting
 //! `{branch, commitHash, baseCommit, changedFiles}` in the `snapshot` event.
 //!
-//! Unlike the reference, the repository's git directory lives in the Executor's state
-//! directory (`--separate-git-dir`), and every git command the Executor runs names it and
-//! the work tree explicitly, with hooks off: the agent (untrusted code) can change the work
-//! tree and the `.git` pointer file, but not the configuration, hooks or refs the
-//! Executor's own `git commit` and `git push` run with. Credentials from the handle reach
+//! Unlike the reference, the repository the Executor commits and pushes from lives in the
+//! Executor's state directory (`--separate-git-dir`), and every git command the Executor
+//! runs names it and the work tree explicitly, with hooks off: the agent (untrusted code)
+//! can change the work tree, but not the configuration, hooks or refs the Executor's own
+//! `git commit` and `git push` run with. The agent gets a repository of its own in the
+//! work tree (`.git`, a copy of the task branch without the remote, handed to the agent's
+//! user), so its `git status`, `diff` and `commit` work when it runs confined; after the
+//! round its commits are brought over without running anything of its repository
+//! ([`import_agent_commits`]: its objects copied as plain files into a repository the
+//! Executor configures, its `HEAD` read as text). Credentials from the handle reach
 //! git through its environment (a credential helper reading a variable, or
-//! `GIT_SSH_COMMAND` naming a 0600 key file), never through a command line.
+//! `GIT_SSH_COMMAND` naming a 0600 key file), never through a command line, and never
+//! reach the agent's repository.
 //!
 //! Everything here blocks: call it from `spawn_blocking`.
 
@@ -270,12 +276,202 @@ pub(super) fn setup(
     )?;
     w.run("config", &["config", "user.name", "AWCP Executor"])?;
     w.run("config", &["config", "user.email", "executor@awcp.local"])?;
+    agent_repository(&w)?;
     Ok(w)
+}
+
+/// git run by the Executor on a repository it made itself (no credentials, local paths
+/// allowed, hooks off).
+fn local_git(git_dir: &Path) -> Command {
+    let mut c = Command::new("git");
+    c.arg("--git-dir")
+        .arg(git_dir)
+        .args([
+            "-c",
+            "core.hooksPath=/dev/null",
+            "-c",
+            "core.fsmonitor=false",
+        ])
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .env("GIT_CONFIG_NOSYSTEM", "1");
+    c
+}
+
+/// The agent's own repository at `<work>/.git` (in place of the pointer file the clone
+/// left): the task branch fetched from the Executor's repository, its index matching the
+/// checkout, no remote (the agent has no credentials and pushes nothing). Made before the
+/// agent starts; the work tree, this included, is then handed to the agent's user.
+fn agent_repository(w: &GitWork) -> Result<(), GitFailure> {
+    let step = "setup";
+    let fail = |detail: String| GitFailure { step, detail };
+    let dot_git = w.work.join(".git");
+    std::fs::remove_file(&dot_git)
+        .map_err(|e| fail(format!("removing {}: {e}", dot_git.display())))?;
+    output(
+        step,
+        Command::new("git")
+            .args(["init", "--quiet", "--initial-branch"])
+            .arg(&w.branch)
+            .arg(&w.work)
+            .env("GIT_CONFIG_NOSYSTEM", "1"),
+    )?;
+    let refspec = format!("+refs/heads/{0}:refs/heads/{0}", w.branch);
+    output(
+        step,
+        local_git(&dot_git)
+            .args(["fetch", "--quiet", "--no-tags", "--update-head-ok"])
+            .arg(&w.git_dir)
+            .arg(&refspec),
+    )?;
+    // A mixed reset: the index from the branch, the files (already checked out) untouched.
+    output(
+        step,
+        local_git(&dot_git)
+            .arg("--work-tree")
+            .arg(&w.work)
+            .args(["reset", "--quiet"]),
+    )?;
+    for (k, v) in [
+        ("user.name", "AWCP Agent"),
+        ("user.email", "agent@awcp.local"),
+    ] {
+        output(step, local_git(&dot_git).args(["config", k, v]))?;
+    }
+    Ok(())
+}
+
+/// What the agent's `HEAD` names, read as text from its repository (never by running git
+/// there): `ref: refs/heads/<b>` through the loose ref or `packed-refs`, or a commit id.
+fn agent_head(dot_git: &Path) -> Option<String> {
+    let read = |p: &Path| -> Option<String> {
+        let meta = std::fs::symlink_metadata(p).ok()?;
+        if !meta.is_file() || meta.len() > 1 << 20 {
+            return None;
+        }
+        std::fs::read_to_string(p).ok()
+    };
+    let is_id =
+        |s: &str| (s.len() == 40 || s.len() == 64) && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let head = read(&dot_git.join("HEAD"))?;
+    let head = head.trim();
+    if is_id(head) {
+        return Some(head.to_string());
+    }
+    let name = head.strip_prefix("ref: ")?.trim();
+    if !name.starts_with("refs/heads/") || name.split('/').any(|c| c.is_empty() || c == "..") {
+        return None;
+    }
+    if let Some(id) = read(&dot_git.join(name)) {
+        let id = id.trim();
+        return is_id(id).then(|| id.to_string());
+    }
+    read(&dot_git.join("packed-refs"))?.lines().find_map(|l| {
+        let (id, r) = l.split_once(' ')?;
+        (r == name && is_id(id)).then(|| id.to_string())
+    })
+}
+
+/// Copy the regular files and directories under `from` to `to`, following no link.
+fn copy_plain(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let ft = entry.file_type()?;
+        let dest = to.join(entry.file_name());
+        if ft.is_dir() {
+            copy_plain(&entry.path(), &dest)?;
+        } else if ft.is_file() {
+            std::fs::copy(entry.path(), &dest)?;
+        }
+    }
+    Ok(())
+}
+
+/// Bring the agent's commits into the Executor's repository when they build on its branch:
+/// the agent's objects are copied as plain files (no alternates: they could name any
+/// repository on this machine) into a quarantine repository the Executor configures, and
+/// fetched from there with every object checked (`transfer.fsckObjects`); then the branch
+/// moves to the agent's `HEAD` (the index stays, so `add -A` next stages the work tree
+/// against it). Commits that do not descend from the branch (the agent rewrote history, or
+/// committed on an older round) are left out: the work tree is committed either way.
+/// Returns the commit taken, if any.
+fn import_agent_commits(w: &GitWork) -> Option<String> {
+    let dot_git = w.work.join(".git");
+    if !std::fs::symlink_metadata(&dot_git).is_ok_and(|m| m.is_dir()) {
+        return None;
+    }
+    let head = agent_head(&dot_git)?;
+    let ours = w.run("rev-parse", &["rev-parse", "HEAD"]).ok()?;
+    if head == ours.trim() {
+        return None;
+    }
+    let q = w.git_dir.with_extension("agent-import");
+    let _ = std::fs::remove_dir_all(&q);
+    let imported = (|| {
+        output(
+            "import",
+            Command::new("git")
+                .args(["init", "--quiet", "--bare"])
+                .arg(&q)
+                .env("GIT_CONFIG_NOSYSTEM", "1"),
+        )
+        .ok()?;
+        let objects = q.join("objects");
+        for sub in std::fs::read_dir(dot_git.join("objects")).ok()? {
+            let sub = sub.ok()?;
+            let name = sub.file_name();
+            // Loose objects (`xx/`) and packs; never `info/` (alternates).
+            if name == "info" || !sub.file_type().ok()?.is_dir() {
+                continue;
+            }
+            copy_plain(&sub.path(), &objects.join(&name)).ok()?;
+        }
+        output(
+            "import",
+            local_git(&q).args(["update-ref", "refs/heads/agent", &head]),
+        )
+        .ok()?;
+        output(
+            "import",
+            local_git(&w.git_dir)
+                .args([
+                    "-c",
+                    "transfer.fsckObjects=true",
+                    "fetch",
+                    "--quiet",
+                    "--no-tags",
+                ])
+                .arg(&q)
+                .arg("+refs/heads/agent:refs/awcp/agent"),
+        )
+        .ok()?;
+        w.run(
+            "merge-base",
+            &[
+                "merge-base",
+                "--is-ancestor",
+                ours.trim(),
+                "refs/awcp/agent",
+            ],
+        )
+        .ok()?;
+        w.run("reset", &["reset", "--soft", "--quiet", "refs/awcp/agent"])
+            .ok()?;
+        Some(head.clone())
+    })();
+    let _ = std::fs::remove_dir_all(&q);
+    let _ = w.run("update-ref", &["update-ref", "-d", "refs/awcp/agent"]);
+    if imported.is_none() {
+        tracing::info!(delegation = %w.delegation_id, agent_head = %head,
+            "the agent's commits do not build on the task branch (or could not be read): the work tree is committed without them");
+    }
+    imported
 }
 
 /// Commit whatever the agent changed (if anything) and push the task branch; what to put
 /// in the `snapshot` event.
 pub(super) fn capture(w: &GitWork) -> Result<GitSnapshotInfo, GitFailure> {
+    import_agent_commits(w);
     w.run("add", &["add", "-A"])?;
     let status = w.run("status", &["status", "--porcelain"])?;
     if !status.trim().is_empty() {
@@ -290,9 +486,8 @@ pub(super) fn capture(w: &GitWork) -> Result<GitSnapshotInfo, GitFailure> {
             ],
         )?;
     }
-    // Whatever HEAD is (the agent may have committed, or switched branches itself) is the
-    // result; the branch is this delegation's own, so a leftover from an earlier attempt
-    // is overwritten.
+    // HEAD (with the agent's commits, when they build on it) is the result; the branch is
+    // this delegation's own, so a leftover from an earlier attempt is overwritten.
     w.run(
         "push",
         &[

@@ -49,13 +49,25 @@ pub const SQLITE: &[Migration] = &[
                   beat_ms INTEGER NOT NULL
               );",
     },
+    Migration {
+        version: 3,
+        name: "client tokens, kept hashed",
+        sql: "CREATE TABLE client_tokens (
+                  id TEXT PRIMARY KEY,
+                  salt TEXT NOT NULL,
+                  hash TEXT NOT NULL,
+                  label TEXT NOT NULL,
+                  created_at TEXT NOT NULL
+              );",
+    },
 ];
 
 /// The PostgreSQL schema (`serve --state postgres://…`).
-pub const POSTGRES: &[Migration] = &[Migration {
-    version: 1,
-    name: "delegations, owners, versions and daemon heartbeats",
-    sql: "CREATE SEQUENCE delegation_version;
+pub const POSTGRES: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "delegations, owners, versions and daemon heartbeats",
+        sql: "CREATE SEQUENCE delegation_version;
           CREATE TABLE delegations (
               id TEXT PRIMARY KEY,
               body TEXT NOT NULL,
@@ -72,7 +84,19 @@ pub const POSTGRES: &[Migration] = &[Migration {
               api_url TEXT NOT NULL,
               beat_at TIMESTAMPTZ NOT NULL
           );",
-}];
+    },
+    Migration {
+        version: 2,
+        name: "client tokens, kept hashed",
+        sql: "CREATE TABLE client_tokens (
+                  id TEXT PRIMARY KEY,
+                  salt TEXT NOT NULL,
+                  hash TEXT NOT NULL,
+                  label TEXT NOT NULL,
+                  created_at TEXT NOT NULL
+              );",
+    },
+];
 
 /// The newest version of a list.
 pub fn latest(list: &[Migration]) -> i64 {

@@ -18,7 +18,7 @@ use std::time::Duration;
 use ::postgres::{Client, Config, NoTls};
 
 use super::migrations::{self, Migration};
-use super::{DaemonRow, StateStore, StoreError, StoredDelegation, StoredRow};
+use super::{ClientTokenRow, DaemonRow, StateStore, StoreError, StoredDelegation, StoredRow};
 
 type Job = Box<dyn FnOnce(&mut Worker) + Send>;
 
@@ -318,6 +318,44 @@ impl StateStore for PgStore {
                 &[&daemon, &lapse],
             )
         })?)
+    }
+
+    fn add_client_token(&self, t: &ClientTokenRow) -> Result<(), StoreError> {
+        let t = t.clone();
+        self.call(move |c| {
+            c.execute(
+                "INSERT INTO client_tokens (id, salt, hash, label, created_at)
+                 VALUES ($1, $2, $3, $4, $5)",
+                &[&t.id, &t.salt, &t.hash, &t.label, &t.created_at],
+            )
+        })?;
+        Ok(())
+    }
+
+    fn client_tokens(&self) -> Result<Vec<ClientTokenRow>, StoreError> {
+        let raw = self.call(|c| {
+            c.query(
+                "SELECT id, salt, hash, label, created_at FROM client_tokens
+                 ORDER BY created_at, id",
+                &[],
+            )
+        })?;
+        Ok(raw
+            .into_iter()
+            .map(|r| ClientTokenRow {
+                id: r.get(0),
+                salt: r.get(1),
+                hash: r.get(2),
+                label: r.get(3),
+                created_at: r.get(4),
+            })
+            .collect())
+    }
+
+    fn remove_client_token(&self, id: &str) -> Result<bool, StoreError> {
+        let id = id.to_string();
+        let n = self.call(move |c| c.execute("DELETE FROM client_tokens WHERE id = $1", &[&id]))?;
+        Ok(n > 0)
     }
 }
 

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::migrations::{self, Migration};
-use super::{DaemonRow, StateStore, StoreError, StoredDelegation, StoredRow};
+use super::{ClientTokenRow, DaemonRow, StateStore, StoreError, StoredDelegation, StoredRow};
 
 /// The SQLite store.
 #[derive(Debug)]
@@ -288,6 +288,51 @@ impl StateStore for SqliteStore {
                 })
             })
             .collect()
+    }
+
+    fn add_client_token(&self, t: &ClientTokenRow) -> Result<(), StoreError> {
+        self.conn
+            .lock()
+            .execute(
+                "INSERT INTO client_tokens (id, salt, hash, label, created_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![t.id, t.salt, t.hash, t.label, t.created_at],
+            )
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    fn client_tokens(&self) -> Result<Vec<ClientTokenRow>, StoreError> {
+        let conn = self.conn.lock();
+        let mut stmt = conn
+            .prepare(
+                "SELECT id, salt, hash, label, created_at FROM client_tokens
+                 ORDER BY created_at, id",
+            )
+            .map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map([], |r| {
+                Ok(ClientTokenRow {
+                    id: r.get(0)?,
+                    salt: r.get(1)?,
+                    hash: r.get(2)?,
+                    label: r.get(3)?,
+                    created_at: r.get(4)?,
+                })
+            })
+            .map_err(|e| self.err(e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))?;
+        Ok(rows)
+    }
+
+    fn remove_client_token(&self, id: &str) -> Result<bool, StoreError> {
+        let n = self
+            .conn
+            .lock()
+            .execute("DELETE FROM client_tokens WHERE id = ?1", params![id])
+            .map_err(|e| self.err(e))?;
+        Ok(n > 0)
     }
 }
 

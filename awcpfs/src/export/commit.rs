@@ -67,7 +67,7 @@ pub(crate) const COMMITS_FILE: &str = "commits.log";
 /// Most changes in one commit.
 pub(crate) const MAX_CHANGES: usize = 100_000;
 /// Longest commit id accepted.
-const MAX_COMMIT_ID: usize = 256;
+pub(crate) const MAX_COMMIT_ID: usize = 256;
 /// Longest symlink target accepted (Linux `PATH_MAX` minus the NUL).
 const MAX_TARGET: usize = 4095;
 /// The conflict reason of a change to a path the export hides.

@@ -41,8 +41,8 @@ use tracing::Instrument;
 
 use awcp_lease::{LeaseSnapshot, LeaseState, rfc3339_millis};
 use awcp_protocol::dataplane::{
-    BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER, MissingBlocks, UploadResult,
-    block_frame_head, decode_block_frames,
+    AppliedCommits, AppliedQuery, BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER,
+    MAX_APPLIED_QUERY, MissingBlocks, UploadResult, block_frame_head, decode_block_frames,
 };
 use awcp_protocol::manifest_bin;
 
@@ -56,6 +56,9 @@ mod tier;
 const HASH_LIST_LIMIT: usize = 8 << 20;
 /// Largest `/commit` body.
 const COMMIT_LIMIT: usize = 64 << 20;
+/// Largest `POST /commits/applied` body: 4,096 ids of at most 256 bytes, quoted (JSON
+/// escapes may double a few).
+const APPLIED_LIMIT: usize = 4 << 20;
 /// Largest `/upload` body.
 const UPLOAD_LIMIT: usize = 256 << 20;
 /// Most hashes in one `/blocks`, `/missing` or `/upload` request.
@@ -86,6 +89,7 @@ pub(crate) fn router(reg: ExportRegistry) -> Router {
         .route_layer(from_fn_with_state((reg.clone(), Gate::Read), gate));
     let flush = Router::new()
         .route("/v1/exports/{id}/missing", post(missing))
+        .route("/v1/exports/{id}/commits/applied", post(applied))
         .route_layer(from_fn_with_state((reg.clone(), Gate::Flush), gate));
     let write = Router::new()
         .route("/v1/exports/{id}/upload", post(upload))
@@ -349,6 +353,41 @@ async fn missing(
     })
     .await?;
     Ok(Json(MissingBlocks { missing }))
+}
+
+/// Which of the asked commits the export applied, with their first outcomes (crash
+/// recovery of a mount that could not record them).
+async fn applied(
+    Extension(export): Extension<Arc<Export>>,
+    req: Request,
+) -> Result<Json<AppliedCommits>, ApiError> {
+    const WHAT: &str = "POST /commits/applied";
+    let body = read_body(req, APPLIED_LIMIT).await?;
+    let query: AppliedQuery = parse_json(WHAT, &body)?;
+    if query.ids.len() > MAX_APPLIED_QUERY {
+        return Err(ApiError::TooMany {
+            what: "commit ids in one question",
+            count: query.ids.len(),
+            max: MAX_APPLIED_QUERY,
+        });
+    }
+    if let Some(bad) = query
+        .ids
+        .iter()
+        .find(|id| id.is_empty() || id.len() > super::commit::MAX_COMMIT_ID)
+    {
+        return Err(ApiError::bad_body(
+            WHAT,
+            format!(
+                "a commit id must be 1 to {} bytes (got {})",
+                super::commit::MAX_COMMIT_ID,
+                bad.len()
+            ),
+        ));
+    }
+    let log = export.commits.lock().await;
+    let applied = query.ids.iter().filter_map(|id| log.find(id)).collect();
+    Ok(Json(AppliedCommits { applied }))
 }
 
 async fn upload(

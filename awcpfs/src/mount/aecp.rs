@@ -459,7 +459,11 @@ pub const SOCKET_NAME: &str = "aecp.sock";
 /// Makes the kernel forget `path`'s entry (an artifact was bound there: the next access
 /// must reach the observer) and the `.aecp/` contents it may have cached. `ENOENT`
 /// answers (nothing cached) are expected and ignored.
-pub fn invalidate(fs: &super::fs::AwcpFs, notifier: &fuser::Notifier, path: Option<&str>) {
+pub fn invalidate(
+    fs: &super::fs::AwcpFs,
+    notifier: &super::transport::Notifier,
+    path: Option<&str>,
+) {
     if let Some(path) = path {
         let entry = {
             let table = fs.table.lock();
@@ -467,11 +471,11 @@ pub fn invalidate(fs: &super::fs::AwcpFs, notifier: &fuser::Notifier, path: Opti
             table.resolve(dir).map(|parent| (parent, name.to_owned()))
         };
         if let Some((parent, name)) = entry.filter(|(_, n)| !n.is_empty()) {
-            let _ = notifier.inval_entry(INodeNo(parent), std::ffi::OsStr::new(&name));
+            let _ = notifier.inval_entry(parent, std::ffi::OsStr::new(&name));
         }
     }
     for ino in fs.aecp().virtual_inodes() {
-        let _ = notifier.inval_inode(INodeNo(ino), 0, -1);
+        let _ = notifier.inval_inode(ino, 0, -1);
     }
 }
 

@@ -240,6 +240,10 @@ impl Remote for CachedRemote {
         self.inner.commit(changes)
     }
 
+    fn applied(&self, ids: &[String]) -> Result<Vec<CommitResult>, RemoteError> {
+        self.inner.applied(ids)
+    }
+
     fn renew(&self) -> Result<ExportEvent, RemoteError> {
         self.inner.renew()
     }

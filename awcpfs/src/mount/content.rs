@@ -671,6 +671,13 @@ impl AwcpFs {
         }
     }
 
+    /// Whether reading or writing `ino` needs nothing from the export (not a regular file
+    /// whose content is still remote): the io_uring adapter answers those on the ring's
+    /// own thread.
+    pub fn content_is_local(&self, ino: Ino) -> bool {
+        self.remote_of(ino).is_none()
+    }
+
     /// Size and pack offset of `ino` if it is a regular file whose content is remote.
     fn remote_of(&self, ino: Ino) -> Option<(u64, Option<u64>)> {
         let table = self.table.lock();
@@ -1268,7 +1275,7 @@ impl AwcpFs {
         } else {
             self.settle(&h)?;
         }
-        self.journal.sync()?;
+        self.sync_namespace()?;
         Ok(())
     }
 

@@ -1071,6 +1071,22 @@ impl AwcpFs {
         self.dirs.lock().remove(&fh);
     }
 
+    /// `fsync` of a directory: every name change so far (the journal) and the names of the
+    /// upper files reach the disk, so a rename or unlink followed by a directory sync
+    /// survives a power loss, as on a local filesystem.
+    pub fn fsyncdir(&self) -> Result<(), FsError> {
+        self.check()?;
+        self.sync_namespace()
+    }
+
+    /// Make the journal durable, and the upper directory's names (a new file's upper file
+    /// must not vanish while its journal record survives).
+    pub(super) fn sync_namespace(&self) -> Result<(), FsError> {
+        self.journal.sync()?;
+        std::fs::File::open(&self.opts.upper_dir)?.sync_all()?;
+        Ok(())
+    }
+
     /// `statfs`: the space of the state directory, where new data lands.
     pub fn statfs(&self) -> Result<nix::sys::statvfs::Statvfs, FsError> {
         self.check()?;

@@ -60,6 +60,9 @@ pub struct KernelOptions {
     /// default (chosen by the agent-session replay, docs/BENCHMARKS.md); ignored with
     /// `passthrough`.
     pub writeback_cache: bool,
+    /// The transport requests come over (`--fuse-transport`): io_uring where the kernel
+    /// offers it (`auto`), or one of the two by name.
+    pub transport: super::uring::FuseTransport,
 }
 
 impl Default for KernelOptions {
@@ -70,6 +73,7 @@ impl Default for KernelOptions {
             no_opendir: true,
             no_open: true,
             writeback_cache: false,
+            transport: super::uring::FuseTransport::Auto,
         }
     }
 }
@@ -345,7 +349,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        self.fs.stats().count_op("lookup");
+        let _op = self.fs.stats().count_op("lookup");
         match self.fs.lookup(parent.0, name) {
             Ok(attr) => reply.entry(&Self::ttl_of(self.ttl, attr.ino.0), &attr, Generation(0)),
             Err(crate::mount::FsError::NotFound) => {
@@ -356,7 +360,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        self.fs.stats().count_op("getattr");
+        let _op = self.fs.stats().count_op("getattr");
         match self.fs.getattr(ino.0) {
             Ok(attr) => reply.attr(&Self::ttl_of(self.ttl, ino.0), &attr),
             Err(e) => reply_err!(reply, "getattr", e),
@@ -381,7 +385,7 @@ impl Filesystem for FuseAdapter {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        self.fs.stats().count_op("setattr");
+        let _op = self.fs.stats().count_op("setattr");
         // Until the reply is sent: git's fsmonitor tokens stay before this change.
         let _change = self.fs.changes().begin();
         let set = SetAttr {
@@ -401,7 +405,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        self.fs.stats().count_op("readlink");
+        let _op = self.fs.stats().count_op("readlink");
         match self.fs.readlink(ino.0) {
             Ok(t) => reply.data(&rawname::to_bytes(&t)),
             Err(e) => reply_err!(reply, "readlink", e),
@@ -418,7 +422,7 @@ impl Filesystem for FuseAdapter {
         rdev: u32,
         reply: ReplyEntry,
     ) {
-        self.fs.stats().count_op("mknod");
+        let _op = self.fs.stats().count_op("mknod");
         let _change = self.fs.changes().begin();
         match self
             .fs
@@ -438,7 +442,7 @@ impl Filesystem for FuseAdapter {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        self.fs.stats().count_op("mkdir");
+        let _op = self.fs.stats().count_op("mkdir");
         let _change = self.fs.changes().begin();
         match self.fs.mkdir_as(caller(req), parent.0, name, mode & !umask) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
@@ -447,7 +451,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.fs.stats().count_op("unlink");
+        let _op = self.fs.stats().count_op("unlink");
         let _change = self.fs.changes().begin();
         match self.fs.unlink(parent.0, name) {
             Ok(()) => reply.ok(),
@@ -456,7 +460,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.fs.stats().count_op("rmdir");
+        let _op = self.fs.stats().count_op("rmdir");
         let _change = self.fs.changes().begin();
         match self.fs.rmdir(parent.0, name) {
             Ok(()) => reply.ok(),
@@ -472,7 +476,7 @@ impl Filesystem for FuseAdapter {
         target: &Path,
         reply: ReplyEntry,
     ) {
-        self.fs.stats().count_op("symlink");
+        let _op = self.fs.stats().count_op("symlink");
         let _change = self.fs.changes().begin();
         match self
             .fs
@@ -493,7 +497,7 @@ impl Filesystem for FuseAdapter {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        self.fs.stats().count_op("rename");
+        let _op = self.fs.stats().count_op("rename");
         let _change = self.fs.changes().begin();
         // RENAME_WHITEOUT (overlayfs on top of the mount) would need a whiteout device node,
         // which awcpfs cannot store: refuse it as filesystems without support do, instead of
@@ -526,7 +530,7 @@ impl Filesystem for FuseAdapter {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        self.fs.stats().count_op("link");
+        let _op = self.fs.stats().count_op("link");
         let _change = self.fs.changes().begin();
         match self.fs.link(ino.0, newparent.0, newname) {
             Ok(attr) => reply.entry(&self.ttl, &attr, Generation(0)),
@@ -539,7 +543,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        self.fs.stats().count_op("open");
+        let _op = self.fs.stats().count_op("open");
         let _change = self.fs.changes().begin();
         if let Some(r) = self
             .fs
@@ -593,7 +597,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        self.fs.stats().count_op("read");
+        let _op = self.fs.stats().count_op("read");
         match self.fs.read_at(ino.0, fh.0, offset, size) {
             Ok(data) => reply.data(&data),
             Err(e) => reply_err!(reply, "read", e),
@@ -612,7 +616,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        self.fs.stats().count_op("write");
+        let _op = self.fs.stats().count_op("write");
         let _change = self.fs.changes().begin();
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
             // We told the kernel we clear set-user-ID and set-group-ID on writes
@@ -633,7 +637,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        self.fs.stats().count_op("flush");
+        let _op = self.fs.stats().count_op("flush");
         match self.fs.flush_at(fh.0) {
             // With no-open, writes are noted as they come: no `close` needs a round
             // trip, and `ENOSYS` tells the kernel to stop sending `flush`.
@@ -653,7 +657,7 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        self.fs.stats().count_op("release");
+        let _op = self.fs.stats().count_op("release");
         if fh.0 == 0 && self.no_open {
             // A file made with `create` under no-open has handle 0; the kernel sends its
             // `release` under the writeback cache. Nothing was opened for it.
@@ -676,7 +680,7 @@ impl Filesystem for FuseAdapter {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.fs.stats().count_op("fsync");
+        let _op = self.fs.stats().count_op("fsync");
         match self.fs.fsync_at(ino.0, fh.0, datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "fsync", e),
@@ -684,7 +688,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        self.fs.stats().count_op("opendir");
+        let _op = self.fs.stats().count_op("opendir");
         if self.no_opendir.load(Ordering::Relaxed) {
             // The kernel takes this as "open directories yourself from now on": the open
             // succeeds, no further opendir or releasedir is sent, and listings are cached
@@ -710,7 +714,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        self.fs.stats().count_op("readdir");
+        let _op = self.fs.stats().count_op("readdir");
         match self.listing(ino.0, fh.0, offset) {
             Ok((entries, generation, start)) => {
                 for (i, e) in entries.iter().enumerate().skip(start) {
@@ -737,7 +741,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        self.fs.stats().count_op("readdirplus");
+        let _op = self.fs.stats().count_op("readdirplus");
         match self.listing(ino.0, fh.0, offset) {
             Ok((entries, generation, start)) => {
                 for (i, e) in entries.iter().enumerate().skip(start) {
@@ -769,7 +773,7 @@ impl Filesystem for FuseAdapter {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        self.fs.stats().count_op("releasedir");
+        let _op = self.fs.stats().count_op("releasedir");
         self.fs.releasedir(fh.0);
         reply.ok()
     }
@@ -782,15 +786,15 @@ impl Filesystem for FuseAdapter {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.fs.stats().count_op("fsyncdir");
-        match self.fs.access(fuser::INodeNo::ROOT.0, false) {
+        let _op = self.fs.stats().count_op("fsyncdir");
+        match self.fs.fsyncdir() {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "fsyncdir", e),
         }
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        self.fs.stats().count_op("statfs");
+        let _op = self.fs.stats().count_op("statfs");
         match self.fs.statfs() {
             Ok(s) => reply.statfs(
                 s.blocks(),
@@ -807,7 +811,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn access(&self, _req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        self.fs.stats().count_op("access");
+        let _op = self.fs.stats().count_op("access");
         match self.fs.access(ino.0, mask.contains(AccessFlags::W_OK)) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "access", e),
@@ -824,7 +828,7 @@ impl Filesystem for FuseAdapter {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        self.fs.stats().count_op("create");
+        let _op = self.fs.stats().count_op("create");
         let _change = self.fs.changes().begin();
         match self
             .fs
@@ -842,7 +846,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
-        self.fs.stats().count_op("getxattr");
+        let _op = self.fs.stats().count_op("getxattr");
         match self.fs.getxattr(ino.0, name, size) {
             Ok(XattrReply::Size(n)) => reply.size(n),
             Ok(XattrReply::Data(d)) => reply.data(&d),
@@ -851,7 +855,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
-        self.fs.stats().count_op("listxattr");
+        let _op = self.fs.stats().count_op("listxattr");
         match self.fs.listxattr(ino.0, size) {
             Ok(XattrReply::Size(n)) => reply.size(n),
             Ok(XattrReply::Data(d)) => reply.data(&d),
@@ -869,7 +873,7 @@ impl Filesystem for FuseAdapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        self.fs.stats().count_op("setxattr");
+        let _op = self.fs.stats().count_op("setxattr");
         match self.fs.setxattr(ino.0, name, value, flags) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "setxattr", e),
@@ -877,7 +881,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        self.fs.stats().count_op("removexattr");
+        let _op = self.fs.stats().count_op("removexattr");
         match self.fs.removexattr(ino.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "removexattr", e),
@@ -894,7 +898,7 @@ impl Filesystem for FuseAdapter {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        self.fs.stats().count_op("fallocate");
+        let _op = self.fs.stats().count_op("fallocate");
         let _change = self.fs.changes().begin();
         match self.fs.fallocate(ino.0, fh.0, offset, length, mode) {
             Ok(_) => reply.ok(),

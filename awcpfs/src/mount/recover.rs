@@ -22,7 +22,8 @@ use super::inode::InodeTable;
 use super::journal::{self, Journal};
 use super::remote::Remote;
 use super::stats::Stats;
-use super::sync::{SyncError, SyncSignal, SyncedLog, Syncer};
+use super::sync::{PendingCommit, SyncError, SyncSignal, SyncedLog, SyncedRecord, Syncer};
+use awcp_protocol::dataplane::MAX_APPLIED_QUERY;
 
 /// The manifest a mount started from.
 pub const MANIFEST_FILE: &str = "manifest.bin";
@@ -110,6 +111,8 @@ struct SavedMount {
     synced: Vec<super::sync::SyncedRecord>,
     /// The commit the mount sent and never saw answered.
     pending: Option<super::sync::PendingCommit>,
+    /// Earlier commits whose outcome `synced.log` could not record.
+    unanswered: Vec<(usize, super::sync::PendingCommit)>,
     state_dir: std::path::PathBuf,
     uid: u32,
     gid: u32,
@@ -150,6 +153,7 @@ impl SavedMount {
             records: records.len(),
             synced: logged.records,
             pending: logged.pending,
+            unanswered: logged.unanswered,
             state_dir: state_dir.to_path_buf(),
             uid,
             gid,
@@ -189,7 +193,7 @@ pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryRepo
     };
     let records = saved.records;
     let manifest = saved.manifest.clone();
-    let synced = saved.synced.clone();
+    let synced = own_commits(remote.as_ref(), &saved.synced, &saved.unanswered);
     let pending = saved.pending.clone();
     let fs = saved.into_fs(
         remote,
@@ -229,6 +233,55 @@ pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryRepo
         report.conflicts.extend(r.conflicts);
     }
     Err(RecoverError::Incomplete { rounds: 4 })
+}
+
+/// What the mount's commits left at the export, counting the commits whose outcome
+/// `synced.log` could not record (a full state disk) but the export applied: the export is
+/// asked which of them it applied, and what each left is placed where its outcome would
+/// have been logged. Without this, the mount's own change would meet itself at the export
+/// as a Delegator-side change at every path it wrote, and be kept as a conflict copy.
+fn own_commits(
+    remote: &dyn Remote,
+    records: &[SyncedRecord],
+    unanswered: &[(usize, PendingCommit)],
+) -> Vec<SyncedRecord> {
+    if unanswered.is_empty() {
+        return records.to_vec();
+    }
+    // The export remembers at most this many outcomes: older ones are forgotten there too.
+    let asked = &unanswered[unanswered.len().saturating_sub(MAX_APPLIED_QUERY)..];
+    let ids: Vec<String> = asked.iter().map(|(_, p)| p.set.commit_id.clone()).collect();
+    let applied = match remote.applied(&ids) {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(error = %super::sync::source_chain(&e), commits = ids.len(),
+                "cannot ask the export which of the commits synced.log could not record it applied: their paths are compared afresh (a conflict copy may result)");
+            return records.to_vec();
+        }
+    };
+    let mut out = Vec::with_capacity(records.len());
+    let mut at = 0;
+    for (pos, p) in asked {
+        let pos = (*pos).clamp(at, records.len());
+        out.extend_from_slice(&records[at..pos]);
+        at = pos;
+        let Some(r) = applied.iter().find(|r| r.commit_id == p.set.commit_id) else {
+            continue;
+        };
+        tracing::info!(commit = %p.set.commit_id,
+            "the export applied a commit whose outcome synced.log could not record: counted as written back");
+        // A held write left the export's state there.
+        let held: std::collections::HashSet<&str> =
+            r.held.iter().map(|h| h.path.as_str()).collect();
+        out.extend(
+            p.next
+                .iter()
+                .filter(|rec| !held.contains(rec.path.as_str()))
+                .cloned(),
+        );
+    }
+    out.extend_from_slice(&records[at..]);
+    out
 }
 
 /// A [`Remote`] that records instead of sending: what a final flush would upload and

@@ -126,6 +126,15 @@ pub trait Remote: Send + Sync {
     fn upload(&self, blocks: &[([u8; 32], &[u8])]) -> Result<(), RemoteError>;
     /// Commit a change set.
     fn commit(&self, changes: &ChangeSet) -> Result<CommitResult, RemoteError>;
+    /// The first outcomes of those of `ids` the export applied (`POST /commits/applied`;
+    /// at most [`awcp_protocol::dataplane::MAX_APPLIED_QUERY`] ids). The default says the
+    /// export cannot answer: crash recovery then proceeds as before the question existed.
+    fn applied(&self, ids: &[String]) -> Result<Vec<CommitResult>, RemoteError> {
+        let _ = ids;
+        Err(RemoteError::Protocol {
+            what: "this remote cannot say which commits it applied".into(),
+        })
+    }
     /// Ask the export to extend the lease; answers the lease as it now stands.
     fn renew(&self) -> Result<ExportEvent, RemoteError>;
     /// Open the lease event stream; the iterator ends when the stream does. It also yields
@@ -915,6 +924,15 @@ impl Remote for HttpRemote {
 
     fn commit(&self, changes: &ChangeSet) -> Result<CommitResult, RemoteError> {
         self.post_json("commit", changes)
+    }
+
+    fn applied(&self, ids: &[String]) -> Result<Vec<CommitResult>, RemoteError> {
+        let body = awcp_protocol::dataplane::AppliedQuery { ids: ids.to_vec() };
+        let a: awcp_protocol::dataplane::AppliedCommits =
+            retry::within(self.timeout, &self.endpoint, "commits/applied", |left| {
+                self.post_json_within("commits/applied", &body, left)
+            })?;
+        Ok(a.applied)
     }
 
     fn renew(&self) -> Result<ExportEvent, RemoteError> {

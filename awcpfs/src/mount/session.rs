@@ -28,7 +28,7 @@ use awcp_protocol::dataplane::{ExportEvent, LeaseState, ManifestEntry};
 
 use super::error::EndReason;
 use super::fs::{AwcpFs, FsOptions};
-use super::fuse::{FuseAdapter, KernelOptions};
+use super::fuse::KernelOptions;
 use super::hydrate::{Batch, HydratePolicy};
 use super::inode::InodeTable;
 use super::journal::Journal;
@@ -191,6 +191,25 @@ pub enum MountError {
         #[source]
         source: std::io::Error,
     },
+    /// `--fuse-transport uring` where the kernel does not offer it.
+    #[error(
+        "--fuse-transport uring: {reason} (or use --fuse-transport auto to fall back to /dev/fuse)"
+    )]
+    UringUnavailable {
+        /// Why not.
+        reason: String,
+    },
+    /// Serving over io_uring failed.
+    #[error(
+        "serving FUSE over io_uring at {mountpoint} failed (--fuse-transport auto or dev serves over /dev/fuse)"
+    )]
+    Uring {
+        /// Where.
+        mountpoint: PathBuf,
+        /// Why.
+        #[source]
+        source: super::uring::UringError,
+    },
 }
 
 /// What `status.json` holds.
@@ -226,6 +245,10 @@ pub struct MountStatus {
     /// reaches the mount at `close`, `fsync` or within about a second.
     #[serde(default)]
     pub writeback_cache: bool,
+    /// The transport FUSE requests come over: `io_uring` or `/dev/fuse`
+    /// (`--fuse-transport`).
+    #[serde(default)]
+    pub fuse_transport: String,
 }
 
 /// Callbacks run once the mount has ended.
@@ -237,7 +260,9 @@ struct Inner {
     syncer: Arc<Syncer>,
     signal: Arc<SyncSignal>,
     remote: Arc<dyn Remote>,
-    session: Mutex<Option<fuser::BackgroundSession>>,
+    session: Mutex<Option<super::transport::KernelSession>>,
+    /// What `session` serves over: `io_uring` or `/dev/fuse`.
+    transport: &'static str,
     conn_id: Option<u64>,
     deadline: Mutex<Instant>,
     ending: AtomicBool,
@@ -274,12 +299,21 @@ fn remaining_until(iso: &str) -> Option<Duration> {
     )
 }
 
-/// Write `bytes` to `path` and fsync it: recovery after a machine crash needs it.
+/// `fsync` the directory `dir`: the names in it reach the disk.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Write `bytes` to `path` whole, and fsync it: recovery after a machine crash needs it.
+/// Written beside and renamed into place, so a crash mid-write leaves no torn file for
+/// recovery to choke on (the directory is synced once the mount's files are all there).
 fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
-    let mut f = std::fs::File::create(path)?;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
     f.write_all(bytes)?;
-    f.sync_all()
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
 }
 
 /// Whether `mountpoint` is mounted now with the FUSE connection `conn` (read from
@@ -412,6 +446,11 @@ impl Mount {
         let synced_path = cfg.state_dir.join(super::recover::SYNCED_FILE);
         let _ = std::fs::remove_file(&synced_path);
         let synced_log = super::sync::SyncedLog::open(&synced_path).map_err(state_err)?;
+        // The state files named durably: a power loss must not keep the journal's records
+        // and lose the manifest they replay over (or the state directory itself).
+        sync_dir(&cfg.state_dir)
+            .and_then(|()| cfg.state_dir.parent().map_or(Ok(()), sync_dir))
+            .map_err(state_err)?;
         let read_only = cfg.read_only || manifest.read_only;
         let signal = Arc::new(SyncSignal::default());
         let stats = Arc::new(Stats::default());
@@ -473,16 +512,8 @@ impl Mount {
         fcfg.clone_fd = cfg.fuse_threads > 1;
         let t_state = t0.elapsed();
         ensure_fusectl();
-        let session = fuser::Session::new(
-            FuseAdapter::new(fs.clone(), cfg.kernel),
-            &cfg.mountpoint,
-            &fcfg,
-        )
-        .and_then(|s| s.spawn())
-        .map_err(|source| MountError::Fuse {
-            mountpoint: cfg.mountpoint.clone(),
-            source,
-        })?;
+        let session =
+            super::transport::start(fs.clone(), &cfg, access.allow_other, read_only, fcfg)?;
         let dev = std::fs::metadata(&cfg.mountpoint).ok().map(|m| m.dev());
         let conn_id =
             dev.map(|dev| (u64::from(libc::major(dev)) << 20) | u64::from(libc::minor(dev)));
@@ -499,6 +530,7 @@ impl Mount {
             syncer,
             signal,
             remote,
+            transport: session.transport(),
             session: Mutex::new(Some(session)),
             conn_id,
             deadline: Mutex::new(Instant::now() + remaining),
@@ -866,6 +898,11 @@ impl Mount {
         self.inner.fs.stats.snapshot()
     }
 
+    /// The transport FUSE requests come over: `io_uring` or `/dev/fuse`.
+    pub fn fuse_transport(&self) -> &'static str {
+        self.inner.transport
+    }
+
     /// The status, as written to `status.json`.
     pub fn status(&self) -> MountStatus {
         let ended = self.inner.ended.lock().clone();
@@ -910,6 +947,7 @@ impl Mount {
             stats,
             hydration: self.inner.fs.hydration().snapshot(),
             writeback_cache: self.inner.fs.writeback_cache(),
+            fuse_transport: self.inner.transport.into(),
         }
     }
 
@@ -1153,27 +1191,21 @@ impl Mount {
         for inval in invals {
             // ENOENT: the kernel had nothing cached for it.
             let r = match &inval {
-                Inval::Inode(ino) => notifier.inval_inode(fuser::INodeNo(*ino), 0, -1),
+                Inval::Inode(ino) => notifier.inval_inode(*ino, 0, -1),
                 Inval::Entry(parent, name) => {
-                    notifier.inval_entry(fuser::INodeNo(*parent), std::ffi::OsStr::new(name))
+                    notifier.inval_entry(*parent, std::ffi::OsStr::new(name))
                 }
-                Inval::Delete(parent, child, name) => notifier.delete(
-                    fuser::INodeNo(*parent),
-                    fuser::INodeNo(*child),
-                    std::ffi::OsStr::new(name),
-                ),
+                Inval::Delete(parent, child, name) => {
+                    notifier.delete(*parent, *child, std::ffi::OsStr::new(name))
+                }
                 Inval::Content(parent, ino, name) => {
-                    let r = notifier.inval_inode(fuser::INodeNo(*ino), 0, -1);
+                    let r = notifier.inval_inode(*ino, 0, -1);
                     if self.inner.fs.writeback_cache() {
                         // The kernel keeps a cached file's size and times over ours under
                         // the writeback cache, even after `inval_inode`: drop the name and
                         // the inode's link count, so the inode is forgotten once unused and
                         // the next lookup builds it afresh from the new attributes.
-                        notifier.delete(
-                            fuser::INodeNo(*parent),
-                            fuser::INodeNo(*ino),
-                            std::ffi::OsStr::new(name),
-                        )
+                        notifier.delete(*parent, *ino, std::ffi::OsStr::new(name))
                     } else {
                         r
                     }
@@ -1292,7 +1324,7 @@ impl Mount {
         let inos = self.inner.fs.cached_inodes();
         for ino in inos {
             // ENOENT just means the kernel never cached that inode.
-            let _ = notifier.inval_inode(fuser::INodeNo(ino), 0, -1);
+            let _ = notifier.inval_inode(ino, 0, -1);
         }
     }
 
@@ -1317,7 +1349,8 @@ impl Mount {
             // Join off-thread so a stuck kernel connection cannot hang the caller.
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::spawn(move || {
-                let _ = tx.send(session.join());
+                session.join();
+                let _ = tx.send(());
             });
             if rx.recv_timeout(Duration::from_secs(5)).is_err() {
                 tracing::warn!("the FUSE session did not stop within 5 s");

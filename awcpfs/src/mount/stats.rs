@@ -43,10 +43,55 @@ pub const OPS: [&str; 30] = [
     "fallocate",
 ];
 
+/// Upper bounds of the FUSE request latency buckets, in microseconds (a last bucket, +Inf,
+/// follows): from 100 µs (a lookup served from memory) to 30 s (the read timeout).
+pub const LATENCY_BOUNDS_US: [u64; 17] = [
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 2_500_000, 5_000_000, 10_000_000, 30_000_000,
+];
+const BUCKETS: usize = LATENCY_BOUNDS_US.len() + 1;
+
+/// How long one operation's requests took: a histogram.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct OpLatency {
+    /// Requests per bucket of [`LATENCY_BOUNDS_US`] (not cumulative), then those slower
+    /// than the last bound.
+    pub counts: Vec<u64>,
+    /// Their durations summed, in microseconds.
+    pub sum_micros: u64,
+}
+
+/// Times one FUSE request from [`Stats::count_op`] until it is dropped (the end of the
+/// `fuser` callback, after the reply).
+#[derive(Debug)]
+pub struct OpTimer<'a> {
+    stats: &'a Stats,
+    op: Option<usize>,
+    start: std::time::Instant,
+}
+
+impl Drop for OpTimer<'_> {
+    fn drop(&mut self) {
+        let Some(i) = self.op else { return };
+        let us = u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let b = LATENCY_BOUNDS_US
+            .iter()
+            .position(|bound| us <= *bound)
+            .unwrap_or(BUCKETS - 1);
+        self.stats.latency[i][b].fetch_add(1, Ordering::Relaxed);
+        self.stats.latency_sum_us[i].fetch_add(us, Ordering::Relaxed);
+    }
+}
+
 /// Live counters, updated lock-free on the hot path.
 #[derive(Debug, Default)]
 pub struct Stats {
     ops: [AtomicU64; OPS.len()],
+    /// Per operation, requests per latency bucket.
+    latency: [[AtomicU64; BUCKETS]; OPS.len()],
+    /// Per operation, the requests' durations summed (µs).
+    latency_sum_us: [AtomicU64; OPS.len()],
     bytes_fetched: AtomicU64,
     blocks_fetched: AtomicU64,
     files_written_back: AtomicU64,
@@ -135,6 +180,10 @@ pub struct StatsSnapshot {
     pub bytes_to_store: u64,
     /// FUSE requests served, by operation (operations never requested are left out).
     pub ops: BTreeMap<String, u64>,
+    /// How long the FUSE requests took, by operation (operations never requested are left
+    /// out).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub op_latency: BTreeMap<String, OpLatency>,
     /// Changes the export kept beside instead of applying.
     pub conflicts: Vec<Conflict>,
     /// Files whose write-back the export's commit screen holds now (an AECP contract they
@@ -198,10 +247,17 @@ impl Stats {
         self.sync_failing.load(Ordering::Relaxed)
     }
 
-    /// Count one FUSE request of operation `name` (one of [`OPS`]; others are ignored).
-    pub fn count_op(&self, name: &str) {
-        if let Some(i) = OPS.iter().position(|o| *o == name) {
+    /// Count one FUSE request of operation `name` (one of [`OPS`]; others are ignored),
+    /// and time it until the returned timer is dropped.
+    pub fn count_op(&self, name: &str) -> OpTimer<'_> {
+        let op = OPS.iter().position(|o| *o == name);
+        if let Some(i) = op {
             self.ops[i].fetch_add(1, Ordering::Relaxed);
+        }
+        OpTimer {
+            stats: self,
+            op,
+            start: std::time::Instant::now(),
         }
     }
 
@@ -301,6 +357,25 @@ impl Stats {
                 .map(|(name, n)| (name.to_string(), n.load(Ordering::Relaxed)))
                 .filter(|(_, n)| *n > 0)
                 .collect(),
+            op_latency: OPS
+                .iter()
+                .enumerate()
+                .filter_map(|(i, name)| {
+                    let counts: Vec<u64> = self.latency[i]
+                        .iter()
+                        .map(|n| n.load(Ordering::Relaxed))
+                        .collect();
+                    (counts.iter().sum::<u64>() > 0).then(|| {
+                        (
+                            name.to_string(),
+                            OpLatency {
+                                counts,
+                                sum_micros: self.latency_sum_us[i].load(Ordering::Relaxed),
+                            },
+                        )
+                    })
+                })
+                .collect(),
             conflicts: self.conflicts.lock().clone(),
             held: self.held.lock().values().cloned().collect(),
             last_sync_error: self.last_sync_error.lock().clone(),
@@ -323,8 +398,27 @@ mod tests {
         assert_eq!(snap.ops.get("lookup"), Some(&2));
         assert_eq!(snap.ops.get("read"), Some(&1));
         assert_eq!(snap.ops.len(), 2, "{:?}", snap.ops);
+        // Each timed request fell in one bucket.
+        let lookups = &snap.op_latency["lookup"];
+        assert_eq!(lookups.counts.len(), LATENCY_BOUNDS_US.len() + 1);
+        assert_eq!(lookups.counts.iter().sum::<u64>(), 2);
+        assert_eq!(snap.op_latency.len(), 2, "{:?}", snap.op_latency);
         assert_eq!(s.ops_total(), 3);
         // What background work on a local export watches: everything but reads.
         assert_eq!(s.ops_except_reads(), 2);
+    }
+
+    #[test]
+    fn a_slow_request_lands_in_its_bucket() {
+        let s = Stats::default();
+        {
+            let _op = s.count_op("read");
+            std::thread::sleep(std::time::Duration::from_millis(30));
+        }
+        let l = &s.snapshot().op_latency["read"];
+        // 30 ms: above the 25 ms bound, within 50 ms (a loaded machine may take longer).
+        let at = l.counts.iter().position(|n| *n == 1).unwrap();
+        assert!(LATENCY_BOUNDS_US[at] >= 50_000, "{l:?}");
+        assert!(l.sum_micros >= 30_000, "{l:?}");
     }
 }

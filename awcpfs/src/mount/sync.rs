@@ -56,6 +56,9 @@ const MISSING_BATCH: usize = 32_768;
 const COMMIT_CHANGES: usize = 50_000;
 /// Rough bytes of JSON per commit (the export reads at most 64 MiB).
 const COMMIT_BYTES: usize = 32 << 20;
+/// Upper files a round flushes one by one before its commit; past this, one `syncfs` of
+/// the state disk is cheaper.
+const SYNC_ONE_BY_ONE: usize = 64;
 
 /// A node's `user.*` attributes with hex values, as the wire carries them.
 pub(super) fn hex_xattrs(n: &super::inode::Node) -> BTreeMap<String, String> {
@@ -250,6 +253,11 @@ pub struct SyncedLogContents {
     pub records: Vec<SyncedRecord>,
     /// The last commit written as pending and not resolved.
     pub pending: Option<PendingCommit>,
+    /// Earlier commits written as pending and never resolved, though a later one was sent
+    /// (their `resolved` line could not be written: a full state disk), each with the
+    /// number of `records` before the next commit's pending line — where what it left
+    /// belongs, if the export applied it (recovery asks: see [`super::recover`]).
+    pub unanswered: Vec<(usize, PendingCommit)>,
 }
 
 /// Append-only log of committed state (see [`SyncedRecord`]).
@@ -333,7 +341,11 @@ impl SyncedLog {
         for line in std::io::BufReader::new(file).split(b'\n') {
             match serde_json::from_slice(&line?) {
                 Ok(LogLine::Record(r)) => out.records.push(r),
-                Ok(LogLine::Pending { pending }) => out.pending = Some(pending),
+                Ok(LogLine::Pending { pending }) => {
+                    if let Some(earlier) = out.pending.replace(pending) {
+                        out.unanswered.push((out.records.len(), earlier));
+                    }
+                }
                 Ok(LogLine::Resolved { resolved }) => {
                     if out
                         .pending
@@ -342,6 +354,7 @@ impl SyncedLog {
                     {
                         out.pending = None;
                     }
+                    out.unanswered.retain(|(_, p)| p.set.commit_id != resolved);
                 }
                 Err(_) => {}
             }
@@ -371,6 +384,16 @@ pub enum SyncError {
     /// it was not sent.
     #[error("cannot record the commit in synced.log (is the state directory full?)")]
     StateLog {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The changes could not be made durable on the state disk (`fsync` failed), so they
+    /// were not sent.
+    #[error(
+        "cannot make the changes durable in the state directory before writing them back (is its disk failing?)"
+    )]
+    StateSync {
         /// Why.
         #[source]
         source: std::io::Error,
@@ -541,6 +564,9 @@ pub struct Syncer {
     /// without one, the round shows it itself.
     after_round: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     log: Option<SyncedLog>,
+    /// Upper files read for the round being built: made durable before its commit is
+    /// recorded (see [`Syncer::make_durable`]).
+    to_sync: Mutex<Vec<Ino>>,
     seq: AtomicU64,
     instance: String,
 }
@@ -583,6 +609,7 @@ impl Syncer {
             answered: Mutex::new(Vec::new()),
             after_round: std::sync::OnceLock::new(),
             log: None,
+            to_sync: Mutex::new(Vec::new()),
             seq: AtomicU64::new(0),
             instance: hex::encode(rand::random::<[u8; 8]>()),
         };
@@ -790,6 +817,7 @@ impl Syncer {
         if self.fs.table.lock().get(ino).is_none() {
             return Ok(None);
         }
+        self.to_sync.lock().push(ino);
         Ok(Some(Hashed {
             hash: *whole.finalize().as_bytes(),
             size,
@@ -1224,6 +1252,7 @@ impl Syncer {
             rest = tail;
         }
         let nexts = split_next(&chunks, next);
+        self.make_durable()?;
         let mut files_written = 0;
         let mut conflicts: Vec<Conflict> = Vec::new();
         let mut held: Vec<Held> = Vec::new();
@@ -1282,6 +1311,35 @@ impl Syncer {
             "committed"
         );
         Ok(report)
+    }
+
+    /// Make what the round's commits describe durable on the state disk before they are
+    /// recorded and sent: the journal (the tree they were read from), the upper files they
+    /// carry and the upper directory's names. Once the export applies a commit, the
+    /// Delegator has that content; were the local copy older after a power loss, recovery
+    /// would send the older (or torn) copy back over it as the mount's latest change.
+    fn make_durable(&self) -> Result<(), SyncError> {
+        let inos = std::mem::take(&mut *self.to_sync.lock());
+        if self.log.is_none() {
+            // A recovery bundle, or a syncer without state: nothing to protect.
+            return Ok(());
+        }
+        let io = |source| SyncError::StateSync { source };
+        let upper = std::fs::File::open(&self.fs.opts.upper_dir).map_err(io)?;
+        if inos.len() > SYNC_ONE_BY_ONE {
+            // One call instead of a flush per file (each a journal commit on ext4).
+            return nix::unistd::syncfs(&upper).map_err(|e| io(e.into()));
+        }
+        for ino in inos {
+            match std::fs::File::open(self.fs.upper_path(ino)) {
+                Ok(f) => f.sync_data().map_err(io)?,
+                // Removed since (its node is gone, and so is its change).
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(e)),
+            }
+        }
+        self.fs.journal.sync().map_err(io)?;
+        upper.sync_all().map_err(io)
     }
 
     /// Send one commit: recorded as pending first (in memory and, synced, in `synced.log`),

@@ -81,13 +81,22 @@ impl UpperFiles {
     }
 
     fn pool(&self, path: &Path) -> io::Result<()> {
-        // Emptied first: a pooled file holds no workspace content.
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(path)?
-            .set_len(0)?;
+        // Renamed first, then emptied (a pooled file holds no workspace content). Not the
+        // other way round: the node's removal may not be durable in the journal yet, and
+        // a power loss that kept the truncation but not the rename would leave a file the
+        // journal still names, emptied — content a caller's `fsync` had made durable, lost.
+        // A filesystem that journals metadata keeps these two in order.
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        std::fs::rename(path, self.slot(n))?;
+        let slot = self.slot(n);
+        std::fs::rename(path, &slot)?;
+        let emptied = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&slot)
+            .and_then(|f| f.set_len(0));
+        if let Err(e) = emptied {
+            let _ = std::fs::remove_file(&slot);
+            return Err(e);
+        }
         self.free.lock().push(n);
         Ok(())
     }

@@ -5,8 +5,9 @@
 # order rotates every round. See README.md and docs/BENCHMARKS.md.
 #
 # usage: bash bench.sh [--rounds N] [--out DIR] [--awcpfs-bin DIR] [VARIANT...]
-#   variants: ext4 legacy1 legacy2 uring1 uring2 uring8 legacy1p uring2p awcpfs
-#   (a trailing "p": server and load generator pinned to CPU 0; awcpfs needs --awcpfs-bin)
+#   variants: ext4 legacy1 legacy2 uring1 uring2 uring8 legacy1p uring2p awcpfs awcpfs-uring
+#   (a trailing "p": server and load generator pinned to CPU 0; awcpfs (over /dev/fuse) and
+#   awcpfs-uring (--fuse-transport uring) need --awcpfs-bin)
 # Needs root and /dev/fuse; sets /sys/module/fuse/parameters/enable_uring to Y for the run and
 # puts it back after.
 set -u
@@ -23,7 +24,7 @@ while (($#)); do
     esac
     shift
 done
-VARIANTS=${*:-"ext4 legacy1 legacy2 uring1 uring2 uring8 legacy1p uring2p${AWBIN:+ awcpfs}"}
+VARIANTS=${*:-"ext4 legacy1 legacy2 uring1 uring2 uring8 legacy1p uring2p${AWBIN:+ awcpfs awcpfs-uring}"}
 CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target} cargo build --release -q || exit 1
 B=${CARGO_TARGET_DIR:-$PWD/target}/release
 mkdir -p "$OUT"
@@ -61,7 +62,9 @@ wait_mounted() {
 start_fs() { # $1 = variant
     local args pre= base=${1%p}
     case $1 in *p) pre="taskset -c 0" ;; esac
-    if [ "$1" = awcpfs ]; then
+    if [[ $1 == awcpfs* ]]; then
+        local transport=dev
+        [ "$1" = awcpfs-uring ] && transport=uring
         # Each request a round trip, as for the others: no writeback cache.
         rm -rf "$OUT/aw-state" && mkdir -p "$OUT/aw-state"
         "$AWBIN/awcpfs" export "$AWTREE" --listen 127.0.0.1:0 --handle-out "$OUT/aw-state/h" \
@@ -69,7 +72,7 @@ start_fs() { # $1 = variant
         EPID=$!
         for _ in $(seq 200); do [ -s "$OUT/aw-state/h" ] && break; sleep 0.05; done
         "$AWBIN/awcpfs" mount "$OUT/aw-state/h" "$MNT" --state-dir "$OUT/aw-state/mount" \
-            --no-writeback-cache --hydrate all >"$LOGS/$1.r$r.log" 2>&1 &
+            --no-writeback-cache --hydrate all --fuse-transport "$transport" >"$LOGS/$1.r$r.log" 2>&1 &
         PID=$!
         wait_mounted "$1"
         # Let hydration finish so the run measures round trips only.
