@@ -31,6 +31,7 @@ use zip::write::SimpleFileOptions;
 
 pub use apply::{ApplyReport, ApplyTarget, Change, FileChange, apply, changed_files, diff};
 pub(crate) use walk::glob_path as glob_matches;
+pub(crate) use walk::scan;
 pub use walk::{Filter, ScanLimits};
 
 /// The sensitive-file patterns of the reference (basename globs): refused by admission.

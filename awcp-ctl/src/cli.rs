@@ -350,7 +350,8 @@ struct ServeArgs {
     /// The transport of a delegation that names none (the reference's MCP server and
     /// client never do): `auto` asks the Executor's `/awcp/status` (the first it serves of
     /// `awcpfs`, `archive`, `storage`, and `git` given a --git-remote; a reference
-    /// Executor lists none and gets `archive`).
+    /// Executor lists none and gets `archive`; `auto` never picks `sshfs`, which must be
+    /// named, here or by `delegate --transport`).
     #[arg(long, value_enum, default_value = "auto")]
     default_transport: DefaultTransport,
     /// `git` delegations: the remote the workspace is pushed to when `delegate` names none
@@ -366,6 +367,26 @@ struct ServeArgs {
     /// handle carries no `auth` (the Executor uses its own credentials).
     #[arg(long, value_name = "FILE")]
     git_token_file: Option<PathBuf>,
+    /// `sshfs` delegations (the daemon must run as root): the sshd binary run once per
+    /// delegation, chrooted to it and SFTP-only (default /usr/sbin/sshd, else sshd on PATH).
+    #[arg(long, value_name = "PATH")]
+    sshd: Option<PathBuf>,
+    /// `sshfs` delegations: the address each delegation's sshd listens on (a free port is
+    /// picked per delegation). Executors on other machines need a reachable address.
+    #[arg(long, value_name = "IP", default_value = "127.0.0.1")]
+    sshfs_listen: std::net::IpAddr,
+    /// `sshfs` delegations: the host name Executors are told to connect to (default the
+    /// --sshfs-listen address).
+    #[arg(long, value_name = "HOST")]
+    sshfs_host: Option<String>,
+    /// `sshfs` delegations: the user the Executor logs in as, hence the owner of the files
+    /// it writes (default the owner of the delegated directory). Not a locked account.
+    #[arg(long, value_name = "NAME")]
+    sshfs_user: Option<String>,
+    /// `sshfs` delegations: where each delegation's chroot is built; every component of
+    /// the path must be root-owned and writable by no one else (sshd's rule).
+    #[arg(long, value_name = "DIR", default_value = "/run/awcp-sshfs")]
+    sshfs_chroot_dir: PathBuf,
     /// Sensitive-file globs that refuse an `archive` delegation (repeatable); replaces the
     /// default list (`.env`, `.env.*`, `*.pem`, `*.key`, `id_rsa`, `credentials.json`, …).
     /// `--sensitive ''` turns the check off.
@@ -523,14 +544,10 @@ struct ExecutorArgs {
     read_timeout: Duration,
     #[command(flatten)]
     aglx: aglx::AnnounceArgs,
-    /// Transports offered (INVITEs asking for another get DEP_MISSING).
-    #[arg(
-        long,
-        value_enum,
-        value_delimiter = ',',
-        default_value = "awcpfs,archive,storage,git"
-    )]
-    transports: Vec<Transport>,
+    /// Transports offered (INVITEs asking for another get DEP_MISSING). Default:
+    /// awcpfs,archive,storage,git, and sshfs where the `sshfs` command is installed.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    transports: Option<Vec<Transport>>,
     /// Access modes accepted (INVITEs asking for another are DECLINED).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "ro,rw")]
     modes: Vec<Mode>,
@@ -661,8 +678,11 @@ struct DelegateArgs {
     auto: aglx::AutoArgs,
     /// How the workspace travels: `awcpfs` (live mount, ours), `archive` (one zip in
     /// START; limited in size), `storage` (a zip behind a download URL on the daemon's
-    /// data plane, the result uploaded back) or `git` (pushed to a branch of
-    /// --git-remote, the result fetched from the Executor's branch). Default: the
+    /// data plane, the result uploaded back), `git` (pushed to a branch of
+    /// --git-remote, the result fetched from the Executor's branch) or `sshfs` (the
+    /// Executor mounts the directory from a chrooted, SFTP-only sshd of the daemon with a
+    /// certificate valid for the lease, and writes into it live; the daemon runs as root;
+    /// snapshot mode `auto` only). Default: the
     /// daemon's choice (`serve --default-transport`; unless set there, what the Executor
     /// serves, `awcpfs` preferred).
     #[arg(long, value_enum)]
@@ -719,6 +739,7 @@ enum Transport {
     Archive,
     Storage,
     Git,
+    Sshfs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -728,6 +749,7 @@ enum DefaultTransport {
     Archive,
     Storage,
     Git,
+    Sshfs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -868,6 +890,7 @@ fn transport_of(t: Transport) -> TransportType {
         Transport::Archive => TransportType::Archive,
         Transport::Storage => TransportType::Storage,
         Transport::Git => TransportType::Git,
+        Transport::Sshfs => TransportType::Sshfs,
     }
 }
 
@@ -1017,9 +1040,17 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
                 DefaultTransport::Archive => Some(TransportType::Archive),
                 DefaultTransport::Storage => Some(TransportType::Storage),
                 DefaultTransport::Git => Some(TransportType::Git),
+                DefaultTransport::Sshfs => Some(TransportType::Sshfs),
             };
             cfg.git_remote = a.git_remote;
             cfg.git_token_file = a.git_token_file;
+            cfg.sshfs = awcp_ctl::daemon::SshfsConfig {
+                sshd: a.sshd,
+                listen: a.sshfs_listen,
+                host: a.sshfs_host,
+                user: a.sshfs_user,
+                chroot_base: a.sshfs_chroot_dir,
+            };
             cfg.aecp_local_witness = a.aecp_local_witness;
             cfg.state = a.state;
             cfg.failover_after = a.failover_after;
@@ -1097,7 +1128,9 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             cfg.git_fsmonitor = !a.no_git_fsmonitor;
             cfg.renew_margin = a.renew_margin;
             cfg.read_timeout = a.read_timeout;
-            cfg.transports = a.transports.into_iter().map(transport_of).collect();
+            if let Some(t) = a.transports {
+                cfg.transports = t.into_iter().map(transport_of).collect();
+            }
             cfg.access_modes = a.modes.into_iter().map(mode_of).collect();
             cfg.max_body_bytes = usize::try_from(a.max_body).unwrap_or(usize::MAX);
             cfg.token = secrets::resolve(

@@ -30,10 +30,13 @@ pub mod recover;
 mod resources;
 mod rounds;
 pub mod shared;
+mod sshfs_flow;
 mod staged;
 mod storage_flow;
 pub mod tokens;
 pub mod ui;
+
+pub use sshfs_flow::SshfsConfig;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -141,6 +144,8 @@ pub struct DaemonConfig {
     pub git_remote: Option<String>,
     /// `git` delegations: a file holding an HTTPS token for the remote.
     pub git_token_file: Option<PathBuf>,
+    /// `sshfs` delegations: the per-delegation sshd (see [`SshfsConfig`]).
+    pub sshfs: SshfsConfig,
 }
 
 impl DaemonConfig {
@@ -188,6 +193,7 @@ impl DaemonConfig {
             failover_after: Duration::from_secs(15),
             git_remote: None,
             git_token_file: None,
+            sshfs: SshfsConfig::default(),
         }
     }
 }
@@ -237,6 +243,8 @@ pub struct Daemon {
     pub(crate) ui: ui::UiSessions,
     /// The client tokens of the state database, as last read.
     pub(crate) tokens: tokens::TokenCache,
+    /// The sshd of each running `sshfs` delegation.
+    pub(crate) sshfs: sshfs_flow::Servers,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -301,6 +309,8 @@ impl RunningDaemon {
         for t in self.daemon.tasks.lock().drain(..) {
             t.abort();
         }
+        let d = self.daemon.clone();
+        let _ = tokio::task::spawn_blocking(move || d.sshfs_stop_all()).await;
         let _ = self.shutdown.send(true);
         for mut t in self.tasks {
             if tokio::time::timeout(Duration::from_secs(2), &mut t)
@@ -373,6 +383,12 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         .with_context(|| format!("creating the state directory {}", cfg.state_dir.display()))?;
     if cfg.api_token.is_none() && !cfg.unsafe_no_auth {
         cfg.api_token = Some(load_or_create_api_token(&cfg.state_dir)?);
+    }
+    // A daemon that died left its sshfs servers running: they end now (their delegations'
+    // Executors see the mount go, and report it).
+    {
+        let (state, base) = (cfg.state_dir.clone(), cfg.sshfs.chroot_base.clone());
+        tokio::task::spawn_blocking(move || sshfs_flow::sweep_leftovers(&state, &base)).await?;
     }
     let location = StateLocation::parse(cfg.state.as_deref(), &cfg.state_dir)?;
     let store = {
@@ -472,6 +488,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
     let daemon = Arc::new(Daemon {
         aglx,
         aecp,
+        sshfs: Default::default(),
         cfg,
         store,
         daemon_id,
@@ -674,6 +691,7 @@ impl Daemon {
     /// grace), then drop the export.
     fn retire(&self, live: &Live) {
         live.lease.revoke(true);
+        self.sshfs_release(live);
         self.release_copies(live);
         // Snapshot mode `discard`: the change set the export kept is dropped with it.
         let discarded = self.drop_discarded(live);

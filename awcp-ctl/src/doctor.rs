@@ -140,6 +140,51 @@ pub fn local() -> Vec<Check> {
             .ok()
             .and_then(|s| s.trim().parse().ok()),
     ));
+    out.extend(sshfs_checks());
+    out
+}
+
+/// The `sshfs` transport: the Executor offers it only where `sshfs` is installed; a
+/// Delegator serves it with its own sshd, as root.
+fn sshfs_checks() -> Vec<Check> {
+    let mut out = Vec::new();
+    out.push(if crate::executor::sshfs_task::available() {
+        check(
+            "sshfs (Executor)",
+            Status::Ok,
+            "sshfs is installed: an Executor offers the sshfs transport".into(),
+            None,
+        )
+    } else {
+        check(
+            "sshfs (Executor)",
+            Status::Warn,
+            "sshfs is not installed: an Executor does not offer the sshfs transport".into(),
+            Some("install it to accept sshfs delegations (`apt-get install sshfs`)"),
+        )
+    });
+    let sshd = std::path::Path::new("/usr/sbin/sshd").exists() || on_path("sshd");
+    let root = nix::unistd::geteuid().is_root();
+    out.push(match (sshd, root) {
+        (true, true) => check(
+            "sshd (Delegator)",
+            Status::Ok,
+            "sshd is installed and this is root: `serve` can offer the sshfs transport".into(),
+            None,
+        ),
+        (true, false) => check(
+            "sshd (Delegator)",
+            Status::Warn,
+            "not root: `serve` refuses sshfs delegations (sshd must chroot each one)".into(),
+            Some("run `awcp-ctl serve` as root to delegate with --transport sshfs"),
+        ),
+        (false, _) => check(
+            "sshd (Delegator)",
+            Status::Warn,
+            "sshd is not installed: `serve` refuses sshfs delegations".into(),
+            Some("install OpenSSH's server (`apt-get install openssh-server`), or name one with `serve --sshd`"),
+        ),
+    });
     out
 }
 

@@ -28,6 +28,7 @@ mod pending;
 mod restart;
 mod routes;
 pub mod sandbox;
+pub mod sshfs_task;
 mod task;
 
 pub use confine::{DEFAULT_AGENT_USER, ROOT_DEFAULT_DIR, ensure_default_user};
@@ -110,7 +111,8 @@ pub struct ExecutorConfig {
     /// lease on this machine).
     pub block_cache: Option<awcpfs::cache::CacheConfig>,
     /// Transports this Executor accepts (INVITE's `requirements.transport` is checked
-    /// against it; `DEP_MISSING` otherwise).
+    /// against it; `DEP_MISSING` otherwise). By default all but `sshfs`, which is added
+    /// when the `sshfs` and `fusermount` commands are installed.
     pub transports: Vec<TransportType>,
     /// Access modes accepted (`DECLINED` otherwise).
     pub access_modes: Vec<AccessMode>,
@@ -257,12 +259,16 @@ impl ExecutorConfig {
             read_timeout: Duration::from_secs(30),
             sync_debounce: Duration::from_millis(50),
             block_cache: Some(awcpfs::cache::CacheConfig::new(Some(base.join("cache")))),
-            transports: vec![
+            // `sshfs` only where the system's sshfs can mount it.
+            transports: [
                 TransportType::Awcpfs,
                 TransportType::Archive,
                 TransportType::Storage,
                 TransportType::Git,
-            ],
+            ]
+            .into_iter()
+            .chain(sshfs_task::available().then_some(TransportType::Sshfs))
+            .collect(),
             access_modes: vec![AccessMode::Ro, AccessMode::Rw],
             archive_limits: crate::archive::ScanLimits {
                 max_total_bytes: 4 << 30,

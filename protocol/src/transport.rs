@@ -134,6 +134,12 @@ pub struct SshfsHandle {
     /// Extra `sshfs -o` options.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub options: Option<BTreeMap<String, String>>,
+    /// Ours (additive): the SSH server's public host key (`ssh-ed25519 AAAA…`), so the
+    /// Executor checks the server strictly instead of trusting the first key it sees. The
+    /// reference neither sends nor reads it; without it our Executor pins the first key it
+    /// sees in a per-delegation `known_hosts`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_key: Option<String>,
 }
 
 /// Host, port and user of an SSH server.

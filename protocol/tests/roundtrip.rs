@@ -88,9 +88,16 @@ fn transport_handle() -> impl Strategy<Value = TransportHandle> {
         text(),
         (text(), text()),
         of(string_map()),
+        of(text()),
     )
         .prop_map(
-            |((host, port, user), export_locator, (private_key, certificate), options)| {
+            |(
+                (host, port, user),
+                export_locator,
+                (private_key, certificate),
+                options,
+                host_key,
+            )| {
                 TransportHandle::Sshfs(SshfsHandle {
                     endpoint: SshEndpoint { host, port, user },
                     export_locator,
@@ -99,6 +106,7 @@ fn transport_handle() -> impl Strategy<Value = TransportHandle> {
                         certificate,
                     },
                     options,
+                    host_key,
                 })
             },
         );

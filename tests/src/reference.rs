@@ -8,7 +8,9 @@
 //! `archive` it takes the reference's `storage` (GET `downloadUrl`, PUT the result zip to
 //! `uploadUrl`, `snapshotBase64` = `{"resultUrl": …}`) and `git` (clone `baseBranch`,
 //! commit and push `awcp/<id>`, `snapshotBase64` = `{branch, commitHash, baseCommit,
-//! changedFiles}`), as its transport packages behave on the wire.
+//! changedFiles}`), as its transport packages behave on the wire, and `sshfs` (mount the
+//! handle with the system's `sshfs` and the reference's options, work on the mount,
+//! unmount, `done` with no snapshot: the writes were live).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -213,6 +215,29 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
     };
     let dir = st.work_dir.join(&id);
     let kind = handle["transport"].as_str().unwrap_or_default().to_string();
+    if kind == "sshfs" {
+        let keys = st.work_dir.join(format!("{id}-keys"));
+        if let Err(e) = sshfs_mount(&handle, &dir, &keys) {
+            return fail(e);
+        }
+        let _ = tx.send(event(
+            &id,
+            "status",
+            json!({"status": "running", "message": "Task execution started"}),
+        ));
+        if st.hold {
+            st.proceed.notified().await;
+        }
+        (st.work)(&dir);
+        // Lazily, as the reference's forced unmount ends a mount whose server is gone.
+        let _ = std::process::Command::new("fusermount")
+            .arg("-uz")
+            .arg(&dir)
+            .status();
+        let _ = std::fs::remove_dir_all(&keys);
+        let _ = tx.send(event(&id, "done", json!({"summary": "did the work"})));
+        return;
+    }
     if kind == "git" {
         if let Err(e) = git_clone(&handle, &id, &dir) {
             return fail(e);
@@ -311,6 +336,59 @@ async fn run(st: Arc<RefState>, id: String, handle: Value, tx: mpsc::UnboundedSe
         "done"
     };
     let _ = tx.send(event(&id, kind, end));
+}
+
+/// Mount an `sshfs` handle at `dir` as the reference's Executor does: key and certificate
+/// written beside it, host key unchecked, its fixed options plus the handle's.
+fn sshfs_mount(handle: &Value, dir: &Path, keys: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(keys).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let key = keys.join("key");
+    let cert = keys.join("key-cert.pub");
+    let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
+    std::fs::write(&key, text(&handle["credential"]["privateKey"])).map_err(|e| e.to_string())?;
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .map_err(|e| e.to_string())?;
+    std::fs::write(&cert, text(&handle["credential"]["certificate"])).map_err(|e| e.to_string())?;
+    let ep = &handle["endpoint"];
+    let mut args = vec![
+        format!(
+            "{}@{}:{}",
+            text(&ep["user"]),
+            text(&ep["host"]),
+            text(&handle["exportLocator"])
+        ),
+        dir.display().to_string(),
+    ];
+    for o in [
+        format!("IdentityFile={}", key.display()),
+        format!("CertificateFile={}", cert.display()),
+        format!("Port={}", ep["port"]),
+        "StrictHostKeyChecking=no".into(),
+        "UserKnownHostsFile=/dev/null".into(),
+        "reconnect".into(),
+        "ServerAliveInterval=15".into(),
+        "ServerAliveCountMax=3".into(),
+        "follow_symlinks".into(),
+    ] {
+        args.push("-o".into());
+        args.push(o);
+    }
+    if let Some(opts) = handle["options"].as_object() {
+        for (k, v) in opts {
+            args.push("-o".into());
+            args.push(format!("{k}={}", text(v)));
+        }
+    }
+    let out = std::process::Command::new("sshfs")
+        .args(&args)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
 }
 
 fn git(dir: Option<&Path>, args: &[&str]) -> Result<String, String> {

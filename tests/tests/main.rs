@@ -37,6 +37,7 @@ mod restart;
 mod rounds;
 mod semantics;
 mod skill;
+mod sshfs;
 mod staged;
 mod store_faults;
 mod toolchains;

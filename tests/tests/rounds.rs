@@ -68,7 +68,7 @@ async fn two_rounds(transport: TransportType) {
         "round 1: first\n",
         "round 1's changes are back when the delegation is idle"
     );
-    if transport == TransportType::Awcpfs {
+    if matches!(transport, TransportType::Awcpfs | TransportType::Sshfs) {
         assert!(
             is_mounted(&h.mountpoint(&id)),
             "the mount stays between rounds"
@@ -168,6 +168,24 @@ async fn two_rounds_on_one_awcpfs_mount_then_close() {
         return;
     }
     two_rounds(TransportType::Awcpfs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_rounds_on_one_sshfs_mount_then_close() {
+    // The daemon's sshd (root: chroot, bind mounts) and the Executor's sshfs, for real.
+    if !fuse_available() || !awcp_tests::tools_available(&["sshd", "sshfs", "ssh-keygen"]) {
+        return;
+    }
+    if !nix::unistd::geteuid().is_root() {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "CI runs as root"
+        );
+        eprintln!("SKIPPED: the sshfs transport's Delegator side needs root");
+        return;
+    }
+    two_rounds(TransportType::Sshfs).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

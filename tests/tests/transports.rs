@@ -367,7 +367,10 @@ async fn git_an_agent_planting_hooks_and_config_runs_nothing_as_the_executor() {
     sample_repo(&dir);
     let id = delegate(&h, &dir, TransportType::Git, 300).await;
     completed(&h, &id).await;
-    assert!(!mark.exists(), "something of the agent's repository ran as the Executor");
+    assert!(
+        !mark.exists(),
+        "something of the agent's repository ran as the Executor"
+    );
     assert_eq!(read(&dir.join("README.md")), "agent\n");
     assert_eq!(read(&dir.join("more.txt")), "more\n");
     let parent = srv

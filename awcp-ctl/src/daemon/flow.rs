@@ -71,6 +71,8 @@ pub(crate) enum Handle {
     Storage(awcp_protocol::transport::StorageHandle),
     /// The workspace pushed to a git remote.
     Git(awcp_protocol::transport::GitHandle),
+    /// The workspace behind the delegation's own sshd.
+    Sshfs(awcp_protocol::transport::SshfsHandle),
 }
 
 impl Handle {
@@ -80,6 +82,7 @@ impl Handle {
             Handle::Archive(_) => TransportType::Archive,
             Handle::Storage(_) => TransportType::Storage,
             Handle::Git(_) => TransportType::Git,
+            Handle::Sshfs(_) => TransportType::Sshfs,
         }
     }
 }
@@ -202,6 +205,9 @@ impl Daemon {
             Some(TransportType::Archive | TransportType::Storage | TransportType::Git)
         ) {
             return self.delegate_archive(req, progress).await;
+        }
+        if req.transport == Some(TransportType::Sshfs) {
+            return self.delegate_sshfs(req, progress).await;
         }
         if matches!(
             req.snapshot_mode,
@@ -390,6 +396,14 @@ impl Daemon {
                         h.base_branch,
                         h.base_commit
                     ),
+                    Handle::Sshfs(h) => format!(
+                        "serving {} over sshfs: sshd on {}:{}, chrooted to the delegation, \
+                         certificate for {} until the lease ends",
+                        source.display(),
+                        h.endpoint.host,
+                        h.endpoint.port,
+                        h.endpoint.user
+                    ),
                 }),
             },
         );
@@ -570,6 +584,7 @@ impl Daemon {
                 Handle::Archive(h) => TransportHandle::Archive(h),
                 Handle::Storage(h) => TransportHandle::Storage(h),
                 Handle::Git(h) => TransportHandle::Git(h),
+                Handle::Sshfs(h) => TransportHandle::Sshfs(h),
             },
         });
         live.d.lock().record.active_lease = Some(ActiveLease {

@@ -7,7 +7,10 @@
 //!   and unpack it; the result is zipped and PUT to `uploadUrl`, and the `snapshot` event
 //!   carries `{"resultUrl": uploadUrl}` as the reference's does;
 //! * `git`: clone the base branch ([`super::git_task`]); the result is committed and pushed
-//!   as `awcp/<delegationId>`, and the `snapshot` event carries the branch and commit.
+//!   as `awcp/<delegationId>`, and the `snapshot` event carries the branch and commit;
+//! * `sshfs`: mount the Delegator's export with the system's `sshfs`
+//!   ([`super::sshfs_task`]); the agent writes into the Delegator's workspace as it works,
+//!   so there is no snapshot (as the reference's), and the mount goes before `done`.
 //!
 //! The lease is enforced here too (the reference never does): a START whose lease has
 //! already run out fails with `START_EXPIRED`, and a task still running at `expiresAt` is
@@ -19,7 +22,9 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 
 use awcp_protocol::events::{SnapshotEvent, SnapshotMetadata};
-use awcp_protocol::transport::{ArchiveHandle, GitHandle, StorageHandle, StorageSnapshotInfo};
+use awcp_protocol::transport::{
+    ArchiveHandle, GitHandle, SshfsHandle, StorageHandle, StorageSnapshotInfo,
+};
 use awcp_protocol::{ErrorCode, TaskEvent};
 
 use super::task::{
@@ -41,14 +46,7 @@ pub(super) fn lease_left(expires_at: &str) -> Option<Duration> {
     )
 }
 
-/// Whether `path` is mounted on (it sits on another device than its parent).
-fn is_mount_point(path: &std::path::Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let (Ok(m), Some(parent)) = (std::fs::symlink_metadata(path), path.parent()) else {
-        return false;
-    };
-    std::fs::metadata(parent).is_ok_and(|p| p.dev() != m.dev())
-}
+use super::sshfs_task::is_mount_point;
 
 /// How the workspace arrives, per transport.
 pub(super) enum Carrier {
@@ -58,6 +56,8 @@ pub(super) enum Carrier {
     Storage(StorageHandle),
     /// On a git remote.
     Git(GitHandle),
+    /// Behind the Delegator's sshd, mounted live.
+    Sshfs(SshfsHandle),
 }
 
 /// Where the result goes, once the workspace is in place.
@@ -68,6 +68,8 @@ enum Out {
     Upload(String),
     /// Committed and pushed.
     Git(Arc<super::git_task::GitWork>),
+    /// Already there: written live over SFTP.
+    Sshfs(Arc<super::sshfs_task::SshfsMount>),
 }
 
 /// Decode the inline workspace (blocking).
@@ -288,6 +290,42 @@ async fn setup(
                 out,
             ))
         }),
+        Carrier::Sshfs(h) => tokio::task::spawn_blocking(move || {
+            clear_work_dir(&a2)?;
+            std::fs::create_dir_all(&a2.work_path)
+                .and_then(|_| super::task::give_to_agent(&ex2, &a2.work_path))
+                .map_err(|e| {
+                    (
+                        ErrorCode::WorkdirDenied,
+                        format!("cannot create {}: {e}", a2.work_path.display()),
+                        None,
+                    )
+                })?;
+            let keys = ex2
+                .cfg
+                .state_dir
+                .join(a2.invite.delegation_id.as_str())
+                .join("sshfs");
+            let m = super::sshfs_task::mount(
+                &h,
+                &a2.work_path,
+                &keys,
+                ex2.cfg.agent_user.as_ref().map(|u| (u.uid, u.gid)),
+            )
+            .inspect_err(|_| {
+                let _ = std::fs::remove_dir(&a2.work_path);
+            })?;
+            Ok((
+                format!(
+                    "Task execution started ({}@{}:{} mounted at {} with sshfs)",
+                    h.endpoint.user,
+                    h.endpoint.host,
+                    h.endpoint.port,
+                    a2.work_path.display()
+                ),
+                Out::Sshfs(Arc::new(m)),
+            ))
+        }),
     };
     job.await.map_err(|e| {
         (
@@ -325,11 +363,14 @@ pub(super) async fn run(
         return;
     }
     let deadline = tokio::time::Instant::from_std(received) + left;
-    // A revoke or the lease's end during a download or clone stops it too.
+    let live = matches!(carrier, Carrier::Sshfs(_));
+    // A revoke or the lease's end during a download or clone stops it too. A mount is
+    // never abandoned half-way (one finishing after its cleanup would outlive the task):
+    // `sshfs` has its own timeout, and a revoke meanwhile is seen by the first round.
     let ready = tokio::select! {
         r = setup(&ex, &a, carrier) => r,
-        _ = a.cancel.notified() => Err((ErrorCode::Cancelled, super::routes::cancel_reason(&a), None)),
-        _ = tokio::time::sleep_until(deadline) => Err((
+        _ = a.cancel.notified(), if !live => Err((ErrorCode::Cancelled, super::routes::cancel_reason(&a), None)),
+        _ = tokio::time::sleep_until(deadline), if !live => Err((
             ErrorCode::Expired,
             "Lease expired while the workspace was being set up".into(),
             Some("Ask the Delegator for a longer TTL".into()),
@@ -470,14 +511,19 @@ async fn run_rounds(
         } else {
             format!("agent finished{last}")
         };
-        let snapshot = match send_snapshot(a, &summary, out).await {
-            Ok(s) => s,
-            Err(e) => return e,
+        let snapshot = if let Out::Sshfs(_) = out {
+            // Written live: nothing to send back.
+            None
+        } else {
+            match send_snapshot(a, &summary, out).await {
+                Ok(s) => Some(s),
+                Err(e) => return e,
+            }
         };
         if !a.multi_round {
-            return End::Done(summary, Some(snapshot));
+            return End::Done(summary, snapshot);
         }
-        finish_round(a, summary, Some(snapshot));
+        finish_round(a, summary, snapshot);
         tokio::select! {
             cmd = next_round(rounds, a.idle_close) => match cmd {
                 RoundCmd::Continue { task, round, lease } => {
@@ -584,16 +630,26 @@ async fn send_snapshot(a: &Assignment, summary: &str, out: &Out) -> Result<DoneS
 }
 
 /// The result is kept in memory for `/tasks/:id/result`; the unpacked copy goes, and a
-/// `git` clone's git directory and key with it.
+/// `git` clone's git directory and key with it; an `sshfs` mount is unmounted (and its
+/// credential removed). Nothing is ever removed through a mount: a work directory that
+/// is still mounted on is left alone.
 async fn cleanup(a: &Assignment, out: Option<&Out>) {
     let dir = a.work_path.clone();
-    let git = match out {
-        Some(Out::Git(w)) => Some(w.clone()),
-        _ => None,
+    let (git, sshfs) = match out {
+        Some(Out::Git(w)) => (Some(w.clone()), None),
+        Some(Out::Sshfs(m)) => (None, Some(m.clone())),
+        _ => (None, None),
     };
     let _ = tokio::task::spawn_blocking(move || {
         if let Some(w) = git {
             w.remove();
+        }
+        if let Some(m) = sshfs {
+            m.finish();
+        }
+        if is_mount_point(&dir) && !super::sshfs_task::unmount(&dir) {
+            tracing::error!(dir = %dir.display(), "the work directory is still mounted on; left in place");
+            return Ok(());
         }
         std::fs::remove_dir_all(dir)
     })

@@ -481,6 +481,17 @@ fn invite(
             "Install git on the Executor, or delegate with another transport",
         );
     }
+    if inv.requirements.as_ref().and_then(|r| r.transport)
+        == Some(awcp_protocol::TransportType::Sshfs)
+        && !super::sshfs_task::available()
+    {
+        return refuse(
+            ErrorCode::DepMissing,
+            "sshfs is not installed or not in PATH".into(),
+            "Install sshfs on the Executor (Debian: apt-get install sshfs), or delegate with \
+             another transport",
+        );
+    }
     if inv.requirements.as_ref().is_some_and(|r| r.no_network())
         && !super::confine::can_isolate_network(&ex.cfg)
     {

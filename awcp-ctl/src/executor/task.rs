@@ -606,17 +606,9 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
             let c = super::archive_task::Carrier::Git(h);
             return super::archive_task::run(ex, a, start.lease.expires_at, c, received).await;
         }
-        other => {
-            finish_error(
-                &a,
-                ErrorCode::SetupFailed,
-                format!(
-                    "transport {} is not supported by this executor",
-                    other.transport_type().as_str()
-                ),
-                Some("Delegate with the awcpfs, archive, storage or git transport".into()),
-            );
-            return;
+        TransportHandle::Sshfs(h) => {
+            let c = super::archive_task::Carrier::Sshfs(h);
+            return super::archive_task::run(ex, a, start.lease.expires_at, c, received).await;
         }
     };
     let state_dir = ex.cfg.state_dir.join(&id);
