@@ -184,6 +184,21 @@ impl WorkerHook {
         self.observe(path, true)
     }
 
+    /// Whether an access to `path` now would deliver something (an artifact bound to it or
+    /// to one of its directories that this worker has not received). One atomic load when
+    /// nothing is left to deliver anywhere.
+    pub fn has_pending(&self, path: &str) -> bool {
+        if !self.active.load(Ordering::Acquire) {
+            return false;
+        }
+        let st = self.state.lock();
+        st.pending > 0
+            && st
+                .index
+                .bound_to(path)
+                .any(|a| self.policy.deliverable(a, &st.delivered))
+    }
+
     fn observe(&self, path: &str, used: bool) -> usize {
         if !self.active.load(Ordering::Acquire) {
             return 0;
@@ -925,7 +940,12 @@ mod tests {
         });
         assert_eq!(
             kinds(&hook.inbox()),
-            ["finding", "contract_revision", "violation", "violation_cleared"]
+            [
+                "finding",
+                "contract_revision",
+                "violation",
+                "violation_cleared"
+            ]
         );
         assert_eq!(kinds(&hook.findings("pkg/a.py", 5)), ["finding"]);
         assert_eq!(kinds(&hook.xattr("pkg/a.py").unwrap()), ["finding"]);
@@ -936,6 +956,9 @@ mod tests {
         });
         assert_eq!(kinds(&hook.violations()), ["violation"]);
         let socket: Vec<u8> = hook.take_lines().concat().into_bytes();
-        assert_eq!(kinds(&socket), ["violation", "violation_cleared", "violation"]);
+        assert_eq!(
+            kinds(&socket),
+            ["violation", "violation_cleared", "violation"]
+        );
     }
 }

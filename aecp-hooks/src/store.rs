@@ -1113,15 +1113,32 @@ mod tests {
     fn a_producer_is_not_a_consumer_of_its_own_contract() {
         let s = Store::in_memory().unwrap();
         let body = serde_json::json!({"module": "pkg/acct.py", "symbols": []});
-        s.put_contract("ws", "pkg/acct.py", &body, "producer").unwrap();
-        assert!(!s.add_consumer_auto("ws", "pkg/acct.py", "producer", 1).unwrap());
-        assert!(s.consumer("ws", "pkg/acct.py", "producer").unwrap().is_none());
-        assert!(s.add_consumer_auto("ws", "pkg/acct.py", "reader", 1).unwrap());
+        s.put_contract("ws", "pkg/acct.py", &body, "producer")
+            .unwrap();
+        assert!(
+            !s.add_consumer_auto("ws", "pkg/acct.py", "producer", 1)
+                .unwrap()
+        );
+        assert!(
+            s.consumer("ws", "pkg/acct.py", "producer")
+                .unwrap()
+                .is_none()
+        );
+        assert!(
+            s.add_consumer_auto("ws", "pkg/acct.py", "reader", 1)
+                .unwrap()
+        );
         // Registered by hand, the producer is still not made stale by its own revision.
-        s.add_consumer("ws", "pkg/acct.py", "producer", &[]).unwrap();
-        let (rev, stale) = s.put_contract("ws", "pkg/acct.py", &body, "producer").unwrap();
+        s.add_consumer("ws", "pkg/acct.py", "producer", &[])
+            .unwrap();
+        let (rev, stale) = s
+            .put_contract("ws", "pkg/acct.py", &body, "producer")
+            .unwrap();
         assert_eq!((rev, stale), (2, vec!["reader".to_string()]));
-        let own = s.consumer("ws", "pkg/acct.py", "producer").unwrap().unwrap();
+        let own = s
+            .consumer("ws", "pkg/acct.py", "producer")
+            .unwrap()
+            .unwrap();
         assert!(!own.stale, "{own:?}");
     }
 
