@@ -1106,7 +1106,6 @@ mod tests {
         assert_eq!(owners[1].written, ["app/main.py", "app/b.py"]);
     }
 
-    #[test]
     // A producer that read its own stub became a consumer of its own contract, and its own
     // revision then told it that it was stale.
     #[test]
