@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::index::{ArtifactIndex, IndexEvent};
-use crate::knowledge::{Artifact, ArtifactId, Delivery};
+use crate::knowledge::{Artifact, ArtifactId, Delivery, LineKind};
 use crate::policy::{Delivered, Policy};
 use crate::revision::{ContractView, RevisionNotice, Standing, module_of_cached};
 
@@ -182,6 +182,21 @@ impl WorkerHook {
     /// `git status`) is not a use.
     pub fn on_use(&self, path: &str) -> usize {
         self.observe(path, true)
+    }
+
+    /// Whether an access to `path` now would deliver something (an artifact bound to it or
+    /// to one of its directories that this worker has not received). One atomic load when
+    /// nothing is left to deliver anywhere.
+    pub fn has_pending(&self, path: &str) -> bool {
+        if !self.active.load(Ordering::Acquire) {
+            return false;
+        }
+        let st = self.state.lock();
+        st.pending > 0
+            && st
+                .index
+                .bound_to(path)
+                .any(|a| self.policy.deliverable(a, &st.delivered))
     }
 
     fn observe(&self, path: &str, used: bool) -> usize {
@@ -346,7 +361,7 @@ impl WorkerHook {
                 IndexEvent::Violation { module, detail } => {
                     let line = format!(
                         "{}\n",
-                        serde_json::json!({ "module": module, "violation": detail })
+                        serde_json::json!({ "kind": LineKind::Violation, "module": module, "violation": detail })
                     );
                     // A reconnect's catch-up sends the same report again: said once (each
                     // report carries its time, so a new one is never taken for a replay).
@@ -362,7 +377,7 @@ impl WorkerHook {
                     if st.violations.remove(&module).is_some() && !replay {
                         let line = format!(
                             "{}\n",
-                            serde_json::json!({ "module": module, "violation": null })
+                            serde_json::json!({ "kind": LineKind::ViolationCleared, "module": module, "violation": null })
                         );
                         st.inbox.extend_from_slice(line.as_bytes());
                         st.lines.push(line);
@@ -879,5 +894,71 @@ mod tests {
         });
         assert_eq!(hook.take_released(), ["pkg/c.py"]);
         assert!(hook.take_released().is_empty());
+    }
+
+    /// The kind of every line of `bytes` (NDJSON), in order.
+    fn kinds(bytes: &[u8]) -> Vec<String> {
+        String::from_utf8_lossy(bytes)
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                let kind = v["kind"].as_str().unwrap_or_else(|| panic!("no kind: {l}"));
+                kind.to_string()
+            })
+            .collect()
+    }
+
+    // The inbox mixed deliveries (with `id`), revision notices (with `kind`) and violation
+    // reports (with `module` and no `kind`): a harness told them apart by which keys were
+    // there.
+    #[test]
+    fn every_line_of_every_channel_says_its_kind() {
+        let (hook, _n) = WorkerHook::new("B", Policy::default());
+        hook.apply(IndexEvent::Artifact {
+            artifact: art(1, "pkg/a.py", 10),
+        });
+        hook.on_access("pkg/a.py");
+        let standing = |revision, stale, diff: Option<&str>| IndexEvent::Consumer {
+            module: "pkg/acct.py".into(),
+            revision,
+            acked_revision: 1,
+            stale,
+            by: "A".into(),
+            diff: diff.map(str::to_owned),
+        };
+        hook.apply(contract_event("pkg/acct.py", 1));
+        hook.apply(standing(1, false, None));
+        hook.apply(contract_event("pkg/acct.py", 2));
+        hook.apply(standing(2, true, Some("-a\n+b\n")));
+        hook.apply(IndexEvent::Violation {
+            module: "pkg/b.py".into(),
+            detail: serde_json::json!({"symbol": "h"}),
+        });
+        hook.apply(IndexEvent::ViolationCleared {
+            module: "pkg/b.py".into(),
+            at_ms: 3,
+        });
+        assert_eq!(
+            kinds(&hook.inbox()),
+            [
+                "finding",
+                "contract_revision",
+                "violation",
+                "violation_cleared"
+            ]
+        );
+        assert_eq!(kinds(&hook.findings("pkg/a.py", 5)), ["finding"]);
+        assert_eq!(kinds(&hook.xattr("pkg/a.py").unwrap()), ["finding"]);
+        assert_eq!(kinds(&hook.contract("pkg/acct.py").unwrap()), ["contract"]);
+        hook.apply(IndexEvent::Violation {
+            module: "pkg/c.py".into(),
+            detail: serde_json::json!({"symbol": "k"}),
+        });
+        assert_eq!(kinds(&hook.violations()), ["violation"]);
+        let socket: Vec<u8> = hook.take_lines().concat().into_bytes();
+        assert_eq!(
+            kinds(&socket),
+            ["violation", "violation_cleared", "violation"]
+        );
     }
 }

@@ -296,11 +296,46 @@ impl Draft {
     }
 }
 
-/// One artifact as it reaches an agent: quoted data in one fixed template — these five
-/// fields, in this order, serialized as one JSON object (one NDJSON line). The claim is cut
-/// by the policy ([`crate::policy::Policy::cut_claim`]).
+/// What one line of an AECP channel is: its first field, `kind`. Every line an agent reads
+/// (`.aecp/inbox`, `.aecp/findings/…`, `.aecp/violations`, `.aecp/contracts/…`, the
+/// attribute, `$AECP_SOCKET`, the daemon's inbox and lookup) carries one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LineKind {
+    /// A knowledge artifact delivered ([`Delivery`]).
+    #[default]
+    Finding,
+    /// A contract revision reaching a stale consumer ([`crate::revision::RevisionNotice`]).
+    ContractRevision,
+    /// The commit screen's report on one of this worker's files.
+    Violation,
+    /// The commit screen's report on a file cleared (`"violation": null`).
+    ViolationCleared,
+    /// A contracted module as the replica knows it (`.aecp/contracts/<module>`).
+    Contract,
+}
+
+impl LineKind {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LineKind::Finding => "finding",
+            LineKind::ContractRevision => "contract_revision",
+            LineKind::Violation => "violation",
+            LineKind::ViolationCleared => "violation_cleared",
+            LineKind::Contract => "contract",
+        }
+    }
+}
+
+/// One artifact as it reaches an agent: quoted data in one fixed template — `kind`
+/// (`"finding"`) and these five fields, in this order, serialized as one JSON object (one
+/// NDJSON line). The claim is cut by the policy ([`crate::policy::Policy::cut_claim`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Delivery {
+    /// Always [`LineKind::Finding`].
+    #[serde(default)]
+    pub kind: LineKind,
     /// The artifact's id (for `flag`).
     pub id: ArtifactId,
     /// The scope as published, e.g. `symbol:pkg.a.f`.
@@ -404,6 +439,7 @@ mod tests {
     #[test]
     fn delivery_is_one_line_in_fixed_field_order() {
         let d = Delivery {
+            kind: LineKind::Finding,
             id: 7,
             scope: "file:pkg/a.py".into(),
             status: WitnessStatus::Checked,
@@ -413,7 +449,7 @@ mod tests {
         let line = d.to_line();
         assert_eq!(line.matches('\n').count(), 1, "{line}");
         assert!(line.starts_with(
-            r#"{"id":7,"scope":"file:pkg/a.py","status":"checked","producer":"w1","claim":"#
+            r#"{"kind":"finding","id":7,"scope":"file:pkg/a.py","status":"checked","producer":"w1","claim":"#
         ));
     }
 }

@@ -88,6 +88,7 @@ impl Policy {
     /// The fixed delivery template for `a`.
     pub fn delivery(&self, a: &Artifact) -> Delivery {
         Delivery {
+            kind: crate::knowledge::LineKind::Finding,
             id: a.id,
             scope: a.scope.to_string(),
             status: a.status,

@@ -1,7 +1,17 @@
 //! tree-sitter-python helpers shared by the interface parser and the verifier: parsing,
 //! the first syntax error, and reading a `def` into the contract's parameter model, so that
 //! an interface and an implementation are read by the same code.
+//!
+//! What is a syntax error is decided by Ruff's parser (`ruff_python_parser`), not by
+//! tree-sitter: tree-sitter recovers from input CPython refuses (a function body left
+//! unindented parses without an error node), while Ruff's parser follows CPython's
+//! tokenizer (indentation, tabs against spaces) and grammar, and knows which constructs each
+//! Python version added. tree-sitter stays the reader of definitions, which it does well.
+//! `aecp-hooks/tests/syntax_differential.rs` holds the two to CPython's `ast.parse`.
 
+use ruff_python_ast::PythonVersion;
+use ruff_python_parser::{Mode, ParseOptions};
+use ruff_text_size::TextSize;
 use tree_sitter::{Node, Parser, Tree};
 
 use crate::contract::{Param, ParamKind};
@@ -26,6 +36,195 @@ pub struct SyntaxError {
     pub line: u32,
     pub column: u32,
     pub what: String,
+}
+
+/// The oldest Python whose syntax the check knows.
+pub const OLDEST: PythonVersion = PythonVersion::PY38;
+/// The newest Python whose syntax the check knows, and the default target: a module is
+/// refused when this Python would refuse it.
+pub const NEWEST: PythonVersion = PythonVersion::PY314;
+
+/// Parses a `3.N` version string into one the check knows ([`OLDEST`] to [`NEWEST`]).
+pub fn python_version(text: &str) -> Option<PythonVersion> {
+    let (major, minor) = text.trim().split_once('.')?;
+    let v = PythonVersion {
+        major: major.parse().ok()?,
+        minor: minor.parse().ok()?,
+    };
+    (OLDEST..=NEWEST).contains(&v).then_some(v)
+}
+
+/// The first syntax error of `text` as CPython `target` would report it from `ast.parse`
+/// (a module that does not parse, or that uses syntax `target` does not have), or `None`.
+pub fn syntax_error(text: &str, target: PythonVersion) -> Option<SyntaxError> {
+    // CPython's tokenizer limits, checked first: past them Ruff's tree would be deep enough
+    // to exhaust the stack when it is dropped.
+    if let Some((at, what)) = too_deep(text) {
+        let (line, column) = line_column(text, at);
+        return Some(SyntaxError { line, column, what });
+    }
+    let parsed = ruff_python_parser::parse_unchecked(
+        text,
+        ParseOptions::from(Mode::Module).with_target_version(target),
+    );
+    let first = parsed
+        .errors()
+        .iter()
+        .map(|e| (e.location.start(), e.error.to_string()))
+        .chain(
+            parsed
+                .unsupported_syntax_errors()
+                .iter()
+                .map(|e| (e.range.start(), e.to_string())),
+        )
+        .chain(indentation_error(text, parsed.tokens()))
+        .min_by_key(|(at, _)| *at)?;
+    let (line, column) = line_column(text, first.0);
+    Some(SyntaxError {
+        line,
+        column,
+        what: first.1,
+    })
+}
+
+/// CPython's tokenizer refuses more than 200 nested brackets (`MAXLEVEL`) and 99 nested
+/// indented blocks (`MAXINDENT`, 100: the 100th level is refused). Ruff's lexer does not say where a token is, so the
+/// place is found by lexing ever shorter prefixes (only for such a pathological module).
+fn too_deep(text: &str) -> Option<(TextSize, String)> {
+    let what = nesting_limit(text)?;
+    let (mut lo, mut hi) = (0, text.len());
+    while lo < hi {
+        let mid = (lo..=hi).find(|&i| text.is_char_boundary(i) && i >= (lo + hi) / 2)?;
+        if mid == hi {
+            break;
+        }
+        if nesting_limit(&text[..mid]).is_some() {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    let at = text[..hi].char_indices().next_back().map_or(0, |(i, _)| i);
+    Some((TextSize::try_from(at).unwrap_or_default(), what.into()))
+}
+
+/// Which of CPython's nesting limits `text` goes past, if any.
+fn nesting_limit(text: &str) -> Option<&'static str> {
+    use ruff_python_ast::token::TokenKind;
+    let mut lexer = ruff_python_parser::lexer::lex(text, Mode::Module);
+    let (mut brackets, mut indents) = (0u32, 0u32);
+    loop {
+        match lexer.next_token() {
+            TokenKind::EndOfFile => return None,
+            TokenKind::Lpar | TokenKind::Lsqb | TokenKind::Lbrace => {
+                if brackets >= 200 {
+                    return Some("too many nested parentheses");
+                }
+                brackets += 1;
+            }
+            TokenKind::Rpar | TokenKind::Rsqb | TokenKind::Rbrace => {
+                brackets = brackets.saturating_sub(1);
+            }
+            TokenKind::Indent => {
+                if indents + 1 >= 100 {
+                    return Some("too many levels of indentation");
+                }
+                indents += 1;
+            }
+            TokenKind::Dedent => indents = indents.saturating_sub(1),
+            _ => {}
+        }
+    }
+}
+
+/// CPython's tokenizer check of indentation, which Ruff's lexer makes with a tab size of 2
+/// where CPython uses 8: every logical line's indentation is measured twice, a tab counting
+/// as the rest of 8 columns and as 1 column, and the two measures must order the lines the
+/// same way (else `TabError`); a dedent must return to an enclosing level (else
+/// `IndentationError`). Blank and comment lines do not count; a form feed starts over.
+fn indentation_error(
+    text: &str,
+    tokens: &ruff_python_ast::token::Tokens,
+) -> Option<(TextSize, String)> {
+    use ruff_python_ast::token::TokenKind;
+    use ruff_text_size::Ranged;
+    let mut stack: Vec<(u32, u32)> = vec![(0, 0)];
+    let mut at_line_start = true;
+    for token in tokens.iter() {
+        match token.kind() {
+            TokenKind::Newline => {
+                at_line_start = true;
+                continue;
+            }
+            TokenKind::NonLogicalNewline
+            | TokenKind::Comment
+            | TokenKind::Indent
+            | TokenKind::Dedent
+            | TokenKind::EndOfFile => continue,
+            _ if !at_line_start => continue,
+            _ => at_line_start = false,
+        }
+        let start = usize::from(token.start()).min(text.len());
+        let line_start = text[..start].rfind(['\n', '\r']).map_or(0, |i| i + 1);
+        let prefix = &text[line_start..start];
+        if !prefix.chars().all(|c| matches!(c, ' ' | '\t' | '\x0c')) {
+            continue; // a line continued with a backslash: its first line was measured
+        }
+        let (mut col, mut alt) = (0u32, 0u32);
+        for c in prefix.chars() {
+            match c {
+                ' ' => (col, alt) = (col + 1, alt + 1),
+                '\t' => (col, alt) = ((col / 8 + 1) * 8, alt + 1),
+                _ => (col, alt) = (0, 0),
+            }
+        }
+        let at = TextSize::try_from(line_start).unwrap_or_default();
+        let tab_error = || {
+            Some((
+                at,
+                "inconsistent use of tabs and spaces in indentation".to_string(),
+            ))
+        };
+        let &(top, top_alt) = stack.last()?;
+        if col == top {
+            if alt != top_alt {
+                return tab_error();
+            }
+        } else if col > top {
+            if alt <= top_alt {
+                return tab_error();
+            }
+            stack.push((col, alt));
+        } else {
+            while stack.len() > 1 && col < stack.last()?.0 {
+                stack.pop();
+            }
+            let &(top, top_alt) = stack.last()?;
+            if col != top {
+                return Some((
+                    at,
+                    "unindent does not match any outer indentation level".to_string(),
+                ));
+            }
+            if alt != top_alt {
+                return tab_error();
+            }
+        }
+    }
+    None
+}
+
+/// A byte offset as a 1-based line and character column.
+fn line_column(text: &str, at: TextSize) -> (u32, u32) {
+    let at = usize::from(at).min(text.len());
+    let at = (0..=at)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
+    let before = &text[..at];
+    let line = before.matches('\n').count() + 1;
+    let start = before.rfind('\n').map_or(0, |i| i + 1);
+    (to_u32(line), to_u32(before[start..].chars().count() + 1))
 }
 
 impl Module {
@@ -60,42 +259,10 @@ impl Module {
         &self.text
     }
 
-    /// The first syntax error in source order, if any. Beyond tree-sitter's error and
-    /// missing nodes, Python 2 `print x` and `exec x` statements count: Python 3 refuses
-    /// them.
+    /// The first syntax error in source order, if any, for the newest Python syntax the
+    /// verifier knows ([`NEWEST`]); see [`syntax_error`].
     pub fn syntax_error(&self) -> Option<SyntaxError> {
-        // Depth-first in source order, with an explicit stack: a deeply nested file must
-        // not exhaust the thread's stack.
-        fn find(root: Node<'_>) -> Option<(Node<'_>, &'static str)> {
-            let mut stack = vec![root];
-            while let Some(node) = stack.pop() {
-                if node.is_missing() {
-                    return Some((node, "missing token"));
-                }
-                if node.is_error() {
-                    return Some((node, "unexpected input"));
-                }
-                if node.kind() == "print_statement" || node.kind() == "exec_statement" {
-                    return Some((node, "Python 2 statement"));
-                }
-                let mut cursor = node.walk();
-                let kids: Vec<_> = node.children(&mut cursor).collect();
-                stack.extend(kids.into_iter().rev());
-            }
-            None
-        }
-        let (node, what) = find(self.root())?;
-        let what = if node.is_missing() {
-            format!("missing `{}`", node.kind())
-        } else if node.is_error() {
-            let t = self.text(node);
-            let snippet: String = t.chars().take(20).collect();
-            format!("unexpected `{}`", snippet.trim())
-        } else {
-            what.to_string()
-        };
-        let (line, column) = self.position(node);
-        Some(SyntaxError { line, column, what })
+        syntax_error(&self.text, NEWEST)
     }
 
     /// A node's start, 1-based line and character column.
@@ -460,6 +627,60 @@ mod tests {
         );
         let e = Module::parse("x = 1\nprint 'hi'\n").syntax_error().unwrap();
         assert_eq!(e.line, 2);
+    }
+
+    // A function body left unindented passed: tree-sitter recovers from it without an
+    // error node, CPython raises IndentationError.
+    #[test]
+    fn an_unindented_body_is_a_syntax_error() {
+        let e = Module::parse("def area(w: float, h: float) -> float:\nreturn w * h\n")
+            .syntax_error()
+            .unwrap();
+        assert_eq!(e.line, 2, "{e:?}");
+        let tab = Module::parse("def f():\n        x = 1\n\treturn x\n").syntax_error();
+        assert!(
+            tab.is_some(),
+            "spaces then a tab on one block is a TabError"
+        );
+        // Ruff's lexer counts a tab as 2 columns and let these pass; CPython counts 8.
+        for src in [
+            "class L:\n\t   def m(self):\n        pass\n",
+            "if 1:\n\tx = 1\n  \ty = 2\n",
+        ] {
+            let e = Module::parse(src).syntax_error();
+            assert!(e.as_ref().is_some_and(|e| e.line >= 2), "{src:?}: {e:?}");
+        }
+        let fine = "if 1:\n\tx = 1\n\tif 2:\n\t\ty = (\n  3)\n\n  # c\nz = 1\n";
+        assert_eq!(Module::parse(fine).syntax_error(), None);
+    }
+
+    #[test]
+    fn cpythons_nesting_limits() {
+        let ok = format!("x = {}1{}\n", "(".repeat(200), ")".repeat(200));
+        assert_eq!(Module::parse(&ok).syntax_error(), None);
+        let deep = format!("x = {}1{}\n", "(".repeat(201), ")".repeat(201));
+        let e = Module::parse(&deep).syntax_error().unwrap();
+        assert_eq!((e.line, e.column), (1, 205), "{e:?}");
+        let blocks = |n: usize| -> String {
+            let mut s: String = (0..n)
+                .map(|i| format!("{}if x:\n", " ".repeat(i)))
+                .collect();
+            s += &format!("{}pass\n", " ".repeat(n));
+            s
+        };
+        assert_eq!(Module::parse(&blocks(99)).syntax_error(), None);
+        let e = Module::parse(&blocks(100)).syntax_error().unwrap();
+        assert_eq!(e.what, "too many levels of indentation");
+    }
+
+    #[test]
+    fn newer_syntax_is_refused_for_an_older_target() {
+        let src = "type Pair = tuple[int, int]\n";
+        assert!(syntax_error(src, NEWEST).is_none());
+        let e = syntax_error(src, python_version("3.11").unwrap()).unwrap();
+        assert_eq!((e.line, e.column), (1, 1), "{e:?}");
+        assert!(python_version("2.7").is_none());
+        assert!(python_version("3.x").is_none());
     }
 
     #[test]

@@ -79,9 +79,12 @@ pub struct Standing {
 }
 
 /// What a replica knows of one contracted module: `.aecp/contracts/<module>`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ContractView {
+    /// Always `"contract"`.
+    #[serde(default = "contract_kind")]
+    pub kind: crate::knowledge::LineKind,
     /// The module path.
     pub module: String,
     /// The newest revision.
@@ -94,6 +97,24 @@ pub struct ContractView {
     pub consumer: Option<Standing>,
     /// While stale: what changed since the acknowledged revision (`null` otherwise).
     pub diff: Option<String>,
+}
+
+fn contract_kind() -> crate::knowledge::LineKind {
+    crate::knowledge::LineKind::Contract
+}
+
+impl Default for ContractView {
+    fn default() -> Self {
+        ContractView {
+            kind: contract_kind(),
+            module: String::new(),
+            revision: 0,
+            by: String::new(),
+            contract: serde_json::Value::Null,
+            consumer: None,
+            diff: None,
+        }
+    }
 }
 
 impl ContractView {

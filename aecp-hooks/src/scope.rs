@@ -36,7 +36,7 @@ pub enum ScopeError {
         tried: String,
     },
     /// The module exists but does not define the rest of the symbol.
-    #[error("symbol `{symbol}`: `{file}` defines no `{missing}`")]
+    #[error("symbol `{symbol}`: `{file}` defines no `{missing}`{hint}")]
     NotDefined {
         /// The symbol.
         symbol: String,
@@ -44,6 +44,9 @@ pub enum ScopeError {
         file: String,
         /// The part not found.
         missing: String,
+        /// When `file` is a package's `__init__.py`: the `file:` scope to publish with if the
+        /// missing part is a module that does not exist yet (empty otherwise).
+        hint: String,
     },
     /// Reading the workspace failed.
     #[error("reading `{path}`")]
@@ -89,6 +92,7 @@ fn resolve_symbol(root: &Path, symbol: &str) -> Result<String, ScopeError> {
             return match find_definition(tree.root_node(), text.as_bytes(), rest) {
                 Ok(()) => Ok(file),
                 Err(missing) => Err(ScopeError::NotDefined {
+                    hint: new_module_hint(&file, rest),
                     symbol: symbol.to_owned(),
                     file,
                     missing,
@@ -109,6 +113,29 @@ fn resolve_symbol(root: &Path, symbol: &str) -> Result<String, ScopeError> {
         symbol: symbol.to_owned(),
         tried: tried.join(", "),
     })
+}
+
+/// For a symbol that a package's `__init__.py` does not define: the module it would be in
+/// if it is a module that does not exist yet (`pkg.newmod.f` → `file:pkg/newmod.py`).
+fn new_module_hint(file: &str, rest: &[&str]) -> String {
+    let Some(package) = file.strip_suffix("__init__.py") else {
+        return String::new();
+    };
+    let module = &rest[..rest.len().saturating_sub(1).max(1)];
+    let dotted = format!(
+        "{}.{}",
+        package
+            .strip_prefix("src/")
+            .unwrap_or(package)
+            .trim_end_matches('/')
+            .replace('/', "."),
+        module.join(".")
+    );
+    format!(
+        "; if `{}` is a module that does not exist yet, publish with the scope `file:{package}{}.py`",
+        dotted.trim_start_matches('.'),
+        module.join("/")
+    )
 }
 
 /// The files module `a.b` may be: `a/b.py`, `a/b/__init__.py`, and the same under `src/`.
@@ -549,6 +576,15 @@ async def fetch(url): ...
             }
             other => panic!("{other:?}"),
         }
+        // A module that does not exist yet in a package that does: the `file:` to use.
+        let pkg = workspace(&[("pkg/__init__.py", "X = 1\n"), ("pkg/acct.py", ACCT)]);
+        let e = resolve(pkg.path(), &Scope::Symbol("pkg.newmod.f".into())).unwrap_err();
+        assert!(
+            e.to_string().contains("`file:pkg/newmod.py`"),
+            "names the file to publish with: {e}"
+        );
+        let e = resolve(pkg.path(), &Scope::Symbol("pkg.newmod".into())).unwrap_err();
+        assert!(e.to_string().contains("`file:pkg/newmod.py`"), "{e}");
         let e = r("nothere.f").unwrap_err();
         assert!(matches!(e, ScopeError::NoModule { .. }));
         assert!(

@@ -572,7 +572,7 @@ impl Store {
     }
 
     /// Declares (revision 1) or revises (next revision) a module's contract; a revision marks
-    /// every consumer stale. Appends `declaration` or `revision`. Returns the new revision and
+    /// every consumer stale but its author. Appends `declaration` or `revision`. Returns the new revision and
     /// the consumers made stale.
     pub fn put_contract(
         &self,
@@ -597,6 +597,12 @@ impl Store {
             .map_err(sql("storing a contract"))?;
             let mut stale = Vec::new();
             if revision > 1 {
+                // The reviser knows its own revision: it is never made stale by it.
+                tx.execute(
+                    "UPDATE aecp_consumers SET stale = 0, acked_revision = ?3 WHERE workspace = ?1 AND module = ?2 AND worker = ?4",
+                    params![workspace, module, revision, by],
+                )
+                .map_err(sql("marking consumers stale"))?;
                 let mut stmt = tx
                     .prepare("SELECT worker FROM aecp_consumers WHERE workspace = ?1 AND module = ?2 AND acked_revision < ?3")
                     .map_err(sql("marking consumers stale"))?;
@@ -703,7 +709,8 @@ impl Store {
 
     /// Registers `worker` as a consumer of the whole of `module` because its mount saw it
     /// read or import the module at revision `seen` — once: a worker already registered
-    /// (explicitly or automatically) is left as it is. A worker that saw an older revision
+    /// (explicitly or automatically) is left as it is, and so is a worker that declared or
+    /// revised the contract (its producer). A worker that saw an older revision
     /// than the newest is registered stale. Appends `dependency` with `"auto": true`.
     /// Returns whether it was newly registered.
     pub fn add_consumer_auto(
@@ -720,6 +727,17 @@ impl Store {
                 })?;
         let acked = seen.clamp(1, current.revision);
         self.tx("registering a consumer", |tx| {
+            // A producer reading its own stub (or its module) is not a consumer of it.
+            let produced: bool = tx
+                .query_row(
+                    "SELECT EXISTS(SELECT 1 FROM aecp_contracts WHERE workspace = ?1 AND module = ?2 AND by_worker = ?3)",
+                    params![workspace, module, worker],
+                    |r| r.get(0),
+                )
+                .map_err(sql("registering a consumer"))?;
+            if produced {
+                return Ok(false);
+            }
             let added = tx
                 .execute(
                     "INSERT OR IGNORE INTO aecp_consumers (workspace, module, worker, symbols, acked_revision, stale) VALUES (?1, ?2, ?3, '[]', ?4, ?5)",
@@ -1086,6 +1104,41 @@ mod tests {
         assert_eq!(owners.len(), 2);
         assert!(owners[0].owns("pkg/a.py"));
         assert_eq!(owners[1].written, ["app/main.py", "app/b.py"]);
+    }
+
+    // A producer that read its own stub became a consumer of its own contract, and its own
+    // revision then told it that it was stale.
+    #[test]
+    fn a_producer_is_not_a_consumer_of_its_own_contract() {
+        let s = Store::in_memory().unwrap();
+        let body = serde_json::json!({"module": "pkg/acct.py", "symbols": []});
+        s.put_contract("ws", "pkg/acct.py", &body, "producer")
+            .unwrap();
+        assert!(
+            !s.add_consumer_auto("ws", "pkg/acct.py", "producer", 1)
+                .unwrap()
+        );
+        assert!(
+            s.consumer("ws", "pkg/acct.py", "producer")
+                .unwrap()
+                .is_none()
+        );
+        assert!(
+            s.add_consumer_auto("ws", "pkg/acct.py", "reader", 1)
+                .unwrap()
+        );
+        // Registered by hand, the producer is still not made stale by its own revision.
+        s.add_consumer("ws", "pkg/acct.py", "producer", &[])
+            .unwrap();
+        let (rev, stale) = s
+            .put_contract("ws", "pkg/acct.py", &body, "producer")
+            .unwrap();
+        assert_eq!((rev, stale), (2, vec!["reader".to_string()]));
+        let own = s
+            .consumer("ws", "pkg/acct.py", "producer")
+            .unwrap()
+            .unwrap();
+        assert!(!own.stale, "{own:?}");
     }
 
     #[test]

@@ -69,11 +69,14 @@ enum Command {
     /// Run the Delegator daemon (daemon API + awcpfs data plane).
     Serve(ServeArgs),
     /// Run the Executor service (AWCP v1 endpoint at /awcp).
+    #[command(after_help = aecp::CHANNELS_HELP)]
     Executor(ExecutorArgs),
     /// Delegate a directory to an Executor.
+    #[command(after_help = aecp::CHANNELS_HELP)]
     Delegate(DelegateArgs),
     /// AECP: knowledge and contract artifacts between the workers of a workspace
     /// (docs/AECP.md): publish/flag/lookup findings, declare/revise contracts, verify modules.
+    #[command(after_help = aecp::CHANNELS_HELP)]
     Aecp {
         #[command(subcommand)]
         cmd: aecp::AecpCommand,

@@ -323,3 +323,28 @@ fn daemon_commands_say_what_is_missing() {
     );
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
+
+// `--help` never mentioned the channels; only the docs did.
+#[test]
+fn help_names_the_channels() {
+    let dir = tempfile::tempdir().unwrap();
+    for cmd in ["executor", "delegate", "aecp"] {
+        for flag in ["-h", "--help"] {
+            let out = run(dir.path(), &[cmd, flag]);
+            assert!(out.status.success(), "{cmd} {flag}");
+            let text = String::from_utf8_lossy(&out.stdout);
+            for name in [
+                ".aecp/inbox",
+                ".aecp/findings",
+                "AECP_SOCKET",
+                "user.aecp.findings",
+                "kind",
+            ] {
+                assert!(
+                    text.contains(name),
+                    "`{cmd} {flag}` does not name {name}:\n{text}"
+                );
+            }
+        }
+    }
+}

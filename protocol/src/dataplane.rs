@@ -472,6 +472,11 @@ pub enum ExportEvent {
         /// The index event.
         event: serde_json::Value,
     },
+    /// AECP: every `aecp` event of the connection's catch-up has been sent (once per
+    /// connection, right after them). A mount reads its catch-up up to here before it
+    /// answers its first lookup, so its first accesses see every finding already stored.
+    /// Mounts that do not know it ignore it.
+    AecpReady,
 }
 
 /// Error body of every refused data-plane request.

@@ -349,7 +349,7 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
     let (cleared, _) = next_line(socket_lines).await;
     assert_eq!(
         cleared,
-        serde_json::json!({"module": "pkg/acct.py", "violation": null})
+        serde_json::json!({"kind": "violation_cleared", "module": "pkg/acct.py", "violation": null})
     );
 
     // Broken again when the task ends: not written back, and not lost — the Executor keeps

@@ -18,7 +18,9 @@
 //!   `__getattr__`, `setattr`, `globals()`, a parameter list that a `*args`/`**kwargs`
 //!   could absorb. Those are `ok` with a note, never a violation.
 //!
-//! The verdict is `syntax` if the file does not parse, else `mismatch` if any rule is broken,
+//! The verdict is `syntax` if the file does not parse — as CPython's `ast.parse` would say
+//! for the newest Python the check knows ([`crate::python::syntax_error`]: Ruff's parser
+//! plus CPython's indentation rules) — else `mismatch` if any rule is broken,
 //! else `stub` if a stub is left (the marker constant, or a contracted body that is only
 //! `...` or `raise NotImplementedError`), else `ok`.
 

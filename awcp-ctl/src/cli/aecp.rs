@@ -22,6 +22,20 @@ use awcp_ctl::daemon::aecp::{ConsumerRequest, DeclareRequest, StubOutcome, Verif
 
 mod knowledge;
 
+/// The channels an agent reads AECP through, named in the `--help` of `executor`,
+/// `delegate` and `aecp` (docs/AECP.md, *Channels*).
+pub(super) const CHANNELS_HELP: &str = "\
+AECP channels (docs/AECP.md), inside a task's mount; every line is one JSON object whose \
+first field, `kind`, says what it is (finding, contract_revision, violation, \
+violation_cleared, contract):
+  .aecp/inbox                  this worker's deliveries, NDJSON
+  .aecp/findings/<path>        the findings for a path (reading is not a delivery)
+  .aecp/contracts/<module>     a contract, this worker's standing and, while stale, the diff
+  .aecp/violations             the commit screen's reports on this worker's files
+  getfattr -n user.aecp.findings FILE   the findings for FILE (xattr, at most 5)
+  $AECP_SOCKET                 a Unix socket streaming each line as it happens
+The Executor sets AWCP_DELEGATION_ID (the worker) and AECP_SOCKET in the agent's environment.";
+
 #[derive(Debug, Subcommand)]
 pub(super) enum AecpCommand {
     /// Check a Python module against a contract without running it (tree-sitter): symbols,

@@ -630,6 +630,9 @@ fn export_events(export: Arc<Export>, since: u64) -> impl Stream<Item = Result<E
                 if !s.done {
                     s.queue_changes();
                     s.queue_aecp();
+                    if let Ok(json) = serde_json::to_string(&ExportEvent::AecpReady) {
+                        s.queue.push_back(json);
+                    }
                 }
                 continue;
             }

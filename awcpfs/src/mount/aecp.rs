@@ -20,9 +20,10 @@
 //! * **xattr.** `getfattr -n user.aecp.findings FILE` answers the findings for that file;
 //!   it is not listed by `listxattr`, so copies and archives do not pick it up.
 
-use std::collections::HashMap;
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use fuser::{FileAttr, INodeNo};
 use parking_lot::Mutex;
@@ -53,6 +54,45 @@ pub struct MountAecp {
     virt: Mutex<Virt>,
     uid: u32,
     gid: u32,
+    /// Recent directory listings while the observer has work: (process, directory, when).
+    listings: Mutex<VecDeque<(u32, u64, Instant)>>,
+}
+
+/// A lookup by a process that listed the parent directory this recently is part of a walk
+/// of the tree (`ls -l`, `find`, `du`), not a point of use.
+pub const WALK_WINDOW: Duration = Duration::from_secs(2);
+
+/// Most listings remembered (the oldest are forgotten first).
+const MAX_LISTINGS: usize = 256;
+
+thread_local! {
+    /// The process (thread id, as FUSE gives it) whose request this FUSE thread serves.
+    static REQUESTER: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Sets the requester of the FUSE request this thread is about to serve (`fuse.rs`).
+pub fn set_requester(pid: u32) {
+    REQUESTER.with(|r| r.set(pid));
+}
+
+/// The thread group (process) of thread `pid`: FUSE names the calling thread, and a walker
+/// may list and stat from different threads of one process.
+fn process_of(pid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Tgid:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(pid)
+}
+
+/// Whether the current requester is a `git` process (`/proc/<pid>/comm`).
+fn requester_is_git() -> bool {
+    let pid = REQUESTER.with(Cell::get);
+    pid != 0
+        && std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim_end() == "git")
 }
 
 #[derive(Default)]
@@ -91,7 +131,52 @@ impl MountAecp {
             virt: Mutex::new(virt),
             uid,
             gid,
+            listings: Mutex::new(VecDeque::new()),
         }
+    }
+
+    /// `dir` is being listed by the current requester: its lookups of `dir`'s entries for
+    /// the next [`WALK_WINDOW`] are a walk, not points of use. Nothing when the observer
+    /// has nothing to do.
+    pub fn listed(&self, dir: u64) {
+        if !self.hook_active() {
+            return;
+        }
+        let process = process_of(REQUESTER.with(Cell::get));
+        let now = Instant::now();
+        let mut l = self.listings.lock();
+        l.retain(|(p, d, _)| (*p, *d) != (process, dir));
+        if l.len() >= MAX_LISTINGS {
+            l.pop_front();
+        }
+        l.push_back((process, dir, now));
+    }
+
+    /// Whether the current requester's lookup in `parent` is part of a walk: it listed
+    /// `parent` within [`WALK_WINDOW`].
+    fn in_walk(&self, parent: u64) -> bool {
+        let mut l = self.listings.lock();
+        let now = Instant::now();
+        l.retain(|(_, _, at)| now.duration_since(*at) < WALK_WINDOW);
+        if l.is_empty() {
+            return false;
+        }
+        let pid = REQUESTER.with(Cell::get);
+        let process = process_of(pid);
+        l.iter()
+            .any(|(p, d, _)| *d == parent && (*p == process || *p == pid))
+    }
+
+    /// Whether an access to `ino` would deliver something now: the kernel must not cache
+    /// its entry (`READDIRPLUS` and lookups answer it with a zero timeout), so that the
+    /// worker's first `stat` or `open` of it reaches the observer whatever was listed
+    /// before. One atomic load when nothing is pending anywhere.
+    pub fn pending_at(&self, table: &Mutex<InodeTable>, ino: u64) -> bool {
+        if !self.hook_active() || Self::is_virtual(ino) {
+            return false;
+        }
+        let path = table.lock().path_of(ino);
+        path.is_some_and(|p| self.hook.has_pending(&p))
     }
 
     /// The receiving end of delivery notes (once: for the `awcpfs-aecp` thread).
@@ -137,8 +222,13 @@ impl MountAecp {
         table.path_of(ino)
     }
 
-    /// The observer, second half: `path` was looked up.
-    pub fn observe_path(&self, path: &str) {
+    /// The observer, second half: `path` was looked up in `parent`. A point of use unless
+    /// the requester is walking `parent` (it listed it within [`WALK_WINDOW`]) or is `git`
+    /// (its lookups refresh its index; what it opens still counts).
+    pub fn observe_path(&self, parent: u64, path: &str) {
+        if !self.hook.has_pending(path) || self.in_walk(parent) || requester_is_git() {
+            return;
+        }
         self.hook.on_access(path);
     }
 

@@ -627,7 +627,7 @@ impl AwcpFs {
         let observed = self.aecp.observed_path(&table, ino);
         drop(table);
         if let Some(path) = observed {
-            self.aecp.observe_path(&path);
+            self.aecp.observe_path(parent, &path);
         }
         Ok(attr)
     }

@@ -137,6 +137,16 @@ impl FuseAdapter {
 
     /// The kernel's cache time for `ino`: none for AECP's virtual files, whose content
     /// changes without a write.
+    /// The timeout of an entry: zero for `.aecp/` and while an access to it would deliver
+    /// an AECP finding (the next `stat` or `open` must reach the mount).
+    fn entry_ttl(&self, ino: u64) -> Duration {
+        if self.fs.aecp().pending_at(&self.fs.table, ino) {
+            Duration::ZERO
+        } else {
+            Self::ttl_of(self.ttl, ino)
+        }
+    }
+
     fn ttl_of(ttl: Duration, ino: u64) -> Duration {
         if crate::mount::aecp::MountAecp::is_virtual(ino) {
             Duration::ZERO
@@ -348,10 +358,11 @@ impl Filesystem for FuseAdapter {
         Ok(())
     }
 
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let _op = self.fs.stats().count_op("lookup");
+        crate::mount::aecp::set_requester(req.pid());
         match self.fs.lookup(parent.0, name) {
-            Ok(attr) => reply.entry(&Self::ttl_of(self.ttl, attr.ino.0), &attr, Generation(0)),
+            Ok(attr) => reply.entry(&self.entry_ttl(attr.ino.0), &attr, Generation(0)),
             Err(crate::mount::FsError::NotFound) => {
                 reply.entry(&self.ttl, &Self::negative_attr(), Generation(0))
             }
@@ -708,13 +719,15 @@ impl Filesystem for FuseAdapter {
 
     fn readdir(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
         let _op = self.fs.stats().count_op("readdir");
+        crate::mount::aecp::set_requester(req.pid());
+        self.fs.aecp().listed(ino.0);
         match self.listing(ino.0, fh.0, offset) {
             Ok((entries, generation, start)) => {
                 for (i, e) in entries.iter().enumerate().skip(start) {
@@ -735,24 +748,29 @@ impl Filesystem for FuseAdapter {
 
     fn readdirplus(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
         let _op = self.fs.stats().count_op("readdirplus");
+        crate::mount::aecp::set_requester(req.pid());
+        self.fs.aecp().listed(ino.0);
         match self.listing(ino.0, fh.0, offset) {
             Ok((entries, generation, start)) => {
                 for (i, e) in entries.iter().enumerate().skip(start) {
                     let Ok(attr) = self.fs.getattr(e.ino) else {
                         continue;
                     };
+                    // An entry with a finding pending is not cached: the worker's first
+                    // `stat` or `open` of it must reach the observer (docs/AECP.md).
+                    let ttl = self.entry_ttl(e.ino);
                     if reply.add(
                         INodeNo(e.ino),
                         generation << 32 | (i + 1) as u64,
                         rawname::to_os(&e.name),
-                        &self.ttl,
+                        &ttl,
                         &attr,
                         Generation(0),
                     ) {

@@ -510,6 +510,9 @@ impl Mount {
         };
         fcfg.n_threads = Some(cfg.fuse_threads.max(1));
         fcfg.clone_fd = cfg.fuse_threads > 1;
+        // A mount is ready only when its findings are: the AECP catch-up is in the replica
+        // before the kernel can send the first lookup.
+        preload_aecp(&remote, &fs, AECP_PRELOAD_WAIT);
         let t_state = t0.elapsed();
         ensure_fusectl();
         let session =
@@ -845,6 +848,7 @@ impl Mount {
                                 self.apply_aecp(event);
                                 continue;
                             }
+                            StreamItem::Event(ExportEvent::AecpReady) => continue,
                             StreamItem::KeepAlive => continue,
                         };
                         match state {
@@ -1399,5 +1403,52 @@ fn raise_read_ahead(dev: u64) {
     );
     if let Err(e) = std::fs::write(&path, READ_AHEAD_KB.to_string()) {
         tracing::debug!(error = %e, path, "cannot raise the mount's read-ahead");
+    }
+}
+
+/// How long a mount waits for its AECP catch-up before it answers anyway (the event stream
+/// keeps applying what arrives later).
+pub const AECP_PRELOAD_WAIT: Duration = Duration::from_secs(10);
+
+/// Reads the export's AECP catch-up into the replica before the mount answers: one event
+/// stream connection (`since` past every change: only the lease, the `aecp` events and
+/// `aecpReady`), read on a helper thread up to `aecpReady`, its end, or `wait`. The
+/// long-lived event reader connects afterwards and gets the same events again, which the
+/// replica applies idempotently.
+fn preload_aecp(remote: &Arc<dyn Remote>, fs: &Arc<AwcpFs>, wait: Duration) {
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<usize>();
+    let remote = remote.clone();
+    let fs = fs.clone();
+    let spawned = std::thread::Builder::new()
+        .name("awcpfs-aecp-preload".into())
+        .spawn(move || {
+            let mut applied = 0;
+            if let Ok(items) = remote.events_since(u64::MAX) {
+                for item in items {
+                    match item {
+                        StreamItem::Event(ExportEvent::Aecp { event }) => {
+                            fs.aecp().apply(event);
+                            applied += 1;
+                        }
+                        StreamItem::Event(ExportEvent::AecpReady) => break,
+                        StreamItem::Event(ExportEvent::Lease { state, .. })
+                            if state != LeaseState::Active =>
+                        {
+                            break;
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            let _ = done_tx.send(applied);
+        });
+    if spawned.is_err() {
+        return;
+    }
+    match done_rx.recv_timeout(wait) {
+        Ok(n) => tracing::debug!(events = n, "AECP catch-up read before mounting"),
+        Err(_) => tracing::warn!(
+            "AECP: the export's catch-up did not complete within {wait:?}; mounting anyway"
+        ),
     }
 }
