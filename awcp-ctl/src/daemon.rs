@@ -388,6 +388,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             ..aecp_hooks::policy::Policy::default()
         },
         local_witness: cfg.aecp_local_witness.clone(),
+        me: std::sync::OnceLock::new(),
     };
     // Hashes of files unchanged since an earlier delegation are reused, not recomputed.
     let hash_path = cfg.state_dir.join("hashes.bin");
@@ -481,6 +482,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         export_url,
         tasks: Mutex::new(Vec::new()),
     });
+    let _ = daemon.aecp.me.set(Arc::downgrade(&daemon));
     if daemon.store.shared() {
         // Beat before anything else, so no other daemon takes this one's delegations
         // while it restores them.

@@ -9,6 +9,7 @@ mod admission;
 mod aecp;
 mod aecp_contracts;
 mod aecp_flow;
+mod aecp_identity;
 mod aglx;
 mod auth;
 mod bad_input;
