@@ -292,6 +292,8 @@ impl RunningDaemon {
     /// Stop serving: end background tasks, close the listeners (open event streams are
     /// cut after a short grace).
     pub async fn stop(self) {
+        // Mounts listening to this daemon's event streams reconnect to the next one.
+        self.daemon.exports.close_streams();
         for t in self.daemon.tasks.lock().drain(..) {
             t.abort();
         }

@@ -10,6 +10,7 @@ mod aecp;
 mod aecp_contracts;
 mod aecp_flow;
 mod aecp_identity;
+mod aecp_restart;
 mod aglx;
 mod auth;
 mod bad_input;

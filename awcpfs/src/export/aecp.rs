@@ -52,6 +52,8 @@ pub struct AecpFeed {
     sink: Mutex<Option<DeliverySink>>,
     commit_sink: Mutex<Option<CommitSink>>,
     requests: Mutex<Option<RequestHandler>>,
+    /// Set when the serving process stops: every event stream of the export ends.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for AecpFeed {
@@ -70,6 +72,7 @@ impl Default for AecpFeed {
             sink: Mutex::new(None),
             commit_sink: Mutex::new(None),
             requests: Mutex::new(None),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -111,6 +114,18 @@ impl AecpFeed {
             pos: ev.0.len(),
         };
         (ev.0[from..].to_vec(), next)
+    }
+
+    /// Ends every event stream of this export (the daemon stops: its mounts reconnect to
+    /// whichever daemon serves the export next, instead of listening to a stopped one).
+    pub fn close_streams(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.seq.send_modify(|s| *s += 1);
+    }
+
+    /// Whether [`AecpFeed::close_streams`] was called.
+    pub fn streams_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Wakes on every push.

@@ -626,7 +626,9 @@ fn export_events(export: Arc<Export>, since: u64) -> impl Stream<Item = Result<E
                     }
                 }
                 changed = s.aecp.changed() => {
-                    if changed.is_ok() {
+                    if s.export.aecp().streams_closed() {
+                        s.done = true;
+                    } else if changed.is_ok() {
                         s.queue_aecp();
                     }
                 }
