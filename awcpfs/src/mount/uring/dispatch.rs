@@ -385,6 +385,16 @@ impl Adapter {
         }
     }
 
+    /// The timeout of an entry: zero for `.aecp/` and while an access to it would deliver
+    /// an AECP finding (the next `stat` or `open` must reach the mount), as in `fuse.rs`.
+    fn entry_ttl(&self, ino: u64) -> Duration {
+        if self.fs.aecp().pending_at(&self.fs.table, ino) {
+            Duration::ZERO
+        } else {
+            self.ttl_of(ino)
+        }
+    }
+
     /// Count a request of operation `name` and time it until the returned timer drops
     /// (the end of its arm in `Adapter::dispatch`).
     fn count(&self, name: &str) -> crate::mount::stats::OpTimer<'_> {
@@ -441,10 +451,11 @@ impl Adapter {
         match h.opcode {
             op::LOOKUP => {
                 let _op = self.count("lookup");
+                crate::mount::aecp::set_requester(h.pid);
                 let (n, _) = name(req.data)?;
                 match fs.lookup(ino, n) {
                     Ok(a) => {
-                        out.extend_from_slice(entry(self.ttl_of(a.ino.0), &a).bytes());
+                        out.extend_from_slice(entry(self.entry_ttl(a.ino.0), &a).bytes());
                         Ok(Reply::Ok)
                     }
                     // A negative entry, cached by the kernel for the entry TTL.
@@ -655,6 +666,8 @@ impl Adapter {
             op::READDIR | op::READDIRPLUS => {
                 let plus = h.opcode == op::READDIRPLUS;
                 let _op = self.count(if plus { "readdirplus" } else { "readdir" });
+                crate::mount::aecp::set_requester(h.pid);
+                fs.aecp().listed(ino);
                 let r: abi::ReadIn = arg(req)?;
                 let (entries, generation, start) = if r.fh == 0 {
                     fs.listing_at(ino, r.offset)
@@ -668,7 +681,9 @@ impl Adapter {
                     let name = rawname::to_bytes(&e.name);
                     let fitted = if plus {
                         let Ok(a) = fs.getattr(e.ino) else { continue };
-                        let eo = entry(self.ttl, &a);
+                        // An entry with a finding pending is not cached: the worker's
+                        // first `stat` or `open` of it must reach the observer.
+                        let eo = entry(self.entry_ttl(e.ino), &a);
                         push_dirent(out, max, Some(&eo), e.ino, off, a.kind, &name)
                     } else {
                         push_dirent(out, max, None, e.ino, off, kind_to_fuse(e.kind), &name)
@@ -687,7 +702,7 @@ impl Adapter {
             }
             op::FSYNCDIR => {
                 let _op = self.count("fsyncdir");
-                Self::unit(fs.access(fuser::INodeNo::ROOT.0, false))
+                Self::unit(fs.fsyncdir())
             }
             op::STATFS => {
                 let _op = self.count("statfs");
