@@ -61,7 +61,7 @@ pub enum StoreError {
 
 mod violations;
 
-pub use violations::StoredViolation;
+pub use violations::{HeldWrite, MAX_HELD_CONTENT, StoredViolation};
 
 fn sql(context: &'static str) -> impl FnOnce(rusqlite::Error) -> StoreError {
     move |source| StoreError::Sqlite { context, source }

@@ -1013,6 +1013,15 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
     {
         client = client.with_unix_socket(&sock);
     }
+    // Inside a task: `aecp` commands ask as this worker through its mount, unless a daemon
+    // URL or an API token was given (the owner's credential, which may act as any worker).
+    if matches!(cli.command, Command::Aecp { .. })
+        && daemon_is_default
+        && explicit_token.is_none()
+        && let Some(sock) = std::env::var_os("AECP_SOCKET").filter(|s| !s.is_empty())
+    {
+        client = client.with_worker_socket(std::path::Path::new(&sock));
+    }
     match cli.command {
         Command::Serve(a) => {
             let mut cfg = DaemonConfig::new(

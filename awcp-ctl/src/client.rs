@@ -13,6 +13,7 @@ use crate::sse::SseReader;
 use crate::watch::WatchEvent;
 
 mod contracts;
+mod worker;
 
 /// Why a daemon call failed.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +44,14 @@ pub enum ClientError {
         #[source]
         source: reqwest::Error,
     },
+    /// The worker channel (`$AECP_SOCKET`) failed.
+    #[error("asking through the worker's AECP socket {socket}: {message}")]
+    WorkerSocket {
+        /// The socket.
+        socket: String,
+        /// What went wrong.
+        message: String,
+    },
     /// The event stream broke.
     #[error("the event stream broke")]
     Stream {
@@ -66,6 +75,8 @@ pub struct DaemonClient {
     current: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     http: reqwest::Client,
     token: Option<String>,
+    /// The worker channel (`$AECP_SOCKET`): requests go through the worker's mount.
+    worker_socket: Option<std::path::PathBuf>,
 }
 
 impl DaemonClient {
@@ -88,7 +99,16 @@ impl DaemonClient {
                 .build()
                 .expect("building an HTTP client"),
             token: None,
+            worker_socket: None,
         }
+    }
+
+    /// Ask as a worker, through its mount's AECP socket (`$AECP_SOCKET` inside a task):
+    /// the mount forwards each request with its own credential, and the daemon acts as
+    /// that worker only. No URL or token is needed; only the AECP routes answer.
+    pub fn with_worker_socket(mut self, path: &std::path::Path) -> Self {
+        self.worker_socket = Some(path.to_path_buf());
+        self
     }
 
     /// Talk to the daemon over its Unix socket at `path` (`<state-dir>/api.sock`), where
@@ -196,6 +216,9 @@ impl DaemonClient {
         &self,
         rq: reqwest::RequestBuilder,
     ) -> Result<T, ClientError> {
+        if let Some(socket) = &self.worker_socket {
+            return worker::send(socket, rq).await;
+        }
         let resp = self.execute(rq).await?;
         let status = resp.status();
         if !status.is_success() {

@@ -306,6 +306,8 @@ impl RunningDaemon {
     /// Stop serving: end background tasks, close the listeners (open event streams are
     /// cut after a short grace).
     pub async fn stop(self) {
+        // Mounts listening to this daemon's event streams reconnect to the next one.
+        self.daemon.exports.close_streams();
         for t in self.daemon.tasks.lock().drain(..) {
             t.abort();
         }
@@ -410,6 +412,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
             ..aecp_hooks::policy::Policy::default()
         },
         local_witness: cfg.aecp_local_witness.clone(),
+        me: std::sync::OnceLock::new(),
     };
     // Hashes of files unchanged since an earlier delegation are reused, not recomputed.
     let hash_path = cfg.state_dir.join("hashes.bin");
@@ -506,6 +509,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         ui: Default::default(),
         tokens: Default::default(),
     });
+    let _ = daemon.aecp.me.set(Arc::downgrade(&daemon));
     if daemon.store.shared() {
         // Beat before anything else, so no other daemon takes this one's delegations
         // while it restores them.

@@ -608,6 +608,14 @@ impl Default for ExportRegistry {
 }
 
 impl ExportRegistry {
+    /// Ends the event streams of every export (the serving process stops: see
+    /// [`aecp::AecpFeed::close_streams`]).
+    pub fn close_streams(&self) {
+        for e in self.exports.read().values() {
+            e.aecp().close_streams();
+        }
+    }
+
     /// An empty registry; every registration hashes every file. Exports watch their tree
     /// and tell mounts about the Delegator's own changes (see [`without_watch`]).
     ///

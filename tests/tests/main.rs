@@ -9,6 +9,8 @@ mod admission;
 mod aecp;
 mod aecp_contracts;
 mod aecp_flow;
+mod aecp_identity;
+mod aecp_restart;
 mod aglx;
 mod auth;
 mod bad_input;

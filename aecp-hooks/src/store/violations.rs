@@ -22,7 +22,31 @@ CREATE TABLE IF NOT EXISTS aecp_violations (
     PRIMARY KEY (worker, path)
 );
 CREATE INDEX IF NOT EXISTS aecp_violations_ws ON aecp_violations(workspace);
+CREATE TABLE IF NOT EXISTS aecp_held (
+    workspace TEXT NOT NULL,
+    worker TEXT NOT NULL,
+    path TEXT NOT NULL,
+    content BLOB NOT NULL,
+    at_ms INTEGER NOT NULL,
+    PRIMARY KEY (worker, path)
+);
+CREATE INDEX IF NOT EXISTS aecp_held_ws ON aecp_held(workspace, path);
 ";
+
+/// The largest held content kept for re-screening (a larger held file is released only by
+/// a write-back that passes).
+pub const MAX_HELD_CONTENT: usize = 4 << 20;
+
+/// A write-back the screen held, with the content it held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldWrite {
+    /// The worker whose write-back it is.
+    pub worker: String,
+    /// The file.
+    pub path: String,
+    /// What it wrote.
+    pub content: Vec<u8>,
+}
 
 /// A current report of the commit screen.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,6 +93,69 @@ impl Store {
             )
             .map_err(sql("clearing a violation"))?;
         Ok(n > 0)
+    }
+
+    /// Keeps the content of `worker`'s held write-back of `path` (replacing an earlier one),
+    /// so that a revision can screen it again; content over [`MAX_HELD_CONTENT`] is not
+    /// kept (an earlier one is dropped).
+    pub fn set_held(
+        &self,
+        workspace: &str,
+        worker: &str,
+        path: &str,
+        content: &[u8],
+    ) -> Result<(), StoreError> {
+        let conn = self.conn.lock();
+        if content.len() > MAX_HELD_CONTENT {
+            conn.execute(
+                "DELETE FROM aecp_held WHERE worker = ?1 AND path = ?2",
+                params![worker, path],
+            )
+            .map_err(sql("forgetting a held write-back"))?;
+            return Ok(());
+        }
+        conn.execute(
+            "INSERT INTO aecp_held (workspace, worker, path, content, at_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT(worker, path) DO UPDATE SET workspace = excluded.workspace, content = excluded.content, at_ms = excluded.at_ms",
+            params![workspace, worker, path, content, now_ms() as i64],
+        )
+        .map_err(sql("keeping a held write-back"))?;
+        Ok(())
+    }
+
+    /// Forgets `worker`'s held write-back of `path`; whether there was one.
+    pub fn clear_held(&self, worker: &str, path: &str) -> Result<bool, StoreError> {
+        let n = self
+            .conn
+            .lock()
+            .execute(
+                "DELETE FROM aecp_held WHERE worker = ?1 AND path = ?2",
+                params![worker, path],
+            )
+            .map_err(sql("forgetting a held write-back"))?;
+        Ok(n > 0)
+    }
+
+    /// The held write-backs of `path` in a workspace (every worker's).
+    pub fn held_writes(&self, workspace: &str, path: &str) -> Result<Vec<HeldWrite>, StoreError> {
+        let conn = self.conn.lock();
+        let mut stmt = conn
+            .prepare(
+                "SELECT worker, path, content FROM aecp_held
+                 WHERE workspace = ?1 AND path = ?2 ORDER BY worker",
+            )
+            .map_err(sql("listing held write-backs"))?;
+        let rows = stmt
+            .query_map(params![workspace, path], |r| {
+                Ok(HeldWrite {
+                    worker: r.get(0)?,
+                    path: r.get(1)?,
+                    content: r.get(2)?,
+                })
+            })
+            .map_err(sql("listing held write-backs"))?;
+        rows.collect::<Result<_, _>>()
+            .map_err(sql("listing held write-backs"))
     }
 
     /// The current reports of a workspace (of one worker, if given), by worker and path.
@@ -177,6 +264,40 @@ mod tests {
         assert!(s.clear_violation("A", "pkg/a.py").unwrap());
         assert!(!s.clear_violation("A", "pkg/a.py").unwrap());
         assert!(s.violations("/ws", Some("A")).unwrap().is_empty());
+    }
+
+    #[test]
+    fn held_write_backs_survive_a_reopen_and_are_cleared() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("delegator.db");
+        {
+            let s = Store::open(&db).unwrap();
+            s.set_held("/ws", "A", "pkg/a.py", b"def f(x): ...\n")
+                .unwrap();
+            s.set_held("/ws", "A", "pkg/a.py", b"def f(y): ...\n")
+                .unwrap();
+            s.set_held("/ws", "B", "pkg/a.py", b"B's\n").unwrap();
+            s.set_held("/ws", "B", "pkg/b.py", b"other\n").unwrap();
+            s.set_violation("/ws", "A", "pkg/a.py", &serde_json::json!({"held": true}))
+                .unwrap();
+        }
+        // A restarted daemon opens the same file.
+        let s = Store::open(&db).unwrap();
+        let held = s.held_writes("/ws", "pkg/a.py").unwrap();
+        assert_eq!(held.len(), 2);
+        assert_eq!(
+            (held[0].worker.as_str(), held[0].content.as_slice()),
+            ("A", b"def f(y): ...\n".as_slice()),
+            "the newest content replaces the last"
+        );
+        assert_eq!(s.violations("/ws", Some("A")).unwrap().len(), 1);
+        assert!(s.clear_held("A", "pkg/a.py").unwrap());
+        assert!(!s.clear_held("A", "pkg/a.py").unwrap());
+        assert_eq!(s.held_writes("/ws", "pkg/a.py").unwrap().len(), 1);
+        // Too large to keep: dropped, not kept stale.
+        s.set_held("/ws", "B", "pkg/a.py", &vec![b'#'; MAX_HELD_CONTENT + 1])
+            .unwrap();
+        assert!(s.held_writes("/ws", "pkg/a.py").unwrap().is_empty());
     }
 
     #[test]

@@ -402,6 +402,10 @@ async fn declare(
             StubOutcome::Written => {
                 println!("stub module written at {} in the workspace", r.module)
             }
+            StubOutcome::ReleasedImplementation => println!(
+                "{} held a write-back that keeps this revision: released in place of the stub",
+                r.module
+            ),
             StubOutcome::KeptImplementation => println!(
                 "{} already holds an implementation: no stub written (it is verified against this contract when written back)",
                 r.module

@@ -33,6 +33,7 @@ use axum::routing::{get, post};
 
 mod contracts;
 mod screen;
+mod worker;
 
 pub use contracts::{
     ConsumerRequest, DeclareRequest, DeclareResponse, ShowResponse, StubOutcome, VerifyRequest,
@@ -48,6 +49,8 @@ pub(crate) struct Aecp {
     pub(crate) policy: Policy,
     /// `Some("netns")`: witnesses may run on this machine (opted in, named sandbox).
     pub(crate) local_witness: Option<String>,
+    /// The daemon itself, for the worker channel's handlers (set once it is built).
+    pub(crate) me: std::sync::OnceLock<std::sync::Weak<Daemon>>,
 }
 
 /// `POST /aecp/publish` body.
@@ -321,6 +324,12 @@ impl Daemon {
         }
         events.extend(self.aecp_install_screen(id, &info.workspace, &export));
         export.aecp().replace(events);
+        // The worker channel: the agent asks through its mount, as this worker only.
+        if let Some(me) = self.aecp.me.get() {
+            export
+                .aecp()
+                .set_request_handler(worker::handler(me.clone(), id.to_owned()));
+        }
         let store = self.aecp.store.clone();
         let worker = id.to_owned();
         let workspace = info.workspace.clone();

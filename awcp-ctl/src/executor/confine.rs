@@ -225,6 +225,17 @@ pub(super) fn prepare_agent_dir(ex: &Executor, id: &str) -> std::io::Result<Path
     Ok(dir)
 }
 
+/// The secret of worker `id`'s AECP socket (`$AECP_TOKEN`, and the mount's
+/// `aecp_token`): agents of one user can connect to each other's sockets (Landlock does
+/// not govern connecting to a named socket), and a request on it acts as that worker, so
+/// each request carries this. A keyed hash of the delegation id under a key drawn at this
+/// process's start: an agent and its mount always come from the same process.
+pub(super) fn aecp_token(id: &str) -> String {
+    static KEY: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
+    let key = KEY.get_or_init(rand::random);
+    blake3::keyed_hash(key, id.as_bytes()).to_hex().to_string()
+}
+
 /// Remove the agent's own directory (its temporary files die with the delegation).
 pub(super) fn remove_agent_dir(ex: &Executor, id: &str) {
     let dir = agent_dir(ex, id);

@@ -349,6 +349,7 @@ pub(super) fn spawn_agent(
         )
         .env("AWCP_WORKSPACE", cwd)
         .env("AECP_SOCKET", super::confine::aecp_socket(ex, id))
+        .env("AECP_TOKEN", super::confine::aecp_token(id))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -883,6 +884,7 @@ fn mount_config(
     // everyone else out (the mount checks that it does, see awcpfs::mount::access).
     mcfg.access = ex.cfg.mount_access;
     mcfg.owner = ex.cfg.agent_user.as_ref().map(|u| (u.uid, u.gid));
+    mcfg.aecp_token = Some(super::confine::aecp_token(id));
     // The only resource's socket is the one AECP_SOCKET names, in the agent's own directory
     // (the state directory is closed to the agent); several resources keep theirs.
     if p.name.is_none() {

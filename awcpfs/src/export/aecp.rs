@@ -6,8 +6,11 @@
 //! (catch-up) and then each new one, as `aecp` events. The mount reports what it delivered
 //! with `POST /aecp/delivered`; the export hands that to the sink the daemon installed
 //! ([`AecpFeed::set_sink`]). The files each applied commit wrote go to the commit sink
-//! ([`AecpFeed::set_commit_sink`]): a worker owns what it wrote back. An export nobody pushed
-//! to costs an empty `Vec`.
+//! ([`AecpFeed::set_commit_sink`]): a worker owns what it wrote back. The worker's agent
+//! asks the daemon through its mount (`POST /aecp/request`, forwarded from the worker's AECP
+//! socket): the export hands the request to the handler the daemon installed
+//! ([`AecpFeed::set_request_handler`]), which acts as this export's worker and no other. An
+//! export nobody pushed to costs an empty `Vec`.
 
 use std::sync::Arc;
 
@@ -20,6 +23,14 @@ pub type DeliverySink = Arc<dyn Fn(serde_json::Value) + Send + Sync>;
 /// What a commit sink receives: the workspace-relative paths of the files one applied commit
 /// wrote (conflicting and held changes left out).
 pub type CommitSink = Arc<dyn Fn(&[String]) + Send + Sync>;
+
+/// What a request handler answers: an HTTP status and a JSON body.
+pub type RequestAnswer =
+    std::pin::Pin<Box<dyn std::future::Future<Output = (u16, serde_json::Value)> + Send + 'static>>;
+
+/// What a request handler receives: the raw `POST /aecp/request` body (`{"method", "path",
+/// "query", "body"}`), already checked to be JSON.
+pub type RequestHandler = Arc<dyn Fn(serde_json::Value) -> RequestAnswer + Send + Sync>;
 
 /// Most events one export keeps for catch-up (beyond it, the oldest are dropped: a replica
 /// is rebuilt by the daemon pushing a fresh snapshot, see [`AecpFeed::replace`]).
@@ -40,6 +51,9 @@ pub struct AecpFeed {
     seq: watch::Sender<u64>,
     sink: Mutex<Option<DeliverySink>>,
     commit_sink: Mutex<Option<CommitSink>>,
+    requests: Mutex<Option<RequestHandler>>,
+    /// Set when the serving process stops: every event stream of the export ends.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for AecpFeed {
@@ -57,6 +71,8 @@ impl Default for AecpFeed {
             seq: watch::channel(0).0,
             sink: Mutex::new(None),
             commit_sink: Mutex::new(None),
+            requests: Mutex::new(None),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -100,6 +116,18 @@ impl AecpFeed {
         (ev.0[from..].to_vec(), next)
     }
 
+    /// Ends every event stream of this export (the daemon stops: its mounts reconnect to
+    /// whichever daemon serves the export next, instead of listening to a stopped one).
+    pub fn close_streams(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.seq.send_modify(|s| *s += 1);
+    }
+
+    /// Whether [`AecpFeed::close_streams`] was called.
+    pub fn streams_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Wakes on every push.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.seq.subscribe()
@@ -113,6 +141,18 @@ impl AecpFeed {
     /// Where the files of applied commits go.
     pub fn set_commit_sink(&self, sink: CommitSink) {
         *self.commit_sink.lock() = Some(sink);
+    }
+
+    /// Where the worker's requests go (`POST /aecp/request`).
+    pub fn set_request_handler(&self, handler: RequestHandler) {
+        *self.requests.lock() = Some(handler);
+    }
+
+    /// A worker's request, answered by the daemon's handler; `None` when none is installed
+    /// (AECP is off for this export).
+    pub fn request(&self, request: serde_json::Value) -> Option<RequestAnswer> {
+        let handler = self.requests.lock().clone();
+        handler.map(|h| h(request))
     }
 
     /// One applied commit wrote `files` (nothing happens without a commit sink).
@@ -170,6 +210,23 @@ mod tests {
         assert!(f.delivered(serde_json::json!([{"id": 1, "revision": 1}])));
         assert_eq!(got.lock().len(), 1);
     }
+    #[tokio::test]
+    async fn requests_reach_the_handler() {
+        let f = AecpFeed::default();
+        assert!(f.request(serde_json::json!({})).is_none());
+        f.set_request_handler(Arc::new(|v| {
+            Box::pin(async move { (201, serde_json::json!({ "echo": v })) })
+        }));
+        let (status, body) = f
+            .request(serde_json::json!({"path": "/aecp/inbox"}))
+            .unwrap()
+            .await;
+        assert_eq!(
+            (status, body["echo"]["path"].as_str()),
+            (201, Some("/aecp/inbox"))
+        );
+    }
+
     #[test]
     fn written_files_reach_the_commit_sink() {
         let f = AecpFeed::default();

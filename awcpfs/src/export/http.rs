@@ -86,6 +86,7 @@ pub(crate) fn router(reg: ExportRegistry) -> Router {
         .route("/v1/exports/{id}/events", get(events))
         .route("/v1/exports/{id}/renew", post(renew))
         .route("/v1/exports/{id}/aecp/delivered", post(aecp_delivered))
+        .route("/v1/exports/{id}/aecp/request", post(aecp_request))
         .route_layer(from_fn_with_state((reg.clone(), Gate::Read), gate));
     let flush = Router::new()
         .route("/v1/exports/{id}/missing", post(missing))
@@ -600,6 +601,28 @@ async fn aecp_delivered(Extension(export): Extension<Arc<Export>>, req: Request)
     }
 }
 
+/// `POST /aecp/request`: the worker's agent asks the daemon through its mount (publish,
+/// flag, acknowledge, …); the daemon's handler answers as this export's worker. The answer
+/// is `{"status": N, "body": …}` (200 whatever the daemon said: the status is the daemon's
+/// word, not the data plane's). 404 when AECP is off for this export.
+async fn aecp_request(Extension(export): Extension<Arc<Export>>, req: Request) -> Response {
+    let body = match read_body(req, 4 << 20).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let request: serde_json::Value = match parse_json("aecp/request", &body) {
+        Ok(v) => v,
+        Err(e) => return e.into_response(),
+    };
+    match export.aecp().request(request) {
+        Some(answer) => {
+            let (status, body) = answer.await;
+            Json(serde_json::json!({ "status": status, "body": body })).into_response()
+        }
+        None => axum::http::StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
 /// One `lease` event now, then every change recorded after sequence `since` (`changed`
 /// events; 0: since registration); afterwards a `lease` event on every change of the lease and at its deadline and
 /// `changed` events as changes are seen. Ends after the first `lease` event whose state is
@@ -642,7 +665,9 @@ fn export_events(export: Arc<Export>, since: u64) -> impl Stream<Item = Result<E
                     }
                 }
                 changed = s.aecp.changed() => {
-                    if changed.is_ok() {
+                    if s.export.aecp().streams_closed() {
+                        s.done = true;
+                    } else if changed.is_ok() {
                         s.queue_aecp();
                     }
                 }

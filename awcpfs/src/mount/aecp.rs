@@ -486,11 +486,19 @@ pub fn invalidate(
 /// delivery and revision notice line to the clients of the worker's socket, and invalidates
 /// the `.aecp/` contents. The socket is made `owner`'s (uid, gid), if given, so that an
 /// agent running as that user can connect. Removes the socket at the end.
+///
+/// The socket is also the worker's credential: a client may send request lines
+/// (`{"kind": "request", "id", "method", "path", "query", "body"}`, see [`serve_requests`]);
+/// each is forwarded to the export with the mount's own credential and answered on the same
+/// connection as an `answer` line. The daemon acts on it as this mount's worker only. With
+/// `token`, a request line must carry it (`"token"`): only the worker's agent has it.
+#[allow(clippy::too_many_arguments)]
 pub fn report(
     fs: &super::fs::AwcpFs,
-    remote: &dyn super::remote::Remote,
+    remote: &std::sync::Arc<dyn super::remote::Remote>,
     socket: &std::path::Path,
     owner: Option<(u32, u32)>,
+    token: Option<String>,
     invalidate: impl Fn(),
     mut ended: impl FnMut() -> bool,
 ) {
@@ -514,7 +522,9 @@ pub fn report(
             None
         }
     };
-    let mut clients: Vec<std::os::unix::net::UnixStream> = Vec::new();
+    let over = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let token: Option<std::sync::Arc<str>> = token.map(Into::into);
+    let mut clients: Vec<SocketClient> = Vec::new();
     let mut unreported: Vec<serde_json::Value> = Vec::new();
     loop {
         let done = ended();
@@ -523,14 +533,25 @@ pub fn report(
                 let _ = c.set_nonblocking(false);
                 // A client that stops reading loses its connection, never stalls the others.
                 let _ = c.set_write_timeout(Some(Duration::from_secs(1)));
-                clients.push(c);
+                let reader = c.try_clone();
+                let client: SocketClient = std::sync::Arc::new(Mutex::new(c));
+                if let Ok(reader) = reader {
+                    let (client, remote, over) = (client.clone(), remote.clone(), over.clone());
+                    let token = token.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("awcpfs-aecp-req".into())
+                        .spawn(move || {
+                            serve_requests(reader, &client, &*remote, token.as_deref(), &over)
+                        });
+                }
+                clients.push(client);
             }
         }
         // Violation reports (held write-backs) go to the socket as they are, not as
         // deliveries (nothing to report back).
         let lines = fs.aecp().hook.take_lines();
         for line in &lines {
-            clients.retain_mut(|c| c.write_all(line.as_bytes()).is_ok());
+            clients.retain(|c| c.lock().write_all(line.as_bytes()).is_ok());
         }
         let batch: Vec<Note> = notes.try_iter().collect();
         if !lines.is_empty() && batch.is_empty() {
@@ -552,7 +573,7 @@ pub fn report(
                         continue;
                     }
                 };
-                clients.retain_mut(|c| c.write_all(line.as_bytes()).is_ok());
+                clients.retain(|c| c.lock().write_all(line.as_bytes()).is_ok());
             }
             invalidate();
         }
@@ -572,7 +593,134 @@ pub fn report(
             break;
         }
     }
+    over.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = std::fs::remove_file(socket);
+}
+
+/// One connection to the worker's socket: deliveries and answers are written whole lines
+/// at a time under its lock.
+type SocketClient = std::sync::Arc<Mutex<std::os::unix::net::UnixStream>>;
+
+/// The longest request line a socket client may send.
+pub const MAX_REQUEST_LINE: usize = 4 << 20;
+
+/// Reads a socket client's lines until it hangs up (or the mount ends): each
+/// `{"kind": "request", "id": …, "method", "path", "query", "body"}` line is forwarded to
+/// the export (`POST /aecp/request`, the mount's credential) and answered on the same
+/// connection as `{"kind": "answer", "id": …, "status": N, "body": …}`; other lines are
+/// ignored. A line longer than [`MAX_REQUEST_LINE`] is answered with 413 and ends the
+/// connection; a line that is not JSON is answered with 400; with `token`, a request
+/// without it (`"token"`) is answered with 401 and never forwarded.
+pub fn serve_requests(
+    reader: std::os::unix::net::UnixStream,
+    client: &Mutex<std::os::unix::net::UnixStream>,
+    remote: &dyn super::remote::Remote,
+    token: Option<&str>,
+    over: &std::sync::atomic::AtomicBool,
+) {
+    use std::io::{BufRead as _, Write as _};
+    let _ = reader.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut reader = std::io::BufReader::new(reader);
+    let mut line = Vec::new();
+    let answer = |id: &serde_json::Value, status: u16, body: serde_json::Value| {
+        let mut text =
+            serde_json::json!({"kind": "answer", "id": id, "status": status, "body": body})
+                .to_string();
+        text.push('\n');
+        client.lock().write_all(text.as_bytes()).is_ok()
+    };
+    loop {
+        if over.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) => return,
+            Ok(_) if line.ends_with(b"\n") => {}
+            Ok(_) => return, // the end, without a newline
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                if line.len() > MAX_REQUEST_LINE {
+                    answer(
+                        &serde_json::Value::Null,
+                        413,
+                        serde_json::json!({"error": format!("a request line is at most {MAX_REQUEST_LINE} bytes")}),
+                    );
+                    return;
+                }
+                continue;
+            }
+            Err(_) => return,
+        }
+        let text = std::mem::take(&mut line);
+        if text.len() > MAX_REQUEST_LINE {
+            answer(
+                &serde_json::Value::Null,
+                413,
+                serde_json::json!({"error": format!("a request line is at most {MAX_REQUEST_LINE} bytes")}),
+            );
+            return;
+        }
+        let v: serde_json::Value = match serde_json::from_slice(&text) {
+            Ok(v) => v,
+            Err(e) => {
+                if !answer(
+                    &serde_json::Value::Null,
+                    400,
+                    serde_json::json!({"error": format!("a request line is one JSON object: {e}")}),
+                ) {
+                    return;
+                }
+                continue;
+            }
+        };
+        if v["kind"] != "request" {
+            continue;
+        }
+        if let Some(want) = token {
+            let given = v["token"].as_str().unwrap_or("");
+            let same = given.len() == want.len()
+                && given
+                    .bytes()
+                    .zip(want.bytes())
+                    .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+                    == 0;
+            if !same {
+                let _ = answer(
+                    &v["id"],
+                    401,
+                    serde_json::json!({
+                        "error": "this socket's requests need its worker's AECP_TOKEN",
+                        "hint": "the Executor gives each agent its own AECP_SOCKET and AECP_TOKEN; \
+                                 awcp-ctl sends them without flags",
+                    }),
+                );
+                continue;
+            }
+        }
+        let forward = serde_json::json!({
+            "method": v["method"],
+            "path": v["path"],
+            "query": v["query"],
+            "body": v["body"],
+        });
+        let (status, body) = match remote.aecp_request(&forward) {
+            Ok(a) => a,
+            Err(e) => (
+                502,
+                serde_json::json!({
+                    "error": format!("the mount could not ask the Delegator: {e}"),
+                    "hint": "the worker's requests go through its mount: is the task still running?",
+                }),
+            ),
+        };
+        if !answer(&v["id"], status, body) {
+            return;
+        }
+    }
 }
 
 /// Answers an `open` of a virtual file: direct I/O (every read reaches [`MountAecp::read`],

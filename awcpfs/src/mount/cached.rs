@@ -262,6 +262,13 @@ impl Remote for CachedRemote {
     fn aecp_delivered(&self, report: &serde_json::Value) -> Result<(), RemoteError> {
         self.inner.aecp_delivered(report)
     }
+
+    fn aecp_request(
+        &self,
+        request: &serde_json::Value,
+    ) -> Result<(u16, serde_json::Value), RemoteError> {
+        self.inner.aecp_request(request)
+    }
 }
 
 #[cfg(test)]

@@ -162,6 +162,17 @@ pub trait Remote: Send + Sync {
     fn aecp_delivered(&self, _report: &serde_json::Value) -> Result<(), RemoteError> {
         Ok(())
     }
+
+    /// AECP: the worker's agent asks the daemon (`POST /aecp/request`); the daemon's
+    /// status and JSON body. A remote without AECP refuses.
+    fn aecp_request(
+        &self,
+        _request: &serde_json::Value,
+    ) -> Result<(u16, serde_json::Value), RemoteError> {
+        Err(RemoteError::Protocol {
+            what: "this mount's export has no AECP".into(),
+        })
+    }
 }
 
 /// Blocks fetched from the block tier (presigned URLs of an object store, see
@@ -982,6 +993,32 @@ impl Remote for HttpRemote {
             .send_json(report)
             .map_err(|e| self.map_err(e))?;
         Ok(())
+    }
+
+    fn aecp_request(
+        &self,
+        request: &serde_json::Value,
+    ) -> Result<(u16, serde_json::Value), RemoteError> {
+        // A publication or a flag waits for its witness (at most 10 minutes): its own
+        // agent, bounded above that, not by the read timeout.
+        let agent = ureq::AgentBuilder::new()
+            .timeout_connect(self.timeout.min(Duration::from_secs(5)))
+            .timeout(Duration::from_secs(15 * 60))
+            .build();
+        let answer: serde_json::Value = agent
+            .post(&format!("{}/aecp/request", self.base))
+            .set("Authorization", &self.auth)
+            .send_json(request)
+            .map_err(|e| self.map_err(e))?
+            .into_json()
+            .map_err(|source| RemoteError::Io { source })?;
+        let status = answer["status"]
+            .as_u64()
+            .and_then(|s| u16::try_from(s).ok())
+            .ok_or_else(|| RemoteError::Protocol {
+                what: "an AECP answer without a status".into(),
+            })?;
+        Ok((status, answer["body"].clone()))
     }
 }
 

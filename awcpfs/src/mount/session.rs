@@ -94,6 +94,10 @@ pub struct MountConfig {
     /// `<state_dir>/`[`super::aecp::SOCKET_NAME`]); it is made `owner`'s, so that an agent
     /// running as that user can connect.
     pub aecp_socket: Option<PathBuf>,
+    /// The secret a request line on the AECP socket must carry (`"token"`), handed to the
+    /// agent alone (`$AECP_TOKEN`): agents of one user can reach each other's sockets, and
+    /// a request acts as this mount's worker. `None`: requests need none.
+    pub aecp_token: Option<String>,
 }
 
 impl MountConfig {
@@ -129,6 +133,7 @@ impl MountConfig {
             access: super::MountAccess::default(),
             owner: None,
             aecp_socket: None,
+            aecp_token: None,
         }
     }
 }
@@ -628,6 +633,7 @@ impl Mount {
                     .clone()
                     .unwrap_or_else(|| m.inner.cfg.state_dir.join(super::aecp::SOCKET_NAME));
                 let owner = m.inner.cfg.owner;
+                let token = m.inner.cfg.aecp_token.clone();
                 let invalidate = || {
                     if let Some(s) = m.inner.session.lock().as_ref() {
                         super::aecp::invalidate(&m.inner.fs, &s.notifier(), None);
@@ -636,9 +642,10 @@ impl Mount {
                 let ended = || m.wait(super::aecp::REPORT_EVERY).is_some();
                 super::aecp::report(
                     &m.inner.fs,
-                    &*m.inner.remote,
+                    &m.inner.remote,
                     &socket,
                     owner,
+                    token,
                     invalidate,
                     ended,
                 );

@@ -58,6 +58,9 @@ pub enum StubOutcome {
     Written,
     /// Not written: an implementation (a file without the stub marker) is at the path.
     KeptImplementation,
+    /// Not written: a write-back held against the previous revision keeps this one, and is
+    /// released in its place (its mount sends it again; the stub stays as it was until then).
+    ReleasedImplementation,
 }
 
 /// The answer to a declaration or revision.
@@ -276,7 +279,16 @@ impl Daemon {
             .store
             .put_contract(&info.workspace, &module, &body, &req.worker)
             .map_err(store_err)?;
-        let stub = write_stub(&info.root, &module, &stub::generate(&contract)).map_err(|e| {
+        // Write-backs held against the previous revision are screened against this one;
+        // one that passes is released in place of the new stub (rewriting the stub first
+        // would change the base it was written on, and make its release a conflict).
+        let released = self.aecp_rescreen_held(&info.workspace, &module);
+        let stub = if released {
+            Ok(StubOutcome::ReleasedImplementation)
+        } else {
+            write_stub(&info.root, &module, &stub::generate(&contract))
+        };
+        let stub = stub.map_err(|e| {
             refuse(
                 500,
                 format!("the contract for {module} is stored (revision {revision}), but writing its stub in the workspace failed: {e}"),

@@ -131,6 +131,16 @@ impl CommitScreen for DaemonScreen {
                     detail: detail.clone(),
                 });
                 tracing::info!(worker, path, held, cause = ?r.cause, "AECP: write-back screened");
+                // The held content is kept (it survives a restart): a revision screens it
+                // again and releases it if it passes.
+                let kept = if held {
+                    self.store.set_held(&self.workspace, worker, path, content)
+                } else {
+                    self.store.clear_held(worker, path).map(|_| ())
+                };
+                if let Err(e) = kept {
+                    tracing::warn!(error = %e, "AECP: recording a held write-back failed");
+                }
                 if held {
                     return Screening::Hold {
                         reason: r.sentence(),
@@ -139,6 +149,7 @@ impl CommitScreen for DaemonScreen {
                 }
             }
             None => {
+                let _ = self.store.clear_held(worker, path);
                 if self.store.clear_violation(worker, path).unwrap_or(false) {
                     tracing::info!(
                         worker,
@@ -220,6 +231,7 @@ impl Daemon {
                 .clear_violation(worker, &v.path)
                 .unwrap_or(false)
             {
+                let _ = self.aecp.store.clear_held(worker, &v.path);
                 released.push(v.path);
             }
         }
@@ -238,6 +250,119 @@ impl Daemon {
                 );
             }
             self.aecp_push_to(&live, &IndexEvent::Released { paths: released });
+        }
+    }
+
+    /// After a revision of `module`'s contract: every write-back of it held (by any worker
+    /// of the workspace, kept in the store across restarts) is screened again against the
+    /// new revision. One that passes now is released — its report cleared (or replaced by a
+    /// leftover-stub report), and its mount sends it again at once, to be screened and
+    /// applied; one that still fails gets the new revision's report. Whether any was
+    /// released.
+    pub(crate) fn aecp_rescreen_held(&self, workspace: &str, module: &str) -> bool {
+        let held = match self.aecp.store.held_writes(workspace, module) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(error = %e, "AECP: cannot list held write-backs to screen again");
+                return false;
+            }
+        };
+        if held.is_empty() {
+            return false;
+        }
+        let screen = self.screen_for(workspace);
+        let Some((contract, revision)) = screen.contract_of(module) else {
+            return false;
+        };
+        let mut released = false;
+        for h in held {
+            let source = String::from_utf8_lossy(&h.content);
+            let stale = if screen.hold_stale {
+                self.aecp
+                    .store
+                    .stale_modules(workspace, &h.worker)
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            let j = judge(module, &source, Some((&contract, revision)), &stale);
+            let held_now = j.holds();
+            if let Some(report) = &j.verified {
+                let verdict = serde_json::json!({
+                    "revision": revision,
+                    "verdict": report.verdict.as_str(),
+                    "violations": report.violations,
+                    "on": "revision",
+                    "held": held_now,
+                });
+                let _ = self
+                    .aecp
+                    .store
+                    .record_verdict(workspace, module, &h.worker, &verdict);
+            }
+            let live = self.get_live(&h.worker);
+            let report = j.report.as_ref().map(|r| {
+                serde_json::to_value(ScreenReport {
+                    at_ms: aecp_hooks::store::now_ms(),
+                    ..r.clone()
+                })
+                .unwrap_or_default()
+            });
+            match &report {
+                Some(detail) => {
+                    let _ = self
+                        .aecp
+                        .store
+                        .set_violation(workspace, &h.worker, module, detail);
+                    if let Some(l) = &live {
+                        self.aecp_push_to(
+                            l,
+                            &IndexEvent::Violation {
+                                module: module.to_owned(),
+                                detail: detail.clone(),
+                            },
+                        );
+                    }
+                }
+                None => {
+                    let _ = self.aecp.store.clear_violation(&h.worker, module);
+                    if let Some(l) = &live {
+                        self.aecp_push_to(
+                            l,
+                            &IndexEvent::ViolationCleared {
+                                module: module.to_owned(),
+                                at_ms: aecp_hooks::store::now_ms(),
+                            },
+                        );
+                    }
+                }
+            }
+            if held_now {
+                tracing::info!(worker = %h.worker, module, revision, "AECP: a held write-back still fails the revised contract");
+                continue;
+            }
+            let _ = self.aecp.store.clear_held(&h.worker, module);
+            released = true;
+            tracing::info!(worker = %h.worker, module, revision, "AECP: the revised contract releases a held write-back");
+            if let Some(l) = &live {
+                self.aecp_push_to(
+                    l,
+                    &IndexEvent::Released {
+                        paths: vec![module.to_owned()],
+                    },
+                );
+            }
+        }
+        released
+    }
+
+    /// A screen over `workspace` (for [`DaemonScreen::contract_of`] outside a commit).
+    fn screen_for(&self, workspace: &str) -> DaemonScreen {
+        DaemonScreen {
+            store: self.aecp.store.clone(),
+            workspace: workspace.to_owned(),
+            hold_stale: self.aecp.policy.hold_stale_writebacks,
+            export: Weak::new(),
         }
     }
 
