@@ -687,7 +687,7 @@ impl Adapter {
             }
             op::FSYNCDIR => {
                 let _op = self.count("fsyncdir");
-                Self::unit(fs.access(fuser::INodeNo::ROOT.0, false))
+                Self::unit(fs.fsyncdir())
             }
             op::STATFS => {
                 let _op = self.count("statfs");
