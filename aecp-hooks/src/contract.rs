@@ -373,8 +373,10 @@ impl Contract {
                 }
                 // A decorator the verifier can match is a (dotted) name, optionally called
                 // (`property`, `functools.lru_cache(maxsize=None)`); `a @ b` is not.
+                // No space inside the dotted name: the verifier compares it as written, so
+                // `functools. lru_cache` would never match a definition's decorator.
                 let head = d.split('(').next().unwrap_or(d).trim();
-                if !head.split('.').all(|part| is_identifier(part.trim())) {
+                if !head.split('.').all(is_identifier) {
                     return Err(self.invalid(
                         &path,
                         format!("decorator `{d}`: name it (`name`, `mod.name`, `mod.name(…)`)"),
