@@ -257,17 +257,27 @@ impl Proxy {
         }
     }
 
-    /// Wait until `n` event-stream connects were seen; returns their request lines.
+    /// Wait until `n` event-stream connects were seen; returns their request lines. The
+    /// mount's one-shot read of the AECP findings at start (`since=` the largest sequence:
+    /// no changes, only the findings and their end marker) is not an event stream of the
+    /// mount's and is left out.
     fn wait_event_requests(&self, n: usize) -> Vec<String> {
+        let streams = |all: &[String]| -> Vec<String> {
+            let preload = format!("since={}", u64::MAX);
+            all.iter()
+                .filter(|r| !r.contains(&preload))
+                .cloned()
+                .collect()
+        };
         let deadline = Instant::now() + PATIENCE;
         let mut st = self.ctl.0.lock();
-        while st.event_requests.len() < n {
+        while streams(&st.event_requests).len() < n {
             assert!(
                 !self.ctl.1.wait_until(&mut st, deadline).timed_out(),
                 "timed out waiting for event-stream connect {n}"
             );
         }
-        st.event_requests.clone()
+        streams(&st.event_requests)
     }
 
     /// Wait until what the event streams passed on to the mount contains `needle`.

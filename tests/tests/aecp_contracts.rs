@@ -40,8 +40,8 @@ async fn declare_writes_a_stub_the_mount_imports_and_revise_marks_consumers_stal
     // The worker waits for the stub on its mount, imports it, then waits to be let go.
     let agent = format!(
         r#"i=0; while [ ! -e pkg/acct.py ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done
-        python3 -c 'import pkg.acct as m; print(m.__aecp_stub__, m.open_account.__name__)' > {o}/imported.tmp 2>&1
-        mv {o}/imported.tmp {o}/imported
+        python3 -c 'import pkg.acct as m; print(m.__aecp_stub__, m.open_account.__name__)' > {o}/imported.$AWCP_DELEGATION_ID.tmp 2>&1
+        mv {o}/imported.$AWCP_DELEGATION_ID.tmp {o}/imported.$AWCP_DELEGATION_ID
         while [ ! -e {o}/go ]; do sleep 0.05; done"#,
         o = out.path().display()
     );
@@ -51,9 +51,12 @@ async fn declare_writes_a_stub_the_mount_imports_and_revise_marks_consumers_stal
     std::fs::create_dir_all(repo.join("pkg")).unwrap();
     std::fs::write(repo.join("pkg/__init__.py"), "").unwrap();
     let id = h.delegate(&repo, AccessMode::Rw, 600).await;
+    // The contract's producer: another worker of the workspace (a worker is never made
+    // stale by its own revision).
+    let producer = h.delegate(&repo, AccessMode::Rw, 600).await;
 
     let declare = |interface: &str| DeclareRequest {
-        worker: id.clone(),
+        worker: producer.clone(),
         module: "pkg/acct.py".into(),
         interface: Some(interface.to_owned()),
         contract: None,
@@ -70,10 +73,14 @@ async fn declare_writes_a_stub_the_mount_imports_and_revise_marks_consumers_stal
 
     // The worker's mount sees the stub and imports the declared interface.
     assert!(
-        appears(&out.path().join("imported"), Duration::from_secs(60)).await,
+        appears(
+            &out.path().join(format!("imported.{id}")),
+            Duration::from_secs(60)
+        )
+        .await,
         "the worker never imported the stub"
     );
-    let imported = std::fs::read_to_string(out.path().join("imported")).unwrap();
+    let imported = std::fs::read_to_string(out.path().join(format!("imported.{id}"))).unwrap();
     assert_eq!(imported.trim(), "pkg/acct.py open_account", "{imported}");
 
     // Declaring again is refused (revise instead); a bad module path is refused.
@@ -404,9 +411,12 @@ async fn screen_holds_a_stale_consumers_importing_file_until_it_acknowledges() {
     let mount = h.mountpoint(&id);
     let wait = Duration::from_secs(60);
     assert!(eventually(wait, || mount.join("pkg/__init__.py").exists()).await);
+    // The contract's producer: another worker of the workspace (a worker is never made
+    // stale by its own revision).
+    let producer = h.delegate(&repo, AccessMode::Rw, 600).await;
 
     let declare = |interface: &str| DeclareRequest {
-        worker: id.clone(),
+        worker: producer.clone(),
         module: "pkg/acct.py".into(),
         interface: Some(interface.to_owned()),
         contract: None,
