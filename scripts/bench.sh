@@ -29,7 +29,8 @@ usage: bash scripts/bench.sh [options]
                       git status/log, grep searches, reading the hits, a test run, sed
                       edits, git diff, git status, the tests again, a commit) on native,
                       awcpfs as mounted by default, awcpfs with the other writeback-cache
-                      setting (--replay-alt), and sshfs - the headline figure;
+                      setting (--replay-alt), awcpfs with git's fsmonitor as the Executor
+                      hands it to agents, and sshfs - the headline figure;
                       gitfsm: git status warm, after the dentries were dropped, and on a
                       fresh mount, with git's fsmonitor served by the mount against
                       without it and against native ext4;
@@ -1177,6 +1178,8 @@ wl_aecp() {
 REPLAY_N=0
 REPLAY_CMD="sh '$HELPERS/replay.sh' \"\$(cat '$RUN/replay-n')\" '$HELPERS'"
 replay_next() { echo $((++REPLAY_N)) >"$RUN/replay-n"; }
+# git's settings as the Executor gives them to an agent (awcp-ctl/src/executor/fsmonitor.rs)
+REPLAY_EXEC_CMD="env GIT_CONFIG_COUNT=3 GIT_CONFIG_KEY_0=core.fsmonitor GIT_CONFIG_VALUE_0='$AWCPFS fsmonitor' GIT_CONFIG_KEY_1=core.fsmonitorHookVersion GIT_CONFIG_VALUE_1=2 GIT_CONFIG_KEY_2=core.untrackedCache GIT_CONFIG_VALUE_2=true $REPLAY_CMD"
 wl_replay() {
     log "workload: agent-session replay (default mount vs ${REPLAY_ALT})"
     local d_alt=$DATA/awcpfs-alt d base
@@ -1186,22 +1189,30 @@ wl_replay() {
     cp -a "$D_AW/repo" "$d_alt/repo"
     replay_next
     warm_setup repo "$REPLAY_CMD"
-    local alt_ok=0
+    local alt_ok=0 exec_ok=0 d_exec=$DATA/awcpfs-exec
     MOUNT_EXTRA[replayalt]=$REPLAY_ALT
     awcpfs_up replayalt "$d_alt/repo" && warmup awcpfs-alt "$MNT/replayalt" "$REPLAY_CMD" && alt_ok=1
+    # The mount as the Executor hands it to an agent: the default mount, with git's
+    # fsmonitor served by it (the settings the Executor puts in the agent's environment).
+    rm -rf "$d_exec"
+    mkdir -p "$d_exec"
+    cp -a "$D_AW/repo" "$d_exec/repo"
+    awcpfs_up replayexec "$d_exec/repo" && warmup awcpfs-exec "$MNT/replayexec" "$REPLAY_EXEC_CMD" && exec_ok=1
     local v prep
     for v in warm ttl; do
         [[ $v == warm ]] && prep=replay_next || prep="replay_next && after_ttl"
         cell replay "$v"
         warm_arms repo "$prep" "$REPLAY_CMD"
         if ((alt_ok)); then arm awcpfs-alt "$MNT/replayalt" "$prep" "$REPLAY_CMD"; else record replay "$v" awcpfs-alt s fail; fi
+        if ((exec_ok)); then arm awcpfs-exec "$MNT/replayexec" "$prep" "$REPLAY_EXEC_CMD"; else record replay "$v" awcpfs-exec s fail; fi
         run_cell
     done
     echo "$REPLAY_ALT" >"$RUN/replay-alt"
+    awcpfs_down replayexec
     awcpfs_down replayalt
     awcpfs_down repo
     unset "MOUNT_EXTRA[replayalt]"
-    rm -rf "$d_alt"
+    rm -rf "$d_alt" "$d_exec"
     # the copies' repositories carry the replay's commits: back to the dataset's state
     for d in "$D_NAT" "$D_AW" "$D_SSH"; do
         git -C "$d/repo" reset -q --hard "$base"

@@ -308,7 +308,9 @@ def replay_tables(data, files, runs, meta):
     default = meta.get("mount_opts") or "default mount"
     alt = meta.get("replay_alt", "--writeback-cache")
     t = arms_table(data, "replay", [("native", "native"), ("awcpfs", f"awcpfs ({default})"),
-                                    ("awcpfs-alt", f"awcpfs {alt}"), ("sshfs", "sshfs")],
+                                    ("awcpfs-alt", f"awcpfs {alt}"),
+                                    ("awcpfs-exec", "awcpfs + fsmonitor (as the Executor gives it)"),
+                                    ("sshfs", "sshfs")],
                    {"warm": "agent-session replay, warm",
                     "ttl": "agent-session replay, dentries + inodes dropped before each run"},
                    runs)
