@@ -13,6 +13,7 @@
 
 pub mod access;
 pub mod aecp;
+mod backing;
 pub mod budget;
 pub mod cached;
 pub mod changes;

@@ -3,7 +3,6 @@
 //! Nothing here is worth a unit test: all logic is in `fs.rs` and `content.rs`, and the
 //! errno of every failure comes from [`FsError::errno`](super::error::FsError::errno).
 
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::path::Path;
 use std::sync::Arc;
@@ -11,7 +10,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use awcp_protocol::rawname;
-use parking_lot::Mutex;
 
 use fuser::{
     AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
@@ -20,6 +18,7 @@ use fuser::{
     ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
+use super::backing::BackingTable;
 use super::content::{OpenMode, SetAttr};
 use super::fs::{AwcpFs, kind_to_fuse};
 use super::posix::XattrReply;
@@ -84,8 +83,8 @@ pub struct FuseAdapter {
     fs: Arc<AwcpFs>,
     ttl: Duration,
     want_passthrough: bool,
-    /// Set in `init` when the kernel accepted passthrough.
-    passthrough: AtomicBool,
+    /// Passthrough's backing files (`init` turns it on when the kernel accepts it).
+    backing: BackingTable<BackingId>,
     want_no_opendir: bool,
     /// Set in `init` when the kernel opens directories without asking once told `ENOSYS`.
     no_opendir: AtomicBool,
@@ -94,12 +93,6 @@ pub struct FuseAdapter {
     no_open: bool,
     /// Ask for the kernel's writeback cache (see [`KernelOptions::writeback_cache`]).
     want_writeback: bool,
-    /// Backing ids of passthrough handles, dropped (closed) at release.
-    /// Backing ids of passthrough inodes (one per inode: the kernel refuses a second open
-    /// of an inode with a different backing file, with EIO) and how many handles use each.
-    backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
-    /// Passthrough handles and their inodes.
-    pt_handles: Mutex<HashMap<u64, u64>>,
 }
 
 impl FuseAdapter {
@@ -109,13 +102,11 @@ impl FuseAdapter {
             fs,
             ttl: opts.ttl,
             want_passthrough: opts.passthrough,
-            passthrough: AtomicBool::new(false),
+            backing: BackingTable::new(),
             want_no_opendir: opts.no_opendir,
             no_opendir: AtomicBool::new(false),
             no_open: opts.no_open && !opts.passthrough,
             want_writeback: opts.writeback_cache && !opts.passthrough,
-            backing: Mutex::new(HashMap::new()),
-            pt_handles: Mutex::new(HashMap::new()),
         }
     }
 
@@ -155,11 +146,6 @@ impl FuseAdapter {
         }
     }
 
-    /// Whether files are opened with FUSE passthrough.
-    pub fn passthrough(&self) -> bool {
-        self.passthrough.load(Ordering::Relaxed)
-    }
-
     /// A negative entry: `lookup` of a missing name answered with inode 0 is cached by the
     /// kernel for the entry TTL (git probes many names that do not exist).
     fn negative_attr() -> FileAttr {
@@ -179,62 +165,6 @@ impl FuseAdapter {
             rdev: 0,
             blksize: 4096,
             flags: 0,
-        }
-    }
-
-    /// The backing id to open `fh` (of inode `ino`) with, registering the upper file with
-    /// the kernel if this inode has none yet. Only an inode nobody else has open starts
-    /// passthrough: the kernel does not mix passthrough and cached opens of one inode.
-    fn backing_for(
-        &self,
-        ino: u64,
-        fh: u64,
-        open: impl FnOnce(&std::fs::File) -> std::io::Result<BackingId>,
-    ) -> Option<Arc<BackingId>> {
-        if !self.passthrough() {
-            return None;
-        }
-        let mut backing = self.backing.lock();
-        let id = match backing.get_mut(&ino) {
-            Some((id, users)) => {
-                *users += 1;
-                id.clone()
-            }
-            None => {
-                if self.fs.open_handles_of(ino) != 1 {
-                    return None;
-                }
-                let handle = self.fs.handle(fh).ok()?;
-                match open(&handle.file) {
-                    Ok(id) => {
-                        let id = Arc::new(id);
-                        backing.insert(ino, (id.clone(), 1));
-                        id
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "FUSE passthrough refused; serving reads ourselves");
-                        self.passthrough.store(false, Ordering::Relaxed);
-                        return None;
-                    }
-                }
-            }
-        };
-        self.pt_handles.lock().insert(fh, ino);
-        self.fs.stats().add_passthrough_open();
-        Some(id)
-    }
-
-    /// A passthrough handle is released: drop the inode's backing id with its last user.
-    fn release_backing(&self, fh: u64) {
-        let Some(ino) = self.pt_handles.lock().remove(&fh) else {
-            return;
-        };
-        let mut backing = self.backing.lock();
-        if let Some((_, users)) = backing.get_mut(&ino) {
-            *users -= 1;
-            if *users == 0 {
-                backing.remove(&ino);
-            }
         }
     }
 }
@@ -348,7 +278,7 @@ impl Filesystem for FuseAdapter {
             let ok = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
                 // Depth 2: the state directory may itself be on a stacked fs (overlayfs).
                 && config.set_max_stack_depth(2).is_ok();
-            self.passthrough.store(ok, Ordering::Relaxed);
+            self.backing.set_enabled(ok);
             if !ok {
                 tracing::info!(
                     "the kernel lacks FUSE passthrough; serving reads and writes ourselves"
@@ -578,7 +508,9 @@ impl Filesystem for FuseAdapter {
                 // inode's size in step with writes it passes through, so writers stay on the
                 // ordinary path, where every write is seen.
                 if !mode.write
-                    && let Some(id) = self.backing_for(ino.0, fh, |f| reply.open_backing(f))
+                    && let Some(id) = self
+                        .backing
+                        .backing_for(&self.fs, ino.0, fh, |f| reply.open_backing(f))
                 {
                     return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
                 }
@@ -676,7 +608,7 @@ impl Filesystem for FuseAdapter {
         }
         let result = self.fs.release(fh.0);
         // Closing the backing id after the inode's last passthrough release.
-        self.release_backing(fh.0);
+        self.backing.release(fh.0);
         match result {
             Ok(()) => reply.ok(),
             Err(e) => reply_err!(reply, "release", e),

@@ -1074,9 +1074,21 @@ impl Mount {
     }
 
     /// Commit until nothing is left or the budget runs out; true if everything is written.
+    /// Commit until nothing is left or the budget runs out; true if everything is written.
+    /// The budget bounds the retries, not a round: a round that committed when the budget
+    /// ran out is followed by one more, which finds nothing left unless the tree changed
+    /// under it. (Syncing the state disk before a commit can take most of a budget on a
+    /// disk busy with other writes; giving up right after a successful round would leave
+    /// nothing unsynced yet report the changes as kept.)
     fn final_flush(&self, budget: Duration) -> bool {
         let deadline = Instant::now() + budget;
+        let mut last_ok = false;
         loop {
+            if last_ok && Instant::now() >= deadline {
+                tracing::info!(
+                    "the final flush's budget ran out after a round that committed: one more round"
+                );
+            }
             match self.inner.syncer.round(true) {
                 Ok(r) if r.changes == 0 => {
                     // A file the Delegator's commit screen holds is not written back: it
@@ -1090,17 +1102,24 @@ impl Mount {
                     }
                     return held.is_empty();
                 }
-                Ok(_) => {}
+                Ok(_) if last_ok && Instant::now() >= deadline => {
+                    tracing::warn!(
+                        "the final flush's budget ran out with changes still to write back"
+                    );
+                    return false;
+                }
+                Ok(_) => last_ok = true,
                 Err(e) => {
                     self.inner.fs.stats.add_sync_error(e.to_string());
                     if e.is_fatal() || Instant::now() >= deadline {
                         tracing::warn!(error = %e, "final flush failed");
                         return false;
                     }
+                    last_ok = false;
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
-            if Instant::now() >= deadline {
+            if !last_ok && Instant::now() >= deadline {
                 return false;
             }
         }

@@ -2,7 +2,6 @@
 //! counterpart of `fuse.rs`, over decoded wire structs instead of fuser's callbacks. The
 //! transport (a ring entry or a `/dev/fuse` read) only moves the bytes.
 
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
@@ -12,9 +11,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use awcp_protocol::rawname;
 use fuser::{FileAttr, FileType};
-use parking_lot::Mutex;
 
 use super::abi::{self, Wire, fattr, fopen, init, op};
+use crate::mount::backing::BackingTable;
 use crate::mount::changes::InFlight;
 use crate::mount::content::{OpenMode, SetAttr};
 use crate::mount::fs::{AwcpFs, kind_to_fuse};
@@ -133,14 +132,10 @@ pub struct Adapter {
     opts: KernelOptions,
     no_open: bool,
     want_writeback: bool,
-    passthrough: AtomicBool,
     no_opendir: AtomicBool,
     dev: Arc<OwnedFd>,
-    /// Backing ids of passthrough inodes and how many handles use each (one per inode:
-    /// the kernel refuses a second open of an inode with another backing file).
-    backing: Mutex<HashMap<u64, (Arc<Backing>, usize)>>,
-    /// Passthrough handles and their inodes.
-    pt_handles: Mutex<HashMap<u64, u64>>,
+    /// Passthrough's backing files (`init` turns it on when the kernel accepts it).
+    backing: BackingTable<Backing>,
 }
 
 /// A name from a request: up to its NUL, which must be there.
@@ -268,11 +263,9 @@ impl Adapter {
             opts,
             no_open: opts.no_open && !opts.passthrough,
             want_writeback: opts.writeback_cache && !opts.passthrough,
-            passthrough: AtomicBool::new(false),
             no_opendir: AtomicBool::new(false),
             dev,
-            backing: Mutex::new(HashMap::new()),
-            pt_handles: Mutex::new(HashMap::new()),
+            backing: BackingTable::new(),
         }
     }
 
@@ -322,7 +315,7 @@ impl Adapter {
             self.fs.set_no_open();
         }
         let passthrough = self.opts.passthrough && flags & init::PASSTHROUGH != 0;
-        self.passthrough.store(passthrough, Ordering::Relaxed);
+        self.backing.set_enabled(passthrough);
         if self.opts.passthrough && !passthrough {
             tracing::info!("the kernel lacks FUSE passthrough; serving reads and writes ourselves");
         }
@@ -642,7 +635,7 @@ impl Adapter {
                     return Ok(Reply::Ok);
                 }
                 let result = fs.release(r.fh);
-                self.release_backing(r.fh);
+                self.backing.release(r.fh);
                 Self::unit(result)
             }
             op::FSYNC => {
@@ -811,60 +804,14 @@ impl Adapter {
         }
         let fh = fs.open(ino, mode).map_err(|e| errno(&e))?;
         if !mode.write
-            && let Some(id) = self.backing_for(ino, fh)
+            && let Some(id) = self
+                .backing
+                .backing_for(&self.fs, ino, fh, |f| Backing::open(&self.dev, f))
         {
             return Ok(Self::put_open(out, fh, fopen::PASSTHROUGH, id.id as i32));
         }
         let noflush = if mode.write { 0 } else { fopen::NOFLUSH };
         Ok(Self::put_open(out, fh, fopen::KEEP_CACHE | noflush, 0))
-    }
-
-    /// The backing id to open `fh` (of `ino`) with (see `fuse.rs`'s `backing_for`).
-    fn backing_for(&self, ino: u64, fh: u64) -> Option<Arc<Backing>> {
-        if !self.passthrough.load(Ordering::Relaxed) {
-            return None;
-        }
-        let mut backing = self.backing.lock();
-        let id = match backing.get_mut(&ino) {
-            Some((id, users)) => {
-                *users += 1;
-                id.clone()
-            }
-            None => {
-                if self.fs.open_handles_of(ino) != 1 {
-                    return None;
-                }
-                let handle = self.fs.handle(fh).ok()?;
-                match Backing::open(&self.dev, &handle.file) {
-                    Ok(id) => {
-                        let id = Arc::new(id);
-                        backing.insert(ino, (id.clone(), 1));
-                        id
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "FUSE passthrough refused; serving reads ourselves");
-                        self.passthrough.store(false, Ordering::Relaxed);
-                        return None;
-                    }
-                }
-            }
-        };
-        self.pt_handles.lock().insert(fh, ino);
-        self.fs.stats().add_passthrough_open();
-        Some(id)
-    }
-
-    fn release_backing(&self, fh: u64) {
-        let Some(ino) = self.pt_handles.lock().remove(&fh) else {
-            return;
-        };
-        let mut backing = self.backing.lock();
-        if let Some((_, users)) = backing.get_mut(&ino) {
-            *users -= 1;
-            if *users == 0 {
-                backing.remove(&ino);
-            }
-        }
     }
 }
 
