@@ -1,9 +1,13 @@
 //! Staged and discarded change sets are screened like live write-backs (issue 33).
 //!
+//! A producer (a live worker of the workspace) declares a contract; then a second worker, in
+//! a snapshot mode that keeps a change set, writes the module.
+//!
 //! * `staged`: the worker writes a module that breaks its contract. Its commit is screened
 //!   and reported to it as a live write-back's would be; applying the snapshot holds that
 //!   file with the live write-back's reason (the rest applies), and the file stays staged;
-//!   the revision that the held module keeps releases it, and the next apply writes it.
+//!   the producer's revision that the held module keeps releases it, and the next apply
+//!   writes it.
 //! * `discard`: the worker sees the same report while it works; once the change set is
 //!   discarded nothing of it is left behind — no report, no held content (a revision then
 //!   writes its stub as usual instead of releasing anything).
@@ -45,8 +49,31 @@ fn agent(dir: &Path) -> String {
     )
 }
 
-/// Delegates `ws` in `mode`, declares the contract as that worker, and waits until its
-/// stub is on the mount; then the agent writes [`IMPLEMENTATION`] over it.
+/// A producer: a live worker of `ws` that declares the contract (its stub is then in the
+/// workspace, and in the manifest of every delegation made after).
+async fn producer(h: &Harness, ws: &Path) -> String {
+    let p = h.delegate(ws, AccessMode::Rw, 600).await;
+    assert!(
+        eventually(WAIT, || h.mountpoint(&p).join("pkg/__init__.py").exists()).await,
+        "the producer's mount is not up"
+    );
+    h.client
+        .aecp_declare(
+            &declare(&p, "def open_account(owner: str) -> int: ...\n"),
+            false,
+        )
+        .await
+        .expect("declare");
+    assert!(
+        std::fs::read_to_string(ws.join("pkg/acct.py")).is_ok_and(|t| t.contains("__aecp_stub__")),
+        "no stub in the workspace"
+    );
+    p
+}
+
+/// Delegates `ws` in `mode` (a snapshot mode whose export keeps a change set), waits for
+/// the contract's stub on the mount, and has the agent write [`IMPLEMENTATION`] over it
+/// (and one unrelated file).
 async fn delegate_and_write(h: &Harness, out: &Path, ws: &Path, mode: SnapshotMode) -> String {
     let req = DelegateRequest {
         snapshot_mode: Some(mode),
@@ -62,21 +89,10 @@ async fn delegate_and_write(h: &Harness, out: &Path, ws: &Path, mode: SnapshotMo
         .to_string();
     let mount = h.mountpoint(&id);
     assert!(
-        eventually(WAIT, || mount.join("pkg/__init__.py").exists()).await,
-        "mount not up"
-    );
-    h.client
-        .aecp_declare(
-            &declare(&id, "def open_account(owner: str) -> int: ...\n"),
-            false,
-        )
-        .await
-        .expect("declare");
-    assert!(
         eventually(WAIT, || std::fs::read_to_string(mount.join("pkg/acct.py"))
             .is_ok_and(|t| t.contains("__aecp_stub__")))
         .await,
-        "the stub never reached the mount"
+        "the stub is not on the mount"
     );
     std::fs::write(
         out.join(format!("go-{id}")),
@@ -134,6 +150,7 @@ async fn a_staged_module_breaking_its_contract_is_held_at_apply_until_the_fix() 
     let ws = h.path("ws");
     std::fs::create_dir_all(ws.join("pkg")).unwrap();
     std::fs::write(ws.join("pkg/__init__.py"), "").unwrap();
+    let p = producer(&h, &ws).await;
     let id = delegate_and_write(&h, out.path(), &ws, SnapshotMode::Staged).await;
     let mount = h.mountpoint(&id);
 
@@ -206,7 +223,7 @@ async fn a_staged_module_breaking_its_contract_is_held_at_apply_until_the_fix() 
     let revised = h
         .client
         .aecp_declare(
-            &declare(&id, "def open_account(name: str) -> int: ...\n"),
+            &declare(&p, "def open_account(name: str) -> int: ...\n"),
             true,
         )
         .await
@@ -238,6 +255,7 @@ async fn a_staged_module_breaking_its_contract_is_held_at_apply_until_the_fix() 
         .map(|e| e.detail["verdict"]["on"].as_str().unwrap_or("").to_owned())
         .collect();
     assert!(on.iter().any(|o| o == "revision"), "{on:?}");
+    h.client.revoke(&p, false).await.unwrap();
     h.stop().await;
 }
 
@@ -251,6 +269,7 @@ async fn a_discarded_change_set_leaves_no_report_or_held_content_behind() {
     let ws = h.path("ws");
     std::fs::create_dir_all(ws.join("pkg")).unwrap();
     std::fs::write(ws.join("pkg/__init__.py"), "").unwrap();
+    let p = producer(&h, &ws).await;
     let id = delegate_and_write(&h, out.path(), &ws, SnapshotMode::Discard).await;
     let mount = h.mountpoint(&id);
 
@@ -283,7 +302,7 @@ async fn a_discarded_change_set_leaves_no_report_or_held_content_behind() {
     let revised = h
         .client
         .aecp_declare(
-            &declare(&id, "def open_account(name: str) -> int: ...\n"),
+            &declare(&p, "def open_account(name: str) -> int: ...\n"),
             true,
         )
         .await
@@ -296,5 +315,6 @@ async fn a_discarded_change_set_leaves_no_report_or_held_content_behind() {
     );
     assert!(!ws.join("notes.txt").exists(), "discard applied something");
     assert!(reports(&h.client, &id).await.is_empty());
+    h.client.revoke(&p, false).await.unwrap();
     h.stop().await;
 }
