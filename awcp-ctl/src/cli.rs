@@ -176,6 +176,10 @@ enum Command {
     },
     /// Serve the MCP tools (delegate, delegate_output, delegate_cancel, … delegate_status) on
     /// stdin/stdout for an agent; they drive the daemon at --daemon. Logs go to stderr.
+    ///
+    /// Inside a task (AECP_SOCKET set, no --daemon or API token given) the aecp_* tools ask
+    /// through the worker's own mount and act as that worker only: leave `worker` out;
+    /// naming another worker is refused.
     Mcp,
     /// Run the next round of an idle multi-round delegation (`delegate --multi-round`), on
     /// the same workspace.
@@ -1018,12 +1022,15 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
     }
     // Inside a task: `aecp` commands ask as this worker through its mount, unless a daemon
     // URL or an API token was given (the owner's credential, which may act as any worker).
+    // `mcp`'s AECP tools likewise.
+    let worker_socket = (daemon_is_default && explicit_token.is_none())
+        .then(|| std::env::var_os("AECP_SOCKET").filter(|s| !s.is_empty()))
+        .flatten()
+        .map(std::path::PathBuf::from);
     if matches!(cli.command, Command::Aecp { .. })
-        && daemon_is_default
-        && explicit_token.is_none()
-        && let Some(sock) = std::env::var_os("AECP_SOCKET").filter(|s| !s.is_empty())
+        && let Some(sock) = &worker_socket
     {
-        client = client.with_worker_socket(std::path::Path::new(&sock));
+        client = client.with_worker_socket(sock);
     }
     match cli.command {
         Command::Serve(a) => {
@@ -1672,7 +1679,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Mcp => {
-            awcp_ctl::mcp::serve(client).await?;
+            awcp_ctl::mcp::serve(client, worker_socket.as_deref()).await?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Recover { id } => {
@@ -1784,6 +1791,12 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
                         c.path,
                         c.reason,
                         c.kept_as.as_deref().unwrap_or("not kept")
+                    );
+                }
+                for h in &r.report.held {
+                    println!(
+                        "  held at {}: {} (still staged: `awcp-ctl snapshots {id}`)",
+                        h.path, h.reason
                     );
                 }
             }

@@ -708,6 +708,8 @@ impl Daemon {
         if !ids.is_empty() {
             let grace = self.cfg.flush_grace + Duration::from_secs(1);
             let exports = self.exports.clone();
+            let aecp = self.aecp.store.clone();
+            let worker = live.d.lock().record.id.as_str().to_string();
             self.spawn(async move {
                 tokio::time::sleep(grace).await;
                 for id in ids {
@@ -715,6 +717,11 @@ impl Daemon {
                 }
                 if let Some(stage) = discarded {
                     stage.remove();
+                    // A final flush within the grace was screened too: its reports go
+                    // with the discarded change set.
+                    if let Err(e) = aecp.forget_worker_reports(&worker) {
+                        tracing::warn!(%worker, error = %e, "AECP: forgetting a discarded change set's reports failed");
+                    }
                 }
             });
         }

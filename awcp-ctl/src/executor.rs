@@ -359,6 +359,13 @@ impl Executor {
         self.cfg.token.as_deref()
     }
 
+    /// The secret this Executor gives delegation `id`'s agent as `$AECP_TOKEN`: what a
+    /// connection to that worker's AECP socket must show to read its deliveries or act as
+    /// it. For the Executor's own user (an embedding harness, a test); never on a wire.
+    pub fn aecp_token(&self, id: &str) -> String {
+        confine::aecp_token(id)
+    }
+
     /// The block cache shared by this Executor's mounts, if it has one.
     pub fn block_cache(&self) -> Option<&Arc<awcpfs::cache::BlockCache>> {
         self.block_cache.as_ref()

@@ -161,6 +161,11 @@ pub struct StatusArgs {
 #[derive(Debug, Clone)]
 pub struct AwcpMcp {
     client: DaemonClient,
+    /// The client of the `aecp_*` tools: inside a task, the worker's own channel (its
+    /// mount's `$AECP_SOCKET`), which acts as that worker only; else `client`.
+    aecp: DaemonClient,
+    /// Whether `aecp` is the worker's channel (a tool may then leave `worker` out).
+    as_worker: bool,
     #[allow(dead_code, reason = "read by the tool_handler macro")]
     tool_router: ToolRouter<Self>,
 }
@@ -196,9 +201,20 @@ impl AwcpMcp {
     /// A server driving the daemon at `client`.
     pub fn new(client: DaemonClient) -> Self {
         AwcpMcp {
+            aecp: client.clone(),
+            as_worker: false,
             client,
             tool_router: Self::tool_router() + Self::aecp_router(),
         }
+    }
+
+    /// Its `aecp_*` tools ask through the worker's AECP socket at `socket` (inside a task:
+    /// `$AECP_SOCKET`), with the worker's own credential: they act as that worker and no
+    /// other, whatever `worker` a tool call names.
+    pub fn with_worker_socket(mut self, socket: &std::path::Path) -> Self {
+        self.aecp = self.aecp.with_worker_socket(socket);
+        self.as_worker = true;
+        self
     }
 
     /// Poll until the delegation ends or is idle, or `timeout` passes.
@@ -450,8 +466,18 @@ impl ServerHandler for AwcpMcp {
 }
 
 /// Serve MCP on stdin/stdout until the client goes away.
-pub async fn serve(client: DaemonClient) -> anyhow::Result<()> {
-    let service = AwcpMcp::new(client).serve(rmcp::transport::stdio()).await?;
+///
+/// With `worker_socket` (inside a task: `$AECP_SOCKET`), the `aecp_*` tools act as that
+/// worker through its mount; the other tools still use `client`.
+pub async fn serve(
+    client: DaemonClient,
+    worker_socket: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let mut server = AwcpMcp::new(client);
+    if let Some(socket) = worker_socket {
+        server = server.with_worker_socket(socket);
+    }
+    let service = server.serve(rmcp::transport::stdio()).await?;
     service.waiting().await?;
     Ok(())
 }

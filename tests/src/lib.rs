@@ -434,6 +434,38 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
     f()
 }
 
+/// Connects to a worker's AECP socket as its agent does: sends the `hello` line with the
+/// worker's token (`$AECP_TOKEN`, here from the Executor) and reads up to the socket's
+/// confirmation that this connection now receives the deliveries. Panics when the socket
+/// refuses the token. Reads time out after 60 s.
+pub fn aecp_subscribe(
+    socket: &Path,
+    token: &str,
+) -> std::io::BufReader<std::os::unix::net::UnixStream> {
+    use std::io::{BufRead as _, Write as _};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket)
+        .unwrap_or_else(|e| panic!("connecting to {}: {e}", socket.display()));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let hello = serde_json::json!({"kind": "hello", "token": token});
+    stream.write_all(format!("{hello}\n").as_bytes()).unwrap();
+    let mut r = std::io::BufReader::new(stream);
+    loop {
+        let mut line = String::new();
+        r.read_line(&mut line)
+            .expect("the socket answers the hello");
+        let v: serde_json::Value = serde_json::from_str(&line).expect("one JSON line");
+        if v["kind"] == "hello" && v["streaming"] == true {
+            return r;
+        }
+        assert!(
+            v["kind"] != "hello" || v.get("error").is_none(),
+            "the socket refused the token: {v}"
+        );
+    }
+}
+
 /// Whether `path` exists within `timeout` (an agent's "ready" file, typically).
 pub async fn appears(path: &Path, timeout: Duration) -> bool {
     eventually(timeout, || path.exists()).await

@@ -4,7 +4,7 @@
 //! delivery socket; the code changes so the witness fails, B flags it, the witness re-runs
 //! in B's mount and refutes it, and it is never delivered again.
 
-use std::io::{BufRead, BufReader};
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -147,10 +147,9 @@ async fn finding_reaches_the_point_of_use(writeback_cache: bool) {
         "no socket at {}",
         socket.display()
     );
-    let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
-    stream.set_read_timeout(Some(WAIT)).unwrap();
-    // Let the reporter accept the connection before the delivery happens.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // As B's agent does: with B's token (the reporter has accepted the connection once
+    // it confirms the hello).
+    let mut stream = awcp_tests::aecp_subscribe(&socket, &executor_b.executor.aecp_token(&b));
 
     // The point of use: B opens pkg/a.py.
     let text = std::fs::read_to_string(mount_b.join("pkg/a.py")).unwrap();
@@ -165,7 +164,7 @@ async fn finding_reaches_the_point_of_use(writeback_cache: bool) {
     assert!(String::from_utf8_lossy(&attr).contains(&format!("\"id\":{}", art.id)));
     let line = tokio::task::spawn_blocking(move || {
         let mut line = String::new();
-        BufReader::new(stream).read_line(&mut line).unwrap();
+        stream.read_line(&mut line).unwrap();
         line
     })
     .await

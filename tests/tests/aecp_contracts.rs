@@ -271,11 +271,8 @@ async fn screen_holds_a_mismatching_implementation_until_it_is_fixed() {
     // The worker's harness listens on its delivery socket.
     let socket = h.path("executor/agents").join(&id).join("aecp.sock");
     assert!(eventually(wait, || socket.exists()).await, "no socket");
-    let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
-    stream.set_read_timeout(Some(wait)).unwrap();
-    // Let the reporter accept the connection before the report arrives.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let socket_lines = std::io::BufReader::new(stream);
+    // As the worker's agent does: with its token.
+    let socket_lines = awcp_tests::aecp_subscribe(&socket, &h.executor.executor.aecp_token(&id));
 
     // The worker writes a mismatching implementation (`amt` where `amount` is declared),
     // and an unrelated file.

@@ -15,7 +15,7 @@
 //! 6. A revises the contract: B is stale and receives the revision (inbox, socket,
 //!    `.aecp/contracts/pkg/acct.py` with the diff), then acknowledges.
 
-use std::io::{BufRead, BufReader};
+use std::io::BufRead;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -98,11 +98,11 @@ fn json_file(path: &Path) -> serde_json::Value {
 struct SocketLines(std::sync::mpsc::Receiver<String>);
 
 impl SocketLines {
-    fn connect(socket: &Path) -> SocketLines {
-        let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    fn connect(socket: &Path, token: &str) -> SocketLines {
+        let stream = awcp_tests::aecp_subscribe(socket, token);
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            for line in BufReader::new(stream).lines() {
+            for line in stream.lines() {
                 let Ok(line) = line else { return };
                 if tx.send(line).is_err() {
                     return;
@@ -224,7 +224,7 @@ async fn two_workers_share_a_finding_a_contract_and_its_revision() {
     assert!(json_lines(&inbox_b).is_empty(), "looking is not a delivery");
     let socket = h.path("executor-b/agents").join(&b).join("aecp.sock");
     assert!(eventually(WAIT, || socket.exists()).await, "no socket");
-    let from_socket = SocketLines::connect(&socket);
+    let from_socket = SocketLines::connect(&socket, &executor_b.executor.aecp_token(&b));
     // Let the reporter accept the connection before the delivery happens.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let text = std::fs::read_to_string(mount_b.join("pkg/a.py")).unwrap();

@@ -1,8 +1,9 @@
 //! Workers are who their credential says (issue 33): an agent's `awcp-ctl aecp …` goes
 //! through its own mount (`$AECP_SOCKET`, set by the Executor) and acts as its own worker
 //! only. Two workers on one workspace; worker A's agent — a script that exports nothing —
-//! publishes, flags and acknowledges as itself (accepted) and as B (refused with 403), and
-//! its environment holds no daemon URL and no token. The daemon's owner credential still
+//! publishes, flags and acknowledges as itself (accepted) and as B (refused with 403) — with
+//! `awcp-ctl aecp …` and through the MCP server it runs (`awcp-ctl mcp`) alike — and its
+//! environment holds no daemon URL and no token. The daemon's owner credential still
 //! acts as any worker.
 
 use std::path::Path;
@@ -136,6 +137,43 @@ async fn an_agent_acts_as_its_own_worker_only_and_needs_nothing_exported() {
         "publish-on-b-socket",
         "publish --claim 'forged' --scope file:pkg/a.py",
     );
+    // The MCP server run by the agent (`awcp-ctl mcp`): its AECP tools act as A only.
+    let rpc = |id: u32, name: &str, args: serde_json::Value| {
+        serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": {"name": name, "arguments": args}})
+        .to_string()
+    };
+    let mcp_in = [
+        serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2024-11-05", "capabilities": {},
+            "clientInfo": {"name": "agent", "version": "1"}}})
+        .to_string(),
+        serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"}).to_string(),
+        rpc(
+            2,
+            "aecp_publish",
+            serde_json::json!({"claim": "mine over mcp", "scope": "file:pkg/a.py"}),
+        ),
+        rpc(
+            3,
+            "aecp_publish",
+            serde_json::json!({"worker": &b, "claim": "forged over mcp", "scope": "file:pkg/a.py"}),
+        ),
+        rpc(
+            4,
+            "aecp_flag",
+            serde_json::json!({"worker": &b, "id": of_b.id}),
+        ),
+        rpc(5, "aecp_inbox", serde_json::json!({"worker": &b})),
+    ];
+    script += &format!(
+        ": > {dir}/mcp.out\n{{ printf '%s\\n' {lines}; i=0; while [ $i -lt 300 ] && [ \"$(wc -l < {dir}/mcp.out)\" -lt 5 ]; do sleep 0.1; i=$((i+1)); done; }} | {ctl} mcp > {dir}/mcp.out 2> {dir}/mcp.err\n",
+        lines = mcp_in
+            .iter()
+            .map(|l| format!("'{l}'"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     script += &format!("env > {dir}/env\ntouch {dir}/done\nsleep 600\n");
     std::fs::write(out.path().join(format!("go-{a}")), script).unwrap();
     assert!(
@@ -190,12 +228,46 @@ async fn an_agent_acts_as_its_own_worker_only_and_needs_nothing_exported() {
         "{}",
         show(name)
     );
+    // Over MCP: as itself accepted, as B refused, saying why.
+    let mcp: Vec<serde_json::Value> = read(out.path(), "mcp.out")
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let tool = |id: u32| -> (serde_json::Value, bool) {
+        let r = mcp.iter().find(|v| v["id"] == id).unwrap_or_else(|| {
+            panic!(
+                "no MCP answer {id}: {mcp:?}; stderr: {}",
+                read(out.path(), "mcp.err")
+            )
+        });
+        let text = r["result"]["content"][0]["text"].as_str().unwrap_or("null");
+        (
+            serde_json::from_str(text).unwrap_or(serde_json::Value::Null),
+            r["result"]["isError"] == true,
+        )
+    };
+    let (own, failed) = tool(2);
+    assert!(!failed, "{own}");
+    assert_eq!(own["artifact"]["producer"], a.as_str(), "{own}");
+    for id in [3, 4, 5] {
+        let (v, failed) = tool(id);
+        assert!(failed, "MCP call {id} acted as B: {v}");
+        assert!(
+            v["error"].as_str().unwrap_or("").contains(&format!(
+                "this credential is worker {a}'s: acting as worker {b} is refused"
+            )),
+            "MCP call {id}: {v}"
+        );
+    }
     let artifacts = h.client.aecp_list(&a).await.unwrap();
     assert!(
-        artifacts.iter().all(|x| x.claim != "forged"),
+        artifacts
+            .iter()
+            .all(|x| x.claim != "forged" && x.claim != "forged over mcp"),
         "a forged publication reached the store: {artifacts:?}"
     );
     assert!(artifacts.iter().any(|x| x.claim == "mine"));
+    assert!(artifacts.iter().any(|x| x.claim == "mine over mcp"));
     let flags: Vec<_> = h
         .client
         .aecp_audit(&a)

@@ -136,6 +136,33 @@ impl Store {
         Ok(n > 0)
     }
 
+    /// Forgets every report on `worker`'s files and every held content of it (its change
+    /// set was discarded: nothing of it may stay behind); the paths that had a report.
+    pub fn forget_worker_reports(&self, worker: &str) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.conn.lock();
+        let tx = conn
+            .transaction()
+            .map_err(sql("forgetting a worker's reports"))?;
+        let paths: Vec<String> = {
+            let mut q = tx
+                .prepare("SELECT path FROM aecp_violations WHERE worker = ?1 ORDER BY path")
+                .map_err(sql("forgetting a worker's reports"))?;
+            q.query_map(params![worker], |r| r.get(0))
+                .map_err(sql("forgetting a worker's reports"))?
+                .collect::<Result<_, _>>()
+                .map_err(sql("forgetting a worker's reports"))?
+        };
+        tx.execute(
+            "DELETE FROM aecp_violations WHERE worker = ?1",
+            params![worker],
+        )
+        .map_err(sql("forgetting a worker's reports"))?;
+        tx.execute("DELETE FROM aecp_held WHERE worker = ?1", params![worker])
+            .map_err(sql("forgetting a worker's reports"))?;
+        tx.commit().map_err(sql("forgetting a worker's reports"))?;
+        Ok(paths)
+    }
+
     /// The held write-backs of `path` in a workspace (every worker's).
     pub fn held_writes(&self, workspace: &str, path: &str) -> Result<Vec<HeldWrite>, StoreError> {
         let conn = self.conn.lock();
@@ -264,6 +291,29 @@ mod tests {
         assert!(s.clear_violation("A", "pkg/a.py").unwrap());
         assert!(!s.clear_violation("A", "pkg/a.py").unwrap());
         assert!(s.violations("/ws", Some("A")).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_discarded_workers_reports_and_held_content_are_all_forgotten() {
+        let s = Store::in_memory().unwrap();
+        let r = serde_json::json!({"verdict": "mismatch"});
+        s.set_violation("/ws", "A", "pkg/b.py", &r).unwrap();
+        s.set_violation("/ws", "A", "pkg/a.py", &r).unwrap();
+        s.set_held("/ws", "A", "pkg/a.py", b"def f(y): ...\n")
+            .unwrap();
+        s.set_violation("/ws", "B", "pkg/a.py", &r).unwrap();
+        s.set_held("/ws", "B", "pkg/a.py", b"def f(z): ...\n")
+            .unwrap();
+        assert_eq!(
+            s.forget_worker_reports("A").unwrap(),
+            ["pkg/a.py", "pkg/b.py"]
+        );
+        assert!(s.violations("/ws", Some("A")).unwrap().is_empty());
+        let held = s.held_writes("/ws", "pkg/a.py").unwrap();
+        assert_eq!(held.len(), 1, "only B's held content stays");
+        assert_eq!(held[0].worker, "B");
+        assert_eq!(s.violations("/ws", Some("B")).unwrap().len(), 1);
+        assert!(s.forget_worker_reports("A").unwrap().is_empty());
     }
 
     #[test]

@@ -36,6 +36,11 @@ pub struct ApplyReport {
     pub deleted: Vec<String>,
     /// Paths left as the Delegator has them, with why.
     pub conflicts: Vec<Conflict>,
+    /// Ours (`awcpfs` staged change sets): files the AECP commit screen held, as it holds a
+    /// live write-back — not applied, still in the change set, with the screen's reason and
+    /// report.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held: Vec<awcp_protocol::dataplane::Held>,
 }
 
 /// The state of a path on the Delegator.

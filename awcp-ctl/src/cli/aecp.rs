@@ -33,8 +33,10 @@ violation_cleared, contract):
   .aecp/contracts/<module>     a contract, this worker's standing and, while stale, the diff
   .aecp/violations             the commit screen's reports on this worker's files
   getfattr -n user.aecp.findings FILE   the findings for FILE (xattr, at most 5)
-  $AECP_SOCKET                 a Unix socket streaming each line as it happens
-The Executor sets AWCP_DELEGATION_ID (the worker) and AECP_SOCKET in the agent's environment.";
+  $AECP_SOCKET                 a Unix socket streaming each line as it happens, once the
+                               connection sent {\"kind\": \"hello\", \"token\": \"$AECP_TOKEN\"}
+The Executor sets AWCP_DELEGATION_ID (the worker), AECP_SOCKET and AECP_TOKEN in the agent's \
+environment; `awcp-ctl aecp …` and `awcp-ctl mcp` use them to act as that worker only.";
 
 #[derive(Debug, Subcommand)]
 pub(super) enum AecpCommand {

@@ -198,21 +198,63 @@ struct WorkerInfo {
     root: PathBuf,
     executor_url: String,
     executor_token: Option<String>,
+    /// The delegation whose mount the worker is.
+    delegation: String,
+    /// The resource's name when the delegation has several (the Executor mounts it at
+    /// `<workDir>/<name>`); `None` for the only one (mounted at the work directory).
+    resource: Option<String>,
+}
+
+/// The delegation a worker id names: a worker is one mount, i.e. one resource's export of
+/// a delegation, and its id is that export's id — the delegation id for the first (or
+/// only) resource, `<id>.<n>` for resource n of several, counting from 0 (delegation ids
+/// hold no `.`).
+pub(crate) fn delegation_of(worker: &str) -> &str {
+    match worker.rsplit_once('.') {
+        Some((id, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => id,
+        _ => worker,
+    }
+}
+
+/// A directory's key as a workspace (its canonical path).
+fn workspace_key(source: &std::path::Path) -> PathBuf {
+    source
+        .canonicalize()
+        .unwrap_or_else(|_| source.to_path_buf())
 }
 
 impl Daemon {
     fn aecp_worker(&self, worker: &str) -> Result<WorkerInfo, Refusal> {
-        let d = match self.get_live(worker) {
-            Some(l) => l.d.lock().clone(),
-            None => self.store.get(worker).ok().flatten().map(|r| r.delegation).ok_or_else(|| {
-                refuse(
-                    404,
-                    format!("unknown worker {worker}"),
-                    "A worker is a delegation id: see `awcp-ctl list` (inside a task, $AWCP_DELEGATION_ID)",
-                )
-            })?,
+        let unknown = || {
+            refuse(
+                404,
+                format!("unknown worker {worker}"),
+                "A worker is a delegation id (`<id>.<n>` for its resource n, from 0, when it has \
+                 several): see `awcp-ctl list` (inside a task, $AWCP_DELEGATION_ID)",
+            )
         };
-        let root = d.source.canonicalize().unwrap_or_else(|_| d.source.clone());
+        let delegation = delegation_of(worker);
+        let d = match self.get_live(delegation) {
+            Some(l) => l.d.lock().clone(),
+            None => self
+                .store
+                .get(delegation)
+                .ok()
+                .flatten()
+                .map(|r| r.delegation)
+                .ok_or_else(unknown)?,
+        };
+        let resources = d.exported_resources();
+        let (source, resource) = match resources.iter().find(|r| r.export_id == worker) {
+            Some(r) => (
+                r.source.clone(),
+                (resources.len() > 1).then(|| r.name.clone()),
+            ),
+            // A delegation of another transport (no export per resource): its directory.
+            None if delegation == worker => (d.source.clone(), None),
+            None => return Err(unknown()),
+        };
+        let root = workspace_key(&source);
         Ok(WorkerInfo {
             workspace: root.display().to_string(),
             root,
@@ -220,31 +262,46 @@ impl Daemon {
             // The Executor's token, else the delegation's proof (its START capability):
             // the witness route runs commands in the worker's mount, so it needs one.
             executor_token: d.executor_credential(),
+            delegation: delegation.to_owned(),
+            resource,
         })
     }
 
-    /// The live delegations of a workspace (its workers).
-    fn aecp_live_workers(&self, workspace: &str) -> Vec<(String, std::sync::Arc<super::Live>)> {
-        self.live
-            .lock()
-            .iter()
-            .filter(|(_, l)| {
+    /// The workers of a workspace now: every export of a running delegation whose
+    /// resource is that directory, by worker id (the export's id).
+    fn aecp_live_workers(&self, workspace: &str) -> Vec<(String, Arc<awcpfs::export::Export>)> {
+        let lives: Vec<Arc<super::Live>> = self.live.lock().values().cloned().collect();
+        let mut out = Vec::new();
+        for l in lives {
+            let resources = {
                 let d = l.d.lock();
-                !d.record.state.is_terminal()
-                    && d.source
-                        .canonicalize()
-                        .unwrap_or_else(|_| d.source.clone())
-                        .display()
-                        .to_string()
-                        == workspace
-            })
-            .map(|(id, l)| (id.clone(), l.clone()))
-            .collect()
+                if d.record.state.is_terminal() {
+                    continue;
+                }
+                d.exported_resources()
+            };
+            for e in l.exports.lock().iter() {
+                if resources.iter().any(|r| {
+                    r.export_id == e.id()
+                        && workspace_key(&r.source).display().to_string() == workspace
+                }) {
+                    out.push((e.id().to_string(), e.clone()));
+                }
+            }
+        }
+        out
     }
 
-    /// Pushes `event` to the mounts of `worker` (its first resource's export).
-    fn aecp_push_to(&self, live: &super::Live, event: &IndexEvent) {
-        if let Some(export) = live.exports.lock().first() {
+    /// The export whose mount is `worker`, while the daemon has it.
+    fn aecp_export_of(&self, worker: &str) -> Option<Arc<awcpfs::export::Export>> {
+        let live = self.get_live(delegation_of(worker))?;
+        let exports = live.exports.lock();
+        exports.iter().find(|e| e.id() == worker).cloned()
+    }
+
+    /// Pushes `event` to `worker`'s mount (its export's event stream).
+    pub(crate) fn aecp_push_worker(&self, worker: &str, event: &IndexEvent) {
+        if let Some(export) = self.aecp_export_of(worker) {
             export
                 .aecp()
                 .push(serde_json::to_value(event).unwrap_or_default());
@@ -263,8 +320,9 @@ impl Daemon {
 
     /// Pushes `event` to every worker of a workspace.
     fn aecp_broadcast_event(&self, workspace: &str, event: &IndexEvent) {
-        for (_, live) in self.aecp_live_workers(workspace) {
-            self.aecp_push_to(&live, event);
+        let value = serde_json::to_value(event).unwrap_or_default();
+        for (_, export) in self.aecp_live_workers(workspace) {
+            export.aecp().push(value.clone());
         }
     }
 
@@ -273,16 +331,29 @@ impl Daemon {
     /// (every artifact of the workspace and what it already received, every contract and
     /// this worker's standing as a consumer of each), and installs the sinks for its
     /// reports (deliveries, uses of contracted modules) and for the files its commits write.
+    ///
+    /// Every resource's export of the delegation is a worker of its own directory's
+    /// workspace (its worker id is the export's id: see [`delegation_of`]).
     pub(crate) fn aecp_attach(&self, id: &str) {
-        let Ok(info) = self.aecp_worker(id) else {
-            return;
-        };
         let Some(live) = self.get_live(id) else {
             return;
         };
-        let Some(export) = live.exports.lock().first().cloned() else {
-            return;
-        };
+        let exports: Vec<Arc<awcpfs::export::Export>> = live.exports.lock().clone();
+        for export in exports {
+            let worker = export.id().to_string();
+            if let Ok(info) = self.aecp_worker(&worker) {
+                self.aecp_attach_export(&worker, &info, &export);
+            }
+        }
+    }
+
+    /// [`Daemon::aecp_attach`] for one export, the mount of worker `id`.
+    fn aecp_attach_export(
+        &self,
+        id: &str,
+        info: &WorkerInfo,
+        export: &Arc<awcpfs::export::Export>,
+    ) {
         if let Err(e) = self.aecp.store.add_written(&info.workspace, id, &[]) {
             tracing::warn!(error = %e, "AECP: registering the worker failed");
         }
@@ -322,7 +393,7 @@ impl Daemon {
             );
             events.extend(standing.map(|e| serde_json::to_value(e).unwrap_or_default()));
         }
-        events.extend(self.aecp_install_screen(id, &info.workspace, &export));
+        events.extend(self.aecp_install_screen(id, &info.workspace, export));
         export.aecp().replace(events);
         // The worker channel: the agent asks through its mount, as this worker only.
         if let Some(me) = self.aecp.me.get() {
@@ -334,7 +405,7 @@ impl Daemon {
         let worker = id.to_owned();
         let workspace = info.workspace.clone();
         // Weak: the export owns this sink; a strong reference would keep it alive forever.
-        let feed_of = std::sync::Arc::downgrade(&export);
+        let feed_of = std::sync::Arc::downgrade(export);
         export.aecp().set_sink(std::sync::Arc::new(move |report| {
             for module in record_report(&store, &workspace, &worker, report) {
                 if let (Some(export), Some(event)) = (
@@ -349,7 +420,7 @@ impl Daemon {
         }));
         let store = self.aecp.store.clone();
         let worker = id.to_owned();
-        let workspace = info.workspace;
+        let workspace = info.workspace.clone();
         export.aecp().set_commit_sink(std::sync::Arc::new(move |files| {
             if let Err(e) = store.add_written(&workspace, &worker, files) {
                 tracing::warn!(error = %e, "AECP: recording the files a worker wrote back failed");
@@ -405,9 +476,16 @@ impl Daemon {
             }
             return Ok(run);
         }
+        // The task is the delegation's; with several resources, the mount is the
+        // resource's directory in its work directory.
         let url = format!(
-            "{}/tasks/{worker}/aecp/witness",
-            awcp_base(&info.executor_url)
+            "{}/tasks/{}/aecp/witness{}",
+            awcp_base(&info.executor_url),
+            info.delegation,
+            info.resource
+                .as_deref()
+                .map(|r| format!("?resource={}", worker::encode(r)))
+                .unwrap_or_default()
         );
         let rb = self
             .http
@@ -527,8 +605,10 @@ impl Daemon {
             .policy
             .forward_targets(&a.producer, &a.bound, &owners, &graph);
         for t in &targets {
-            if let Some((_, l)) = live.iter().find(|(id, _)| id == t) {
-                self.aecp_push_to(l, &IndexEvent::Forward { id: a.id });
+            if let Some((_, export)) = live.iter().find(|(id, _)| id == t) {
+                export.aecp().push(
+                    serde_json::to_value(IndexEvent::Forward { id: a.id }).unwrap_or_default(),
+                );
             }
         }
         targets

@@ -516,6 +516,9 @@ fn describe(sid: &str, r: &ApplyReport) -> String {
                 .unwrap_or_default()
         ));
     }
+    for h in &r.held {
+        s.push_str(&format!("; {} held: {}", h.path, h.reason));
+    }
     s
 }
 

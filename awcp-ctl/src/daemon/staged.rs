@@ -114,6 +114,13 @@ impl Daemon {
         let stage = Arc::new(stage);
         export.stage_commits(stage.clone());
         let export = Arc::new(export);
+        // Applying through it is screened like a live write-back (AECP contracts).
+        let workspace = source
+            .canonicalize()
+            .unwrap_or_else(|_| source.clone())
+            .display()
+            .to_string();
+        self.aecp_install_screen(&id, &workspace, &export);
         {
             // Staged delegations carry one resource: its export is the first.
             let mut exports = live.exports.lock();
@@ -222,6 +229,10 @@ impl Daemon {
         }
         let (_, stage) = self.stage_of(live).ok()?;
         let files: Vec<String> = stage.changes().into_iter().map(|(p, _)| p).collect();
+        // The screen's reports on the discarded files go with them (and those of a final
+        // flush within the grace, when the stage is removed: see `retire`).
+        let id = live.d.lock().record.id.as_str().to_string();
+        self.aecp_forget_worker_reports(&id);
         let mut d = live.d.lock();
         let sid = snapshot_id(d.record.id.as_str(), stage.generation());
         let delegation_id = d.record.id.clone();
@@ -310,8 +321,12 @@ impl Daemon {
             .await
             .map_err(|e| Refusal::internal(format!("applying panicked: {e}")))?
             .map_err(|e| Refusal::internal(format!("applying the change set failed: {e}")))?;
-        let conflicted: std::collections::HashSet<&str> =
-            result.conflicts.iter().map(|c| c.path.as_str()).collect();
+        let conflicted: std::collections::HashSet<&str> = result
+            .conflicts
+            .iter()
+            .map(|c| c.path.as_str())
+            .chain(result.held.iter().map(|h| h.path.as_str()))
+            .collect();
         let mut report = ApplyReport::default();
         for c in &plan.changes {
             if conflicted.contains(c.path()) {
@@ -334,15 +349,32 @@ impl Daemon {
                 c
             })
             .collect();
+        report.held = result
+            .held
+            .into_iter()
+            .map(|mut h| {
+                h.path = format!("{prefix}{}", h.path);
+                h
+            })
+            .collect();
+        if !report.held.is_empty() {
+            tracing::warn!(id = %live.d.lock().record.id.as_str(), held = ?report.held.iter().map(|h| &h.path).collect::<Vec<_>>(),
+                "applying a staged change set: the AECP screen held these files; they stay staged");
+        }
         Ok(report)
     }
 
-    /// Discard a staged delegation's change set (`POST …/snapshots/:sid/discard`).
+    /// Discard a staged delegation's change set (`POST …/snapshots/:sid/discard`): nothing
+    /// of it is left behind, the AECP screen's reports and held content on its files
+    /// included.
     pub(crate) fn discard_staged(&self, live: &Live, sid: &str) -> Result<(), Refusal> {
         let (_, stage) = self.pending_stage(live, sid, "discard")?;
         stage
             .discard()
-            .map_err(|e| Refusal::internal(format!("discarding the change set failed: {e}")))
+            .map_err(|e| Refusal::internal(format!("discarding the change set failed: {e}")))?;
+        let id = live.d.lock().record.id.as_str().to_string();
+        self.aecp_forget_worker_reports(&id);
+        Ok(())
     }
 
     /// What a staged delegation's change set would change (`GET …/snapshots/:sid/diff`).

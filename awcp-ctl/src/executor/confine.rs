@@ -213,6 +213,12 @@ pub(super) fn aecp_socket(ex: &Executor, id: &str) -> PathBuf {
     agent_dir(ex, id).join(AECP_SOCKET)
 }
 
+/// Where the AECP socket of resource `name` of a several-resource delegation is bound
+/// (every resource but the first: the first's is [`aecp_socket`]).
+pub(super) fn aecp_resource_socket(ex: &Executor, id: &str, name: &str) -> PathBuf {
+    agent_dir(ex, id).join(format!("aecp-{name}.sock"))
+}
+
 /// Create the agent's own directory (and its `TMPDIR` and `HOME`), the agent user's, 0700.
 pub(super) fn prepare_agent_dir(ex: &Executor, id: &str) -> std::io::Result<PathBuf> {
     let dir = agent_dir(ex, id);

@@ -885,10 +885,13 @@ fn mount_config(
     mcfg.access = ex.cfg.mount_access;
     mcfg.owner = ex.cfg.agent_user.as_ref().map(|u| (u.uid, u.gid));
     mcfg.aecp_token = Some(super::confine::aecp_token(id));
-    // The only resource's socket is the one AECP_SOCKET names, in the agent's own directory
-    // (the state directory is closed to the agent); several resources keep theirs.
-    if p.name.is_none() {
-        mcfg.aecp_socket = Some(super::confine::aecp_socket(ex, id));
-    }
+    // Each resource's mount is a worker with its own socket, in the agent's own directory
+    // (the state directory is closed to the agent): the only (or first) resource's is the
+    // one AECP_SOCKET names, the others' are `aecp-<name>.sock` beside it. One agent, one
+    // token for all of them.
+    mcfg.aecp_socket = Some(match &p.name {
+        Some(name) if h.export_id != id => super::confine::aecp_resource_socket(ex, id, name),
+        _ => super::confine::aecp_socket(ex, id),
+    });
     mcfg
 }

@@ -1,6 +1,12 @@
 //! The AECP tools of `awcp-ctl mcp`: `aecp_publish`, `aecp_flag`, `aecp_lookup`,
 //! `aecp_inbox`, `aecp_violations`. Deliveries come back in the one fixed template (id, scope, status,
 //! producer, claim) as JSON: data, never instructions.
+//!
+//! Inside a task (`$AECP_SOCKET` set, no daemon URL or API token given) the tools ask
+//! through the worker's own mount ([`AwcpMcp::with_worker_socket`]): they act as that worker
+//! only — `worker` may be left out, and naming another worker is refused (403) — never with
+//! the daemon's owner credential. Outside a task `worker` is required, and the daemon's
+//! credential acts as the worker named.
 
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::CallToolResult;
@@ -9,14 +15,14 @@ use serde::Deserialize;
 
 use aecp_hooks::knowledge::Witness;
 
-use super::{AwcpMcp, answer};
+use super::{AwcpMcp, answer, fail};
 use crate::daemon::aecp::{FlagRequest, PublishRequest};
 
 /// `aecp_publish`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct PublishArgs {
-    /// The publishing worker (its delegation id, `$AWCP_DELEGATION_ID` in a task).
-    pub worker: String,
+    /// The publishing worker (its delegation id); inside a task, leave it out (your own).
+    pub worker: Option<String>,
     /// What was found.
     pub claim: String,
     /// `symbol:pkg.mod.Class.method`, `file:pkg/a.py`, `dir:pkg` or `workspace`.
@@ -33,8 +39,8 @@ pub struct PublishArgs {
 /// `aecp_flag`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct FlagArgs {
-    /// The disputing worker.
-    pub worker: String,
+    /// The disputing worker; inside a task, leave it out (your own).
+    pub worker: Option<String>,
     /// The artifact id.
     pub id: u64,
     /// Why.
@@ -44,8 +50,8 @@ pub struct FlagArgs {
 /// `aecp_lookup`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct LookupArgs {
-    /// The worker.
-    pub worker: String,
+    /// The worker; inside a task, leave it out (your own).
+    pub worker: Option<String>,
     /// Workspace-relative path.
     pub path: String,
 }
@@ -53,17 +59,31 @@ pub struct LookupArgs {
 /// `aecp_inbox`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct InboxArgs {
-    /// The worker.
-    pub worker: String,
+    /// The worker; inside a task, leave it out (your own).
+    pub worker: Option<String>,
 }
 
 /// `aecp_violations`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 pub struct ViolationsArgs {
-    /// The worker.
-    pub worker: String,
+    /// The worker; inside a task, leave it out (your own).
+    pub worker: Option<String>,
     /// Every worker of the workspace, not only this one (default false).
     pub workspace: Option<bool>,
+}
+
+impl AwcpMcp {
+    /// The worker a tool acts as: the one named, else (inside a task) the worker's own,
+    /// which its channel fills in.
+    fn worker(&self, named: Option<String>) -> Result<String, CallToolResult> {
+        match named.filter(|w| !w.is_empty()) {
+            Some(w) => Ok(w),
+            None if self.as_worker => Ok(String::new()),
+            None => Err(fail(
+                "`worker` is required outside a task: the delegation id of the worker to act as",
+            )),
+        }
+    }
 }
 
 #[tool_router(router = aecp_router, vis = "pub(super)")]
@@ -75,43 +95,60 @@ impl AwcpMcp {
             marker: a.marker.unwrap_or_else(|| "AECP-READY".into()),
             timeout_ms: a.timeout_seconds.unwrap_or(60).saturating_mul(1000),
         });
+        let worker = match self.worker(a.worker) {
+            Ok(w) => w,
+            Err(e) => return e,
+        };
         let req = PublishRequest {
-            worker: a.worker,
+            worker,
             claim: a.claim,
             scope: a.scope,
             witness,
         };
-        answer(self.client.aecp_publish(&req).await)
+        answer(self.aecp.aecp_publish(&req).await)
     }
 
     #[tool(description = "AECP: dispute a stored finding; its witness re-runs in your mount")]
     async fn aecp_flag(&self, Parameters(a): Parameters<FlagArgs>) -> CallToolResult {
+        let worker = match self.worker(a.worker) {
+            Ok(w) => w,
+            Err(e) => return e,
+        };
         let req = FlagRequest {
-            worker: a.worker,
+            worker,
             id: a.id,
             reason: a.reason.unwrap_or_default(),
         };
-        answer(self.client.aecp_flag(&req).await)
+        answer(self.aecp.aecp_flag(&req).await)
     }
 
     #[tool(description = "AECP: the findings that apply to a path (looking is not a delivery)")]
     async fn aecp_lookup(&self, Parameters(a): Parameters<LookupArgs>) -> CallToolResult {
-        answer(self.client.aecp_lookup(&a.worker, &a.path).await)
+        match self.worker(a.worker) {
+            Ok(w) => answer(self.aecp.aecp_lookup(&w, &a.path).await),
+            Err(e) => e,
+        }
     }
 
     #[tool(
         description = "AECP: the commit screen's current reports on this worker's write-backs: files held because they break their module's contract (symbol, constraint, line) or import a revised module not acknowledged, and leftover stubs; fix the file on the mount (or acknowledge) and it is written back"
     )]
     async fn aecp_violations(&self, Parameters(a): Parameters<ViolationsArgs>) -> CallToolResult {
-        answer(
-            self.client
-                .aecp_violations(&a.worker, a.workspace.unwrap_or(false))
-                .await,
-        )
+        match self.worker(a.worker) {
+            Ok(w) => answer(
+                self.aecp
+                    .aecp_violations(&w, a.workspace.unwrap_or(false))
+                    .await,
+            ),
+            Err(e) => e,
+        }
     }
 
     #[tool(description = "AECP: the findings this worker has received")]
     async fn aecp_inbox(&self, Parameters(a): Parameters<InboxArgs>) -> CallToolResult {
-        answer(self.client.aecp_inbox(&a.worker).await)
+        match self.worker(a.worker) {
+            Ok(w) => answer(self.aecp.aecp_inbox(&w).await),
+            Err(e) => e,
+        }
     }
 }

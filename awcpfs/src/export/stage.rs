@@ -271,6 +271,11 @@ impl ChangeStage {
     /// Commit the change set to `export`'s tree, file by file with the live commit's conflict
     /// checks; then start a new generation on top of what was staged. Returns the net change
     /// set committed and the commit's result. Blocking IO.
+    ///
+    /// With a commit screen on `export`, the watched files are screened as a live
+    /// write-back's are: a file the screen holds is not applied, is listed in the result's
+    /// `held`, and stays in the change set — its base unchanged — so the next generation
+    /// holds it again until it is fixed (or its contract changes) and applied.
     pub fn apply(&self, export: &Export) -> Result<(ChangeSet, CommitResult), StageError> {
         let mut st = self.state.lock();
         let plan = plan_of(&st);
@@ -288,7 +293,9 @@ impl ChangeStage {
                 message: e.to_string(),
             })?
         };
-        rebase(&mut st);
+        let held: std::collections::HashSet<&str> =
+            result.held.iter().map(|h| h.path.as_str()).collect();
+        rebase_except(&mut st, &held);
         self.save(&st)?;
         Ok((plan, result))
     }
@@ -317,6 +324,21 @@ impl ChangeStage {
     /// Record a commit (already checked for size): see the module docs.
     pub(crate) fn record(&self, export: &Export, cs: &ChangeSet) -> Result<CommitResult, ApiError> {
         let (cs, hidden) = commit::split_hidden(export, cs);
+        // The commit screen, when the export has one: the watched files written are checked
+        // like a live write-back's and reported, but never held here — nothing reaches the
+        // tree until the change set is applied, which screens them again (see `apply`).
+        let screen = if cs.changes.iter().any(|c| matches!(c, Change::Write { .. })) {
+            export
+                .screen()
+                .map(|(worker, sc)| {
+                    let watched = sc.watched(&worker);
+                    (worker, sc, watched)
+                })
+                .filter(|(_, _, w)| !w.is_empty())
+        } else {
+            None
+        };
+        let mut screened: Vec<(String, Vec<u8>)> = Vec::new();
         let mut missing: Vec<String> = Vec::new();
         for change in &cs.changes {
             let Some(plan) = commit::check_change(change)? else {
@@ -325,6 +347,10 @@ impl ChangeStage {
             let Change::Write { path, size, .. } = change else {
                 continue;
             };
+            let mut content = screen
+                .as_ref()
+                .filter(|(_, _, w)| w.covers(path) && *size <= super::screen::MAX_SCREENED_BYTES)
+                .map(|_| Vec::with_capacity(*size as usize));
             let mut hasher = blake3::Hasher::new();
             let mut total = 0u64;
             let mut complete = true;
@@ -349,6 +375,9 @@ impl ChangeStage {
                     Some(d) => {
                         hasher.update(&d);
                         total += d.len() as u64;
+                        if let Some(c) = &mut content {
+                            c.extend_from_slice(&d);
+                        }
                     }
                     None => {
                         complete = false;
@@ -367,6 +396,9 @@ impl ChangeStage {
                     actual: actual.to_hex().to_string(),
                 });
             }
+            if let (true, Some(c)) = (complete, content) {
+                screened.push((path.clone(), c));
+            }
         }
         if !missing.is_empty() {
             return Err(ApiError::MissingBlocks { hashes: missing });
@@ -378,6 +410,16 @@ impl ChangeStage {
         self.save(&st)
             .map_err(|e| internal("saving the change set", io::Error::other(e)))?;
         drop(st);
+        if let Some((worker, sc, _)) = &screen {
+            for (path, content) in &screened {
+                // Reported to the worker either way; a hold is decided when applying.
+                if let super::screen::Screening::Hold { reason, .. } =
+                    sc.screen(worker, path, content)
+                {
+                    tracing::info!(export = %export.id, commit = %cs.commit_id, path = %path, reason = %reason, "a staged write would be held when applied");
+                }
+            }
+        }
         super::Stats::add(&export.stats.commits, 1);
         for h in &hidden {
             export.stats.record_conflict(h);
@@ -564,9 +606,18 @@ fn internal(context: &'static str, source: io::Error) -> ApiError {
 
 /// After an apply or a discard: what was staged is the new base; a new generation begins.
 fn rebase(st: &mut StageState) {
+    rebase_except(st, &Default::default());
+}
+
+/// [`rebase`], but the paths in `kept` (writes the screen held) keep their base and state
+/// now: they are still changes in the next generation.
+fn rebase_except(st: &mut StageState, kept: &std::collections::HashSet<&str>) {
     st.paths
         .retain(|_, p| p.now != Node::Absent || p.base != Node::Absent);
-    for p in st.paths.values_mut() {
+    for (path, p) in st.paths.iter_mut() {
+        if kept.contains(path.as_str()) {
+            continue;
+        }
         p.base = p.now.clone();
         p.xattrs.clear();
         if let Node::File { xattrs, .. } = &mut p.base {

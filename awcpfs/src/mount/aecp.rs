@@ -581,7 +581,10 @@ pub fn invalidate(
 /// (`{"kind": "request", "id", "method", "path", "query", "body"}`, see [`serve_requests`]);
 /// each is forwarded to the export with the mount's own credential and answered on the same
 /// connection as an `answer` line. The daemon acts on it as this mount's worker only. With
-/// `token`, a request line must carry it (`"token"`): only the worker's agent has it.
+/// `token`, a request line must carry it (`"token"`): only the worker's agent has it; and a
+/// connection receives the delivery stream only once it has shown it (a `hello` line, or a
+/// request with it): the agents of one Executor share a user and can reach each other's
+/// sockets by path, but not read each other's deliveries.
 #[allow(clippy::too_many_arguments)]
 pub fn report(
     fs: &super::fs::AwcpFs,
@@ -619,20 +622,44 @@ pub fn report(
     loop {
         let done = ended();
         if let Some(l) = &listener {
-            while let Ok((c, _)) = l.accept() {
+            while let Ok((mut c, _)) = l.accept() {
                 let _ = c.set_nonblocking(false);
                 // A client that stops reading loses its connection, never stalls the others.
                 let _ = c.set_write_timeout(Some(Duration::from_secs(1)));
+                if token.is_some() {
+                    // Says what this connection must send to receive the deliveries.
+                    let _ = c.write_all(HELLO_NEEDED.as_bytes());
+                }
                 let reader = c.try_clone();
-                let client: SocketClient = std::sync::Arc::new(Mutex::new(c));
+                let client = SocketClient {
+                    stream: std::sync::Arc::new(Mutex::new(c)),
+                    streaming: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
+                        token.is_none(),
+                    )),
+                    gone: Default::default(),
+                };
                 if let Ok(reader) = reader {
                     let (client, remote, over) = (client.clone(), remote.clone(), over.clone());
                     let token = token.clone();
                     let _ = std::thread::Builder::new()
                         .name("awcpfs-aecp-req".into())
                         .spawn(move || {
-                            serve_requests(reader, &client, &*remote, token.as_deref(), &over)
+                            serve_requests(
+                                reader,
+                                &client.stream,
+                                &*remote,
+                                token.as_deref(),
+                                &client.streaming,
+                                &over,
+                            );
+                            client
+                                .gone
+                                .store(true, std::sync::atomic::Ordering::Relaxed);
                         });
+                } else {
+                    client
+                        .gone
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
                 }
                 clients.push(client);
             }
@@ -641,7 +668,7 @@ pub fn report(
         // deliveries (nothing to report back).
         let lines = fs.aecp().hook.take_lines();
         for line in &lines {
-            clients.retain(|c| c.lock().write_all(line.as_bytes()).is_ok());
+            clients.retain(|c| c.send(line));
         }
         let batch: Vec<Note> = notes.try_iter().collect();
         if !lines.is_empty() && batch.is_empty() {
@@ -663,7 +690,7 @@ pub fn report(
                         continue;
                     }
                 };
-                clients.retain(|c| c.lock().write_all(line.as_bytes()).is_ok());
+                clients.retain(|c| c.send(&line));
             }
             invalidate();
         }
@@ -689,7 +716,33 @@ pub fn report(
 
 /// One connection to the worker's socket: deliveries and answers are written whole lines
 /// at a time under its lock.
-type SocketClient = std::sync::Arc<Mutex<std::os::unix::net::UnixStream>>;
+#[derive(Clone)]
+struct SocketClient {
+    stream: std::sync::Arc<Mutex<std::os::unix::net::UnixStream>>,
+    /// Whether it receives the deliveries: it showed the worker's token (at once when the
+    /// socket needs none).
+    streaming: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Its reader ended (the client hung up).
+    gone: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SocketClient {
+    /// Streams `line` to it if it may read the deliveries; whether to keep it.
+    fn send(&self, line: &str) -> bool {
+        use std::io::Write as _;
+        use std::sync::atomic::Ordering::Relaxed;
+        if !self.streaming.load(Relaxed) {
+            return !self.gone.load(Relaxed);
+        }
+        self.stream.lock().write_all(line.as_bytes()).is_ok()
+    }
+}
+
+/// The first line a connection to a socket that needs the worker's token receives.
+const HELLO_NEEDED: &str = concat!(
+    r#"{"kind":"hello","streaming":false,"hint":"send {\"kind\": \"hello\", \"token\": \"$AECP_TOKEN\"} as one line to receive this worker's deliveries"}"#,
+    "\n"
+);
 
 /// The longest request line a socket client may send.
 pub const MAX_REQUEST_LINE: usize = 4 << 20;
@@ -697,15 +750,19 @@ pub const MAX_REQUEST_LINE: usize = 4 << 20;
 /// Reads a socket client's lines until it hangs up (or the mount ends): each
 /// `{"kind": "request", "id": …, "method", "path", "query", "body"}` line is forwarded to
 /// the export (`POST /aecp/request`, the mount's credential) and answered on the same
-/// connection as `{"kind": "answer", "id": …, "status": N, "body": …}`; other lines are
-/// ignored. A line longer than [`MAX_REQUEST_LINE`] is answered with 413 and ends the
-/// connection; a line that is not JSON is answered with 400; with `token`, a request
-/// without it (`"token"`) is answered with 401 and never forwarded.
+/// connection as `{"kind": "answer", "id": …, "status": N, "body": …}`; a
+/// `{"kind": "hello", "token": …}` line is answered `{"kind": "hello", "streaming": true}`
+/// (or `false`, with the error, for a wrong token); other lines are ignored. A line longer
+/// than [`MAX_REQUEST_LINE`] is answered with 413 and ends the connection; a line that is
+/// not JSON is answered with 400; with `token`, a request without it (`"token"`) is
+/// answered with 401 and never forwarded. `streaming` is set once the client showed the
+/// token (a hello or a request carrying it).
 pub fn serve_requests(
     reader: std::os::unix::net::UnixStream,
     client: &Mutex<std::os::unix::net::UnixStream>,
     remote: &dyn super::remote::Remote,
     token: Option<&str>,
+    streaming: &std::sync::atomic::AtomicBool,
     over: &std::sync::atomic::AtomicBool,
 ) {
     use std::io::{BufRead as _, Write as _};
@@ -767,29 +824,53 @@ pub fn serve_requests(
                 continue;
             }
         };
-        if v["kind"] != "request" {
-            continue;
-        }
-        if let Some(want) = token {
+        let shown = token.is_none_or(|want| {
             let given = v["token"].as_str().unwrap_or("");
-            let same = given.len() == want.len()
+            given.len() == want.len()
                 && given
                     .bytes()
                     .zip(want.bytes())
                     .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-                    == 0;
-            if !same {
-                let _ = answer(
-                    &v["id"],
-                    401,
-                    serde_json::json!({
-                        "error": "this socket's requests need its worker's AECP_TOKEN",
-                        "hint": "the Executor gives each agent its own AECP_SOCKET and AECP_TOKEN; \
-                                 awcp-ctl sends them without flags",
-                    }),
-                );
-                continue;
+                    == 0
+        });
+        if v["kind"] == "hello" {
+            let mut text = if shown {
+                streaming.store(true, std::sync::atomic::Ordering::Relaxed);
+                serde_json::json!({"kind": "hello", "streaming": true})
+            } else {
+                serde_json::json!({
+                    "kind": "hello",
+                    "streaming": false,
+                    "status": 401,
+                    "error": "this socket's deliveries and requests need its worker's AECP_TOKEN",
+                    "hint": "the Executor gives each agent its own AECP_SOCKET and AECP_TOKEN: \
+                             another agent's token does not open this worker's deliveries",
+                })
             }
+            .to_string();
+            text.push('\n');
+            if client.lock().write_all(text.as_bytes()).is_err() {
+                return;
+            }
+            continue;
+        }
+        if v["kind"] != "request" {
+            continue;
+        }
+        if shown {
+            streaming.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        if !shown {
+            let _ = answer(
+                &v["id"],
+                401,
+                serde_json::json!({
+                    "error": "this socket's deliveries and requests need its worker's AECP_TOKEN",
+                    "hint": "the Executor gives each agent its own AECP_SOCKET and AECP_TOKEN; \
+                             awcp-ctl sends them without flags",
+                }),
+            );
+            continue;
         }
         let forward = serde_json::json!({
             "method": v["method"],

@@ -414,10 +414,8 @@ impl Daemon {
 
     /// Sends `worker`'s standing as a consumer of `module` to its mount.
     fn aecp_push_standing(&self, workspace: &str, module: &str, worker: &str) {
-        if let Some(event) = standing_event(&self.aecp.store, workspace, module, worker)
-            && let Some(live) = self.get_live(worker)
-        {
-            self.aecp_push_to(&live, &event);
+        if let Some(event) = standing_event(&self.aecp.store, workspace, module, worker) {
+            self.aecp_push_worker(worker, &event);
         }
     }
 }

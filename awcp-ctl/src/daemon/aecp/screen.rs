@@ -239,18 +239,16 @@ impl Daemon {
             return;
         }
         tracing::info!(worker, paths = ?released, "AECP: acknowledged; releasing held write-backs");
-        if let Some(live) = self.get_live(worker) {
-            for path in &released {
-                self.aecp_push_to(
-                    &live,
-                    &IndexEvent::ViolationCleared {
-                        module: path.clone(),
-                        at_ms: aecp_hooks::store::now_ms(),
-                    },
-                );
-            }
-            self.aecp_push_to(&live, &IndexEvent::Released { paths: released });
+        for path in &released {
+            self.aecp_push_worker(
+                worker,
+                &IndexEvent::ViolationCleared {
+                    module: path.clone(),
+                    at_ms: aecp_hooks::store::now_ms(),
+                },
+            );
         }
+        self.aecp_push_worker(worker, &IndexEvent::Released { paths: released });
     }
 
     /// After a revision of `module`'s contract: every write-back of it held (by any worker
@@ -300,7 +298,6 @@ impl Daemon {
                     .store
                     .record_verdict(workspace, module, &h.worker, &verdict);
             }
-            let live = self.get_live(&h.worker);
             let report = j.report.as_ref().map(|r| {
                 serde_json::to_value(ScreenReport {
                     at_ms: aecp_hooks::store::now_ms(),
@@ -314,27 +311,23 @@ impl Daemon {
                         .aecp
                         .store
                         .set_violation(workspace, &h.worker, module, detail);
-                    if let Some(l) = &live {
-                        self.aecp_push_to(
-                            l,
-                            &IndexEvent::Violation {
-                                module: module.to_owned(),
-                                detail: detail.clone(),
-                            },
-                        );
-                    }
+                    self.aecp_push_worker(
+                        &h.worker,
+                        &IndexEvent::Violation {
+                            module: module.to_owned(),
+                            detail: detail.clone(),
+                        },
+                    );
                 }
                 None => {
                     let _ = self.aecp.store.clear_violation(&h.worker, module);
-                    if let Some(l) = &live {
-                        self.aecp_push_to(
-                            l,
-                            &IndexEvent::ViolationCleared {
-                                module: module.to_owned(),
-                                at_ms: aecp_hooks::store::now_ms(),
-                            },
-                        );
-                    }
+                    self.aecp_push_worker(
+                        &h.worker,
+                        &IndexEvent::ViolationCleared {
+                            module: module.to_owned(),
+                            at_ms: aecp_hooks::store::now_ms(),
+                        },
+                    );
                 }
             }
             if held_now {
@@ -344,16 +337,38 @@ impl Daemon {
             let _ = self.aecp.store.clear_held(&h.worker, module);
             released = true;
             tracing::info!(worker = %h.worker, module, revision, "AECP: the revised contract releases a held write-back");
-            if let Some(l) = &live {
-                self.aecp_push_to(
-                    l,
-                    &IndexEvent::Released {
-                        paths: vec![module.to_owned()],
-                    },
-                );
-            }
+            self.aecp_push_worker(
+                &h.worker,
+                &IndexEvent::Released {
+                    paths: vec![module.to_owned()],
+                },
+            );
         }
         released
+    }
+
+    /// Forgets every report and held content on `worker`'s files (its change set was
+    /// discarded: nothing of it stays behind), telling its mount when it has one.
+    pub(crate) fn aecp_forget_worker_reports(&self, worker: &str) {
+        match self.aecp.store.forget_worker_reports(worker) {
+            Ok(paths) => {
+                if !paths.is_empty() {
+                    tracing::info!(worker, paths = ?paths, "AECP: a discarded change set's reports are forgotten");
+                }
+                for path in paths {
+                    self.aecp_push_worker(
+                        worker,
+                        &IndexEvent::ViolationCleared {
+                            module: path,
+                            at_ms: aecp_hooks::store::now_ms(),
+                        },
+                    );
+                }
+            }
+            Err(e) => {
+                tracing::warn!(worker, error = %e, "AECP: forgetting a discarded change set's reports failed");
+            }
+        }
     }
 
     /// A screen over `workspace` (for [`DaemonScreen::contract_of`] outside a commit).

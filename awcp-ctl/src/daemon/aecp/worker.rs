@@ -6,8 +6,9 @@
 //! export hands it to the handler installed here for that export's worker. So the
 //! credential is the worker's, scoped to its delegation: the request acts as that worker and
 //! no other. A `worker` it names (in the JSON body or the query) must be that worker —
-//! anything else is refused with 403 — and one it leaves out is filled in. Only the AECP
-//! routes (`/aecp/…`) are reachable this way; they run exactly as on the daemon API.
+//! anything else is refused with 403 — and one it leaves out (or empty) is filled in. Only
+//! the AECP routes (`/aecp/…`) are reachable this way; they run exactly as on the daemon
+//! API.
 //!
 //! The daemon API's owner credential (its API token, or the daemon's own user) keeps full
 //! power: it may act as any worker (that is how an operator or a test drives workers).
@@ -92,6 +93,8 @@ async fn answer(d: Arc<Daemon>, worker: &str, request: Value) -> (u16, Value) {
             }
         }
     };
+    // An empty `worker` is one left out.
+    pairs.retain(|(k, v)| !(k == "worker" && v.is_empty()));
     for (k, v) in &pairs {
         if k == "worker" && v != worker {
             return impersonation(worker, v);
@@ -113,6 +116,10 @@ async fn answer(d: Arc<Daemon>, worker: &str, request: Value) -> (u16, Value) {
         };
         match obj.get("worker") {
             None | Some(Value::Null) => {
+                obj.insert("worker".into(), json!(worker));
+            }
+            // An empty `worker` is one left out.
+            Some(Value::String(named)) if named.is_empty() => {
                 obj.insert("worker".into(), json!(worker));
             }
             Some(Value::String(named)) if named == worker => {}
@@ -159,7 +166,7 @@ async fn answer(d: Arc<Daemon>, worker: &str, request: Value) -> (u16, Value) {
 }
 
 /// Percent-encodes a query component (everything but unreserved characters).
-fn encode(s: &str) -> String {
+pub(super) fn encode(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
