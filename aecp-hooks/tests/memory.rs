@@ -107,7 +107,7 @@ fn finding(i: usize) -> Artifact {
         claim,
         scope: Scope::Symbol(format!("{module}.parse")),
         bound: p,
-        witness: (i % 3 == 0).then(|| aecp_hooks::knowledge::Witness {
+        witness: i.is_multiple_of(3).then(|| aecp_hooks::knowledge::Witness {
             argv: vec![
                 "python3".into(),
                 "-c".into(),
@@ -116,7 +116,7 @@ fn finding(i: usize) -> Artifact {
             marker: "AECP-READY".into(),
             timeout_ms: 30_000,
         }),
-        status: if i % 2 == 0 {
+        status: if i.is_multiple_of(2) {
             WitnessStatus::Checked
         } else {
             WitnessStatus::Unchecked
