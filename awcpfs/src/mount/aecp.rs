@@ -216,7 +216,7 @@ impl MountAecp {
     }
 
     /// The kernel forgot virtual inode `ino`: one that is no longer its path's current
-    /// inode (a file whose size changed got a new one, see [`MountAecp::ino_for`]) is
+    /// inode (a file whose size changed got a new one at its lookup) is
     /// dropped, so that reading the inbox after each delivery does not keep an inode per
     /// delivery.
     pub fn forget(&self, ino: u64) {
