@@ -6,7 +6,8 @@
 //! * [`index`] — the path → artifacts index a mount replicates, and its stream events.
 //! * [`witness`] — the witness runner (timeout, process group, network namespace).
 //! * [`store`] — the SQLite store and its append-only audit log (on the Delegator).
-//! * [`hook`] — the narrow interface the mount calls on each access.
+//! * [`hook`] — the narrow interface the mount calls on each access; `replica` (private)
+//!   — what it keeps per artifact: fixed-size words in memory, lines in unnamed files.
 //! * [`contract`] — contract artifacts: the model and its JSON form, `.pyi` interfaces, the
 //!   stub generator and the static verifier (tree-sitter, never running code).
 //! * [`python`] — the tree-sitter-python helpers.
@@ -21,6 +22,7 @@ pub mod index;
 pub mod knowledge;
 pub mod policy;
 pub mod python;
+mod replica;
 pub mod revision;
 pub mod scope;
 pub mod screen;

@@ -63,8 +63,14 @@ impl Policy {
     /// Whether `a` may reach a worker that has `delivered`: never refuted, and once per
     /// revision when [`Policy::once_per_worker`].
     pub fn deliverable(&self, a: &Artifact, delivered: &Delivered) -> bool {
-        a.status != WitnessStatus::Refuted
-            && !(self.once_per_worker && delivered.get(&a.id).is_some_and(|r| *r >= a.revision))
+        self.admits(a.status, a.revision, delivered.get(&a.id).copied())
+    }
+
+    /// [`Policy::deliverable`] from the parts it looks at: an artifact's status and revision,
+    /// and the revision of it the worker received (`got`, if any).
+    pub fn admits(&self, status: WitnessStatus, revision: u32, got: Option<u32>) -> bool {
+        status != WitnessStatus::Refuted
+            && !(self.once_per_worker && got.is_some_and(|r| r >= revision))
     }
 
     /// Picks what one access delivers out of the artifacts bound to the path: deliverable

@@ -118,9 +118,11 @@ enum Node {
 }
 
 impl MountAecp {
-    /// With the default policy, owned by `uid`/`gid` (the mount's owner).
-    pub fn new(uid: u32, gid: u32) -> MountAecp {
-        let (hook, notes) = WorkerHook::new("mount", Policy::default());
+    /// With the default policy, owned by `uid`/`gid` (the mount's owner); the replica's
+    /// files (unnamed: the delivery lines and the inbox) go to `dir`, the mount's state
+    /// directory.
+    pub fn new(uid: u32, gid: u32, dir: Option<std::path::PathBuf>) -> MountAecp {
+        let (hook, notes) = WorkerHook::with_dir("mount", Policy::default(), dir);
         let mut virt = Virt::default();
         virt.by_path.insert(String::new(), AECP_INO);
         virt.by_ino.insert(AECP_INO, String::new());
@@ -211,6 +213,22 @@ impl MountAecp {
     /// The virtual inodes handed out (to invalidate their cached content).
     pub fn virtual_inodes(&self) -> Vec<u64> {
         self.virt.lock().by_ino.keys().copied().collect()
+    }
+
+    /// The kernel forgot virtual inode `ino`: one that is no longer its path's current
+    /// inode (a file whose size changed got a new one at its lookup) is
+    /// dropped, so that reading the inbox after each delivery does not keep an inode per
+    /// delivery.
+    pub fn forget(&self, ino: u64) {
+        let mut v = self.virt.lock();
+        let superseded = v
+            .by_ino
+            .get(&ino)
+            .is_some_and(|p| v.by_path.get(p) != Some(&ino));
+        if superseded {
+            v.by_ino.remove(&ino);
+            v.sizes.remove(&ino);
+        }
     }
 
     /// The observer, first half: the path of `ino` (looked up) if the observer has
@@ -923,7 +941,32 @@ fn fit_lines(mut b: Vec<u8>, size: usize) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::fit_lines;
+    use super::{MountAecp, fit_lines};
+
+    #[test]
+    fn a_superseded_virtual_inode_is_dropped_once_the_kernel_forgets_it() {
+        let a = MountAecp::new(0, 0, None);
+        let first = a.ino_for("inbox", Some(10));
+        assert_eq!(a.ino_for("inbox", Some(10)), first, "same size: same inode");
+        let second = a.ino_for("inbox", Some(20));
+        assert_ne!(first, second, "a new size: a new inode");
+        a.forget(second);
+        assert_eq!(a.path_of(second).as_deref(), Some("inbox"), "current: kept");
+        assert_eq!(
+            a.path_of(first).as_deref(),
+            Some("inbox"),
+            "the old one still answers while the kernel knows it"
+        );
+        a.forget(first);
+        assert_eq!(a.path_of(first), None);
+        // `.aecp` itself and the inbox's current inode: nothing per change kept.
+        for size in 21..1_000 {
+            let old = a.ino_for("inbox", None);
+            a.ino_for("inbox", Some(size));
+            a.forget(old);
+        }
+        assert_eq!(a.virtual_inodes().len(), 2);
+    }
 
     #[test]
     fn a_virtual_file_read_at_its_looked_up_size_shows_whole_lines_and_no_nul() {

@@ -268,7 +268,7 @@ impl AwcpFs {
             streams: Mutex::new(HashMap::new()),
             pack: super::pack::Pack::new(opts.upper_dir.join(".pack"), pack_limit),
             upper: super::upper::UpperFiles::new(opts.upper_dir.clone()),
-            aecp: super::aecp::MountAecp::new(opts.uid, opts.gid),
+            aecp: super::aecp::MountAecp::new(opts.uid, opts.gid, Some(opts.upper_dir.clone())),
             changes: Default::default(),
             priority: Default::default(),
             hydration: Default::default(),
@@ -331,8 +331,11 @@ impl AwcpFs {
     }
 
     /// `forget`: the kernel dropped `ino`. An unlinked file kept for descriptors the kernel
-    /// did not tell about (no-open) goes now.
+    /// did not tell about (no-open) goes now, and so does a superseded `.aecp/` inode.
     pub fn forget(&self, ino: Ino) {
+        if super::aecp::MountAecp::is_virtual(ino) {
+            return self.aecp.forget(ino);
+        }
         let mut table = self.table.lock();
         let Some(node) = table.get(ino) else { return };
         if node.unlinked && node.open_handles == 0 {
