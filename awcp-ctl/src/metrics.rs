@@ -412,11 +412,15 @@ mod tests {
     fn write_back_lags_add_up_and_are_a_histogram_in_seconds() {
         let lag = awcpfs::lag::Lag::default();
         lag.observe(std::time::Duration::from_millis(40));
-        let mut a = StatsSnapshot::default();
-        a.writeback_lag = lag.snapshot();
+        let a = StatsSnapshot {
+            writeback_lag: lag.snapshot(),
+            ..Default::default()
+        };
         lag.observe(std::time::Duration::from_secs(2));
-        let mut b = StatsSnapshot::default();
-        b.writeback_lag = lag.snapshot();
+        let b = StatsSnapshot {
+            writeback_lag: lag.snapshot(),
+            ..Default::default()
+        };
         let mut t = MountTotals::default();
         t.add(&a);
         t.add(&b);
