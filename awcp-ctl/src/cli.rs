@@ -147,8 +147,9 @@ enum Command {
     /// aglx-bridge (--bridge aglx://host:port) and/or listen for announces (--listen).
     Peers(aglx::PeersArgs),
     /// Check this machine and the peers: FUSE device, mount privileges, kernel passthrough,
-    /// the daemon (--daemon) and any Executors given; prints a fix for each problem. Exit
-    /// code 1 if something will make delegations fail.
+    /// the daemon (--daemon: every URL of a list, each reachable, taking the credential,
+    /// which daemon it is, and whether they share one database) and any Executors given;
+    /// prints a fix for each problem. Exit code 1 if something will make delegations fail.
     Doctor {
         /// An Executor's AWCP endpoint to check (repeatable).
         #[arg(long)]
@@ -1622,8 +1623,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             let executor_token = cred.resolve()?;
             use awcp_ctl::doctor::{self, Status};
             let mut checks = doctor::local();
-            checks.push(doctor::daemon(&cli.daemon, client_token.as_deref()).await);
-            checks.push(doctor::daemon_credential(&cli.daemon).await);
+            checks.extend(doctor::daemons(&cli.daemon, client_token.as_deref()).await);
             let daemon_state = std::env::var_os("AWCP_STATE_DIR")
                 .filter(|d| !d.is_empty())
                 .map(PathBuf::from)

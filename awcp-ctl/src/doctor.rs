@@ -226,6 +226,139 @@ fn inotify_watches(limit: Option<u64>) -> Check {
 
 /// Is the daemon there (and does it take our token)?
 pub async fn daemon(url: &str, token: Option<&str>) -> Check {
+    daemon_named("daemon", url, token).await.0
+}
+
+/// The daemons of `--daemon`: one URL, or several comma-separated (daemons sharing one
+/// database, which clients fail over between). Each is checked on its own — does it
+/// answer, does it take our token, which daemon it is — and its credential mode; with
+/// several, the checks are named after their URL (`daemon <url>`, `daemon credential
+/// <url>`), a daemon that does not answer is a warning while another does (clients move
+/// to that one), and a last check (`daemons`) says whether they make one fleet.
+pub async fn daemons(list: &str, token: Option<&str>) -> Vec<Check> {
+    let urls: Vec<&str> = list
+        .split(',')
+        .map(|u| u.trim().trim_end_matches('/'))
+        .filter(|u| !u.is_empty())
+        .collect();
+    if urls.len() <= 1 {
+        let url = urls.first().copied().unwrap_or(list);
+        return vec![daemon(url, token).await, daemon_credential(url).await];
+    }
+    let mut checks = Vec::new();
+    let mut reached: Vec<(&str, Option<String>)> = Vec::new();
+    for url in urls.iter().copied() {
+        let (c, health) = daemon_named(&format!("daemon {url}"), url, token).await;
+        checks.push(c);
+        if let Some(id) = health {
+            reached.push((url, id));
+            checks.push(named(
+                daemon_credential(url).await,
+                &format!("daemon credential {url}"),
+            ));
+        }
+    }
+    if !reached.is_empty() {
+        // Clients move to the next daemon that answers: one down is not a failure.
+        for c in &mut checks {
+            if c.status == Status::Fail && c.detail.starts_with("cannot reach") {
+                c.status = Status::Warn;
+                c.detail
+                    .push_str(" (clients use another daemon of the list meanwhile)");
+            }
+        }
+    }
+    checks.push(fleet(&urls, &reached));
+    checks
+}
+
+/// `c` under another name.
+fn named(mut c: Check, name: &str) -> Check {
+    c.check = name.to_owned();
+    c
+}
+
+/// Whether the daemons of a `--daemon` list make one fleet: `reached` are those that
+/// answered, with the id each gave (`None`: a daemon with state of its own).
+fn fleet(urls: &[&str], reached: &[(&str, Option<String>)]) -> Check {
+    const NAME: &str = "daemons";
+    if reached.is_empty() {
+        return check(
+            NAME,
+            Status::Fail,
+            format!("none of the {} daemons of --daemon answers", urls.len()),
+            Some("start `awcp-ctl serve --state postgres://…` on at least one of them"),
+        );
+    }
+    let own: Vec<&str> = reached
+        .iter()
+        .filter(|(_, id)| id.is_none())
+        .map(|(u, _)| *u)
+        .collect();
+    if !own.is_empty() {
+        return check(
+            NAME,
+            Status::Warn,
+            format!(
+                "{} keep{} state of {} own, not a shared database: a client that moves there \
+                 finds other delegations, not the ones it was following",
+                own.join(", "),
+                if own.len() == 1 { "s" } else { "" },
+                if own.len() == 1 { "its" } else { "their" },
+            ),
+            Some(
+                "list only daemons started with one `serve --state postgres://…` database, or \
+                 give --daemon a single URL",
+            ),
+        );
+    }
+    let mut ids: Vec<&str> = reached.iter().filter_map(|(_, id)| id.as_deref()).collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        let twice: Vec<&str> = reached
+            .iter()
+            .filter(|(_, id)| id.as_deref() == Some(w[0]))
+            .map(|(u, _)| *u)
+            .collect();
+        return check(
+            NAME,
+            Status::Warn,
+            format!(
+                "{} are one daemon ({}): the list has no second daemon there to fail over to",
+                twice.join(" and "),
+                w[0]
+            ),
+            Some("list each daemon once"),
+        );
+    }
+    let first = reached[0].0;
+    let status = if reached.len() == urls.len() {
+        Status::Ok
+    } else {
+        Status::Warn
+    };
+    check(
+        NAME,
+        status,
+        format!(
+            "{} of {} daemons answer, each on a shared database; clients use {first} now and \
+             move along the list ({}) when one cannot be reached",
+            reached.len(),
+            urls.len(),
+            urls.join(", ")
+        ),
+        (status == Status::Warn)
+            .then_some("start the daemons that do not answer, or take them off the list"),
+    )
+}
+
+/// [`daemon`] under the check name `name`; also answers, when the daemon answered
+/// `/health`, the id it gave (`None` inside: state of its own).
+async fn daemon_named(
+    name: &str,
+    url: &str,
+    token: Option<&str>,
+) -> (Check, Option<Option<String>>) {
     let http = reqwest::Client::new();
     let base = url.trim_end_matches('/');
     let health = http
@@ -233,49 +366,70 @@ pub async fn daemon(url: &str, token: Option<&str>) -> Check {
         .timeout(Duration::from_secs(2))
         .send()
         .await;
-    match health {
-        Ok(r) if r.status().is_success() => {}
+    let id = match health {
+        Ok(r) if r.status().is_success() => r
+            .json::<awcp_protocol::api::HealthResponse>()
+            .await
+            .ok()
+            .and_then(|h| h.daemon),
         Ok(r) => {
-            return check(
-                "daemon",
-                Status::Fail,
-                format!("{base}/health answered {}", r.status()),
-                Some("is --daemon the URL of an `awcp-ctl serve`?"),
+            return (
+                check(
+                    name,
+                    Status::Fail,
+                    format!("{base}/health answered {}", r.status()),
+                    Some("is --daemon the URL of an `awcp-ctl serve`?"),
+                ),
+                None,
             );
         }
         Err(e) => {
-            return check(
-                "daemon",
-                Status::Fail,
-                format!("cannot reach {base}: {e}"),
-                Some("start `awcp-ctl serve`, or point --daemon / AWCP_DAEMON_URL at it"),
+            return (
+                check(
+                    name,
+                    Status::Fail,
+                    format!("cannot reach {base}: {e}"),
+                    Some("start `awcp-ctl serve`, or point --daemon / AWCP_DAEMON_URL at it"),
+                ),
+                None,
             );
         }
-    }
+    };
+    let role = match &id {
+        Some(id) => format!("daemon {id}, one of the daemons sharing its database"),
+        None => "state of its own (not a shared database)".to_owned(),
+    };
     let mut rq = http
         .get(format!("{base}/delegations"))
         .timeout(Duration::from_secs(2));
     if let Some(t) = token {
         rq = rq.bearer_auth(t);
     }
-    match rq.send().await {
+    let c = match rq.send().await {
         Ok(r) if r.status().as_u16() == 401 => check(
-            "daemon",
+            name,
             Status::Fail,
-            format!("{base} requires an API token, and ours is missing or wrong"),
-            Some("set --api-token or AWCP_API_TOKEN to the daemon's token"),
+            format!("{base} ({role}) requires an API token, and ours is missing or wrong"),
+            Some(
+                "set --api-token or AWCP_API_TOKEN to the daemon's token (for several daemons, \
+                 one of `awcp-ctl token create`, which all of them accept)",
+            ),
         ),
-        Ok(r) if r.status().is_success() => {
-            check("daemon", Status::Ok, format!("{base} answers"), None)
-        }
+        Ok(r) if r.status().is_success() => check(
+            name,
+            Status::Ok,
+            format!("{base} answers and takes our credential; {role}"),
+            None,
+        ),
         Ok(r) => check(
-            "daemon",
+            name,
             Status::Fail,
             format!("{base}/delegations answered {}", r.status()),
             None,
         ),
-        Err(e) => check("daemon", Status::Fail, format!("{base}: {e}"), None),
-    }
+        Err(e) => check(name, Status::Fail, format!("{base}: {e}"), None),
+    };
+    (c, Some(id))
 }
 
 /// Does the daemon refuse a request without its token (`--unsafe-no-auth` lets anyone in)?
@@ -643,6 +797,34 @@ mod tests {
             None
         });
         assert_eq!(seen.into_inner(), [PathBuf::from("/x/work/my ws")]);
+    }
+
+    #[test]
+    fn a_list_of_daemons_is_one_fleet_only_on_one_shared_database() {
+        let urls = ["http://a:3100", "http://b:3100"];
+        let id = |s: &str| Some(s.to_owned());
+        let both = [(urls[0], id("dmn_1")), (urls[1], id("dmn_2"))];
+        let c = fleet(&urls, &both);
+        assert_eq!(c.status, Status::Ok, "{c:?}");
+        assert!(c.detail.contains("clients use http://a:3100 now"), "{c:?}");
+        // One down: clients still work, through the other.
+        let c = fleet(&urls, &both[1..]);
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert!(c.detail.contains("1 of 2"), "{c:?}");
+        assert!(c.detail.contains("clients use http://b:3100 now"), "{c:?}");
+        // None.
+        assert_eq!(fleet(&urls, &[]).status, Status::Fail);
+        // A daemon with state of its own.
+        let c = fleet(&urls, &[(urls[0], id("dmn_1")), (urls[1], None)]);
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert!(
+            c.detail.starts_with("http://b:3100 keeps state of its own"),
+            "{c:?}"
+        );
+        // One daemon behind both URLs (or two sharing a state directory).
+        let c = fleet(&urls, &[(urls[0], id("dmn_1")), (urls[1], id("dmn_1"))]);
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert!(c.detail.contains("are one daemon (dmn_1)"), "{c:?}");
     }
 
     #[test]

@@ -18,6 +18,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use awcpfs::lag::{Histogram, LAG_BOUNDS_US};
 use awcpfs::mount::stats::{LATENCY_BOUNDS_US, OpLatency, StatsSnapshot};
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::{MetricType, TypedMetric};
@@ -105,6 +106,11 @@ impl Scrape {
         self.registry.register(name, help, family);
     }
 
+    /// A histogram without labels, from counts already bucketed (bounds in seconds).
+    pub(crate) fn histogram(&mut self, name: &str, help: &str, value: Bucketed) {
+        self.registry.register(name, help, value);
+    }
+
     /// The text exposition.
     pub(crate) fn finish(self) -> String {
         let mut out = String::new();
@@ -125,15 +131,25 @@ pub(crate) struct Bucketed(Mutex<HistogramValues>);
 impl Bucketed {
     /// From a mount's latency counts (µs bounds [`LATENCY_BOUNDS_US`]) to seconds.
     pub(crate) fn from_latency(l: &OpLatency) -> Bucketed {
-        let buckets = LATENCY_BOUNDS_US
+        Bucketed::from_counts(&LATENCY_BOUNDS_US, &l.counts, l.sum_micros)
+    }
+
+    /// From write-back lag counts (µs bounds [`LAG_BOUNDS_US`]) to seconds.
+    pub(crate) fn from_lag(h: &Histogram) -> Bucketed {
+        Bucketed::from_counts(&LAG_BOUNDS_US, &h.counts, h.sum_micros)
+    }
+
+    /// From counts per bucket of `bounds_us` (then +Inf) and their sum (µs) to seconds.
+    fn from_counts(bounds_us: &[u64], counts: &[u64], sum_micros: u64) -> Bucketed {
+        let buckets = bounds_us
             .iter()
             .map(|us| *us as f64 / 1e6)
             .chain([f64::INFINITY])
-            .zip(l.counts.iter().copied().chain(std::iter::repeat(0)))
+            .zip(counts.iter().copied().chain(std::iter::repeat(0)))
             .collect();
         Bucketed(Mutex::new((
-            l.sum_micros as f64 / 1e6,
-            l.counts.iter().sum(),
+            sum_micros as f64 / 1e6,
+            counts.iter().sum(),
             buckets,
         )))
     }
@@ -172,11 +188,11 @@ pub struct MountTotals {
     pub ops: BTreeMap<String, u64>,
     /// How long they took, by operation.
     pub op_latency: BTreeMap<String, OpLatency>,
-    /// Content bytes fetched (both tiers and the block cache).
+    /// Content bytes fetched from the Delegator (its export and its block tier).
     pub bytes_fetched: u64,
     /// Of those, from the Delegator's block tier.
     pub bytes_from_store: u64,
-    /// Of those, from the block cache.
+    /// Content bytes the block cache served instead (not fetched).
     pub bytes_from_cache: u64,
     /// Blocks the block tier did not give intact.
     pub store_refused: u64,
@@ -194,6 +210,8 @@ pub struct MountTotals {
     pub upstream_applied: u64,
     /// Opens handed to the kernel with FUSE passthrough.
     pub passthrough_opens: u64,
+    /// How long closed writes waited until the Delegator answered their commit.
+    pub writeback_lag: Histogram,
     /// Mounts counted.
     pub mounts: u64,
 }
@@ -218,6 +236,7 @@ impl MountTotals {
         self.conflicts += s.conflicts.len() as u64;
         self.upstream_applied += s.upstream_applied;
         self.passthrough_opens += s.passthrough_opens;
+        self.writeback_lag.add(&s.writeback_lag);
         self.mounts += 1;
     }
 
@@ -241,6 +260,7 @@ impl MountTotals {
         m.conflicts += other.conflicts;
         m.upstream_applied += other.upstream_applied;
         m.passthrough_opens += other.passthrough_opens;
+        m.writeback_lag.add(&other.writeback_lag);
         m.mounts += other.mounts;
         m
     }
@@ -263,7 +283,8 @@ impl MountTotals {
         );
         s.counter(
             "mount_bytes_fetched",
-            "content bytes the mounts fetched (export, block tier and block cache)",
+            "content bytes the mounts fetched from the Delegator (its export and its block tier), \
+             as they arrived: a block fetched twice counts twice",
             self.bytes_fetched,
         );
         s.counter(
@@ -273,7 +294,7 @@ impl MountTotals {
         );
         s.counter(
             "mount_bytes_from_cache",
-            "of the bytes fetched, those from the block cache",
+            "content bytes the block cache served instead of a fetch",
             self.bytes_from_cache,
         );
         s.counter(
@@ -295,6 +316,12 @@ impl MountTotals {
             "mount_commits",
             "write-back commits the Delegator applied",
             self.commits,
+        );
+        s.histogram(
+            "mount_writeback_lag_seconds",
+            "how long writes closed (or fsynced) on the mounts waited until the Delegator \
+             answered the commit that carried them",
+            Bucketed::from_lag(&self.writeback_lag),
         );
         s.counter(
             "mount_sync_errors",
@@ -379,5 +406,45 @@ mod tests {
         assert_eq!(m.ops["lookup"], 1);
         assert_eq!(m.bytes_fetched, 15);
         assert_eq!(m.mounts, 2);
+    }
+
+    #[test]
+    fn write_back_lags_add_up_and_are_a_histogram_in_seconds() {
+        let lag = awcpfs::lag::Lag::default();
+        lag.observe(std::time::Duration::from_millis(40));
+        let a = StatsSnapshot {
+            writeback_lag: lag.snapshot(),
+            ..Default::default()
+        };
+        lag.observe(std::time::Duration::from_secs(2));
+        let b = StatsSnapshot {
+            writeback_lag: lag.snapshot(),
+            ..Default::default()
+        };
+        let mut t = MountTotals::default();
+        t.add(&a);
+        t.add(&b);
+        // Three observations: one in a, two in b.
+        assert_eq!(t.writeback_lag.counts.iter().sum::<u64>(), 3);
+        let mut s = Scrape::new();
+        t.scrape(&mut s);
+        let text = s.finish();
+        assert!(
+            text.contains("# TYPE awcp_mount_writeback_lag_seconds histogram"),
+            "{text}"
+        );
+        assert!(
+            text.contains("awcp_mount_writeback_lag_seconds_count 3"),
+            "{text}"
+        );
+        // Both 40 ms lags within 50 ms, the 2 s one by 2.5 s (cumulative buckets).
+        assert!(
+            text.contains("awcp_mount_writeback_lag_seconds_bucket{le=\"0.05\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("awcp_mount_writeback_lag_seconds_bucket{le=\"2.5\"} 3"),
+            "{text}"
+        );
     }
 }

@@ -156,6 +156,86 @@ async fn doctor_reports_the_credential_mode_and_the_state_file_modes() {
     open.stop().await;
 }
 
+// Issue 34: with a list of daemons, doctor checked only the first URL (and read the list
+// as one URL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_checks_every_daemon_of_a_list() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = awcp_ctl::daemon::DaemonConfig::new(tmp.path().join("d"));
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.export_listen = "127.0.0.1:0".parse().unwrap();
+    cfg.api_token = Some("tok".into());
+    cfg.trust_local_uid = false;
+    let d = awcp_ctl::daemon::start(cfg).await.unwrap();
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let run = |list: String, token: &'static str| async move {
+        let out = tokio::process::Command::new(BIN)
+            .args(["--daemon", &list, "--json", "doctor"])
+            .env("AWCP_API_TOKEN", token)
+            .env("AWCP_STATE_DIR", "/nonexistent/awcp-doctor-test")
+            .output()
+            .await
+            .unwrap();
+        let mut by_name = serde_json::Map::new();
+        for l in String::from_utf8_lossy(&out.stdout).lines() {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            by_name.insert(v["check"].as_str().unwrap().to_string(), v);
+        }
+        serde_json::Value::Object(by_name)
+    };
+    let list = format!("{},{dead}", d.url());
+    let checks = run(list.clone(), "tok").await;
+    // Each URL has its own check: the live one answers and takes the token, and says it
+    // keeps state of its own; the dead one is a warning, since the client uses the other.
+    let live = &checks[format!("daemon {}", d.url())];
+    assert_eq!(live["status"], "ok", "{checks:#}");
+    assert!(
+        live["detail"]
+            .as_str()
+            .unwrap()
+            .contains("state of its own"),
+        "{live}"
+    );
+    assert_eq!(
+        checks[format!("daemon credential {}", d.url())]["status"],
+        "ok",
+        "{checks:#}"
+    );
+    let down = &checks[format!("daemon {dead}")];
+    assert_eq!(down["status"], "warn", "{checks:#}");
+    assert!(
+        down["detail"].as_str().unwrap().contains("cannot reach"),
+        "{down}"
+    );
+    // Together: not a fleet — a client failing over to a daemon with its own state would
+    // find other delegations.
+    let fleet = &checks["daemons"];
+    assert_eq!(fleet["status"], "warn", "{checks:#}");
+    assert!(
+        fleet["detail"]
+            .as_str()
+            .unwrap()
+            .contains("state of its own"),
+        "{fleet}"
+    );
+    assert!(
+        fleet["fix"].as_str().unwrap().contains("postgres"),
+        "{fleet}"
+    );
+    // A wrong token fails at every daemon that answers.
+    let checks = run(list, "wrong").await;
+    assert_eq!(
+        checks[format!("daemon {}", d.url())]["status"],
+        "fail",
+        "{checks:#}"
+    );
+    // Nothing answers: each URL fails, and so does the list.
+    let checks = run(format!("{dead},{dead}/"), "tok").await;
+    assert_eq!(checks["daemons"]["status"], "fail", "{checks:#}");
+    assert_eq!(checks[format!("daemon {dead}")]["status"], "fail");
+    d.stop().await;
+}
+
 #[test]
 fn completions_are_printed_for_every_shell() {
     for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {

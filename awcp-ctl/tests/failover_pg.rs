@@ -111,6 +111,24 @@ impl Daemon {
     }
 }
 
+/// `awcp-ctl --daemon <daemons> --json doctor` with `token`: its checks by name.
+fn doctor(daemons: &str, token: &str) -> serde_json::Map<String, serde_json::Value> {
+    let out = Command::new(BIN)
+        .args(["--daemon", daemons, "--json", "doctor"])
+        .env("AWCP_API_TOKEN", token)
+        // No token file of another daemon on this machine is found instead.
+        .env("AWCP_STATE_DIR", "/nonexistent/awcp-doctor-test")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["check"].as_str().unwrap().to_string(), v)
+        })
+        .collect()
+}
+
 fn request(executor: &str, dir: &Path, ttl: u64, transport: TransportType) -> DelegateRequest {
     DelegateRequest {
         executor_url: executor.to_string(),
@@ -734,6 +752,19 @@ async fn a_client_with_both_urls_and_one_token_survives_the_first_daemons_death(
     .await;
     assert_eq!(client.base(), a.url, "the first daemon answers first");
     let a_id = a.id();
+    // `doctor` checks each daemon of the list: both answer, take the token, and say
+    // which daemon they are; together they are one fleet.
+    let checks = doctor(&both, &token);
+    for (url, id) in [(&a.url, &a_id), (&b.url, &b_id)] {
+        let c = &checks[&format!("daemon {url}")];
+        assert_eq!(c["status"], "ok", "{checks:#?}");
+        assert!(c["detail"].as_str().unwrap().contains(id.as_str()), "{c}");
+        assert!(
+            checks.contains_key(&format!("daemon credential {url}")),
+            "{checks:#?}"
+        );
+    }
+    assert_eq!(checks["daemons"]["status"], "ok", "{checks:#?}");
     assert_eq!(
         client.get(&id).await.unwrap().owner.as_deref(),
         Some(a_id.as_str())
@@ -751,6 +782,24 @@ async fn a_client_with_both_urls_and_one_token_survives_the_first_daemons_death(
     )
     .await;
     assert_eq!(client.base(), b.url, "the client moved to B");
+    // `doctor` now: A does not answer (a warning: clients use B), B does.
+    let checks = doctor(&both, &token);
+    assert_eq!(
+        checks[&format!("daemon {}", a.url)]["status"],
+        "warn",
+        "{checks:#?}"
+    );
+    assert_eq!(
+        checks[&format!("daemon {}", b.url)]["status"],
+        "ok",
+        "{checks:#?}"
+    );
+    let fleet = &checks["daemons"];
+    assert_eq!(fleet["status"], "warn", "{checks:#?}");
+    assert!(
+        fleet["detail"].as_str().unwrap().contains("1 of 2"),
+        "{fleet}"
+    );
     // The CLI too, given the list and the token (status: text and --json name the owner).
     let out = Command::new(BIN)
         .args(["--daemon", &both, "status", &id])

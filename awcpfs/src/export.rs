@@ -346,6 +346,9 @@ pub struct Export {
     tier: Option<Arc<tier::BlockTier>>,
     /// The commit screen and the worker it screens for, once a daemon installs one.
     screen: Mutex<Option<(String, Arc<dyn screen::CommitScreen>)>>,
+    /// How long the writes of applied commits had waited since their close on the mount
+    /// (see [`crate::lag`]).
+    writeback_lag: crate::lag::Lag,
 }
 
 impl Export {
@@ -462,6 +465,23 @@ impl Export {
         self.stats.snapshot()
     }
 
+    /// How long the writes of the commits applied to the workspace had waited since the
+    /// mount closed them: the commit's `ageMs` plus the time until it was applied. Commits
+    /// without `ageMs` (an older mount's), to a staging area, or answered again from the
+    /// log are not counted.
+    pub fn writeback_lag(&self) -> crate::lag::Histogram {
+        self.writeback_lag.snapshot()
+    }
+
+    /// Count a commit applied `since` it arrived whose oldest change had waited `age_ms`
+    /// on the mount when it was sent.
+    pub(crate) fn note_applied(&self, age_ms: Option<u64>, since: std::time::Instant) {
+        if let Some(age) = age_ms {
+            self.writeback_lag
+                .observe(std::time::Duration::from_millis(age) + since.elapsed());
+        }
+    }
+
     /// Apply a change set that arrives with its new blocks in hand — a recovery bundle an
     /// Executor kept when it could not write back in time (`awcp-ctl collect`). Blocks are
     /// verified and staged, then the change set is committed exactly as `POST /commit`
@@ -558,6 +578,7 @@ impl Export {
             aecp: aecp::AecpFeed::default(),
             tier: None,
             screen: Mutex::new(None),
+            writeback_lag: Default::default(),
         })
     }
 
@@ -802,6 +823,7 @@ impl ExportRegistry {
             aecp: aecp::AecpFeed::default(),
             tier: self.tier.clone(),
             screen: Mutex::new(None),
+            writeback_lag: Default::default(),
             id: export_id.clone(),
         });
         // Re-check under the write lock: the walk above ran without it.

@@ -206,6 +206,7 @@ fn cs(id: &str, changes: Vec<Change>) -> ChangeSet {
     ChangeSet {
         commit_id: id.into(),
         changes,
+        age_ms: None,
     }
 }
 

@@ -162,6 +162,11 @@ impl Fixture {
     }
 }
 
+/// What fetching `tree`'s `big` in one batch transfers: its first two 4 KiB blocks are one
+/// block (all 7s), sent once; then the last 1,808 bytes. (A fetch counts the bytes that
+/// came over the wire, not the file's size.)
+const BIG_FETCHED: u64 = 4096 + 1808;
+
 fn tree(root: &Path) {
     std::fs::create_dir_all(root.join("src/deep")).unwrap();
     std::fs::write(root.join("src/a.txt"), "alpha\n").unwrap();
@@ -546,7 +551,10 @@ fn a_batch_leaves_out_the_files_another_batch_is_fetching() {
     assert_eq!(first.join().unwrap().unwrap(), 4);
     // Given back once stored: nothing is claimed any more, and every file reads right.
     assert_eq!(f.read("src/deep/b.txt"), b"beta\n");
-    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 6 + 5 + 8 + 10_000);
+    assert_eq!(
+        f.fs.stats().snapshot().bytes_fetched,
+        6 + 5 + 8 + BIG_FETCHED
+    );
 }
 
 #[test]
@@ -558,7 +566,7 @@ fn background_hydration_fetches_small_files_in_one_request() {
     let inos: Vec<u64> = small.iter().map(|(i, _)| *i).collect();
     assert_eq!(f.fs.prefetch(&inos).unwrap(), 4);
     let fetched = f.fs.stats().snapshot();
-    assert_eq!(fetched.bytes_fetched, 6 + 5 + 8 + 10_000);
+    assert_eq!(fetched.bytes_fetched, 6 + 5 + 8 + BIG_FETCHED);
     // Everything is local now: reading fetches nothing more.
     assert_eq!(f.read("src/deep/b.txt"), b"beta\n");
     assert_eq!(f.read("big"), vec![7u8; 10_000]);
@@ -646,7 +654,7 @@ fn a_read_without_a_handle_packs_a_small_file_and_changes_copy_it_out() {
     assert_eq!(f.fs.read_at(big, 0, 0, 3).unwrap(), vec![7u8; 3]);
     assert_eq!(f.fs.read_at(r, 0, 0, 4096).unwrap(), b"old-ref\n");
     let snap = f.fs.stats().snapshot();
-    assert_eq!(snap.bytes_fetched, 10_000 + 8);
+    assert_eq!(snap.bytes_fetched, BIG_FETCHED + 8);
     assert_eq!((snap.files_packed, snap.bytes_packed), (2, 10_000 + 8));
     assert_eq!(upper_names(&f), [".pack".to_string()]);
     assert!(
@@ -667,7 +675,7 @@ fn a_read_without_a_handle_packs_a_small_file_and_changes_copy_it_out() {
     assert_eq!(f.fs.read_at(r, 0, 0, 4096).unwrap(), b"old-");
     // An open with a handle (as with --track-opens or passthrough) gets the whole content.
     assert_eq!(f.read("big"), vec![7u8; 10_000]);
-    assert_eq!(f.fs.stats().snapshot().bytes_fetched, 10_000 + 8);
+    assert_eq!(f.fs.stats().snapshot().bytes_fetched, BIG_FETCHED + 8);
     assert_eq!(f.sync().changes, 1);
     assert_eq!(std::fs::read(f.root.join("ref")).unwrap(), b"old-");
     assert_eq!(
@@ -1555,6 +1563,9 @@ impl Remote for Gated {
     ) -> Result<Vec<String>, awcpfs::mount::remote::RemoteError> {
         self.inner.missing(hashes)
     }
+    fn transfer_counters(&self) -> Option<Arc<awcpfs::mount::remote::TransferCounters>> {
+        self.inner.transfer_counters()
+    }
     fn upload(
         &self,
         blocks: &[([u8; 32], &[u8])],
@@ -2096,8 +2107,16 @@ fn cold_a_small_files_window_goes_down_first_then_outwards_within_its_budget() {
         std::fs::write(r.join("pkg/sub/mod.py"), "bb\n").unwrap();
         std::fs::write(r.join("pkg/sub/deeper/leaf.py"), "ccc\n").unwrap();
         // Six files of 200 KiB beside pkg/: five fit in the 1 MiB window, the sixth not.
-        for i in 0..6 {
-            std::fs::write(r.join(format!("other/w{i}.py")), vec![b'w'; 200 << 10]).unwrap();
+        // Each of its own content (no block shared, so each costs its size to fetch),
+        // starting with "wwww".
+        for i in 0..6u8 {
+            let mut data = vec![0u8; 200 << 10];
+            blake3::Hasher::new()
+                .update(&[i])
+                .finalize_xof()
+                .fill(&mut data);
+            data[..4].copy_from_slice(b"wwww");
+            std::fs::write(r.join(format!("other/w{i}.py")), data).unwrap();
         }
     });
     f.fs.set_no_open();
@@ -2233,6 +2252,9 @@ impl Remote for WithoutCurrent {
         hashes: &[String],
     ) -> Result<Vec<String>, awcpfs::mount::remote::RemoteError> {
         self.0.missing(hashes)
+    }
+    fn transfer_counters(&self) -> Option<Arc<awcpfs::mount::remote::TransferCounters>> {
+        self.0.transfer_counters()
     }
     fn upload(
         &self,
@@ -2414,4 +2436,48 @@ fn with_an_older_export_the_refused_event_is_shown_once_the_mounts_change_loses(
 #[test]
 fn a_removal_crossing_a_delegator_rewrite_brings_the_delegators_file_back() {
     a_local_change_crossing_a_delegator_rewrite(Crossing::Unlink);
+}
+
+// Issue 34: nothing said how long a closed write waited before the Delegator had it.
+#[test]
+fn a_closed_write_is_timed_until_its_commit_is_answered() {
+    let (f, gated) = gated_fixture(tree, true);
+    f.write_new("", "lag.txt", b"lagging\n");
+    std::thread::sleep(Duration::from_millis(30));
+    assert!(
+        f.fs.stats().snapshot().writeback_lag.is_empty(),
+        "not written back yet"
+    );
+    assert_eq!(f.sync().files_written, 1);
+    let lag = f.fs.stats().snapshot().writeback_lag;
+    assert_eq!(lag.counts.iter().sum::<u64>(), 1, "{lag:?}");
+    assert!(
+        (30_000..10_000_000).contains(&lag.sum_micros),
+        "one write closed 30 ms before its round: {lag:?}"
+    );
+    // The commit told the export how long its oldest change had waited.
+    let age = gated.commits.lock().last().and_then(|c| c.age_ms);
+    assert!(age.is_some_and(|a| (30..10_000).contains(&a)), "{age:?}");
+    // A round with nothing closed since observes nothing more; a second close does.
+    f.sync();
+    assert_eq!(
+        f.fs.stats()
+            .snapshot()
+            .writeback_lag
+            .counts
+            .iter()
+            .sum::<u64>(),
+        1
+    );
+    f.write_new("", "lag2.txt", b"again\n");
+    f.sync();
+    assert_eq!(
+        f.fs.stats()
+            .snapshot()
+            .writeback_lag
+            .counts
+            .iter()
+            .sum::<u64>(),
+        2
+    );
 }

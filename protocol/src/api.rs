@@ -406,6 +406,11 @@ pub struct ContinueResponse {
 pub struct HealthResponse {
     /// `"ok"`.
     pub status: String,
+    /// Ours: the daemon's id (`dmn_…`) when it shares its database with other daemons
+    /// (`serve --state postgres://…`): the name `owner` fields and events give it. Absent
+    /// for a daemon with state of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daemon: Option<String>,
 }
 
 impl HealthResponse {
@@ -413,6 +418,7 @@ impl HealthResponse {
     pub fn ok() -> Self {
         HealthResponse {
             status: "ok".to_owned(),
+            daemon: None,
         }
     }
 }

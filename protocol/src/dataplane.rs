@@ -325,6 +325,11 @@ pub struct ChangeSet {
     pub commit_id: String,
     /// The changes, applied in order after every written file's content has been staged.
     pub changes: Vec<Change>,
+    /// How long before it was sent the oldest write it carries was closed on the mount,
+    /// in milliseconds (ours, optional): the export's write-back lag starts from it. An
+    /// export that predates it ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub age_ms: Option<u64>,
 }
 
 /// A change the export did not apply because its side changed since the base.
@@ -767,6 +772,7 @@ mod bundle_tests {
                 path: "d".into(),
                 mode: 0o755,
             }],
+            age_ms: Some(1500),
         };
         let blocks = vec![([7u8; 32], b"data".to_vec())];
         let enc = encode_bundle(&cs, &blocks);

@@ -112,6 +112,7 @@ proptest! {
                 Change::Symlink { path: path.clone(), target: target.clone() },
                 Change::Unlink { path: path.clone(), base: Some(target.clone()) },
             ],
+            age_ms: None,
         };
         let json = serde_json::to_string(&cs).unwrap();
         // The escaped form never reaches the wire.

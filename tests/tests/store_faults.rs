@@ -2,7 +2,8 @@
 //! fleet of Executors reads a workspace through the block tier while the store — a real
 //! S3-compatible server (`s3s-fs`) behind the tests' fault proxy — is silent (accepts
 //! connections, answers nothing), down (every connection reset), slow, refusing (its bucket
-//! gone), or has lost its data since the daemon started. Every read must succeed and every
+//! gone), lying (every object answered with wrong content), or has lost its data since the
+//! daemon started. Every read must succeed and every
 //! Executor's tree checksum must match the workspace's; a silent or dead store must trip the
 //! breaker (no more URLs), and the store must be used again once it answers.
 //! (Issue 34: with the store stopped, reads of content it did not hold yet failed with
@@ -220,6 +221,54 @@ async fn s3faults_objects_the_store_lost_are_forgotten_and_stored_again() {
     assert!(
         third.blocks_from_store > 0 && third.store_refused == 0,
         "the lost objects were not stored again: {third:?}"
+    );
+    daemon.stop().await;
+}
+
+/// Every stored object and pack of the store's prefix overwritten with other bytes of the
+/// same length (pack indexes left intact): the store answers, with wrong content.
+fn corrupt_everything(s3: &S3Server, prefix: &str) -> usize {
+    let mut n = 0;
+    for dir in [s3.block_object(prefix, ""), s3.pack_object(prefix, "")] {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "idx") || !p.is_file() {
+                continue;
+            }
+            let len = std::fs::metadata(&p).unwrap().len() as usize;
+            std::fs::write(&p, vec![0x5a; len]).unwrap();
+            n += 1;
+        }
+    }
+    n
+}
+
+/// A store that lies — every object answered, none with the content asked for — costs a
+/// fleet nothing but time: each block is checked against its hash, refused, and read from
+/// the export.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3faults_a_store_that_answers_wrong_content_fails_no_read() {
+    let Some((s3, bin)) = setup() else { return };
+    let work = tempfile::tempdir().unwrap();
+    let ws = work.path().join("ws");
+    let native = workspace(&ws);
+    let daemon = fleet::start_delegator(
+        &work.path().join("delegator"),
+        Some((&s3, "lying")),
+        Duration::from_secs(10),
+    )
+    .await;
+    let first = fleet::run(&daemon, &bin, &work.path().join("1"), &ws, 1).await;
+    assert_read_intact(&first, &native, "first run");
+    assert!(first.blocks_from_store > 0, "{first:?}");
+    let corrupted = corrupt_everything(&s3, "lying");
+    assert!(corrupted > 0, "nothing was stored to corrupt");
+    let second = fleet::run(&daemon, &bin, &work.path().join("2"), &ws, 2).await;
+    eprintln!("fleet through a lying store: {second:?}");
+    assert_read_intact(&second, &native, "with the store answering wrong content");
+    assert!(
+        second.store_refused > 0,
+        "no block was refused: was the store asked at all? {second:?}"
     );
     daemon.stop().await;
 }

@@ -335,9 +335,18 @@ fn routes() -> Router<Arc<Daemon>> {
         .merge(super::aecp::routes())
         .merge(super::ui::routes())
         .merge(super::tokens::routes())
-        .route("/health", get(|| async { Json(HealthResponse::ok()) }))
+        .route("/health", get(health))
         .route("/metrics", get(super::metrics::metrics))
         .fallback(|| async { ApiFailure(StatusCode::NOT_FOUND, ApiError::new("no such route")) })
+}
+
+/// `GET /health` (no credential needed): `ok`, and on a shared database which daemon
+/// this is (what `doctor` reports for each URL of a list).
+async fn health(State(d): State<Arc<Daemon>>) -> Json<HealthResponse> {
+    Json(HealthResponse {
+        daemon: d.store.shared().then(|| d.daemon_id.clone()),
+        ..HealthResponse::ok()
+    })
 }
 
 async fn delegate(

@@ -12,7 +12,7 @@ use awcp_protocol::DelegationState;
 use awcpfs::export::ExportStats;
 
 use super::Daemon;
-use crate::metrics::{CONTENT_TYPE, Scrape};
+use crate::metrics::{Bucketed, CONTENT_TYPE, Scrape};
 
 /// Every state, so that a state with no delegation reads 0 rather than missing.
 const STATES: [DelegationState; 10] = [
@@ -65,6 +65,7 @@ pub(super) async fn metrics(State(d): State<Arc<Daemon>>) -> impl IntoResponse {
     let mut by_state = [0i64; STATES.len()];
     let mut exports = Exports::default();
     let mut renewals = 0u64;
+    let mut lag = awcpfs::lag::Histogram::default();
     // AECP: what each worker (a delegation) has been delivered, from the artifact store.
     let deliveries: u64 = live
         .iter()
@@ -81,6 +82,7 @@ pub(super) async fn metrics(State(d): State<Arc<Daemon>>) -> impl IntoResponse {
         renewals += l.lease.snapshot().renewals;
         for e in l.exports.lock().iter() {
             exports.add(&e.stats());
+            lag.add(&e.writeback_lag());
         }
     }
     let mut s = Scrape::new();
@@ -130,6 +132,13 @@ pub(super) async fn metrics(State(d): State<Arc<Daemon>>) -> impl IntoResponse {
         "export_conflicts",
         "changes kept beside instead of applied (the Delegator had changed the file)",
         exports.conflicts,
+    );
+    s.histogram(
+        "export_writeback_lag_seconds",
+        "how long the writes of applied commits had waited since the mount closed them (the \
+         mount's wait, as its commit says, plus the time until applied; time on the wire \
+         not included)",
+        Bucketed::from_lag(&lag),
     );
     s.counter(
         "export_upstream_changes",

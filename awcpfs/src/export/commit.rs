@@ -562,6 +562,7 @@ pub(crate) fn split_hidden(export: &Export, cs: &ChangeSet) -> (ChangeSet, Vec<C
     let visible = ChangeSet {
         commit_id: cs.commit_id.clone(),
         changes: shown,
+        age_ms: cs.age_ms,
     };
     (visible, hidden)
 }

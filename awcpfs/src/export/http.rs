@@ -458,6 +458,7 @@ async fn commit(
     Extension(export): Extension<Arc<Export>>,
     req: Request,
 ) -> Result<Json<awcp_protocol::dataplane::CommitResult>, ApiError> {
+    let arrived = std::time::Instant::now();
     let body = read_body(req, COMMIT_LIMIT).await?;
     let changes: ChangeSet = parse_json("POST /commit", &body)?;
     // The commit runs in its own task, which holds the per-export commit lock until the
@@ -478,6 +479,7 @@ async fn commit(
             log.remember(result.clone());
             if worker.stage().is_none() {
                 worker.aecp().committed(&written_files(&changes, &result));
+                worker.note_applied(changes.age_ms, arrived);
             }
             Ok(result)
         })

@@ -743,6 +743,7 @@ fn plan_of(st: &StageState) -> ChangeSet {
     ChangeSet {
         commit_id: format!("staged-{}", st.generation),
         changes,
+        age_ms: None,
     }
 }
 

@@ -228,8 +228,8 @@ impl Remote for CachedRemote {
         self.inner.missing(hashes)
     }
 
-    fn store_counters(&self) -> Option<Arc<super::remote::StoreCounters>> {
-        self.inner.store_counters()
+    fn transfer_counters(&self) -> Option<Arc<super::remote::TransferCounters>> {
+        self.inner.transfer_counters()
     }
 
     fn upload(&self, blocks: &[([u8; 32], &[u8])]) -> Result<(), RemoteError> {

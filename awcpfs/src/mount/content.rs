@@ -305,10 +305,6 @@ impl AwcpFs {
                 let _fg = self.priority.foreground();
                 self.remote.fetch_blocks(&missing)?
             };
-            self.stats.add_fetched(
-                fetched.iter().map(|b| b.len() as u64).sum(),
-                fetched.len() as u64,
-            );
             let mut fetched = fetched.into_iter().map(Arc::new);
             let mut recent = self.recent_blocks.lock();
             for (h, b) in wanted.iter().zip(blocks.iter_mut()) {
@@ -444,9 +440,6 @@ impl AwcpFs {
             return Err(e);
         }
         std::fs::rename(&tmp, self.upper_path(ino))?;
-        if packed.is_none() {
-            self.stats.add_fetched(fetched, blocks.len() as u64);
-        }
         let mut table = self.table.lock();
         if let Some(node) = table.get_mut(ino)
             && matches!(&node.data, Data::Remote { hash: now, .. } if *now == hash)
@@ -820,7 +813,6 @@ impl AwcpFs {
                 continue;
             };
             let size: u64 = parts.iter().map(|p| p.len() as u64).sum();
-            self.stats.add_fetched(size, blocks.len() as u64);
             let mut table = self.table.lock();
             if let Some(node) = table.get_mut(ino)
                 && let Data::Remote {
@@ -1188,8 +1180,11 @@ impl AwcpFs {
             e.writing = e.writing.saturating_sub(1);
             e.created &= !done;
         }
-        if done && let Err(e) = self.journal_node(ino) {
-            tracing::warn!(error = %e, "cannot journal a write");
+        if done {
+            if let Err(e) = self.journal_node(ino) {
+                tracing::warn!(error = %e, "cannot journal a write");
+            }
+            self.stats.note_closed_write(ino);
         }
         self.sync.request();
     }
@@ -1328,6 +1323,7 @@ impl AwcpFs {
             return Ok(());
         }
         self.journal_node(h.ino)?;
+        self.stats.note_closed_write(h.ino);
         self.sync.request();
         Ok(())
     }

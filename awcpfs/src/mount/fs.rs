@@ -244,6 +244,11 @@ impl AwcpFs {
             .map(|n| n.size)
             .sum();
         let pack_limit = super::pack::pack_limit(small_bytes);
+        // Fetches are counted where their bytes arrive (the remote), not by the callers:
+        // a block fetched twice (hydration racing a read) counts twice, in every sum alike.
+        if let Some(c) = remote.transfer_counters() {
+            stats.set_transfer(c);
+        }
         AwcpFs {
             table: Mutex::new(table),
             handles: Mutex::new(HashMap::new()),

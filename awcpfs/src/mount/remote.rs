@@ -151,9 +151,10 @@ pub trait Remote: Send + Sync {
         self.events()
     }
 
-    /// Counters of blocks fetched from the Delegator's block tier (an object store), if
-    /// this remote uses one.
-    fn store_counters(&self) -> Option<Arc<StoreCounters>> {
+    /// Counters of what this remote received from the Delegator: blocks from its export
+    /// and from its block tier (an object store). A remote that talks to no Delegator (a
+    /// test's) has none; a wrapper answers its inner remote's.
+    fn transfer_counters(&self) -> Option<Arc<TransferCounters>> {
         None
     }
 
@@ -175,14 +176,23 @@ pub trait Remote: Send + Sync {
     }
 }
 
-/// Blocks fetched from the block tier (presigned URLs of an object store, see
-/// `POST /locate`) instead of from the export.
+/// What a remote received from the Delegator, counted where it arrives: each verified
+/// block once, when it is handed on, whichever of the export (`POST /blocks`) and the block
+/// tier (presigned URLs of an object store, see `POST /locate`) sent it. Two fetches of one
+/// block (hydration and a read racing) are two transfers and count twice, in both sums
+/// alike; a block the store sent whose fetch then failed as a whole is not handed on and
+/// not counted. So `export_bytes + store_bytes` is what the mount's fetches brought, and
+/// `export_bytes` is what the export's own `bytesServed` counts for this mount.
 #[derive(Debug, Default)]
-pub struct StoreCounters {
-    /// Blocks the store gave intact.
-    pub blocks: AtomicU64,
+pub struct TransferCounters {
+    /// Blocks the export sent (verified).
+    pub export_blocks: AtomicU64,
+    /// Their bytes.
+    pub export_bytes: AtomicU64,
+    /// Blocks the store gave intact and the fetch handed on.
+    pub store_blocks: AtomicU64,
     /// Their bytes (as blocks, after decompression).
-    pub bytes: AtomicU64,
+    pub store_bytes: AtomicU64,
     /// Blocks the store did not give intact (failed fetch, expired URL, wrong content):
     /// fetched from the export instead.
     pub refused: AtomicU64,
@@ -270,7 +280,7 @@ pub struct HttpRemote {
     /// Fetches from the block tier: no credential of ours is ever sent there.
     store_agent: ureq::Agent,
     tier: Arc<AtomicU8>,
-    store: Arc<StoreCounters>,
+    counters: Arc<TransferCounters>,
     /// The read timeout: the bound on each request, and the time within which transient
     /// faults of the link are retried ([`retry`]).
     timeout: Duration,
@@ -314,7 +324,7 @@ impl HttpRemote {
             stream_agent,
             store_agent,
             tier: Arc::new(AtomicU8::new(TIER_UNKNOWN)),
-            store: Arc::default(),
+            counters: Arc::default(),
             timeout,
             store_budget: timeout / 4,
             store_quiet_until: Arc::default(),
@@ -496,17 +506,13 @@ impl HttpRemote {
                             }
                             StoreJob::Range(url, read) => self.fetch_range(url, read, hashes),
                         };
+                        // Counted as fetched when handed on (`blocks_from`): the rest of
+                        // this fetch may still fail, and a retry hands them on then.
                         for (i, block) in got {
                             match block {
-                                Some(block) => {
-                                    self.store.blocks.fetch_add(1, Ordering::Relaxed);
-                                    self.store
-                                        .bytes
-                                        .fetch_add(block.len() as u64, Ordering::Relaxed);
-                                    *out[i].lock() = Some(block);
-                                }
+                                Some(block) => *out[i].lock() = Some(block),
                                 None => {
-                                    self.store.refused.fetch_add(1, Ordering::Relaxed);
+                                    self.counters.refused.fetch_add(1, Ordering::Relaxed);
                                 }
                             }
                         }
@@ -634,7 +640,7 @@ impl HttpRemote {
         let mut rest = Vec::new();
         for ((block, ok), hash) in blocks.iter().zip(put_ok).zip(&hashes) {
             if ok && !missing.contains(hash) {
-                self.store
+                self.counters
                     .bytes_put
                     .fetch_add(block.1.len() as u64, Ordering::Relaxed);
             } else {
@@ -650,7 +656,7 @@ impl HttpRemote {
             tracing::warn!(hash, "the block tier URL is not http(s); ignoring it");
             return None;
         }
-        self.store.requests.fetch_add(1, Ordering::Relaxed);
+        self.counters.requests.fetch_add(1, Ordering::Relaxed);
         let object = match self.store_agent.get(url).call() {
             Ok(resp) => read_body(resp, STORE_OBJECT_MAX).ok()?,
             Err(e) => {
@@ -675,7 +681,7 @@ impl HttpRemote {
             tracing::warn!("the block tier URL of a pack is not http(s); ignoring it");
             return failed();
         }
-        self.store.requests.fetch_add(1, Ordering::Relaxed);
+        self.counters.requests.fetch_add(1, Ordering::Relaxed);
         let resp = match self
             .store_agent
             .get(url)
@@ -809,7 +815,13 @@ impl HttpRemote {
             let i = *next;
             let want = &hashes[i];
             let data = match (from_store[i].take(), body.as_mut()) {
-                (Some(block), _) => block,
+                (Some(block), _) => {
+                    self.counters.store_blocks.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .store_bytes
+                        .fetch_add(block.len() as u64, Ordering::Relaxed);
+                    block
+                }
                 (None, Some(body)) => {
                     let (got, data) =
                         read_block_frame(body)?.ok_or_else(|| RemoteError::Protocol {
@@ -822,6 +834,10 @@ impl HttpRemote {
                     }
                     let data = data.ok_or_else(|| RemoteError::BadBlock { hash: want.clone() })?;
                     verify_block(want, &data)?;
+                    self.counters.export_blocks.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .export_bytes
+                        .fetch_add(data.len() as u64, Ordering::Relaxed);
                     data
                 }
                 // Cannot happen (such a block is in the request), but no panic on it.
@@ -982,8 +998,8 @@ impl Remote for HttpRemote {
         Ok(Box::new(SseEvents { reader }))
     }
 
-    fn store_counters(&self) -> Option<Arc<StoreCounters>> {
-        Some(self.store.clone())
+    fn transfer_counters(&self) -> Option<Arc<TransferCounters>> {
+        Some(self.counters.clone())
     }
 
     fn aecp_delivered(&self, report: &serde_json::Value) -> Result<(), RemoteError> {

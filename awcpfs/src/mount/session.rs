@@ -459,9 +459,6 @@ impl Mount {
         let read_only = cfg.read_only || manifest.read_only;
         let signal = Arc::new(SyncSignal::default());
         let stats = Arc::new(Stats::default());
-        if let Some(c) = remote.store_counters() {
-            stats.set_store(c);
-        }
         let remote: Arc<dyn Remote> = match &cfg.block_cache {
             Some(cache) => Arc::new(super::cached::CachedRemote::new(
                 remote,

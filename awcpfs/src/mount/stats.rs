@@ -92,8 +92,6 @@ pub struct Stats {
     latency: [[AtomicU64; BUCKETS]; OPS.len()],
     /// Per operation, the requests' durations summed (µs).
     latency_sum_us: [AtomicU64; OPS.len()],
-    bytes_fetched: AtomicU64,
-    blocks_fetched: AtomicU64,
     files_written_back: AtomicU64,
     bytes_uploaded: AtomicU64,
     commits: AtomicU64,
@@ -113,17 +111,25 @@ pub struct Stats {
     last_sync_error: Mutex<Option<String>>,
     /// Set while write-back fails: from a failed sync round until one succeeds.
     sync_failing: std::sync::atomic::AtomicBool,
-    /// The remote's block tier counters, when it has a block tier.
-    store: std::sync::OnceLock<std::sync::Arc<super::remote::StoreCounters>>,
+    /// Files whose write was closed (or fsynced) and not yet written back, with when the
+    /// oldest such close was: the start of their write-back lag.
+    closed_writes: Mutex<std::collections::HashMap<u64, std::time::Instant>>,
+    /// How long closed writes waited until the Delegator answered their commit.
+    writeback_lag: crate::lag::Lag,
+    /// What the remote received from the Delegator (export and block tier): the source of
+    /// `bytesFetched` and its parts, counted where the bytes arrive.
+    transfer: std::sync::OnceLock<std::sync::Arc<super::remote::TransferCounters>>,
 }
 
 /// A point-in-time copy of [`Stats`], as written to `status.json`.
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct StatsSnapshot {
-    /// Content bytes fetched from the export.
+    /// Content bytes fetched from the Delegator: sent by its export or its block tier,
+    /// each block counted once per transfer (`bytesFromStore` are included; the block
+    /// cache's `bytesFromCache` are not: they were not fetched).
     pub bytes_fetched: u64,
-    /// Blocks fetched from the export.
+    /// Blocks fetched from the Delegator (export or block tier).
     pub blocks_fetched: u64,
     /// Files written back to the Delegator.
     pub files_written_back: u64,
@@ -143,7 +149,7 @@ pub struct StatsSnapshot {
     /// Blocks not in the block cache, fetched from the export.
     #[serde(default)]
     pub cache_misses: u64,
-    /// Content bytes served by the block cache (included in `bytesFetched`).
+    /// Content bytes served by the block cache (not fetched: not in `bytesFetched`).
     #[serde(default)]
     pub bytes_from_cache: u64,
     /// Delegator-side changes shown on the mount (paths updated, created or removed).
@@ -184,6 +190,11 @@ pub struct StatsSnapshot {
     /// out).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub op_latency: BTreeMap<String, OpLatency>,
+    /// How long writes closed (or fsynced) on the mount waited until the Delegator answered
+    /// the commit that carried them (applied, kept beside as a conflict, or held), bucketed
+    /// by [`crate::lag::LAG_BOUNDS_US`]; absent before the first.
+    #[serde(default, skip_serializing_if = "crate::lag::Histogram::is_empty")]
+    pub writeback_lag: crate::lag::Histogram,
     /// Changes the export kept beside instead of applying.
     pub conflicts: Vec<Conflict>,
     /// Files whose write-back the export's commit screen holds now (an AECP contract they
@@ -196,12 +207,6 @@ pub struct StatsSnapshot {
 }
 
 impl Stats {
-    /// Count a fetch.
-    pub fn add_fetched(&self, bytes: u64, blocks: u64) {
-        self.bytes_fetched.fetch_add(bytes, Ordering::Relaxed);
-        self.blocks_fetched.fetch_add(blocks, Ordering::Relaxed);
-    }
-
     /// Count a successful commit.
     pub fn add_commit(&self, files: u64, uploaded: u64, conflicts: &[Conflict]) {
         self.commits.fetch_add(1, Ordering::Relaxed);
@@ -289,6 +294,43 @@ impl Stats {
         }
     }
 
+    /// A write to `ino` was closed (or fsynced): its write-back lag starts now, unless an
+    /// earlier close of the file still waits.
+    pub fn note_closed_write(&self, ino: u64) {
+        self.closed_writes
+            .lock()
+            .entry(ino)
+            .or_insert_with(std::time::Instant::now);
+    }
+
+    /// Take the closed writes waiting now: a sync round takes them before it reads the
+    /// tree, so its commits carry every one of them.
+    pub fn take_closed_writes(&self) -> Vec<(u64, std::time::Instant)> {
+        self.closed_writes.lock().drain().collect()
+    }
+
+    /// When the oldest of `taken` was closed.
+    pub fn oldest(taken: &[(u64, std::time::Instant)]) -> Option<std::time::Instant> {
+        taken.iter().map(|(_, at)| *at).min()
+    }
+
+    /// The round that took `taken` ended: with its commits answered (`applied`), each
+    /// write's lag is observed; otherwise they wait for the next round (an earlier close
+    /// of the same file kept).
+    pub fn closed_writes_done(&self, taken: Vec<(u64, std::time::Instant)>, applied: bool) {
+        if applied {
+            for (_, at) in taken {
+                self.writeback_lag.observe(at.elapsed());
+            }
+            return;
+        }
+        let mut waiting = self.closed_writes.lock();
+        for (ino, at) in taken {
+            let e = waiting.entry(ino).or_insert(at);
+            *e = (*e).min(at);
+        }
+    }
+
     /// Count a lease renewal.
     pub fn add_renewal(&self) {
         self.renewals.fetch_add(1, Ordering::Relaxed);
@@ -320,24 +362,29 @@ impl Stats {
         !self.sync_failing.swap(true, Ordering::Relaxed)
     }
 
-    /// Report the remote's block tier counters too.
-    pub fn set_store(&self, counters: std::sync::Arc<super::remote::StoreCounters>) {
-        let _ = self.store.set(counters);
+    /// Count fetches with the remote's own counters (the first remote's only).
+    pub fn set_transfer(&self, counters: std::sync::Arc<super::remote::TransferCounters>) {
+        let _ = self.transfer.set(counters);
     }
 
     /// Copy the counters.
     pub fn snapshot(&self) -> StatsSnapshot {
-        let store = |f: fn(&super::remote::StoreCounters) -> &AtomicU64| {
-            self.store.get().map_or(0, |c| f(c).load(Ordering::Relaxed))
+        let load = |f: fn(&super::remote::TransferCounters) -> &AtomicU64| {
+            self.transfer
+                .get()
+                .map_or(0, |c| f(c).load(Ordering::Relaxed))
         };
+        // `bytesFetched` is the sum of the two sources: never less than `bytesFromStore`.
+        let blocks_from_store = load(|c| &c.store_blocks);
+        let bytes_from_store = load(|c| &c.store_bytes);
         StatsSnapshot {
-            blocks_from_store: store(|c| &c.blocks),
-            bytes_from_store: store(|c| &c.bytes),
-            store_refused: store(|c| &c.refused),
-            store_requests: store(|c| &c.requests),
-            bytes_to_store: store(|c| &c.bytes_put),
-            bytes_fetched: self.bytes_fetched.load(Ordering::Relaxed),
-            blocks_fetched: self.blocks_fetched.load(Ordering::Relaxed),
+            blocks_from_store,
+            bytes_from_store,
+            store_refused: load(|c| &c.refused),
+            store_requests: load(|c| &c.requests),
+            bytes_to_store: load(|c| &c.bytes_put),
+            bytes_fetched: bytes_from_store + load(|c| &c.export_bytes),
+            blocks_fetched: blocks_from_store + load(|c| &c.export_blocks),
             files_written_back: self.files_written_back.load(Ordering::Relaxed),
             bytes_uploaded: self.bytes_uploaded.load(Ordering::Relaxed),
             commits: self.commits.load(Ordering::Relaxed),
@@ -376,6 +423,7 @@ impl Stats {
                     })
                 })
                 .collect(),
+            writeback_lag: self.writeback_lag.snapshot(),
             conflicts: self.conflicts.lock().clone(),
             held: self.held.lock().values().cloned().collect(),
             last_sync_error: self.last_sync_error.lock().clone(),

@@ -851,9 +851,15 @@ impl Syncer {
         let mut synced = self.synced.lock();
         // First the commit whose answer never came: what it left is the base of this round.
         let earlier = self.settle_pending(&mut synced)?;
+        // The writes closed so far, taken before the tree is read: this round's commits
+        // carry each of them, and their write-back lag ends with its answer.
+        let closed = self.fs.stats.take_closed_writes();
+        let oldest = super::stats::Stats::oldest(&closed);
         let snap = self.snapshot(final_flush);
         let mut again: Vec<String> = Vec::new();
-        match self.round_over(&mut synced, &snap, &mut again) {
+        let result = self.round_over(&mut synced, &snap, &mut again, oldest);
+        self.fs.stats.closed_writes_done(closed, result.is_ok());
+        match result {
             Ok(mut report) => {
                 if let Some((set, r)) = earlier {
                     report.changes += set.changes.len();
@@ -892,6 +898,7 @@ impl Syncer {
         synced: &mut BTreeMap<String, Synced>,
         snap: &Snapshot,
         again: &mut Vec<String>,
+        oldest_close: Option<std::time::Instant>,
     ) -> Result<RoundReport, SyncError> {
         let snapshot = &snap.entries;
         let mut report = RoundReport {
@@ -1262,6 +1269,10 @@ impl Syncer {
                 set: ChangeSet {
                     commit_id: format!("{}-{seq}", self.instance),
                     changes,
+                    // How long its oldest change has waited: the export's write-back lag
+                    // starts from it, with no clock shared between the machines.
+                    age_ms: oldest_close
+                        .map(|t| u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX)),
                 },
                 next,
             };
@@ -1762,6 +1773,7 @@ mod tests {
                     path: "gone".into(),
                     base: Some(hex::encode(blake3::hash(b"old").as_bytes())),
                 }],
+                age_ms: None,
             },
             next: vec![SyncedRecord {
                 path: "gone".into(),

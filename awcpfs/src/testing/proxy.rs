@@ -18,6 +18,10 @@
 //! * [`FaultProxy::reset_matching`]: reset the connections whose last request contained a
 //!   pattern (the event stream, say), and no other.
 //!
+//! It also counts, for the side it stands in for: [`FaultProxy::count_answers_to`] counts
+//! the requests whose head contains a pattern and the bytes answered to them (headers
+//! included), so a test can check what a client says it received against what was sent.
+//!
 //! Requests are told apart by their bytes only: a connection's "last request" is the last
 //! chunk from the client that starts with an HTTP method. That is enough for the data
 //! plane's clients, which never pipeline.
@@ -56,6 +60,20 @@ struct Shared {
     next_id: AtomicU64,
     accepted: AtomicU64,
     resets: AtomicU64,
+    /// What [`FaultProxy::count_answers_to`] counts.
+    count_pattern: Mutex<Option<String>>,
+    counted_requests: AtomicU64,
+    counted_bytes: AtomicU64,
+}
+
+impl Shared {
+    /// Whether a request whose head is `head` is counted.
+    fn counts(&self, head: &str) -> bool {
+        self.count_pattern
+            .lock()
+            .as_deref()
+            .is_some_and(|p| head.contains(p))
+    }
 }
 
 /// A fault-injecting TCP proxy with its own runtime; dropping it stops it and closes every
@@ -183,6 +201,21 @@ impl FaultProxy {
     /// Connections reset so far.
     pub fn resets(&self) -> u64 {
         self.shared.resets.load(Ordering::Relaxed)
+    }
+
+    /// From now on, count the requests whose head (the request line) contains `pattern`
+    /// and the bytes answered to them ([`FaultProxy::counted`]).
+    pub fn count_answers_to(&self, pattern: &str) {
+        *self.shared.count_pattern.lock() = Some(pattern.to_owned());
+    }
+
+    /// The requests counted so far, and the bytes (headers and bodies) forwarded in
+    /// answer to them.
+    pub fn counted(&self) -> (u64, u64) {
+        (
+            self.shared.counted_requests.load(Ordering::Relaxed),
+            self.shared.counted_bytes.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -406,8 +439,11 @@ impl Conn {
                         let chunk = &up[..n];
                         if METHODS.iter().any(|m| chunk.starts_with(m)) {
                             let head = chunk.split(|b| *b == b'\n').next().unwrap_or_default();
-                            *self.last_request.lock() =
-                                String::from_utf8_lossy(head).trim_end().to_string();
+                            let head = String::from_utf8_lossy(head).trim_end().to_string();
+                            if self.shared.counts(&head) {
+                                self.shared.counted_requests.fetch_add(1, Ordering::Relaxed);
+                            }
+                            *self.last_request.lock() = head;
                             self.arm_hold(chunk);
                         }
                         if let Gate::Reset = self.gate().await {
@@ -448,6 +484,11 @@ impl Conn {
                         }
                         if co.write_all(&down[..n]).await.is_err() {
                             break 'conn false;
+                        }
+                        if self.shared.counts(&self.last_request.lock()) {
+                            self.shared
+                                .counted_bytes
+                                .fetch_add(n as u64, Ordering::Relaxed);
                         }
                         false
                     }
