@@ -57,7 +57,13 @@ impl Setup {
     fn start_mount(&mut self, id: &str, digest: &str) -> Mount {
         self.mounts += 1;
         let state = self.tmp.path().join(format!("state{}", self.mounts));
-        let mut cfg = MountConfig::new(&format!("http://{}", self.addr), id, "tok", &self.mnt, &state);
+        let mut cfg = MountConfig::new(
+            &format!("http://{}", self.addr),
+            id,
+            "tok",
+            &self.mnt,
+            &state,
+        );
         cfg.manifest_digest = Some(digest.to_string());
         cfg.remaining = Some(Duration::from_secs(900));
         (self.adjust)(&mut cfg);
@@ -413,7 +419,9 @@ fn random_rounds(seed: u64, rounds: usize, remount_every: usize, adjust: fn(&mut
             if clean {
                 s.mount.finish();
             } else {
-                s.mount.flush().expect("the write-back before an unannounced end");
+                s.mount
+                    .flush()
+                    .expect("the write-back before an unannounced end");
                 s.mount.end(awcpfs::mount::EndReason::Unmounted, None);
             }
             let mut ops = Vec::new();
@@ -474,7 +482,10 @@ fn random_rounds(seed: u64, rounds: usize, remount_every: usize, adjust: fn(&mut
         );
     }
     if remount_every > 0 && rounds > remount_every {
-        assert!(from_log > 0, "no new mount answered an earlier mount's token");
+        assert!(
+            from_log > 0,
+            "no new mount answered an earlier mount's token"
+        );
     }
     // The monitor was used: the index marks every tracked file that is unchanged as
     // unchanged since its token (lowercase tags in `git ls-files -f`), so git lstats none

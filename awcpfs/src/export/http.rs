@@ -42,8 +42,8 @@ use tracing::Instrument;
 use awcp_lease::{LeaseSnapshot, LeaseState, rfc3339_millis};
 use awcp_protocol::dataplane::{
     AppliedCommits, AppliedQuery, BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER,
-    MountEnded,
-    MAX_APPLIED_QUERY, MissingBlocks, UploadResult, block_frame_head, decode_block_frames,
+    MAX_APPLIED_QUERY, MissingBlocks, MountEnded, UploadResult, block_frame_head,
+    decode_block_frames,
 };
 use awcp_protocol::manifest_bin;
 
@@ -89,7 +89,10 @@ pub(crate) fn router(reg: ExportRegistry) -> Router {
         .route("/v1/exports/{id}/aecp/delivered", post(aecp_delivered))
         .route("/v1/exports/{id}/aecp/request", post(aecp_request))
         .route("/v1/exports/{id}/mounts/ended", post(mount_ended))
-        .route("/v1/exports/{id}/mounts/ended/query", post(mount_ended_query))
+        .route(
+            "/v1/exports/{id}/mounts/ended/query",
+            post(mount_ended_query),
+        )
         .route_layer(from_fn_with_state((reg.clone(), Gate::Read), gate));
     let flush = Router::new()
         .route("/v1/exports/{id}/missing", post(missing))

@@ -863,8 +863,7 @@ mod tests {
         assert_eq!(entries[0].path, "tool.sh");
         assert_eq!(entries[0].mode, 0o755);
         assert_eq!(
-            entries[0].hash,
-            built.manifest.entries[0].hash,
+            entries[0].hash, built.manifest.entries[0].hash,
             "the content is the registered one"
         );
         // The commit's own: the watcher does not describe it again.

@@ -1086,7 +1086,9 @@ impl Mount {
     /// fsmonitor tokens handed out here (see `mount/changes.rs`).
     fn note_clean_end(&self) {
         if self.inner.fs.stats.had_conflicts() {
-            tracing::info!("a write-back conflicted: a later mount's git status looks at every file");
+            tracing::info!(
+                "a write-back conflicted: a later mount's git status looks at every file"
+            );
             return;
         }
         let instance = self.inner.fs.changes().instance();

@@ -257,11 +257,7 @@ fn an_earlier_mounts_token_is_answered_from_the_whole_log_only_when_vouched_and_
     let (_, paths) = split(&log.answer(&t, ino(&t, "repo"), &old));
     assert_eq!(
         paths.unwrap(),
-        vec![
-            "README".to_string(),
-            "README/".into(),
-            "src/a.rs".into()
-        ]
+        vec!["README".to_string(), "README/".into(), "src/a.rs".into()]
     );
     // A third instance, never vouched for: everything.
     let (third, _) = split(&ChangeLog::new().answer(&t, ROOT_INO, ""));
