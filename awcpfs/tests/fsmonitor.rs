@@ -546,3 +546,30 @@ fn awcpfs_git_available() -> bool {
     }
     ok
 }
+
+// git runs the hook on every `git status`, so `awcpfs fsmonitor VERSION TOKEN` answers
+// before the argument parser is built; anything else (help, options) still reaches it.
+#[test]
+fn the_hook_command_answers_without_the_parser_and_help_still_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_awcpfs"))
+            .args(args)
+            .current_dir(dir.path())
+            .output()
+            .expect("awcpfs runs")
+    };
+    let out = run(&["fsmonitor", "2", "awcpfs:00ff:1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("awcpfs fsmonitor: ") && err.contains("is not on an awcpfs mount"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "git would take it for an answer");
+    let out = run(&["fsmonitor", "1", ""]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("protocol version 1"));
+    let out = run(&["fsmonitor", "--help"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
+}
