@@ -29,7 +29,7 @@
 //!   remembers it only for as long as this registration lives, and never for a staged
 //!   one). Then everything that mount showed is the registration's tree with the export's
 //!   changes since, and this mount's log holds every path the export's event stream named
-//!   since registration ([`Change::Path`], noted whether applied or not, the catch-up
+//!   since registration (`Change::Path`, noted whether applied or not, the catch-up
 //!   first) and every change of its own: answering with the whole log is a superset of
 //!   what changed since that token. Until the catch-up is in ([`ChangeLog::mark_caught_up`],
 //!   waited for up to [`CATCH_UP_WAIT`]), or if the export cannot say, it is `/`.
