@@ -31,9 +31,10 @@ usage: bash scripts/bench.sh [options]
                       awcpfs as mounted by default, awcpfs with the other writeback-cache
                       setting (--replay-alt), awcpfs with git's fsmonitor as the Executor
                       hands it to agents, and sshfs - the headline figure;
-                      gitfsm: git status warm, after the dentries were dropped, and on a
-                      fresh mount, with git's fsmonitor served by the mount against
-                      without it and against native ext4;
+                      gitfsm: git status warm, after the dentries were dropped, on a
+                      fresh mount of the same export and on a fresh export's mount, with
+                      git's fsmonitor served by the mount against without it and against
+                      native ext4;
                       (loop: edit 5 C files -> make -j2 -> run the program -> git commit,
                       and append to 200 files -> git add -A -> git commit;
                       pyc: python3 -m compileall of ~1,800 modules, a write-heavy build;
@@ -469,6 +470,19 @@ awcpfs_mount_up() {
     MOUNT_US=$((${EPOCHREALTIME/./} - t0))
 }
 awcpfs_up() { awcpfs_export_up "$1" "$2" && awcpfs_mount_up "$1"; }
+# awcpfs_remount NAME: end NAME's mount (SIGINT: write back, unmount) and mount the same
+# running export again with an empty state directory - a fresh mount, as after an
+# Executor restart
+awcpfs_remount() {
+    local name=$1 st=${STATE_OF[$1]}
+    if [[ -n ${MOUNT_PID[$name]:-} ]]; then
+        stop_pid "${MOUNT_PID[$name]}" 300
+        unset "MOUNT_PID[$name]"
+    fi
+    force_unmount "$MNT/$name"
+    rm -rf "$st/mount"
+    awcpfs_mount_up "$name"
+}
 # mount_ready MOUNTPOINT SOURCE: mounted, and listing it shows files when the source has any
 mount_ready() {
     mountpoint -q "$1" || return 1
@@ -1222,8 +1236,10 @@ wl_replay() {
 
 # git status with git's fsmonitor served by the mount (`awcpfs fsmonitor`, the untracked
 # cache on) against the same mount without it and native ext4 without it: warm, after the
-# kernel dropped its dentries and inodes, and on a fresh mount. Two mounts of two copies:
-# a git run without the monitor would clear the index's marks the monitored one relies on.
+# kernel dropped its dentries and inodes, on a fresh mount of the same export (the index
+# written under the mount before it), and on a fresh mount of a fresh export (a new
+# delegation of the tree). Two mounts of two copies: a git run without the monitor would
+# clear the index's marks the monitored one relies on.
 FSM_GIT="git -c 'core.fsmonitor=$AWCPFS fsmonitor' -c core.fsmonitorHookVersion=2 -c core.untrackedCache=true"
 FSM_CMD="$FSM_GIT status >/dev/null"
 wl_gitfsm() {
@@ -1238,11 +1254,12 @@ wl_gitfsm() {
     awcpfs_up fsm "$d_fsm/repo" && warmup awcpfs-fsm "$MNT/fsm" "$FSM_CMD" &&
         warmup awcpfs-fsm "$MNT/fsm" "$FSM_CMD" && fsm_ok=1
     local v prep_n prep_a prep_f
-    for v in warm ttl fresh; do
+    for v in warm ttl fresh fresh-export; do
         case $v in
             warm) prep_n=- prep_a=- prep_f=- ;;
             ttl) prep_n=after_ttl prep_a=after_ttl prep_f=after_ttl ;;
-            fresh) prep_n=after_ttl prep_a="awcpfs_down repo && awcpfs_up repo '$D_AW/repo'"
+            fresh) prep_n=after_ttl prep_a="awcpfs_remount repo" prep_f="awcpfs_remount fsm" ;;
+            fresh-export) prep_n=after_ttl prep_a="awcpfs_down repo && awcpfs_up repo '$D_AW/repo'"
                 prep_f="awcpfs_down fsm && awcpfs_up fsm '$d_fsm/repo'" ;;
         esac
         cell gitfsm "$v"

@@ -959,6 +959,10 @@ fn exit_for(state: DelegationState) -> ExitCode {
 
 pub fn main() -> ExitCode {
     use clap::{CommandFactory as _, FromArgMatches as _};
+    // Run by git on every `git status`: answered before the argument parser is built.
+    if let Some((version, token)) = awcpfs::fsmonitor::hook_args() {
+        return awcp_ctl::executor::fsmonitor_hook(&version, &token);
+    }
     let matches = Cli::command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,

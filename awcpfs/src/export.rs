@@ -54,7 +54,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use awcp_lease::Lease;
-use awcp_protocol::dataplane::{ChangeSet, CommitResult, Conflict, Manifest};
+use awcp_protocol::dataplane::{ChangeSet, CommitResult, Conflict, Manifest, ManifestEntry};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
@@ -331,6 +331,9 @@ pub struct Export {
     manifest_zst: axum::body::Bytes,
     /// The JSON form, built the first time someone asks for it.
     manifest_json: std::sync::OnceLock<axum::body::Bytes>,
+    /// Where each path is in `manifest.entries`, built the first time a commit needs an
+    /// entry of it (a `chmod` of a path unchanged since registration).
+    manifest_paths: std::sync::OnceLock<std::collections::HashMap<String, usize>>,
     manifest_digest: String,
     blocks: BlockSource,
     stats: Stats,
@@ -417,6 +420,19 @@ impl Export {
     /// blake3 (hex) of the exact manifest JSON bytes `GET /manifest` serves.
     pub fn manifest_digest(&self) -> String {
         self.manifest_digest.clone()
+    }
+
+    /// The registration manifest's entry at `path`, if it lists one.
+    pub(crate) fn manifest_entry(&self, path: &str) -> Option<ManifestEntry> {
+        let paths = self.manifest_paths.get_or_init(|| {
+            self.manifest
+                .entries
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (e.path.clone(), i))
+                .collect()
+        });
+        paths.get(path).map(|&i| self.manifest.entries[i].clone())
     }
 
     /// The manifest as built at register time.
@@ -565,6 +581,7 @@ impl Export {
             manifest,
             manifest_zst: axum::body::Bytes::new(),
             manifest_json: std::sync::OnceLock::new(),
+            manifest_paths: std::sync::OnceLock::new(),
             manifest_digest: String::new(),
             blocks: BlockSource {
                 root: dir,
@@ -810,6 +827,7 @@ impl ExportRegistry {
             manifest: built.manifest,
             manifest_zst: zst.into(),
             manifest_json: std::sync::OnceLock::new(),
+            manifest_paths: std::sync::OnceLock::new(),
             manifest_digest,
             blocks: BlockSource {
                 root,

@@ -97,6 +97,52 @@ pub fn query(dir: &Path, version: &str, token: &str) -> Result<Vec<u8>, HookErro
     }
 }
 
+/// `<binary> fsmonitor VERSION [TOKEN]`, recognised without an argument parser: git runs
+/// the hook on every `git status`, so the binary answers before it sets up anything else
+/// (logging, a runtime, its parser). `None` for any other command line — options, help —
+/// which the binary's parser handles as usual.
+pub fn hook_args() -> Option<(String, String)> {
+    let mut args = std::env::args_os().skip(1);
+    if args.next()? != "fsmonitor" {
+        return None;
+    }
+    let version = args.next()?.into_string().ok()?;
+    let token = match args.next() {
+        Some(t) => t.into_string().ok()?,
+        None => String::new(),
+    };
+    if args.next().is_some() || version.starts_with('-') || token.starts_with('-') {
+        return None;
+    }
+    Some((version, token))
+}
+
+/// The hook's whole run for a binary's `fsmonitor` command: asks the mount about the
+/// working directory and prints the answer. A failure is told on stderr (after `name`,
+/// with its causes) and exits 1; git then looks at every file itself.
+pub fn run_hook(name: &str, version: &str, token: &str) -> std::process::ExitCode {
+    use std::io::Write as _;
+    match query(Path::new("."), version, token) {
+        Ok(answer) => {
+            let mut out = std::io::stdout().lock();
+            if out.write_all(&answer).and_then(|_| out.flush()).is_err() {
+                return std::process::ExitCode::from(1);
+            }
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let mut msg = format!("{name}: {e}");
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(&format!(": {s}"));
+                src = s.source();
+            }
+            eprintln!("{msg}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
 /// The hook command line for git (run by a shell): `exe` with `args`, quoted.
 pub fn hook_command(exe: &Path, args: &[&str]) -> String {
     std::iter::once(exe.to_string_lossy().into_owned())

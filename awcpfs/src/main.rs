@@ -163,6 +163,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Run by git on every `git status`: answered before logging, the runtime or the
+    // argument parser is set up.
+    if let Some((version, token)) = awcpfs::fsmonitor::hook_args() {
+        return awcpfs::fsmonitor::run_hook("awcpfs fsmonitor", &version, &token);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AWCP_LOG").unwrap_or_else(|_| {

@@ -9,6 +9,12 @@
 //! (`--no-optional-locks`), so the monitored runs keep their marks and tokens across
 //! rounds: every round but the first is answered from the change log, not by a full scan
 //! (checked at the end with `git ls-files -f`).
+//!
+//! Every few rounds the mount is replaced by a fresh mount of the same export, which
+//! finds the index written under the old one: after a clean end it answers the old token
+//! from its log (the export's changes since registration, Delegator-side ones made while
+//! no mount was up included), after an end the export was not told of with "everything";
+//! and a mount of another export of the same directory never answers it from its log.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -25,10 +31,17 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 struct Setup {
-    _tmp: tempfile::TempDir,
+    tmp: tempfile::TempDir,
     src: PathBuf,
     mnt: PathBuf,
     mount: Mount,
+    addr: std::net::SocketAddr,
+    registry: ExportRegistry,
+    /// The export mounted (id, manifest digest).
+    export: (String, String),
+    /// Mounts started so far (each gets its own state directory).
+    mounts: usize,
+    adjust: fn(&mut MountConfig),
     _rt: tokio::runtime::Runtime,
 }
 
@@ -36,6 +49,57 @@ impl Drop for Setup {
     fn drop(&mut self) {
         self.mount.end(awcpfs::mount::EndReason::Unmounted, None);
     }
+}
+
+impl Setup {
+    /// A new mount of export `id` (digest `digest`) at the mount point, with a fresh state
+    /// directory.
+    fn start_mount(&mut self, id: &str, digest: &str) -> Mount {
+        self.mounts += 1;
+        let state = self.tmp.path().join(format!("state{}", self.mounts));
+        let mut cfg = MountConfig::new(
+            &format!("http://{}", self.addr),
+            id,
+            "tok",
+            &self.mnt,
+            &state,
+        );
+        cfg.manifest_digest = Some(digest.to_string());
+        cfg.remaining = Some(Duration::from_secs(900));
+        (self.adjust)(&mut cfg);
+        Mount::start(cfg).unwrap()
+    }
+
+    /// Register another export of the same directory (another registration: its mounts
+    /// must never take this one's word for what changed).
+    fn another_export(&self, id: &str) -> (String, String) {
+        let export = self
+            .registry
+            .register(
+                id.into(),
+                "tok".into(),
+                ExportConfig {
+                    root: self.src.clone(),
+                    read_only: false,
+                    block_size: 1 << 20,
+                    staging_dir: self.tmp.path().join(format!("staging-{id}")),
+                },
+                lease(),
+            )
+            .unwrap();
+        (id.to_string(), export.manifest_digest())
+    }
+}
+
+fn lease() -> Arc<Lease> {
+    Arc::new(Lease::grant(
+        Arc::new(SystemClock::new()),
+        LeaseTerms {
+            ttl: Duration::from_secs(900),
+            max_ttl: Duration::from_secs(900),
+            flush_grace: Duration::from_secs(10),
+        },
+    ))
 }
 
 fn git(dir: &Path, args: &[&str]) -> String {
@@ -89,9 +153,29 @@ fn status_reference(dir: &Path) -> String {
     )
 }
 
+/// The fsmonitor token the index of the repository at `dir` holds (its `FSMN` extension:
+/// signature, size, version, then the token up to a NUL).
+fn index_token(dir: &Path) -> String {
+    let index = std::fs::read(dir.join(".git/index")).unwrap();
+    let at = index
+        .windows(4)
+        .rposition(|w| w == b"FSMN")
+        .expect("the index has no fsmonitor extension");
+    let rest = &index[at + 12..];
+    let end = rest.iter().position(|&b| b == 0).unwrap();
+    String::from_utf8(rest[..end].to_vec()).unwrap()
+}
+
+/// Whether the mount answers the hook's question for `token` with "everything".
+fn answers_everything(dir: &Path, token: &str) -> bool {
+    let answer = awcpfs::fsmonitor::query(dir, "2", token).expect("the hook's question");
+    let body = &answer[answer.iter().position(|&b| b == 0).unwrap() + 1..];
+    body == b"/\0"
+}
+
 /// A git repository of a few directories, exported and mounted (kernel options adjusted
 /// by `adjust`).
-fn setup(adjust: impl FnOnce(&mut MountConfig)) -> Setup {
+fn setup(adjust: fn(&mut MountConfig)) -> Setup {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     let mnt = tmp.path().join("mnt");
@@ -112,14 +196,6 @@ fn setup(adjust: impl FnOnce(&mut MountConfig)) -> Setup {
     git(&src, &["commit", "-qm", "init"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let registry = ExportRegistry::new();
-    let lease = Arc::new(Lease::grant(
-        Arc::new(SystemClock::new()),
-        LeaseTerms {
-            ttl: Duration::from_secs(900),
-            max_ttl: Duration::from_secs(900),
-            flush_grace: Duration::from_secs(10),
-        },
-    ));
     let export = registry
         .register(
             "fsm".into(),
@@ -130,7 +206,7 @@ fn setup(adjust: impl FnOnce(&mut MountConfig)) -> Setup {
                 block_size: 1 << 20,
                 staging_dir: tmp.path().join("staging"),
             },
-            lease,
+            lease(),
         )
         .unwrap();
     let addr = rt.block_on(async {
@@ -147,10 +223,15 @@ fn setup(adjust: impl FnOnce(&mut MountConfig)) -> Setup {
     adjust(&mut cfg);
     let mount = Mount::start(cfg).unwrap();
     Setup {
-        _tmp: tmp,
+        tmp,
         src,
         mnt,
         mount,
+        addr,
+        registry,
+        export: ("fsm".into(), export.manifest_digest()),
+        mounts: 0,
+        adjust,
         _rt: rt,
     }
 }
@@ -314,14 +395,68 @@ fn settle(s: &Setup, what: &str) {
     }
 }
 
-fn random_rounds(seed: u64, rounds: usize, adjust: impl FnOnce(&mut MountConfig)) {
-    let s = setup(adjust);
+/// Rounds of random changes (see the module docs). Every `remount_every` rounds (0:
+/// never) the mount ends — cleanly, telling the export, or (every third time) written back
+/// in full but without telling it — sometimes with Delegator-side changes while no mount is
+/// up, and a new mount of the same export takes over the index written under the old one:
+/// it must answer the old mount's token from its log after a clean end, and with
+/// "everything" otherwise. At the end a mount of another export of the same directory
+/// must answer the last token with "everything".
+fn random_rounds(seed: u64, rounds: usize, remount_every: usize, adjust: fn(&mut MountConfig)) {
+    let mut s = setup(adjust);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut n = 0;
     // The first monitored run writes the index with the monitor's marks.
     assert_eq!(status_monitored(&s.mnt), status_reference(&s.mnt));
     let mut history = Vec::new();
+    let mut remounts = 0;
+    let mut from_log = 0;
     for round in 0..rounds {
+        if remount_every > 0 && round > 0 && round % remount_every == 0 {
+            remounts += 1;
+            let clean = remounts % 3 != 0;
+            let token = index_token(&s.mnt);
+            if clean {
+                s.mount.finish();
+            } else {
+                s.mount
+                    .flush()
+                    .expect("the write-back before an unannounced end");
+                s.mount.end(awcpfs::mount::EndReason::Unmounted, None);
+            }
+            let mut ops = Vec::new();
+            if rng.random_bool(0.5) {
+                for _ in 0..rng.random_range(1..=3) {
+                    ops.push(change(&mut rng, &s.src, &mut n, false));
+                }
+            }
+            let export = s.export.clone();
+            s.mount = s.start_mount(&export.0, &export.1);
+            let how = if clean { "clean" } else { "unannounced" };
+            history.push(format!(
+                "round {round}: {how} remount, Delegator while unmounted: {}",
+                ops.join("; ")
+            ));
+            settle(&s, history.last().unwrap());
+            let everything = answers_everything(&s.mnt, &token);
+            assert_eq!(
+                everything,
+                !clean,
+                "seed {seed}: after a {how} end, a new mount of the same export answered the \
+                 old mount's token {token} with{} \"everything\"",
+                if everything { "" } else { "out" }
+            );
+            from_log += usize::from(!everything);
+            let monitored = status_monitored(&s.mnt);
+            let reference = status_reference(&s.mnt);
+            assert_eq!(
+                monitored,
+                reference,
+                "seed {seed}: git status with the monitor differs from a full scan on a new \
+                 mount after:\n{}",
+                history.join("\n")
+            );
+        }
         let agent = rng.random_bool(0.5);
         let root = if agent { &s.mnt } else { &s.src };
         let concurrent = agent && rng.random_bool(0.3);
@@ -346,6 +481,12 @@ fn random_rounds(seed: u64, rounds: usize, adjust: impl FnOnce(&mut MountConfig)
             history.join("\n")
         );
     }
+    if remount_every > 0 && rounds > remount_every {
+        assert!(
+            from_log > 0,
+            "no new mount answered an earlier mount's token"
+        );
+    }
     // The monitor was used: the index marks every tracked file that is unchanged as
     // unchanged since its token (lowercase tags in `git ls-files -f`), so git lstats none
     // of them.
@@ -361,6 +502,19 @@ fn random_rounds(seed: u64, rounds: usize, adjust: impl FnOnce(&mut MountConfig)
         !clean.is_empty() && clean.iter().filter(|l| l.starts_with('h')).count() * 2 >= clean.len(),
         "the index does not mark the unchanged files as the monitor's (status {changed:?}): {tags}"
     );
+    if remount_every > 0 {
+        // Another registration never takes this one's word, whatever its mounts did.
+        let token = index_token(&s.mnt);
+        let other = s.another_export("fsm-other");
+        s.mount.finish();
+        s.mount = s.start_mount(&other.0, &other.1);
+        s.export = other;
+        assert!(
+            answers_everything(&s.mnt, &token),
+            "a mount of another export answered {token} from its log"
+        );
+        assert_eq!(status_monitored(&s.mnt), status_reference(&s.mnt));
+    }
 }
 
 #[test]
@@ -368,7 +522,7 @@ fn git_status_with_the_monitor_matches_a_full_scan_over_random_changes() {
     if !fuse_available() || !awcpfs_git_available() {
         return;
     }
-    random_rounds(0xA11CE, 60, |_| {});
+    random_rounds(0xA11CE, 60, 10, |_| {});
 }
 
 #[test]
@@ -377,7 +531,7 @@ fn wbcache_git_status_with_the_monitor_matches_with_the_writeback_cache() {
         return;
     }
     // Written pages reach the mount late under the cache: the hook's syncfs brings them.
-    random_rounds(0xB0B, 30, |c| c.kernel.writeback_cache = true);
+    random_rounds(0xB0B, 30, 10, |c| c.kernel.writeback_cache = true);
 }
 
 /// git is needed; skipping without it is loud, and fails in CI.
@@ -391,4 +545,31 @@ fn awcpfs_git_available() -> bool {
         eprintln!("\n!!!!!!!! SKIPPING an fsmonitor test: git is not installed !!!!!!!!\n");
     }
     ok
+}
+
+// git runs the hook on every `git status`, so `awcpfs fsmonitor VERSION TOKEN` answers
+// before the argument parser is built; anything else (help, options) still reaches it.
+#[test]
+fn the_hook_command_answers_without_the_parser_and_help_still_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_awcpfs"))
+            .args(args)
+            .current_dir(dir.path())
+            .output()
+            .expect("awcpfs runs")
+    };
+    let out = run(&["fsmonitor", "2", "awcpfs:00ff:1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("awcpfs fsmonitor: ") && err.contains("is not on an awcpfs mount"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "git would take it for an answer");
+    let out = run(&["fsmonitor", "1", ""]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("protocol version 1"));
+    let out = run(&["fsmonitor", "--help"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
 }

@@ -182,6 +182,34 @@ pub struct AppliedQuery {
     pub ids: Vec<String>,
 }
 
+/// Body and answer of `POST /mounts/ended` (a mount ended with every change it made
+/// applied as sent: the export records it) and `POST /mounts/ended/query` (did that mount
+/// end so here?). git's fsmonitor tokens name their mount instance: a later mount of the
+/// same export answers such a token from the export's changes since registration only
+/// when its instance ended cleanly, else "everything".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MountEnded {
+    /// The mount instance: 1 to [`MAX_MOUNT_INSTANCE`] lowercase hex digits.
+    pub instance: String,
+    /// In an answer: whether the export holds that instance's clean end (a request's value
+    /// is ignored).
+    #[serde(default)]
+    pub ended: bool,
+}
+
+/// Longest [`MountEnded::instance`].
+pub const MAX_MOUNT_INSTANCE: usize = 64;
+
+/// Whether `instance` is a well-formed [`MountEnded::instance`].
+pub fn valid_mount_instance(instance: &str) -> bool {
+    !instance.is_empty()
+        && instance.len() <= MAX_MOUNT_INSTANCE
+        && instance
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 /// Most ids in one [`AppliedQuery`] (an export remembers this many outcomes).
 pub const MAX_APPLIED_QUERY: usize = 4096;
 

@@ -320,7 +320,10 @@ def replay_tables(data, files, runs, meta):
                                     ("awcpfs-fsm", "awcpfs + fsmonitor")],
                    {"warm": "`git status`, warm",
                     "ttl": "`git status`, dentries + inodes dropped",
-                    "fresh": "`git status`, first on a fresh mount (native: dentries dropped)"},
+                    "fresh": "`git status`, first on a fresh mount of the same export "
+                             "(native: dentries dropped)",
+                    "fresh-export": "`git status`, first on a fresh export's mount "
+                                    "(native: dentries dropped)"},
                    runs)
     if t:
         out += [f"`git status` with git's fsmonitor served by the mount ({files:,} files; "

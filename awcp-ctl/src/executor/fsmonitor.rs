@@ -66,24 +66,5 @@ fn own_binary() -> Option<std::path::PathBuf> {
 /// `awcp-ctl fsmonitor VERSION TOKEN`, run by git in the work tree: prints the mount's
 /// answer. A failure exits 1, and git then looks at every file itself.
 pub fn fsmonitor_hook(version: &str, token: &str) -> ExitCode {
-    use std::io::Write as _;
-    match awcpfs::fsmonitor::query(std::path::Path::new("."), version, token) {
-        Ok(answer) => {
-            let mut out = std::io::stdout().lock();
-            if out.write_all(&answer).and_then(|_| out.flush()).is_err() {
-                return ExitCode::from(1);
-            }
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            let mut msg = format!("awcp-ctl fsmonitor: {e}");
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg.push_str(&format!(": {s}"));
-                src = s.source();
-            }
-            eprintln!("{msg}");
-            ExitCode::from(1)
-        }
-    }
+    awcpfs::fsmonitor::run_hook("awcp-ctl fsmonitor", version, token)
 }

@@ -379,7 +379,9 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
             kept_as: None,
         }))
         .collect();
-    let seq = export.feed.note_commit(root, &cs.changes, &unchanged);
+    let seq = export
+        .feed
+        .note_commit(root, &cs.changes, &unchanged, |p| export.manifest_entry(p));
     for h in &hidden {
         tracing::warn!(export = %export.id, path = %h.path, "a change to a hidden path was not written");
     }

@@ -42,7 +42,8 @@ use tracing::Instrument;
 use awcp_lease::{LeaseSnapshot, LeaseState, rfc3339_millis};
 use awcp_protocol::dataplane::{
     AppliedCommits, AppliedQuery, BlockRequest, ChangeSet, ExportEvent, LEASE_EXPIRES_HEADER,
-    MAX_APPLIED_QUERY, MissingBlocks, UploadResult, block_frame_head, decode_block_frames,
+    MAX_APPLIED_QUERY, MissingBlocks, MountEnded, UploadResult, block_frame_head,
+    decode_block_frames,
 };
 use awcp_protocol::manifest_bin;
 
@@ -87,6 +88,11 @@ pub(crate) fn router(reg: ExportRegistry) -> Router {
         .route("/v1/exports/{id}/renew", post(renew))
         .route("/v1/exports/{id}/aecp/delivered", post(aecp_delivered))
         .route("/v1/exports/{id}/aecp/request", post(aecp_request))
+        .route("/v1/exports/{id}/mounts/ended", post(mount_ended))
+        .route(
+            "/v1/exports/{id}/mounts/ended/query",
+            post(mount_ended_query),
+        )
         .route_layer(from_fn_with_state((reg.clone(), Gate::Read), gate));
     let flush = Router::new()
         .route("/v1/exports/{id}/missing", post(missing))
@@ -583,6 +589,47 @@ impl EventStream {
             }
         }
     }
+}
+
+/// The body of `POST /mounts/ended` and `/mounts/ended/query`, checked.
+async fn mount_instance(what: &'static str, req: Request) -> Result<MountEnded, ApiError> {
+    let body = read_body(req, 4096).await?;
+    let m: MountEnded = parse_json(what, &body)?;
+    if !awcp_protocol::dataplane::valid_mount_instance(&m.instance) {
+        return Err(ApiError::bad_body(
+            what,
+            format!(
+                "instance must be 1 to {} lowercase hex digits",
+                awcp_protocol::dataplane::MAX_MOUNT_INSTANCE
+            ),
+        ));
+    }
+    Ok(m)
+}
+
+/// `POST /mounts/ended`: a mount ended with every change it made applied as sent (see
+/// `watch::ChangeFeed::note_clean_end`). A staged export's commits never reach the tree
+/// its later mounts start from: nothing is recorded there (`ended: false`).
+async fn mount_ended(
+    Extension(export): Extension<Arc<Export>>,
+    req: Request,
+) -> Result<Json<MountEnded>, ApiError> {
+    let mut m = mount_instance("POST /mounts/ended", req).await?;
+    m.ended = export.stage().is_none();
+    if m.ended {
+        export.feed.note_clean_end(&m.instance);
+    }
+    Ok(Json(m))
+}
+
+/// `POST /mounts/ended/query`: whether a mount instance ended cleanly here.
+async fn mount_ended_query(
+    Extension(export): Extension<Arc<Export>>,
+    req: Request,
+) -> Result<Json<MountEnded>, ApiError> {
+    let mut m = mount_instance("POST /mounts/ended/query", req).await?;
+    m.ended = export.feed.ended_clean(&m.instance);
+    Ok(Json(m))
 }
 
 /// `POST /aecp/delivered`: a mount reports the AECP deliveries it made (a JSON array);

@@ -97,7 +97,15 @@ struct FeedState {
     /// Every path changed since registration: the batch it changed in and what it is now
     /// (`None`: removed, with its subtree).
     changed: HashMap<String, (u64, Option<ManifestEntry>)>,
+    /// Mount instances that ended with every change they made applied as sent (newest
+    /// last, at most [`MAX_ENDED`]): what each of them showed is this registration's tree
+    /// and its changes since, so a later mount can answer their fsmonitor tokens.
+    ended: std::collections::VecDeque<String>,
 }
+
+/// Clean mount ends remembered; an older one forgotten only costs a later mount's first
+/// `git status` a full look.
+const MAX_ENDED: usize = 1024;
 
 impl FeedState {
     /// Forget everything below the directory `path` (it was removed or replaced): one scan
@@ -149,6 +157,23 @@ impl ChangeFeed {
     pub(crate) fn start_above(&self, seq: u64) {
         let mut st = self.state.lock();
         st.seq = st.seq.max(seq.saturating_add(1));
+    }
+
+    /// Remember that mount `instance` ended with every change it made applied as sent.
+    pub(crate) fn note_clean_end(&self, instance: &str) {
+        let mut st = self.state.lock();
+        if st.ended.iter().any(|i| i == instance) {
+            return;
+        }
+        if st.ended.len() >= MAX_ENDED {
+            st.ended.pop_front();
+        }
+        st.ended.push_back(instance.to_owned());
+    }
+
+    /// Whether mount `instance` ended cleanly on this registration.
+    pub(crate) fn ended_clean(&self, instance: &str) -> bool {
+        self.state.lock().ended.iter().any(|i| i == instance)
     }
 
     /// The latest sequence number.
@@ -284,11 +309,16 @@ impl ChangeFeed {
     /// not handed an older Delegator-side state of those paths. Returns the sequence the
     /// commit is recorded at (the commit result's `seq`): every event described before the
     /// commit has a `seq` no higher, every Delegator-side change after it a higher one.
+    ///
+    /// `registered` gives the registration manifest's entry at a path: a `chmod` of a path
+    /// unchanged since then is recorded as that entry with the new mode, so that a mount
+    /// started later shows the mode (and git's fsmonitor there reports the path).
     pub(crate) fn note_commit(
         &self,
         root: &RootDir,
         changes: &[Change],
         conflicts: &[Conflict],
+        registered: impl Fn(&str) -> Option<ManifestEntry>,
     ) -> u64 {
         let stamp_of = |path: &str| {
             let (dir, name) = root.open_parent(path).ok()?;
@@ -357,16 +387,35 @@ impl ChangeFeed {
                     ..left(EntryKind::Symlink, 0o777)
                 }),
                 Change::Chmod { mode, mtime_ns, .. } => {
-                    match st.changed.get(path).and_then(|(_, e)| e.clone()) {
-                        Some(mut e) => {
+                    let before = match st.changed.get(path) {
+                        Some((_, e)) => e.clone().map(|e| (e, true)),
+                        None if st.known.contains_key(path) => registered(path).map(|e| (e, false)),
+                        None => None,
+                    };
+                    match before {
+                        Some((mut e, true)) => {
                             e.mode = *mode & 0o7777;
                             if let Some(t) = mtime_ns {
                                 e.mtime_ns = *t;
                             }
                             Some(e)
                         }
+                        Some((mut e, false)) => {
+                            // Unchanged since registration: the manifest's entry, with the
+                            // new mode (and time), and the file's stamp now.
+                            e.mode = *mode & 0o7777;
+                            if let (Some(t), EntryKind::File) = (mtime_ns, e.kind) {
+                                e.mtime_ns = *t;
+                            }
+                            if let Some(s) = stamp {
+                                e.ino = Some(s.ino);
+                                e.ctime_ns = Some(s.ctime_ns);
+                            }
+                            Some(e)
+                        }
                         None => {
-                            // Not changed before: only the known state moves.
+                            // Not known as it was registered: only the known state moves
+                            // (the watcher describes whatever is there).
                             if let Some(k) = st.known.get_mut(path) {
                                 k.mode = *mode & 0o7777;
                                 if let (Some(t), EntryKind::File) = (mtime_ns, k.kind) {
@@ -753,7 +802,7 @@ mod tests {
         // The mode landed on `index`; then the Delegator renamed a new one over it.
         std::fs::write(dir.path().join("index.lock"), "the Delegator's new index").unwrap();
         std::fs::rename(dir.path().join("index.lock"), dir.path().join("index")).unwrap();
-        feed.note_commit(&root, &[chmod("index", None)], &[]);
+        feed.note_commit(&root, &[chmod("index", None)], &[], |_| None);
         assert!(!feed.take_own("index", stamp("index")));
         assert_eq!(
             feed.known_file("index").map(|(_, size, _)| size),
@@ -761,11 +810,72 @@ mod tests {
             "the feed still knows the old file: the watcher reports the new one"
         );
         // With a time set: the same, told by the time.
-        feed.note_commit(&root, &[chmod("index", Some(1_000_000_000))], &[]);
+        feed.note_commit(&root, &[chmod("index", Some(1_000_000_000))], &[], |_| None);
         assert!(!feed.take_own("index", stamp("index")));
         // A file the `chmod` did change is the commit's own.
-        feed.note_commit(&root, &[chmod("other", None)], &[]);
+        feed.note_commit(&root, &[chmod("other", None)], &[], |_| None);
         assert!(feed.take_own("other", stamp("other")));
+    }
+
+    // A mount's `chmod` of a file unchanged since registration left the feed's record of
+    // changes alone: a mount started later showed the registered mode, and git's fsmonitor
+    // there could not know the path changed.
+    #[test]
+    fn a_chmod_of_a_registered_file_reaches_later_mounts() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tool.sh"), "echo hi").unwrap();
+        let root = RootDir::open(dir.path()).unwrap();
+        let params = ManifestParams {
+            export_id: "t".into(),
+            block_size: 4096,
+            read_only: false,
+            filter: None,
+            progress: None,
+        };
+        let built = manifest::build(&root, &params, None).unwrap();
+        let feed = ChangeFeed::new(&built.manifest);
+        let registered = |p: &str| built.manifest.entries.iter().find(|e| e.path == p).cloned();
+        let (events, _) = feed.since(0);
+        assert!(events.is_empty());
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(
+            dir.path().join("tool.sh"),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .unwrap();
+        let chmod = Change::Chmod {
+            path: "tool.sh".into(),
+            mode: 0o755,
+            mtime_ns: None,
+            base: None,
+            xattrs: None,
+        };
+        feed.note_commit(&root, &[chmod], &[], registered);
+        let (events, _) = feed.since(0);
+        let entries: Vec<&ManifestEntry> = events
+            .iter()
+            .flat_map(|e| match e {
+                ExportEvent::Changed { entries, .. } => entries.iter().collect::<Vec<_>>(),
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(entries.len(), 1, "{events:?}");
+        assert_eq!(entries[0].path, "tool.sh");
+        assert_eq!(entries[0].mode, 0o755);
+        assert_eq!(
+            entries[0].hash, built.manifest.entries[0].hash,
+            "the content is the registered one"
+        );
+        // The commit's own: the watcher does not describe it again.
+        assert!(feed.take_own("tool.sh", {
+            let st = fstatat(
+                std::fs::File::open(dir.path()).unwrap(),
+                "tool.sh",
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .unwrap();
+            Some(Stamp::of(&st))
+        }));
     }
 
     // A mount keeps the sequences an export handed out; the same export registered again

@@ -263,6 +263,14 @@ impl Remote for CachedRemote {
         self.inner.aecp_delivered(report)
     }
 
+    fn mount_ended(&self, instance: &str) -> Result<bool, RemoteError> {
+        self.inner.mount_ended(instance)
+    }
+
+    fn mount_ended_clean(&self, instance: &str) -> Result<bool, RemoteError> {
+        self.inner.mount_ended_clean(instance)
+    }
+
     fn aecp_request(
         &self,
         request: &serde_json::Value,

@@ -18,10 +18,21 @@
 //! its workspace.
 //!
 //! What keeps the answer from ever saying "nothing changed" wrongly:
-//! * A token names this mount instance (a random id) and a sequence number. One from
-//!   another instance (an index written under an earlier mount), one older than the oldest
-//!   entry kept ([`MAX_ENTRIES`]), or anything unreadable answers `/` ("everything": git
-//!   then lstats every path), as does an answer too large for an attribute value.
+//! * A token names this mount instance (a random id) and a sequence number. One older
+//!   than the oldest entry kept ([`MAX_ENTRIES`]), or anything unreadable answers `/`
+//!   ("everything": git then lstats every path), as does an answer too large for an
+//!   attribute value.
+//! * A token of another instance (the index was written under an earlier mount) answers
+//!   `/` too, unless that instance was a mount of the same export registration that ended
+//!   with every change it made applied as sent — no conflict, nothing held, nothing left
+//!   behind — and says so to the export at its end (`POST /mounts/ended`; the export
+//!   remembers it only for as long as this registration lives, and never for a staged
+//!   one). Then everything that mount showed is the registration's tree with the export's
+//!   changes since, and this mount's log holds every path the export's event stream named
+//!   since registration (`Change::Path`, noted whether applied or not, the catch-up
+//!   first) and every change of its own: answering with the whole log is a superset of
+//!   what changed since that token. Until the catch-up is in ([`ChangeLog::mark_caught_up`],
+//!   waited for up to [`CATCH_UP_WAIT`]), or if the export cannot say, it is `/`.
 //! * The new token never passes a change still being made: operations that change the
 //!   tree bracket themselves with [`ChangeLog::begin`] (the FUSE adapter until its reply is
 //!   sent, a Delegator-side change until the kernel has been told to forget what it
@@ -42,7 +53,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::inode::{Ino, InodeTable, Kind};
 use super::journal::Record;
@@ -61,6 +72,10 @@ pub const MAX_ANSWER: usize = 64 * 1024;
 /// How long an entry stays after the tokens handed out (see the module docs).
 pub const SETTLE: Duration = Duration::from_millis(250);
 
+/// How long a question with another mount's token waits for this mount's catch-up of the
+/// export's changes (see the module docs) before answering "everything".
+pub const CATCH_UP_WAIT: Duration = Duration::from_secs(2);
+
 /// What changed.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Change {
@@ -68,6 +83,9 @@ enum Change {
     Ino(Ino),
     /// The name `.1` in directory `.0`: made, removed, replaced or changed.
     Name(Ino, String),
+    /// A path the export said changed since its registration (relative to the mount's
+    /// root; whatever is there now, or nothing).
+    Path(String),
 }
 
 #[derive(Debug, Default)]
@@ -82,6 +100,11 @@ struct Inner {
     dropped: u64,
     /// Changes being made: the head when each began, and how many began there.
     in_flight: BTreeMap<u64, usize>,
+    /// Every change the export made since its registration, up to this mount's start, is
+    /// in the log (the event stream's catch-up was applied).
+    caught_up: bool,
+    /// Other mount instances of this export that ended cleanly (the export said so).
+    vouched: BTreeSet<String>,
 }
 
 /// The log of one mount instance.
@@ -89,6 +112,8 @@ struct Inner {
 pub struct ChangeLog {
     instance: String,
     inner: Mutex<Inner>,
+    /// Signalled when the catch-up is in.
+    caught_up: Condvar,
 }
 
 impl Default for ChangeLog {
@@ -162,7 +187,58 @@ impl ChangeLog {
         ChangeLog {
             instance: format!("{:016x}", rand::random::<u64>()),
             inner: Mutex::new(Inner::default()),
+            caught_up: Condvar::new(),
         }
+    }
+
+    /// This mount instance's id (in every token it hands out).
+    pub fn instance(&self) -> &str {
+        &self.instance
+    }
+
+    /// The export's changes since its registration, as far as this mount's start, are all
+    /// noted ([`ChangeLog::note_paths`]): another mount's tokens can be answered.
+    pub fn mark_caught_up(&self) {
+        self.inner.lock().caught_up = true;
+        self.caught_up.notify_all();
+    }
+
+    /// The instance named by `token` when it is another mount's whose tokens this log
+    /// could answer (if that mount ended cleanly): `None` for this instance's own tokens,
+    /// for anything unreadable, and once entries were dropped for room.
+    pub fn foreign_instance<'t>(&self, token: &'t str) -> Option<&'t str> {
+        let (instance, seq) = split_token(token)?;
+        if instance == self.instance || self.inner.lock().dropped > 0 {
+            return None;
+        }
+        let _: u64 = seq.parse().ok()?;
+        Some(instance)
+    }
+
+    /// Make another mount instance's tokens answerable once `ended_clean` (asked only if
+    /// not known yet) says it ended with every change it made applied as sent; then wait
+    /// (up to [`CATCH_UP_WAIT`]) for this mount's catch-up, without which they are not.
+    pub fn vouch(&self, instance: &str, ended_clean: impl FnOnce(&str) -> bool) {
+        if !self.inner.lock().vouched.contains(instance) {
+            // Asked without the lock: a round trip to the export.
+            if !ended_clean(instance) {
+                return;
+            }
+            self.inner.lock().vouched.insert(instance.to_owned());
+        }
+        let deadline = Instant::now() + CATCH_UP_WAIT;
+        let mut inner = self.inner.lock();
+        while !inner.caught_up {
+            if self.caught_up.wait_until(&mut inner, deadline).timed_out() {
+                return;
+            }
+        }
+    }
+
+    /// Paths the export said changed (its event stream: the catch-up and every later
+    /// change), applied or not.
+    pub fn note_paths<'a>(&self, paths: impl IntoIterator<Item = &'a str>) {
+        self.note(paths.into_iter().map(|p| Change::Path(p.to_owned())));
     }
 
     /// A change starts: no token handed out until it ends passes it.
@@ -244,14 +320,16 @@ impl ChangeLog {
         format!("awcpfs:{}:{seq}", self.instance)
     }
 
-    /// The sequence a token names, if it is one of this instance's.
-    fn parse(&self, token: &str) -> Option<u64> {
-        let rest = token.strip_prefix("awcpfs:")?;
-        let (instance, seq) = rest.split_once(':')?;
-        if instance != self.instance {
-            return None;
+    /// The sequence after which changes answer `token`: its own for one of this instance's,
+    /// 0 (everything since this mount started) for one of a vouched instance's (see the
+    /// module docs), `None` when the answer must be "everything".
+    fn parse(&self, inner: &Inner, token: &str) -> Option<u64> {
+        let (instance, seq) = split_token(token)?;
+        let seq: u64 = seq.parse().ok()?;
+        if instance == self.instance {
+            return Some(seq);
         }
-        seq.parse().ok()
+        (inner.caught_up && inner.dropped == 0 && inner.vouched.contains(instance)).then_some(0)
     }
 
     /// What changed since `token`, for the directory `base` (the hook's working directory),
@@ -272,7 +350,7 @@ impl ChangeLog {
                 stable = stable.min(seq - 1);
             }
             let since = self
-                .parse(token)
+                .parse(&inner, token)
                 .filter(|&t| t >= inner.dropped && t <= inner.head)
                 .map(|t| {
                     inner
@@ -313,6 +391,17 @@ impl ChangeLog {
                         }
                     }
                 }
+                Change::Path(p) => match relative(&base_path, p) {
+                    Rel::Outside => {}
+                    Rel::Covers => return all(),
+                    Rel::Inside(r) => {
+                        if !add(&mut paths, &mut size, r, false)
+                            || !add(&mut paths, &mut size, r, true)
+                        {
+                            return all();
+                        }
+                    }
+                },
                 Change::Name(parent, name) => {
                     // A name in a directory that is gone was covered by that directory's
                     // own removal or move, noted after it.
@@ -343,6 +432,12 @@ impl ChangeLog {
             paths,
         }
     }
+}
+
+/// The instance and sequence of an `awcpfs:<instance>:<seq>` token.
+fn split_token(token: &str) -> Option<(&str, &str)> {
+    let (instance, seq) = token.strip_prefix("awcpfs:")?.split_once(':')?;
+    awcp_protocol::dataplane::valid_mount_instance(instance).then_some((instance, seq))
 }
 
 /// Where a path lies from the directory asked about.

@@ -146,17 +146,31 @@ impl AwcpFs {
     /// `getxattr`.
     pub fn getxattr(&self, ino: Ino, name: &OsStr, size: u32) -> Result<XattrReply, FsError> {
         self.check()?;
-        let table = self.table.lock();
         // git's fsmonitor hook asking what changed since a token (`mount/changes.rs`).
         if let Some(token) = name
             .to_str()
             .and_then(|n| n.strip_prefix(super::changes::FSMONITOR_XATTR))
         {
+            if let Some(instance) = self.changes.foreign_instance(token) {
+                // An earlier mount's token: answerable if it ended cleanly (the export
+                // says), asked before the table is locked.
+                self.changes
+                    .vouch(instance, |i| match self.remote.mount_ended_clean(i) {
+                        Ok(ended) => ended,
+                        Err(e) => {
+                            tracing::debug!(error = %e, instance = i,
+                                "cannot ask the export how an earlier mount ended");
+                            false
+                        }
+                    });
+            }
+            let table = self.table.lock();
             if table.get(ino).map(|n| n.kind) != Some(Kind::Dir) {
                 return Err(FsError::NoAttr);
             }
             return sized(self.changes.answer(&table, ino, token).to_bytes(), size);
         }
+        let table = self.table.lock();
         if let Some(r) = self
             .aecp
             .getxattr(&table, ino, &name.to_string_lossy(), size)

@@ -164,6 +164,20 @@ pub trait Remote: Send + Sync {
         Ok(())
     }
 
+    /// git's fsmonitor: tell the export that mount `instance` ended with every change it
+    /// made applied as sent (`POST /mounts/ended`); whether the export recorded it. A
+    /// remote that cannot records nothing.
+    fn mount_ended(&self, _instance: &str) -> Result<bool, RemoteError> {
+        Ok(false)
+    }
+
+    /// git's fsmonitor: whether mount `instance` ended cleanly on this export (`POST
+    /// /mounts/ended/query`). A remote that cannot ask says no: the monitor then answers
+    /// that instance's tokens with "everything".
+    fn mount_ended_clean(&self, _instance: &str) -> Result<bool, RemoteError> {
+        Ok(false)
+    }
+
     /// AECP: the worker's agent asks the daemon (`POST /aecp/request`); the daemon's
     /// status and JSON body. A remote without AECP refuses.
     fn aecp_request(
@@ -1000,6 +1014,30 @@ impl Remote for HttpRemote {
 
     fn transfer_counters(&self) -> Option<Arc<TransferCounters>> {
         Some(self.counters.clone())
+    }
+
+    fn mount_ended(&self, instance: &str) -> Result<bool, RemoteError> {
+        let body = awcp_protocol::dataplane::MountEnded {
+            instance: instance.to_owned(),
+            ended: false,
+        };
+        let a: awcp_protocol::dataplane::MountEnded = self.post_json("mounts/ended", &body)?;
+        Ok(a.ended && a.instance == instance)
+    }
+
+    fn mount_ended_clean(&self, instance: &str) -> Result<bool, RemoteError> {
+        let body = awcp_protocol::dataplane::MountEnded {
+            instance: instance.to_owned(),
+            ended: false,
+        };
+        // Asked while git waits on its hook: a dead export costs it seconds, not the
+        // whole read timeout.
+        let a: awcp_protocol::dataplane::MountEnded = self.post_json_within(
+            "mounts/ended/query",
+            &body,
+            self.timeout.min(Duration::from_secs(2)),
+        )?;
+        Ok(a.ended && a.instance == instance)
     }
 
     fn aecp_delivered(&self, report: &serde_json::Value) -> Result<(), RemoteError> {

@@ -852,7 +852,12 @@ impl Mount {
                                 self.apply_aecp(event);
                                 continue;
                             }
-                            StreamItem::Event(ExportEvent::AecpReady) => continue,
+                            StreamItem::Event(ExportEvent::AecpReady) => {
+                                // The catch-up before it is applied (and noted): git's
+                                // fsmonitor may answer an earlier mount's tokens.
+                                self.inner.fs.changes().mark_caught_up();
+                                continue;
+                            }
                             StreamItem::KeepAlive => continue,
                         };
                         match state {
@@ -1054,6 +1059,9 @@ impl Mount {
             tracing::error!(state_dir = %self.inner.cfg.state_dir.display(),
                 "changes could not be written back; they are kept in the state directory");
         } else {
+            if reason == EndReason::Unmounted {
+                self.note_clean_end();
+            }
             // Everything is written back: the journal has served its purpose.
             super::recover::remove_logs(&self.inner.cfg.state_dir);
             if !self.inner.cfg.keep_cache {
@@ -1068,6 +1076,24 @@ impl Mount {
             h(reason.clone());
         }
         tracing::info!(%reason, "awcpfs unmounted");
+    }
+
+    /// Everything is written back: unless a change of ours was ever refused (a conflict, a
+    /// hidden path), tell the export, so that a later mount of it can answer git's
+    /// fsmonitor tokens handed out here (see `mount/changes.rs`).
+    fn note_clean_end(&self) {
+        if self.inner.fs.stats.had_conflicts() {
+            tracing::info!(
+                "a write-back conflicted: a later mount's git status looks at every file"
+            );
+            return;
+        }
+        let instance = self.inner.fs.changes().instance();
+        match self.inner.remote.mount_ended(instance) {
+            Ok(true) => tracing::debug!(instance, "clean end recorded by the export"),
+            Ok(false) => tracing::debug!(instance, "the export records no clean end"),
+            Err(e) => tracing::debug!(error = %e, "cannot record a clean end at the export"),
+        }
     }
 
     /// Commit until nothing is left or the budget runs out; true if everything is written.
@@ -1144,6 +1170,14 @@ impl Mount {
 
     fn apply_upstream(&self, seq: u64, entries: &[ManifestEntry], removed: &[String]) {
         self.show_upstream(!entries.is_empty(), |s| {
+            // Every path the export names, applied here or not: what a later mount's
+            // fsmonitor needs to answer this one's tokens, and an earlier one's here.
+            self.inner.fs.changes().note_paths(
+                entries
+                    .iter()
+                    .map(|e| e.path.as_str())
+                    .chain(removed.iter().map(String::as_str)),
+            );
             let (invals, report) = s.apply_upstream(seq, entries, removed);
             tracing::info!(
                 seq,

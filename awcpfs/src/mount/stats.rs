@@ -207,6 +207,11 @@ pub struct StatsSnapshot {
 }
 
 impl Stats {
+    /// Whether any write-back met a conflict (or a hidden path) in this mount's life.
+    pub fn had_conflicts(&self) -> bool {
+        !self.conflicts.lock().is_empty()
+    }
+
     /// Count a successful commit.
     pub fn add_commit(&self, files: u64, uploaded: u64, conflicts: &[Conflict]) {
         self.commits.fetch_add(1, Ordering::Relaxed);

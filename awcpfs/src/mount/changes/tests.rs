@@ -207,3 +207,63 @@ fn an_answer_too_large_for_an_attribute_is_everything() {
     assert!(split(&a).1.is_none());
     assert!(a.to_bytes().len() <= MAX_ANSWER);
 }
+
+#[test]
+fn an_earlier_mounts_token_is_answered_from_the_whole_log_only_when_vouched_and_caught_up() {
+    let t = table();
+    let earlier = ChangeLog::new();
+    let (old, _) = split(&earlier.answer(&t, ROOT_INO, ""));
+    let log = ChangeLog::new();
+    assert_eq!(log.foreign_instance(&old), Some(earlier.instance()));
+    // Its own tokens and unreadable ones are not another mount's.
+    let (own, _) = split(&log.answer(&t, ROOT_INO, ""));
+    assert_eq!(log.foreign_instance(&own), None);
+    assert_eq!(log.foreign_instance("awcpfs:XYZ:1"), None);
+    assert_eq!(log.foreign_instance("awcpfs:00ff:x"), None);
+    // The export's catch-up and a change of this mount's own.
+    log.note_paths(["repo/README", "gone/dir"]);
+    log.note_write(ino(&t, "repo/src/a.rs"));
+    // The export does not vouch for it: everything.
+    log.vouch(earlier.instance(), |_| false);
+    assert!(split(&log.answer(&t, ROOT_INO, &old)).1.is_none());
+    // Vouched, but the catch-up is not in (the wait gives up): everything still.
+    let began = Instant::now();
+    let mut asked = 0;
+    log.vouch(earlier.instance(), |_| {
+        asked += 1;
+        true
+    });
+    assert!(began.elapsed() >= CATCH_UP_WAIT);
+    assert!(split(&log.answer(&t, ROOT_INO, &old)).1.is_none());
+    // Caught up: the whole log, relative to the directory asked about; the export is not
+    // asked again.
+    log.mark_caught_up();
+    log.vouch(earlier.instance(), |_| {
+        asked += 1;
+        true
+    });
+    assert_eq!(asked, 1);
+    let (_, paths) = split(&log.answer(&t, ROOT_INO, &old));
+    assert_eq!(
+        paths.unwrap(),
+        vec![
+            "gone/dir".to_string(),
+            "gone/dir/".into(),
+            "repo/README".into(),
+            "repo/README/".into(),
+            "repo/src/a.rs".into()
+        ]
+    );
+    let (_, paths) = split(&log.answer(&t, ino(&t, "repo"), &old));
+    assert_eq!(
+        paths.unwrap(),
+        vec!["README".to_string(), "README/".into(), "src/a.rs".into()]
+    );
+    // A third instance, never vouched for: everything.
+    let (third, _) = split(&ChangeLog::new().answer(&t, ROOT_INO, ""));
+    assert!(split(&log.answer(&t, ROOT_INO, &third)).1.is_none());
+    // Once entries were dropped for room, the log no longer reaches back to the start.
+    log.inner.lock().dropped = 1;
+    assert_eq!(log.foreign_instance(&old), None);
+    assert!(split(&log.answer(&t, ROOT_INO, &old)).1.is_none());
+}
