@@ -732,7 +732,15 @@ impl ExportRegistry {
         progress: Option<Arc<BuildProgress>>,
         walk_key: String,
     ) -> Result<Arc<Export>, ExportError> {
-        self.register_inner(export_id, token, cfg, lease, filter, progress, Some(walk_key))
+        self.register_inner(
+            export_id,
+            token,
+            cfg,
+            lease,
+            filter,
+            progress,
+            Some(walk_key),
+        )
     }
 
     /// Keep `export`'s walk for the next [`register_reusing`](Self::register_reusing) of

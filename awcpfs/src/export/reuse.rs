@@ -377,7 +377,9 @@ mod tests {
             ("new file deep down", |r| {
                 std::fs::write(r.join("src/deep/new"), "").unwrap()
             }),
-            ("remove a file", |r| std::fs::remove_file(r.join("README")).unwrap()),
+            ("remove a file", |r| {
+                std::fs::remove_file(r.join("README")).unwrap()
+            }),
             ("rename within a directory", |r| {
                 std::fs::rename(r.join("src/a.rs"), r.join("src/c.rs")).unwrap()
             }),
