@@ -245,6 +245,8 @@ pub struct Daemon {
     pub(crate) tokens: tokens::TokenCache,
     /// The sshd of each running `sshfs` delegation.
     pub(crate) sshfs: sshfs_flow::Servers,
+    /// What `git ls-files` said of each root, while its index is unchanged.
+    pub(crate) withheld: Arc<admission::WithheldCache>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -492,6 +494,7 @@ pub async fn start(mut cfg: DaemonConfig) -> anyhow::Result<RunningDaemon> {
         aglx,
         aecp,
         sshfs: Default::default(),
+        withheld: Default::default(),
         cfg,
         store,
         daemon_id,

@@ -39,6 +39,7 @@ mod http;
 pub mod identity;
 pub mod manifest;
 mod progress;
+mod reuse;
 mod rootfs;
 pub mod screen;
 pub mod stage;
@@ -352,6 +353,11 @@ pub struct Export {
     /// How long the writes of applied commits had waited since their close on the mount
     /// (see [`crate::lag`]).
     writeback_lag: crate::lag::Lag,
+    /// What its walk tells about keeping it for the next registration (a fresh walk of a
+    /// registration that gave a key; see [`ExportRegistry::keep_walk`]).
+    walk: Option<reuse::WalkFacts>,
+    /// Its manifest is a kept walk's, checked against the tree instead of walked again.
+    took_kept_walk: bool,
 }
 
 impl Export {
@@ -438,6 +444,12 @@ impl Export {
     /// The manifest as built at register time.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
+    }
+
+    /// Whether its manifest is an earlier registration's walk, found unchanged (see
+    /// [`ExportRegistry::register_reusing`]), rather than a walk of its own.
+    pub fn took_kept_walk(&self) -> bool {
+        self.took_kept_walk
     }
 
     /// Block size of the manifest.
@@ -596,6 +608,8 @@ impl Export {
             tier: None,
             screen: Mutex::new(None),
             writeback_lag: Default::default(),
+            walk: None,
+            took_kept_walk: false,
         })
     }
 
@@ -637,6 +651,8 @@ pub struct ExportRegistry {
     hash_cache: Option<Arc<hashcache::HashCache>>,
     watch: bool,
     tier: Option<Arc<tier::BlockTier>>,
+    /// Walks kept for the next registration of the same root (see `reuse`).
+    kept: Arc<Mutex<reuse::Kept>>,
 }
 
 impl Default for ExportRegistry {
@@ -664,6 +680,7 @@ impl ExportRegistry {
             hash_cache: None,
             watch: true,
             tier: None,
+            kept: Arc::default(),
         }
     }
 
@@ -732,6 +749,77 @@ impl ExportRegistry {
         filter: Option<PathFilter>,
         progress: Option<Arc<BuildProgress>>,
     ) -> Result<Arc<Export>, ExportError> {
+        self.register_inner(export_id, token, cfg, lease, filter, progress, None)
+    }
+
+    /// [`register_with_progress`](Self::register_with_progress), taking the walk kept from
+    /// an earlier registration of the same root with the same `walk_key` when nothing in
+    /// the tree changed since (checked entry by entry: see [`keep_walk`](Self::keep_walk)).
+    ///
+    /// `walk_key` names everything besides the tree that decides what the walk lists and
+    /// what the caller learned from it: the filter's settings, and whatever the filter
+    /// records. A registration that takes a kept walk does not call the filter at all.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register_reusing(
+        &self,
+        export_id: String,
+        token: String,
+        cfg: ExportConfig,
+        lease: Arc<Lease>,
+        filter: Option<PathFilter>,
+        progress: Option<Arc<BuildProgress>>,
+        walk_key: String,
+    ) -> Result<Arc<Export>, ExportError> {
+        self.register_inner(
+            export_id,
+            token,
+            cfg,
+            lease,
+            filter,
+            progress,
+            Some(walk_key),
+        )
+    }
+
+    /// Keep `export`'s walk for the next [`register_reusing`](Self::register_reusing) of
+    /// its root with the same key: call it once the caller has accepted what the walk found
+    /// (e.g. its filter recorded nothing that refuses the tree). Only a fresh walk whose
+    /// every entry was settled when it ran, whose hashes were all trusted and which skipped
+    /// nothing is kept; the copy is made on a background thread.
+    pub fn keep_walk(&self, export: &Arc<Export>) {
+        let Some(facts) = export.walk.clone().filter(|f| f.keepable) else {
+            return;
+        };
+        let (export, kept) = (export.clone(), self.kept.clone());
+        let spawned = std::thread::Builder::new()
+            .name("awcpfs-keep-walk".into())
+            .spawn(move || {
+                // A copy of 100,000s of entries, off the delegation's path.
+                let walk = reuse::KeptWalk {
+                    key: facts.key,
+                    root: facts.root,
+                    entries: export.manifest.entries.clone(),
+                    index: export.blocks.index.read().clone(),
+                };
+                drop(export);
+                kept.lock().put(Arc::new(walk));
+            });
+        if let Err(e) = spawned {
+            tracing::debug!(error = %e, "cannot keep the walk");
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn register_inner(
+        &self,
+        export_id: String,
+        token: String,
+        cfg: ExportConfig,
+        lease: Arc<Lease>,
+        filter: Option<PathFilter>,
+        progress: Option<Arc<BuildProgress>>,
+        walk_key: Option<String>,
+    ) -> Result<Arc<Export>, ExportError> {
         if !valid_id(&export_id) {
             return Err(ExportError::InvalidId { export_id });
         }
@@ -759,14 +847,66 @@ impl ExportRegistry {
             filter: filter.clone(),
             progress: progress.clone(),
         };
-        let built =
-            manifest::build(&root, &params, self.hash_cache.as_deref()).map_err(|source| {
-                ExportError::Manifest {
-                    root: cfg.root.clone(),
-                    source,
+        // Phase times, logged once registered: where a slow delegation goes.
+        let t0 = std::time::Instant::now();
+        let started = std::time::SystemTime::now();
+        let walk_key = walk_key.map(|filter| reuse::WalkKey {
+            root: cfg.root.clone(),
+            block_size: cfg.block_size,
+            filter,
+        });
+        let manifest_err = |source| ExportError::Manifest {
+            root: cfg.root.clone(),
+            source,
+        };
+        let root_stat = nix::sys::stat::fstat(root.fd())
+            .map_err(std::io::Error::from)
+            .map_err(manifest_err)?;
+        let kept = walk_key.as_ref().and_then(|k| self.kept.lock().get(k));
+        let reused = kept.filter(|k| reuse::still_holds(&root, k));
+        if let (Some(key), None) = (&walk_key, &reused) {
+            // Changed since (or never kept): this walk may be kept instead.
+            self.kept.lock().forget(key);
+        }
+        let (built, walk) = match &reused {
+            Some(k) => {
+                if let Some(p) = &progress {
+                    p.set_walked();
                 }
-            })?;
-        if let Some(cache) = &self.hash_cache {
+                let built = manifest::Built {
+                    manifest: Manifest {
+                        version: awcp_protocol::dataplane::DATA_PLANE_VERSION,
+                        export_id: params.export_id.clone(),
+                        block_size: params.block_size,
+                        read_only: params.read_only,
+                        root_mode: k.root.mode(),
+                        root_mtime_ns: k.root.mtime_ns(),
+                        entries: k.entries.clone(),
+                    },
+                    index: k.index.clone(),
+                    skipped: 0,
+                    untrusted: 0,
+                };
+                (built, None)
+            }
+            None => {
+                let built = manifest::build(&root, &params, self.hash_cache.as_deref())
+                    .map_err(manifest_err)?;
+                let walk = walk_key.map(|key| {
+                    reuse::WalkFacts::of(
+                        key,
+                        reuse::RootStamp::of(&root_stat),
+                        started,
+                        &built.manifest.entries,
+                        built.skipped,
+                        built.untrusted,
+                    )
+                });
+                (built, walk)
+            }
+        };
+        let t_walk = t0.elapsed();
+        if let Some(cache) = self.hash_cache.as_ref().filter(|_| reused.is_none()) {
             // Off the delegation's path; a failed save only costs hashing again next time.
             let cache = cache.clone();
             std::thread::spawn(move || {
@@ -803,12 +943,16 @@ impl ExportRegistry {
             (encoded, feed)
         });
         let (manifest_digest, zst) = encoded?;
+        let ms = |d: std::time::Duration| d.as_millis() as u64;
         tracing::info!(
             export = %export_id,
             root = %cfg.root.display(),
             entries = built.manifest.entries.len(),
             blocks = built.index.len(),
             digest = %manifest_digest,
+            walk_ms = ms(t_walk),
+            encode_ms = ms(t0.elapsed() - t_walk),
+            kept_walk = reused.is_some(),
             "export registered"
         );
         // Answers to earlier commits (an export registered again after a restart), and a
@@ -843,6 +987,8 @@ impl ExportRegistry {
             screen: Mutex::new(None),
             writeback_lag: Default::default(),
             id: export_id.clone(),
+            walk,
+            took_kept_walk: reused.is_some(),
         });
         // Re-check under the write lock: the walk above ran without it.
         let mut exports = self.exports.write();

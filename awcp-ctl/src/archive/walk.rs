@@ -65,11 +65,11 @@ impl Filter {
     }
 
     fn excluded(&self, rel: &str) -> bool {
-        self.exclude.iter().any(|p| glob_path(p, rel))
+        glob_first(&self.exclude, rel).is_some()
     }
 
     fn included(&self, rel: &str) -> bool {
-        self.include.is_empty() || self.include.iter().any(|p| glob_path(p, rel))
+        self.include.is_empty() || glob_first(&self.include, rel).is_some()
     }
 
     /// Whether `rel` matches a sensitive pattern and no `allow_sensitive` one.
@@ -80,8 +80,8 @@ impl Filter {
     /// The first sensitive pattern `rel` matches, unless an `allow_sensitive` glob lets it
     /// travel.
     pub fn sensitive_pattern(&self, rel: &str) -> Option<&str> {
-        let hit = self.sensitive.iter().find(|p| glob_path(p, rel))?;
-        if self.allow_sensitive.iter().any(|p| glob_path(p, rel)) {
+        let hit = glob_first(&self.sensitive, rel)?;
+        if glob_first(&self.allow_sensitive, rel).is_some() {
             return None;
         }
         Some(hit)
@@ -142,12 +142,37 @@ impl Filter {
 
 /// Match a glob against a relative path (see [`Filter`]).
 pub(crate) fn glob_path(pattern: &str, rel: &str) -> bool {
-    let pattern = pattern.trim_start_matches("./");
+    glob_path_named(pattern, rel, last_name(rel))
+}
+
+/// The first of `patterns` that matches `rel` ([`glob_path`]), the path's last name found
+/// once for all of them: every entry of a large tree is matched against every sensitive
+/// pattern, at manifest time and when the withheld files are listed.
+fn glob_first<'p>(patterns: &'p [String], rel: &str) -> Option<&'p str> {
+    if patterns.is_empty() {
+        return None;
+    }
+    let name = last_name(rel);
+    patterns
+        .iter()
+        .map(String::as_str)
+        .find(|p| glob_path_named(p, rel, name))
+}
+
+fn last_name(rel: &str) -> &str {
+    rel.rfind('/').map_or(rel, |i| &rel[i + 1..])
+}
+
+/// [`glob_path`], given `rel`'s last name.
+fn glob_path_named(pattern: &str, rel: &str, name: &str) -> bool {
+    let mut pattern = pattern;
+    while let Some(rest) = pattern.strip_prefix("./") {
+        pattern = rest;
+    }
     let pattern = pattern.strip_suffix('/').unwrap_or(pattern);
-    if !pattern.contains('/') || pattern.is_empty() {
+    if !pattern.as_bytes().contains(&b'/') {
         // The common case (every default sensitive pattern): match the last name only,
-        // without splitting the path. Called for every entry of a large tree.
-        let name = rel.rsplit('/').next().unwrap_or(rel);
+        // without splitting the path.
         return glob_name(pattern, name);
     }
     let path: Vec<&str> = rel.split('/').collect();

@@ -72,15 +72,143 @@ pub(crate) fn export_filter_withholding(
     root: &Path,
     record: bool,
 ) -> (PathFilter, Arc<SensitiveHits>) {
-    let withheld = Withheld::of(&filter, git_tracked(root));
-    if !withheld.files.is_empty() {
-        tracing::info!(
-            root = %root.display(),
-            files = withheld.files.len(),
-            "hidden files git tracks are withheld: present but unreadable on the mount"
-        );
+    let (f, hits, _) = export_filter_keyed(filter, root, record, None);
+    (f, hits)
+}
+
+/// [`export_filter_withholding`], and a key naming the filter's settings (patterns and
+/// withheld paths) for [`awcpfs::export::ExportRegistry::register_reusing`]: two filters
+/// with one key show, withhold and record the same paths of the same tree.
+/// With a `cache`, `git ls-files` runs again only when the root's git index changed.
+pub(crate) fn export_filter_keyed(
+    filter: Filter,
+    root: &Path,
+    record: bool,
+    cache: Option<&WithheldCache>,
+) -> (PathFilter, Arc<SensitiveHits>, String) {
+    let stamp = cache.and_then(|_| IndexStamp::settled(root));
+    let cached = cache
+        .zip(stamp.as_ref())
+        .and_then(|(c, s)| c.get(root, s, &filter));
+    let (withheld, key) = cached.unwrap_or_else(|| {
+        let withheld = Withheld::of(&filter, git_tracked(root));
+        if !withheld.files.is_empty() {
+            tracing::info!(
+                root = %root.display(),
+                files = withheld.files.len(),
+                "hidden files git tracks are withheld: present but unreadable on the mount"
+            );
+        }
+        let key = {
+            let mut files: Vec<&String> = withheld.files.iter().collect();
+            let mut dirs: Vec<&String> = withheld.dirs.iter().collect();
+            files.sort_unstable();
+            dirs.sort_unstable();
+            let settings = format!("{filter:?}\0{files:?}\0{dirs:?}");
+            blake3::hash(settings.as_bytes()).to_hex().to_string()
+        };
+        let withheld = Arc::new(withheld);
+        if let (Some(c), Some(s)) = (cache, stamp) {
+            c.put(root, s, &filter, withheld.clone(), key.clone());
+        }
+        (withheld, key)
+    });
+    let (f, hits) = export_filter_with(filter, withheld, record);
+    (f, hits, key)
+}
+
+/// The withheld paths last worked out per root and filter, with the stamp of the git
+/// index they came from: a resource delegated again is not listed by `git ls-files`
+/// again (100,000 paths, each matched against every pattern) while its index file is
+/// the same file, unchanged.
+#[derive(Debug, Default)]
+pub(crate) struct WithheldCache(Mutex<Vec<CachedWithheld>>);
+
+#[derive(Debug)]
+struct CachedWithheld {
+    root: std::path::PathBuf,
+    index: IndexStamp,
+    filter: Filter,
+    withheld: Arc<Withheld>,
+    key: String,
+}
+
+/// Most roots and filters remembered.
+const WITHHELD_CACHED: usize = 8;
+
+impl WithheldCache {
+    fn get(
+        &self,
+        root: &Path,
+        index: &IndexStamp,
+        filter: &Filter,
+    ) -> Option<(Arc<Withheld>, String)> {
+        self.0
+            .lock()
+            .iter()
+            .find(|c| c.root == root && c.index == *index && c.filter == *filter)
+            .map(|c| (c.withheld.clone(), c.key.clone()))
     }
-    export_filter_with(filter, Arc::new(withheld), record)
+
+    fn put(
+        &self,
+        root: &Path,
+        index: IndexStamp,
+        filter: &Filter,
+        withheld: Arc<Withheld>,
+        key: String,
+    ) {
+        let mut all = self.0.lock();
+        all.retain(|c| !(c.root == root && c.filter == *filter));
+        all.push(CachedWithheld {
+            root: root.to_owned(),
+            index,
+            filter: filter.clone(),
+            withheld,
+            key,
+        });
+        if all.len() > WITHHELD_CACHED {
+            all.remove(0);
+        }
+    }
+}
+
+/// What identifies the content of a root's `.git/index`: git replaces the file (a new
+/// inode) whenever it writes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct IndexStamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl IndexStamp {
+    /// The stamp of `root/.git/index`, if it exists and last changed long enough ago that
+    /// a change within the same timestamp tick cannot go unseen (the hash cache's racy
+    /// window).
+    fn settled(root: &Path) -> Option<IndexStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(root.join(".git").join("index")).ok()?;
+        if !m.is_file() {
+            return None;
+        }
+        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        let stamp = IndexStamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+            ctime_ns: ns(m.ctime(), m.ctime_nsec()),
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?
+            .as_nanos() as i128;
+        let window = awcpfs::export::hashcache::RACY_WINDOW.as_nanos() as i128;
+        (stamp.mtime_ns < now - window && stamp.ctime_ns < now - window).then_some(stamp)
+    }
 }
 
 /// The hidden files git tracks below a resource's root, and the hidden directories (or

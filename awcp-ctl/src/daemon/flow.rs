@@ -250,6 +250,7 @@ impl Daemon {
             },
         ));
         lease.limit_renewals(self.cfg.max_lease);
+        let t0 = std::time::Instant::now();
         let exported = self
             .export_resources(
                 id.as_str(),
@@ -260,6 +261,10 @@ impl Daemon {
                 &progress,
             )
             .await?;
+        tracing::debug!(
+            ms = t0.elapsed().as_millis() as u64,
+            "delegation's exports registered"
+        );
         if let Some(first) = exported.first()
             && let Err(refusal) =
                 // Snapshot modes staged/discard: commits go to a change set, not the workspace.
@@ -488,6 +493,7 @@ impl Daemon {
                 .then_some(true),
         });
         live.progress.set_phase("invite");
+        let t0 = std::time::Instant::now();
         self.transition(live, DelegationEvent::SendInvite, None);
         let token = live.d.lock().executor_token.clone();
         let reply = self
@@ -595,8 +601,14 @@ impl Daemon {
         let l = live.clone();
         let executor_url = req.executor_url.clone();
         live.progress.set_phase("start");
+        let t_start = t0.elapsed();
         self.post_raw(&req.executor_url, token.as_deref(), &start)
             .await?;
+        tracing::debug!(
+            invite_ms = t_start.as_millis() as u64,
+            start_ms = (t0.elapsed() - t_start).as_millis() as u64,
+            "INVITE answered and START sent"
+        );
         live.progress.set_phase("started");
         self.first_round(live);
         self.transition(

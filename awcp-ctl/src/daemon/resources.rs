@@ -163,6 +163,7 @@ impl Daemon {
         };
         let filter = self.resource_filter(resource, source);
         let exports = self.exports.clone();
+        let withheld = self.withheld.clone();
         let (eid, etoken, elease, p, root) = (
             eid.to_string(),
             token.to_string(),
@@ -171,14 +172,23 @@ impl Daemon {
             source.to_path_buf(),
         );
         let (export, hits) = tokio::task::spawn_blocking(move || {
-            let (filter, hits) = super::admission::export_filter_withholding(filter, &root, true);
-            let export = exports.register_with_progress(
+            let t0 = std::time::Instant::now();
+            let (filter, hits, key) =
+                super::admission::export_filter_keyed(filter, &root, true, Some(&withheld));
+            tracing::debug!(
+                ms = t0.elapsed().as_millis() as u64,
+                "export filter made (git ls-files, withheld paths)"
+            );
+            // An unchanged tree delegated again with the same filter takes the walk kept
+            // below (its admission passed, so its filter recorded no sensitive file).
+            let export = exports.register_reusing(
                 eid,
                 etoken,
                 export_cfg,
                 elease,
                 Some(filter),
                 Some(p),
+                key,
             );
             (export, hits)
         })
@@ -206,6 +216,7 @@ impl Daemon {
             self.exports.remove(export.id());
             return Err(refusal);
         }
+        self.exports.keep_walk(&export);
         Ok(export)
     }
 }

@@ -696,6 +696,10 @@ pub(super) async fn run(ex: Arc<Executor>, a: Arc<Assignment>, start: StartMessa
         }
     };
     *a.mount.lock() = Some(mount.clone());
+    tracing::debug!(
+        ms = received.elapsed().as_millis() as u64,
+        "START to a usable mount"
+    );
     let (end_tx, end_rx) = tokio::sync::oneshot::channel();
     mount.on_end(move |r| {
         let _ = end_tx.send(r);

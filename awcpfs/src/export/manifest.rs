@@ -54,6 +54,12 @@ pub(crate) const MAX_DEPTH: usize = 256;
 pub(crate) struct Built {
     pub(crate) manifest: Manifest,
     pub(crate) index: BlockIndex,
+    /// Entries left out because they could not be read, are special files or lie too deep
+    /// (each logged): the manifest is then not the whole tree's picture.
+    pub(crate) skipped: usize,
+    /// Files listed with hashes that may not match their content for as long as their
+    /// stamp holds (changed while hashed, or too recently to tell).
+    pub(crate) untrusted: usize,
 }
 
 /// Parameters of the manifest that do not come from the tree.
@@ -140,9 +146,12 @@ pub(crate) fn build(
     tracing::debug!(
         entries = walker.entries.len(),
         walkers = walker.parts,
+        skipped = walker.skipped,
         "manifest walked"
     );
     Ok(Built {
+        skipped: walker.skipped,
+        untrusted: walker.untrusted,
         manifest: Manifest {
             version: DATA_PLANE_VERSION,
             export_id: params.export_id.clone(),
@@ -196,6 +205,8 @@ pub(crate) fn describe(
         Ok(())
     })?;
     Ok(Built {
+        skipped: walked.skipped,
+        untrusted: walked.untrusted,
         manifest: Manifest {
             version: DATA_PLANE_VERSION,
             export_id: params.export_id.clone(),
@@ -268,6 +279,7 @@ fn walk_with(
                         let mut sub = walker_for(part, tx.clone());
                         sub.may_defer = true;
                         if let Err(e) = sub.walk_dir(d.dir, &d.rel, d.depth) {
+                            parts.skipped.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(path = %d.rel, error = %e,
                                 "skipping an entry that cannot be read");
                         }
@@ -285,6 +297,8 @@ fn walk_with(
         r
     });
     walked?;
+    let mut skipped = parts.skipped.load(Ordering::Relaxed);
+    let mut untrusted = 0;
     let PartLists { outs, children } = std::mem::take(&mut *parts.lists.lock());
     let mut parts: Vec<WalkerOut> = outs.into_iter().map(Option::unwrap_or_default).collect();
     let walkers = parts.len();
@@ -330,13 +344,16 @@ fn walk_with(
                     .is_some_and(|f| f.withholds(&rawname::lossy(&e.path), false))
                 {
                     entries.push(e);
+                } else {
+                    skipped += 1;
                 }
                 continue;
             };
             e.xattrs = std::mem::take(&mut h.xattrs);
             let path: Arc<str> = Arc::from(e.path.as_str());
-            if let Some(stamp) = stamp {
-                index.set_stamp(path.clone(), stamp);
+            match stamp {
+                Some(stamp) => index.set_stamp(path.clone(), stamp),
+                None => untrusted += 1,
             }
             let mut offset = 0u64;
             e.blocks = Vec::with_capacity(h.blocks.len());
@@ -361,6 +378,8 @@ fn walk_with(
         entries,
         index,
         parts: walkers,
+        skipped,
+        untrusted,
     })
 }
 
@@ -411,6 +430,8 @@ struct Parts {
     queued: AtomicUsize,
     /// Walking threads waiting for a subtree.
     idle: AtomicUsize,
+    /// Entries left out (see [`Built::skipped`]).
+    skipped: AtomicUsize,
 }
 
 /// Every walker's output by part number (0: the first walker), and per part the parts to
@@ -508,6 +529,10 @@ struct Walked {
     index: BlockIndex,
     /// How many walkers shared the walk (the first one and one per subtree left).
     parts: usize,
+    /// See [`Built::skipped`].
+    skipped: usize,
+    /// See [`Built::untrusted`].
+    untrusted: usize,
 }
 
 fn dir_flags() -> OFlag {
@@ -666,6 +691,7 @@ impl Walker<'_> {
                 format!("{prefix}/{name}")
             };
             if let Err(e) = self.visit(&dir, OsStr::from_bytes(&raw), &rel, depth) {
+                self.parts.skipped.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(path = %rel, error = %e, "skipping an entry that cannot be read");
             }
         }
@@ -693,6 +719,7 @@ impl Walker<'_> {
         match NodeKind::of(&st) {
             NodeKind::Dir => {
                 if depth + 1 >= MAX_DEPTH {
+                    self.parts.skipped.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(path = %rel, max = MAX_DEPTH, "skipping a directory nested too deep");
                     return Ok(());
                 }
@@ -810,6 +837,7 @@ impl Walker<'_> {
                 Ok(())
             }
             NodeKind::Special | NodeKind::Absent => {
+                self.parts.skipped.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(path = %rel, "skipping a special file (fifo, socket or device)");
                 Ok(())
             }

@@ -85,7 +85,7 @@ pub(crate) struct BlockLoc {
 }
 
 /// Hash → places in the tree.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct BlockIndex {
     map: HashMap<BlockHash, Vec<BlockLoc>>,
     /// Files hashed while quiescent (see [`Stamp`]); others are always re-hashed.

@@ -25,6 +25,10 @@
 //!   numbers.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// The table's maps: keyed by inode numbers and paths the Delegator's manifest chose, so
+/// seeded per process (foldhash's `RandomState`), not a fixed function.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use awcp_protocol::dataplane::{EntryKind, MAX_MANIFEST_XATTR_VALUE, Manifest};
@@ -316,7 +320,7 @@ impl Dirty {
 /// The namespace.
 #[derive(Debug, Default)]
 pub struct InodeTable {
-    nodes: HashMap<Ino, Node>,
+    nodes: FastMap<Ino, Node>,
     next_ino: Ino,
     /// Changes since the syncer last looked; recorded once the table is built.
     dirty: Dirty,
@@ -335,7 +339,7 @@ impl InodeTable {
     pub fn from_manifest(m: &Manifest, uid: u32, gid: u32) -> Result<Self, ManifestError> {
         let root_time = time_from_ns(m.root_mtime_ns);
         let mut table = InodeTable {
-            nodes: HashMap::with_capacity(m.entries.len() + 1),
+            nodes: FastMap::with_capacity_and_hasher(m.entries.len() + 1, Default::default()),
             next_ino: ROOT_INO + 1,
             ..Default::default()
         };
@@ -369,8 +373,8 @@ impl InodeTable {
         // and for new files, numbers above every one of them.
         // Entries sharing an inode number are hard links on the Delegator when both are
         // files with the same content: they become one node with several names here.
-        let mut seen_ino: HashMap<Ino, &awcp_protocol::dataplane::ManifestEntry> =
-            HashMap::with_capacity(m.entries.len());
+        let mut seen_ino: FastMap<Ino, &awcp_protocol::dataplane::ManifestEntry> =
+            FastMap::with_capacity_and_hasher(m.entries.len(), Default::default());
         let use_source = m.entries.iter().all(|e| {
             e.ino.is_some_and(|i| {
                 i > ROOT_INO
@@ -392,7 +396,8 @@ impl InodeTable {
                 .unwrap_or(ROOT_INO);
             table.next_ino = max.saturating_add(1);
         }
-        let mut by_path: HashMap<&str, Ino> = HashMap::with_capacity(m.entries.len());
+        let mut by_path: FastMap<&str, Ino> =
+            FastMap::with_capacity_and_hasher(m.entries.len(), Default::default());
         for e in &m.entries {
             awcp_protocol::dataplane::validate_rel_path(&e.path)
                 .map_err(|source| ManifestError::BadPath { source })?;

@@ -548,9 +548,17 @@ impl Mount {
         });
         let mount = Mount { inner };
         mount.spawn_threads();
+        let entries = manifest.entries.len();
+        // Hundreds of thousands of allocations to free: not on the way to a usable mount.
+        let dropped = std::thread::Builder::new()
+            .name("awcpfs-free".into())
+            .spawn(move || drop(manifest));
+        if let Err(e) = dropped {
+            tracing::debug!(error = %e, "freeing the manifest on this thread");
+        }
         let ms = |d: Duration| d.as_millis() as u64;
         tracing::info!(mountpoint = %mount.inner.cfg.mountpoint.display(),
-            entries = manifest.entries.len(),
+            entries,
             manifest_ms = ms(t_manifest),
             table_ms = ms(t_table - t_manifest),
             state_ms = ms(t_state - t_table),
