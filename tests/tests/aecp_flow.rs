@@ -284,10 +284,8 @@ async fn two_workers_share_a_finding_a_contract_and_its_revision() {
         .await
     );
     std::fs::read(mount_a.join("pkg/a.py")).unwrap();
-    assert!(
-        deliveries(&mount_a.join(".aecp/inbox")).is_empty(),
-        "refuted, yet delivered to A"
-    );
+    let to_a = deliveries(&mount_a.join(".aecp/inbox"));
+    assert!(to_a.is_empty(), "refuted, yet delivered to A: {to_a:?}");
 
     // B wrote pkg/a.py back, so B owns it (no --owns given): A's next finding about that
     // file is forwarded to B at once, before B touches the file again.
