@@ -140,19 +140,49 @@ async fn pending(client: &DaemonClient, id: &str) -> Vec<awcp_protocol::api::Env
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_staged_module_breaking_its_contract_is_held_at_apply_until_the_fix() {
-    if !fuse_available() {
-        return;
-    }
+/// A workspace with a contract declared by a live producer `p`, and a delegation `id` in
+/// `mode` whose agent wrote a module that breaks it.
+struct Setup {
+    out: tempfile::TempDir,
+    h: Harness,
+    ws: std::path::PathBuf,
+    p: String,
+    id: String,
+    mount: std::path::PathBuf,
+}
+
+async fn setup(mode: SnapshotMode) -> Setup {
     let out = tempfile::tempdir().unwrap();
     let h = Harness::start(&agent(out.path())).await;
     let ws = h.path("ws");
     std::fs::create_dir_all(ws.join("pkg")).unwrap();
     std::fs::write(ws.join("pkg/__init__.py"), "").unwrap();
     let p = producer(&h, &ws).await;
-    let id = delegate_and_write(&h, out.path(), &ws, SnapshotMode::Staged).await;
+    let id = delegate_and_write(&h, out.path(), &ws, mode).await;
     let mount = h.mountpoint(&id);
+    Setup {
+        out,
+        h,
+        ws,
+        p,
+        id,
+        mount,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_staged_module_breaking_its_contract_is_held_at_apply_until_the_fix() {
+    if !fuse_available() {
+        return;
+    }
+    let Setup {
+        out,
+        h,
+        ws,
+        p,
+        id,
+        mount,
+    } = setup(SnapshotMode::Staged).await;
 
     // The staged commit is screened and reported like a live write-back.
     assert!(
@@ -264,14 +294,14 @@ async fn a_discarded_change_set_leaves_no_report_or_held_content_behind() {
     if !fuse_available() {
         return;
     }
-    let out = tempfile::tempdir().unwrap();
-    let h = Harness::start(&agent(out.path())).await;
-    let ws = h.path("ws");
-    std::fs::create_dir_all(ws.join("pkg")).unwrap();
-    std::fs::write(ws.join("pkg/__init__.py"), "").unwrap();
-    let p = producer(&h, &ws).await;
-    let id = delegate_and_write(&h, out.path(), &ws, SnapshotMode::Discard).await;
-    let mount = h.mountpoint(&id);
+    let Setup {
+        out,
+        h,
+        ws,
+        p,
+        id,
+        mount,
+    } = setup(SnapshotMode::Discard).await;
 
     // Screened while the worker works, as a live write-back is.
     assert!(
