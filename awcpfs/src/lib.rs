@@ -7,6 +7,7 @@ pub mod blockobj;
 pub mod cache;
 pub mod export;
 pub mod fsmonitor;
+pub mod gitindex;
 pub mod lag;
 pub mod mount;
 pub mod private;
