@@ -89,6 +89,20 @@ impl Index {
         &self.names[e.name.clone()]
     }
 
+    /// An index of `entries` (paths in `names`), for tests of what reads it.
+    #[cfg(test)]
+    pub(crate) fn for_tests(entries: Vec<Entry>, names: Vec<u8>) -> Index {
+        Index {
+            version: 2,
+            hash_len: 20,
+            entries,
+            names,
+            entries_end: 12,
+            extensions: Vec::new(),
+            skip_hash: false,
+        }
+    }
+
     /// The token of the monitor extension the index carries, if any.
     pub fn fsmonitor_token<'a>(&self, data: &'a [u8]) -> Option<&'a str> {
         let (_, r) = self.extensions.iter().find(|(sig, _)| sig == b"FSMN")?;

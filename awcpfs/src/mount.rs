@@ -27,6 +27,7 @@ pub mod inode;
 pub mod journal;
 pub mod pack;
 pub mod posix;
+mod prime;
 pub mod recover;
 pub mod remote;
 pub mod session;

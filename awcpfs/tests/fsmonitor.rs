@@ -112,8 +112,11 @@ fn git(dir: &Path, args: &[&str]) -> String {
         .expect("git runs");
     assert!(
         out.status.success(),
-        "git {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+        "git {args:?} failed: {}\n.git/HEAD: {:?}; .git/objects: {:?}; .git/refs: {:?}",
+        String::from_utf8_lossy(&out.stderr),
+        std::fs::read(dir.join(".git/HEAD")).map(String::from_utf8),
+        std::fs::metadata(dir.join(".git/objects")).map(|m| m.permissions()),
+        std::fs::metadata(dir.join(".git/refs")).map(|m| m.permissions()),
     );
     String::from_utf8(out.stdout).unwrap()
 }
@@ -403,6 +406,10 @@ fn settle(s: &Setup, what: &str) {
 /// "everything" otherwise. At the end a mount of another export of the same directory
 /// must answer the last token with "everything".
 fn random_rounds(seed: u64, rounds: usize, remount_every: usize, adjust: fn(&mut MountConfig)) {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let mut s = setup(adjust);
     let mut rng = StdRng::seed_from_u64(seed);
     let mut n = 0;
@@ -572,4 +579,76 @@ fn the_hook_command_answers_without_the_parser_and_help_still_works() {
     let out = run(&["fsmonitor", "--help"]);
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
+}
+
+/// A new delegation's mount shows git the Delegator's index with a monitor extension of its
+/// own (`mount/prime.rs`): the first `git status` trusts every entry whose stat data the
+/// mount shows as recorded and looks at the rest — files the Delegator changed after its
+/// index was written (same size and a new size), removed, made executable, only touched —
+/// and says exactly what a full scan says. Until git writes the index itself, nothing goes
+/// back to the Delegator.
+#[test]
+fn a_new_export_s_first_git_status_trusts_the_entries_the_mount_shows_unchanged() {
+    if !fuse_available() || !awcpfs_git_available() {
+        return;
+    }
+    let mut s = setup(|_| {});
+    s.mount.finish();
+    // The Delegator works on without git: its index is stale for these.
+    std::thread::sleep(Duration::from_millis(20));
+    std::fs::write(s.src.join("a/f0.txt"), "FILE 0\n").unwrap(); // same size
+    std::fs::write(s.src.join("a/deep/f1.txt"), "file 1, longer\n").unwrap();
+    std::fs::remove_file(s.src.join("b/f2.txt")).unwrap();
+    std::fs::set_permissions(
+        s.src.join("c/f3.txt"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    Command::new("touch")
+        .arg(s.src.join("f4.txt"))
+        .status()
+        .unwrap();
+    std::fs::write(s.src.join("b/untracked.txt"), "new\n").unwrap();
+    let delegators_index = std::fs::read(s.src.join(".git/index")).unwrap();
+
+    let other = s.another_export("fsm-new");
+    s.mount = s.start_mount(&other.0, &other.1);
+    let shown = std::fs::read(s.mnt.join(".git/index")).unwrap();
+    assert_ne!(shown, delegators_index, "the index is shown as it came");
+    let token = index_token(&s.mnt);
+    assert!(
+        !answers_everything(&s.mnt, &token),
+        "the mount does not answer the token {token} it put in the index"
+    );
+    // Shown, not written back.
+    s.mount.finish();
+    assert_eq!(
+        std::fs::read(s.src.join(".git/index")).unwrap(),
+        delegators_index,
+        "showing the index wrote it back"
+    );
+    s.mount = s.start_mount(&other.0, &other.1);
+
+    let tags = git_monitored(&s.mnt, &["ls-files", "-f"]);
+    let changed = [
+        "a/f0.txt",
+        "a/deep/f1.txt",
+        "b/f2.txt",
+        "c/f3.txt",
+        "f4.txt",
+    ];
+    let mut trusted = 0;
+    for line in tags.lines() {
+        let (tag, path) = line.split_once(' ').unwrap();
+        let lower = tag.chars().all(|c| c.is_ascii_lowercase());
+        if changed.contains(&path) {
+            assert!(!lower, "git trusts {path}, which changed: {tags}");
+        }
+        trusted += usize::from(lower);
+    }
+    assert!(
+        trusted >= 24 - changed.len() - 2,
+        "git trusts only {trusted} entries: {tags}"
+    );
+    assert_eq!(status_monitored(&s.mnt), status_reference(&s.mnt));
 }

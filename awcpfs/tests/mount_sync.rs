@@ -1964,6 +1964,26 @@ fn cold_reading_a_small_file_brings_its_small_neighbours_in_the_same_request() {
     assert_eq!(f.fs.stats().snapshot().bytes_fetched, 4);
 }
 
+/// A neighbour whose file changed at the Delegator (its blocks gone from the export, the
+/// change not at the mount yet) never fails the read it came along with.
+#[test]
+fn cold_a_neighbour_changed_at_the_delegator_does_not_fail_the_read() {
+    let f = fixture(false, git_tree);
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::First);
+    std::fs::write(f.root.join("src/m3.py"), "changed = True\n").unwrap();
+    assert_eq!(
+        f.fs.read_at(f.ino("src/m0.py"), 0, 0, 4096).unwrap(),
+        b"x = 0\n"
+    );
+    assert_eq!(
+        f.fs.read_at(f.ino("src/m1.py"), 0, 0, 4096).unwrap(),
+        b"x = 1\n"
+    );
+    // The changed one itself fails until the mount learns of the change.
+    assert!(f.fs.read_at(f.ino("src/m3.py"), 0, 0, 4096).is_err());
+}
+
 #[test]
 fn cold_a_large_file_read_fetches_only_the_blocks_it_covers_and_a_write_still_fetches_it_whole() {
     // Large enough to be streamed under `all` (the fixture's export uses 4 KiB blocks).

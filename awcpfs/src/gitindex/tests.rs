@@ -101,7 +101,10 @@ fn check(init: &[&str], version: u32, extra_config: &[&str]) {
         git(dir, &args);
     }
     let path = dir.join(".git/index");
-    let status = git(dir, &["status", "--porcelain"]);
+    // Under the same setting: git may write the index while it looks.
+    let mut args = extra_config.to_vec();
+    args.extend(["status", "--porcelain"]);
+    let status = git(dir, &args);
     let data = std::fs::read(&path).unwrap();
     let index = parse(&data).unwrap();
     assert_eq!(index.version, version);

@@ -226,13 +226,20 @@ impl ChangeLog {
             }
             self.inner.lock().vouched.insert(instance.to_owned());
         }
-        let deadline = Instant::now() + CATCH_UP_WAIT;
+        self.wait_caught_up(CATCH_UP_WAIT);
+    }
+
+    /// Wait up to `timeout` for the catch-up ([`ChangeLog::mark_caught_up`]); whether it
+    /// is in.
+    pub fn wait_caught_up(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
         let mut inner = self.inner.lock();
         while !inner.caught_up {
             if self.caught_up.wait_until(&mut inner, deadline).timed_out() {
-                return;
+                return inner.caught_up;
             }
         }
+        true
     }
 
     /// Paths the export said changed (its event stream: the catch-up and every later
@@ -332,23 +339,35 @@ impl ChangeLog {
         (inner.caught_up && inner.dropped == 0 && inner.vouched.contains(instance)).then_some(0)
     }
 
+    /// The sequence a token handed out now stands at: not past a change still being made,
+    /// nor past one that just settled.
+    fn stable(inner: &Inner) -> u64 {
+        let mut stable = inner.head;
+        if let Some((&began, _)) = inner.in_flight.first_key_value() {
+            stable = stable.min(began);
+        }
+        let cutoff = Instant::now().checked_sub(SETTLE);
+        for (&seq, (at, _)) in inner.log.iter().rev() {
+            if cutoff.is_some_and(|c| *at <= c) {
+                break;
+            }
+            stable = stable.min(seq - 1);
+        }
+        stable
+    }
+
+    /// A token for "now": every change not visible in the inode table at this moment is
+    /// answered to a question with it (`mount/prime.rs` writes one into git's index).
+    pub fn current_token(&self) -> String {
+        self.token(Self::stable(&self.inner.lock()))
+    }
+
     /// What changed since `token`, for the directory `base` (the hook's working directory),
     /// resolved in `table` (held by the caller, which also keeps the tree still).
     pub fn answer(&self, table: &InodeTable, base: Ino, token: &str) -> Answer {
         let (new_token, since) = {
             let inner = self.inner.lock();
-            // Not past a change still being made, nor past one that just settled.
-            let mut stable = inner.head;
-            if let Some((&began, _)) = inner.in_flight.first_key_value() {
-                stable = stable.min(began);
-            }
-            let cutoff = Instant::now().checked_sub(SETTLE);
-            for (&seq, (at, _)) in inner.log.iter().rev() {
-                if cutoff.is_some_and(|c| *at <= c) {
-                    break;
-                }
-                stable = stable.min(seq - 1);
-            }
+            let stable = Self::stable(&inner);
             let since = self
                 .parse(&inner, token)
                 .filter(|&t| t >= inner.dropped && t <= inner.head)

@@ -331,7 +331,7 @@ impl AwcpFs {
 
     /// Fetch `ino`'s content into its upper file unless it is local, publishing progress
     /// to `stream`.
-    fn fetch_local(&self, ino: Ino, stream: Option<&Stream>) -> Result<(), FsError> {
+    pub(super) fn fetch_local(&self, ino: Ino, stream: Option<&Stream>) -> Result<(), FsError> {
         let started = Instant::now();
         let r = self.fetch_local_inner(ino, stream, false, started);
         self.note_fetch(ino, started, &r);
@@ -772,7 +772,18 @@ impl AwcpFs {
         // which waited its turn before it was called.
         let data = {
             let _fg = wait_for.map(|_| self.priority.foreground());
-            self.remote.fetch_blocks(&hashes)?
+            match (self.remote.fetch_blocks(&hashes), wait_for) {
+                (Ok(data), _) => data,
+                // A remote answers all or fails, and a neighbour's blocks may be gone (its
+                // file changed at the Delegator since the manifest, the change not here
+                // yet): a neighbour never fails the read, which asks for its own file alone.
+                (Err(e), Some(ino)) if wanted.len() > 1 && !e.is_fatal() => {
+                    tracing::debug!(error = %e, ino, "fetching a file with its neighbours failed: the file alone");
+                    drop(_grant);
+                    return self.fetch_packed(&[ino], Some(ino));
+                }
+                (Err(e), _) => return Err(e.into()),
+            }
         };
         let by_hash: std::collections::HashMap<&str, &[u8]> = hashes
             .iter()
@@ -993,6 +1004,7 @@ impl AwcpFs {
 
     /// `open`: fetch the content if needed and open the upper file.
     pub fn open(&self, ino: Ino, mode: OpenMode) -> Result<u64, FsError> {
+        self.wait_primed(ino);
         if let Some(r) = self.aecp.open(ino, mode.write || mode.truncate) {
             return r;
         }

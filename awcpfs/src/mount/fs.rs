@@ -140,6 +140,8 @@ pub struct AwcpFs {
     pub(super) aecp: super::aecp::MountAecp,
     /// Every change, for git's fsmonitor (`mount/changes.rs`).
     pub(super) changes: super::changes::ChangeLog,
+    /// Operations on git's index wait here while it is made ready (`mount/prime.rs`).
+    pub(super) prime: super::prime::PrimeGate,
     /// The agent's fetches before background ones (`mount/hydrate.rs`).
     pub(super) priority: super::hydrate::Priority,
     /// Background hydration's plan and progress (`mount/hydrate.rs`).
@@ -275,6 +277,7 @@ impl AwcpFs {
             upper: super::upper::UpperFiles::new(opts.upper_dir.clone()),
             aecp: super::aecp::MountAecp::new(opts.uid, opts.gid, Some(opts.upper_dir.clone())),
             changes: Default::default(),
+            prime: Default::default(),
             priority: Default::default(),
             hydration: Default::default(),
             streams_whole: AtomicBool::new(true),
@@ -628,6 +631,11 @@ impl AwcpFs {
             return Err(FsError::NotDir);
         }
         let ino = table.child(parent, &name).ok_or(FsError::NotFound)?;
+        if self.prime.holds(ino) {
+            drop(table);
+            self.wait_primed(ino);
+            return self.lookup(parent, rawname::to_os(&name).as_ref());
+        }
         let node = table.get(ino).ok_or(FsError::NotFound)?;
         let attr = self.attr_of(node);
         // The observer's path is taken under the table's lock; its lookup and delivery run
@@ -644,6 +652,7 @@ impl AwcpFs {
     /// passthrough), so its size and mtime come from the upper file.
     pub fn getattr(&self, ino: Ino) -> Result<FileAttr, FsError> {
         self.check()?;
+        self.wait_primed(ino);
         let mut table = self.table.lock();
         if let Some(r) = self.aecp.getattr(&table, ino) {
             return r;

@@ -482,6 +482,19 @@ impl Mount {
             stats,
         ));
         let syncer = Arc::new(Syncer::with_base(fs.clone(), base, &[], Some(synced_log)));
+        // git's index is made ready for the fsmonitor before the kernel sees it
+        // (`mount/prime.rs`); operations on it wait until then. Not on a mount that
+        // fetches only what is read.
+        if let Some(ino) = (cfg.hydrate != HydratePolicy::None)
+            .then(|| fs.arm_index_prime())
+            .flatten()
+        {
+            let fs = fs.clone();
+            std::thread::Builder::new()
+                .name("awcpfs-gitindex".into())
+                .spawn(move || fs.prime_index(ino))
+                .expect("spawning a thread");
+        }
 
         let mut options = vec![
             fuser::MountOption::FSName(format!("awcpfs:{}", cfg.export_id)),
