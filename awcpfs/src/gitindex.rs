@@ -11,7 +11,9 @@
 //! Nothing else changes: the entries are kept byte for byte, and so is every other
 //! extension but three that the new one would make stale:
 //! * `UNTR`, the untracked cache: git trusts its directories wholesale once a monitor
-//!   answers, and they describe the tree when the cache was written, not now.
+//!   answers, and they describe the tree when the cache was written, not now. It is
+//!   dropped, or rewritten ([`rewrite_untracked`]) with only the directories known
+//!   unchanged still valid.
 //! * `EOIE` and `IEOT`, the offsets for loading an index on several threads: the first
 //!   holds a hash of the extension headers. Without them git reads the index on one thread.
 //!
@@ -101,6 +103,12 @@ impl Index {
             extensions: Vec::new(),
             skip_hash: false,
         }
+    }
+
+    /// The untracked cache's data (`UNTR`), if the index has one.
+    pub fn untracked<'a>(&self, data: &'a [u8]) -> Option<&'a [u8]> {
+        let (_, r) = self.extensions.iter().find(|(sig, _)| sig == b"UNTR")?;
+        Some(&data[r.start + 8..r.end])
     }
 
     /// The token of the monitor extension the index carries, if any.
@@ -290,11 +298,15 @@ fn parse_body(
 /// `data` (the index `index` was read from) with the monitor extension `token` in place of
 /// any it had, marking as dirty the entries `dirty` says, and without the extensions that
 /// would be stale beside it (see the module docs); checksummed as the original was.
+///
+/// `untracked`, when given, is the untracked cache to keep in place of the one the index had
+/// (see [`rewrite_untracked`]).
 pub fn with_fsmonitor(
     data: &[u8],
     index: &Index,
     token: &str,
     mut dirty: impl FnMut(usize) -> bool,
+    untracked: Option<&[u8]>,
 ) -> Vec<u8> {
     let mut out = Vec::with_capacity(data.len() + index.entries.len() / 8 + 64);
     out.extend_from_slice(&data[..index.entries_end]);
@@ -302,6 +314,11 @@ pub fn with_fsmonitor(
         if !DROPPED.contains(&sig) {
             out.extend_from_slice(&data[r.clone()]);
         }
+    }
+    if let Some(body) = untracked {
+        out.extend_from_slice(b"UNTR");
+        out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        out.extend_from_slice(body);
     }
     let marked: Vec<usize> = (0..index.entries.len()).filter(|&i| dirty(i)).collect();
     let mut ext = Vec::new();
@@ -321,6 +338,222 @@ pub fn with_fsmonitor(
         out.extend_from_slice(&sum);
     }
     out
+}
+
+/// Where a stat record's mtime is (`struct stat_data`: ctime, mtime, dev, ino, uid, gid,
+/// size; 36 bytes).
+const STAT_DATA: usize = 36;
+
+/// One directory of the untracked cache, as read.
+struct UntrackedDir {
+    /// Its name (empty for the work tree's root).
+    name: Range<usize>,
+    /// The untracked names it lists.
+    untracked: Vec<Range<usize>>,
+    /// How many subdirectories follow it (depth first).
+    dirs: usize,
+    /// Its path from the work tree's root, with a trailing `/` (empty for the root).
+    path: Vec<u8>,
+}
+
+/// The untracked cache's data `body` (of an index whose object format hashes are
+/// `hash_len` bytes) made fit for a monitor that answers only changes after now, for the
+/// work tree `ident` names (git's `Location <work tree>, system <kernel>`): every
+/// directory it calls valid stays so only if `keep(path, recorded mtime)` says its
+/// recorded modification time is still the directory's — git then trusts its listing
+/// without reading the directory — and the others are marked invalid, their listing
+/// dropped, as git itself does when it finds a directory changed. The rest is kept.
+pub fn rewrite_untracked(
+    body: &[u8],
+    hash_len: usize,
+    ident: &str,
+    mut keep: impl FnMut(&[u8], (u32, u32)) -> bool,
+) -> Result<Vec<u8>, IndexError> {
+    let bad = |what| IndexError::Malformed(what);
+    let mut p = 0;
+    let ident_len = varint(body, &mut p)?;
+    p = p.checked_add(ident_len).ok_or(bad("untracked cache"))?;
+    let fixed_start = p;
+    // Two stat records (info/exclude, core.excludesFile), the flags, their two hashes.
+    p += 2 * STAT_DATA + 4 + 2 * hash_len;
+    let nul = body
+        .get(p..)
+        .and_then(|r| r.iter().position(|&b| b == 0))
+        .ok_or(bad("untracked cache"))?;
+    p += nul + 1;
+    let fixed = fixed_start..p;
+    let mut out = Vec::with_capacity(body.len());
+    let mut ident_bytes = ident.as_bytes().to_vec();
+    ident_bytes.push(0);
+    put_varint(&mut out, ident_bytes.len());
+    out.extend_from_slice(&ident_bytes);
+    out.extend_from_slice(&body[fixed]);
+    let count = varint(body, &mut p)?;
+    if count == 0 {
+        put_varint(&mut out, 0);
+        return Ok(out);
+    }
+    if count > body.len() {
+        return Err(bad("untracked cache"));
+    }
+    // The directories, depth first: each names how many subdirectories follow it.
+    let mut dirs: Vec<UntrackedDir> = Vec::with_capacity(count);
+    // (path, subdirectories still to read) of the directories being read.
+    let mut open: Vec<(Vec<u8>, usize)> = Vec::new();
+    for i in 0..count {
+        let n_untracked = varint(body, &mut p)?;
+        let n_dirs = varint(body, &mut p)?;
+        let mut cstr = || -> Result<Range<usize>, IndexError> {
+            let len = body
+                .get(p..)
+                .and_then(|r| r.iter().position(|&b| b == 0))
+                .ok_or(bad("untracked cache"))?;
+            let r = p..p + len;
+            p += len + 1;
+            Ok(r)
+        };
+        let name = cstr()?;
+        if n_untracked > body.len() {
+            return Err(bad("untracked cache"));
+        }
+        let untracked = (0..n_untracked).map(|_| cstr()).collect::<Result<_, _>>()?;
+        while open.last().is_some_and(|(_, left)| *left == 0) {
+            open.pop();
+        }
+        let path = match open.last_mut() {
+            None if i == 0 => Vec::new(),
+            None => return Err(bad("untracked cache tree")),
+            Some((parent, left)) => {
+                *left -= 1;
+                let mut path = parent.clone();
+                path.extend_from_slice(&body[name.clone()]);
+                path.push(b'/');
+                path
+            }
+        };
+        open.push((path.clone(), n_dirs));
+        dirs.push(UntrackedDir {
+            name,
+            untracked,
+            dirs: n_dirs,
+            path,
+        });
+    }
+    let bitmap = |p: &mut usize| -> Result<Vec<usize>, IndexError> {
+        let (bits, used) = ewah_bits(body.get(*p..).ok_or(bad("untracked cache"))?)?;
+        *p += used;
+        Ok(bits)
+    };
+    let valid = bitmap(&mut p)?;
+    let check_only = bitmap(&mut p)?;
+    let sha1_valid = bitmap(&mut p)?;
+    if valid
+        .iter()
+        .chain(&check_only)
+        .chain(&sha1_valid)
+        .any(|&i| i >= count)
+    {
+        return Err(bad("untracked cache bitmap"));
+    }
+    let stats = p..p + valid.len() * STAT_DATA;
+    let hashes = stats.end..stats.end + sha1_valid.len() * hash_len;
+    if body.get(hashes.end) != Some(&0) {
+        return Err(bad("untracked cache"));
+    }
+    let mut still_valid = Vec::with_capacity(valid.len());
+    let mut kept_stats = Vec::with_capacity(stats.len());
+    for (k, &i) in valid.iter().enumerate() {
+        let stat = &body[stats.start + k * STAT_DATA..stats.start + (k + 1) * STAT_DATA];
+        let mtime = (be32(stat, 8)?, be32(stat, 12)?);
+        if keep(&dirs[i].path, mtime) {
+            still_valid.push(i);
+            kept_stats.extend_from_slice(stat);
+        }
+    }
+    let is_valid = |i: usize| still_valid.binary_search(&i).is_ok();
+    put_varint(&mut out, count);
+    for (i, d) in dirs.iter().enumerate() {
+        let listed: &[Range<usize>] = if is_valid(i) { &d.untracked } else { &[] };
+        put_varint(&mut out, listed.len());
+        put_varint(&mut out, d.dirs);
+        out.extend_from_slice(&body[d.name.clone()]);
+        out.push(0);
+        for u in listed {
+            out.extend_from_slice(&body[u.clone()]);
+            out.push(0);
+        }
+    }
+    let check_only: Vec<usize> = check_only.into_iter().filter(|&i| is_valid(i)).collect();
+    out.extend_from_slice(&ewah(&still_valid));
+    out.extend_from_slice(&ewah(&check_only));
+    out.extend_from_slice(&ewah(&sha1_valid));
+    out.extend_from_slice(&kept_stats);
+    out.extend_from_slice(&body[hashes]);
+    out.push(0);
+    Ok(out)
+}
+
+/// git's variable-length integer, written.
+fn put_varint(out: &mut Vec<u8>, value: usize) {
+    let mut v = value as u64;
+    let mut buf = [0u8; 16];
+    let mut pos = buf.len() - 1;
+    buf[pos] = (v & 127) as u8;
+    loop {
+        v >>= 7;
+        if v == 0 {
+            break;
+        }
+        v -= 1;
+        pos -= 1;
+        buf[pos] = 128 | (v & 127) as u8;
+    }
+    out.extend_from_slice(&buf[pos..]);
+}
+
+/// The bits set in git's serialized EWAH bitmap at the start of `b`, ascending, and how
+/// many bytes it took.
+fn ewah_bits(b: &[u8]) -> Result<(Vec<usize>, usize), IndexError> {
+    let bad = IndexError::Malformed("bitmap");
+    let bit_size = be32(b, 0)? as usize;
+    let words = be32(b, 4)? as usize;
+    let end = words
+        .checked_mul(8)
+        .and_then(|n| n.checked_add(12))
+        .filter(|&e| e <= b.len())
+        .ok_or(IndexError::Malformed("bitmap"))?;
+    let word = |i: usize| u64::from_be_bytes(b[8 + 8 * i..16 + 8 * i].try_into().unwrap());
+    let mut bits = Vec::new();
+    let (mut i, mut pos) = (0usize, 0usize);
+    while i < words {
+        let rlw = word(i);
+        let run = ((rlw >> 1) & 0xffff_ffff) as usize;
+        let literals = (rlw >> 33) as usize;
+        let run_bits = run.checked_mul(64).ok_or(IndexError::Malformed("bitmap"))?;
+        if rlw & 1 == 1 {
+            if pos + run_bits > bit_size + 64 {
+                return Err(IndexError::Malformed("bitmap"));
+            }
+            bits.extend(pos..pos + run_bits);
+        }
+        pos = pos.saturating_add(run_bits);
+        i += 1;
+        if i + literals > words {
+            return Err(bad);
+        }
+        for k in 0..literals {
+            let w = word(i + k);
+            for c in 0..64 {
+                if w & (1 << c) != 0 {
+                    bits.push(pos + c);
+                }
+            }
+            pos += 64;
+        }
+        i += literals;
+    }
+    bits.retain(|&x| x < bit_size);
+    Ok((bits, end))
 }
 
 /// The EWAH-compressed bitmap with the bits `set` (ascending), as git serializes it: the

@@ -593,6 +593,9 @@ fn a_new_export_s_first_git_status_trusts_the_entries_the_mount_shows_unchanged(
         return;
     }
     let mut s = setup(|_| {});
+    // git writes the index under the monitor: with its extension and an untracked cache.
+    status_monitored(&s.mnt);
+    assert_eq!(status_monitored(&s.mnt), status_reference(&s.mnt));
     s.mount.finish();
     // The Delegator works on without git: its index is stale for these.
     std::thread::sleep(Duration::from_millis(20));
@@ -650,5 +653,41 @@ fn a_new_export_s_first_git_status_trusts_the_entries_the_mount_shows_unchanged(
         trusted >= 24 - changed.len() - 2,
         "git trusts only {trusted} entries: {tags}"
     );
-    assert_eq!(status_monitored(&s.mnt), status_reference(&s.mnt));
+    // The untracked cache was kept for the directories whose listing did not change: git
+    // reads b/ (a file removed, one created) and not every directory.
+    let hook =
+        awcpfs::fsmonitor::hook_command(Path::new(env!("CARGO_BIN_EXE_awcpfs")), &["fsmonitor"]);
+    let traced = Command::new("git")
+        .args(["-c", &format!("core.fsmonitor={hook}")])
+        .args([
+            "-c",
+            "core.fsmonitorHookVersion=2",
+            "-c",
+            "core.untrackedCache=true",
+        ])
+        .args(["status", "--porcelain"])
+        .current_dir(&s.mnt)
+        .env_remove("GIT_CONFIG_COUNT")
+        .env("GIT_TRACE2_EVENT", s.tmp.path().join("trace2.json"))
+        .env("GIT_TRACE2_EVENT_NESTING", "10")
+        .output()
+        .unwrap();
+    assert!(traced.status.success());
+    let trace = std::fs::read_to_string(s.tmp.path().join("trace2.json")).unwrap();
+    let opened: Vec<u64> = trace
+        .lines()
+        .filter(|l| l.contains(r#""key":"opendir""#))
+        .filter_map(|l| {
+            let v = l.split(r#""value":""#).nth(1)?;
+            v.split('"').next()?.parse().ok()
+        })
+        .collect();
+    assert!(
+        opened.len() == 1 && opened[0] <= 2,
+        "git read {opened:?} directories of 5 (the untracked cache was not kept)"
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&traced.stdout),
+        status_reference(&s.mnt)
+    );
 }

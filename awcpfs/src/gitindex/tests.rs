@@ -145,7 +145,7 @@ fn check(init: &[&str], version: u32, extra_config: &[&str]) {
     );
 
     // Every third entry dirty.
-    let primed = with_fsmonitor(&data, &index, "awcpfs:test:1", |i| i % 3 == 0);
+    let primed = with_fsmonitor(&data, &index, "awcpfs:test:1", |i| i % 3 == 0, None);
     std::fs::write(&path, &primed).unwrap();
     let again = parse(&primed).unwrap();
     assert_eq!(again.fsmonitor_token(&primed), Some("awcpfs:test:1"));
@@ -215,7 +215,7 @@ fn the_untracked_cache_and_an_old_monitor_extension_are_replaced() {
         "{sigs:?}"
     );
     assert_eq!(index.fsmonitor_token(&data), Some("old-token"));
-    let primed = with_fsmonitor(&data, &index, "new", |_| false);
+    let primed = with_fsmonitor(&data, &index, "new", |_| false, None);
     let again = parse(&primed).unwrap();
     let sigs: Vec<&[u8; 4]> = again.extensions.iter().map(|(s, _)| s).collect();
     assert!(!sigs.contains(&b"UNTR"), "{sigs:?}");
@@ -270,5 +270,121 @@ proptest::proptest! {
         let sum = checksum(&data[..body_len], 20);
         data.extend_from_slice(&sum);
         let _ = parse(&data);
+    }
+}
+
+/// The untracked cache git wrote under a monitor, rewritten: git trusts the listing of
+/// every directory kept valid without reading it (so a file created there since is not
+/// seen: the caller must keep only directories it knows unchanged), and reads again the
+/// one marked invalid.
+#[test]
+fn the_untracked_cache_is_trusted_where_kept_and_read_again_where_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = &std::fs::canonicalize(tmp.path()).unwrap();
+    repo(dir, &[], 2, 30);
+    std::fs::write(dir.join("d1/sub1/u1.txt"), "u\n").unwrap();
+    std::fs::write(dir.join("d2/sub2/u2.txt"), "u\n").unwrap();
+    let hook = dir.join(".git/everything.sh");
+    std::fs::write(&hook, "#!/bin/sh\nprintf 'first\\0/\\0'\n").unwrap();
+    Command::new("chmod")
+        .arg("755")
+        .arg(&hook)
+        .status()
+        .unwrap();
+    let monitored = |hook: &Path| {
+        git(
+            dir,
+            &[
+                "-c",
+                &format!("core.fsmonitor={}", hook.display()),
+                "-c",
+                "core.fsmonitorHookVersion=2",
+                "-c",
+                "core.untrackedCache=true",
+                "status",
+                "--porcelain",
+            ],
+        )
+    };
+    // Twice: the first run adds the cache, the second fills it.
+    monitored(&hook);
+    let before = monitored(&hook);
+    assert!(before.contains("?? d1/sub1/u1.txt"), "{before}");
+    let data = std::fs::read(dir.join(".git/index")).unwrap();
+    let index = parse(&data).unwrap();
+    let body = index
+        .untracked(&data)
+        .expect("git wrote an untracked cache");
+    // A file created since, which the monitor below will not report.
+    std::fs::write(dir.join("d1/sub1/new.txt"), "n\n").unwrap();
+    let quiet = dir.join(".git/quiet.sh");
+    std::fs::write(&quiet, "#!/bin/sh\nprintf 'next\\0'\n").unwrap();
+    Command::new("chmod")
+        .arg("755")
+        .arg(&quiet)
+        .status()
+        .unwrap();
+    let ident = format!("Location {}, system Linux", dir.display());
+    let mut seen = Vec::new();
+    for stale in [None, Some(&b"d1/sub1/"[..])] {
+        let rewritten = rewrite_untracked(body, index.hash_len, &ident, |path, _| {
+            seen.push(path.to_vec());
+            Some(path) != stale
+        })
+        .unwrap();
+        let primed = with_fsmonitor(&data, &index, "t", |_| false, Some(&rewritten));
+        assert!(parse(&primed).unwrap().untracked(&primed).is_some());
+        std::fs::write(dir.join(".git/index"), &primed).unwrap();
+        let status = monitored(&quiet);
+        assert!(status.contains("?? d1/sub1/u1.txt"), "{status}");
+        assert!(status.contains("?? d2/sub2/u2.txt"), "{status}");
+        assert_eq!(
+            status.contains("?? d1/sub1/new.txt"),
+            stale.is_some(),
+            "directories marked invalid {stale:?}: {status}"
+        );
+    }
+    // The root and its subdirectories, by path.
+    assert!(seen.contains(&b"".to_vec()) && seen.contains(&b"d1/sub1/".to_vec()));
+}
+
+#[test]
+fn varints_are_git_s() {
+    for v in [
+        0usize,
+        1,
+        127,
+        128,
+        255,
+        16511,
+        16512,
+        1 << 20,
+        u32::MAX as usize,
+    ] {
+        let mut out = Vec::new();
+        put_varint(&mut out, v);
+        let mut at = 0;
+        assert_eq!(varint(&out, &mut at).unwrap(), v);
+        assert_eq!(at, out.len());
+    }
+    let mut out = Vec::new();
+    put_varint(&mut out, 128);
+    assert_eq!(out, [0x80, 0x00]);
+}
+
+proptest::proptest! {
+    #[test]
+    fn ewah_bitmaps_read_back(mut bits in proptest::collection::vec(0usize..2000, 0..100)) {
+        bits.sort_unstable();
+        bits.dedup();
+        let enc = ewah(&bits);
+        let (back, used) = ewah_bits(&enc).unwrap();
+        proptest::prop_assert_eq!(back, bits);
+        proptest::prop_assert_eq!(used, enc.len());
+    }
+
+    #[test]
+    fn random_untracked_caches_never_panic(body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
+        let _ = rewrite_untracked(&body, 20, "x", |_, _| true);
     }
 }

@@ -15,9 +15,11 @@
 //! intent-to-add, or its path is not a regular file here. That is the comparison git's
 //! `lstat` of each entry would make, made against the inode table instead; any change
 //! after the token is in the mount's change log and answered to git as usual. The
-//! untracked cache goes with the old extension (git trusts its directories wholesale once
-//! a monitor answers): the first `git status` reads every directory once and writes a
-//! new one.
+//! untracked cache (git trusts its directories wholesale once a monitor answers) is kept
+//! only for the directories whose recorded modification time is still the one the mount
+//! shows (and older than the index), marked for this work tree's location; git reads the
+//! others again. Without one, the first `git status` reads every directory once and
+//! writes one.
 //!
 //! Only the content shown changes: the node keeps the export's hash as the one it is
 //! known to match, so the syncer sees nothing to write back until git itself writes the
@@ -61,6 +63,8 @@ pub struct PrimeGate {
     ino: AtomicU64,
     /// Still being made ready (false also once a waiter gave up).
     priming: Mutex<bool>,
+    /// The work tree's path as git names it (the mountpoint, symlinks resolved).
+    worktree: Mutex<Option<String>>,
     cv: Condvar,
 }
 
@@ -96,7 +100,9 @@ impl AwcpFs {
     /// Hold operations on the work tree's `.git/index` until [`AwcpFs::prime_index`] has
     /// made it ready; called before the kernel can see the tree. The index's inode, or
     /// `None` when there is nothing to make ready.
-    pub fn arm_index_prime(&self) -> Option<Ino> {
+    pub fn arm_index_prime(&self, mountpoint: &std::path::Path) -> Option<Ino> {
+        let worktree = std::fs::canonicalize(mountpoint).unwrap_or_else(|_| mountpoint.into());
+        *self.prime.worktree.lock() = worktree.to_str().map(str::to_owned);
         let table = self.table.lock();
         let ino = table.resolve(INDEX_PATH)?;
         let node = table.get(ino)?;
@@ -185,15 +191,25 @@ impl AwcpFs {
         // The token first: whatever changes after it is in the log, whatever changed
         // before it is in the table the entries are compared with.
         let token = self.changes.current_token();
-        let dirty = {
+        let worktree = self.prime.worktree.lock().clone();
+        let (dirty, untracked) = {
             let table = self.table.lock();
             let Some(node) = table.get(ino) else {
                 return Ok(Primed::Left("gone"));
             };
             let written = since_epoch(node.mtime);
-            index_dirty(&table, &index, written)
+            let untracked = index.untracked(&data).zip(worktree).and_then(|(body, wt)| {
+                let ident = format!("Location {wt}, system {}", sysname());
+                gitindex::rewrite_untracked(body, index.hash_len, &ident, |path, mtime| {
+                    dir_unchanged(&table, path, mtime, written)
+                })
+                .map_err(|e| tracing::debug!(error = %e, "git's untracked cache dropped"))
+                .ok()
+            });
+            (index_dirty(&table, &index, written), untracked)
         };
-        let primed = gitindex::with_fsmonitor(&data, &index, &token, |i| dirty[i]);
+        let primed =
+            gitindex::with_fsmonitor(&data, &index, &token, |i| dirty[i], untracked.as_deref());
         let tmp = self.opts.upper_dir.join(format!(".prime-{ino}"));
         std::fs::write(&tmp, &primed)?;
         let priming = self.prime.priming.lock();
@@ -249,6 +265,28 @@ fn index_dirty(table: &InodeTable, index: &Index, written: (u64, u32)) -> Vec<bo
             !dir_ino.is_some_and(|d| entry_clean(table, d, name, e, written))
         })
         .collect()
+}
+
+/// Whether the directory at `path` (with a trailing `/`; empty for the root) still has the
+/// modification time the untracked cache recorded, older than the index (`written`).
+fn dir_unchanged(
+    table: &InodeTable,
+    path: &[u8],
+    recorded: (u32, u32),
+    written: (u64, u32),
+) -> bool {
+    let recorded = (u64::from(recorded.0), recorded.1);
+    recorded < written
+        && resolve_dir(table, path.strip_suffix(b"/").unwrap_or(path))
+            .and_then(|d| table.get(d))
+            .is_some_and(|d| since_epoch(d.mtime) == recorded)
+}
+
+/// The kernel's name as git's untracked cache records it (`uname -s`).
+fn sysname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/ostype")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "Linux".into())
 }
 
 fn resolve_dir(table: &InodeTable, dir: &[u8]) -> Option<Ino> {

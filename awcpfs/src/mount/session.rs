@@ -486,7 +486,7 @@ impl Mount {
         // (`mount/prime.rs`); operations on it wait until then. Not on a mount that
         // fetches only what is read.
         if let Some(ino) = (cfg.hydrate != HydratePolicy::None)
-            .then(|| fs.arm_index_prime())
+            .then(|| fs.arm_index_prime(&cfg.mountpoint))
             .flatten()
         {
             let fs = fs.clone();
