@@ -112,7 +112,8 @@ fn git(dir: &Path, args: &[&str]) -> String {
         .expect("git runs");
     assert!(
         out.status.success(),
-        "git {args:?} failed: {}\n.git/HEAD: {:?}; .git/objects: {:?}; .git/refs: {:?}",
+        "git {args:?} failed ({}): {}\n.git/HEAD: {:?}; .git/objects: {:?}; .git/refs: {:?}",
+        out.status,
         String::from_utf8_lossy(&out.stderr),
         std::fs::read(dir.join(".git/HEAD")).map(String::from_utf8),
         std::fs::metadata(dir.join(".git/objects")).map(|m| m.permissions()),
