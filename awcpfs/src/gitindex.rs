@@ -440,7 +440,7 @@ pub fn rewrite_untracked(
         });
     }
     let bitmap = |p: &mut usize| -> Result<Vec<usize>, IndexError> {
-        let (bits, used) = ewah_bits(body.get(*p..).ok_or(bad("untracked cache"))?)?;
+        let (bits, used) = ewah_bits(body.get(*p..).ok_or(bad("untracked cache"))?, count)?;
         *p += used;
         Ok(bits)
     };
@@ -512,10 +512,13 @@ fn put_varint(out: &mut Vec<u8>, value: usize) {
 }
 
 /// The bits set in git's serialized EWAH bitmap at the start of `b`, ascending, and how
-/// many bytes it took.
-fn ewah_bits(b: &[u8]) -> Result<(Vec<usize>, usize), IndexError> {
+/// many bytes it took; a bitmap of more than `max_bits` bits is refused.
+fn ewah_bits(b: &[u8], max_bits: usize) -> Result<(Vec<usize>, usize), IndexError> {
     let bad = IndexError::Malformed("bitmap");
     let bit_size = be32(b, 0)? as usize;
+    if bit_size > max_bits {
+        return Err(IndexError::Malformed("bitmap longer than what it maps"));
+    }
     let words = be32(b, 4)? as usize;
     let end = words
         .checked_mul(8)

@@ -349,6 +349,17 @@ fn the_untracked_cache_is_trusted_where_kept_and_read_again_where_not() {
 }
 
 #[test]
+fn a_bitmap_claiming_more_bits_than_it_maps_is_refused() {
+    // Four billion bits in one run-length word: refused before anything is allocated.
+    let mut b = u32::MAX.to_be_bytes().to_vec();
+    b.extend_from_slice(&1u32.to_be_bytes());
+    b.extend_from_slice(&((u64::from(u32::MAX) << 1) | 1).to_be_bytes());
+    b.extend_from_slice(&0u32.to_be_bytes());
+    assert!(ewah_bits(&b, 1000).is_err());
+    assert_eq!(ewah_bits(&ewah(&[3, 999]), 1000).unwrap().0, [3, 999]);
+}
+
+#[test]
 fn varints_are_git_s() {
     for v in [
         0usize,
@@ -378,7 +389,7 @@ proptest::proptest! {
         bits.sort_unstable();
         bits.dedup();
         let enc = ewah(&bits);
-        let (back, used) = ewah_bits(&enc).unwrap();
+        let (back, used) = ewah_bits(&enc, 2000).unwrap();
         proptest::prop_assert_eq!(back, bits);
         proptest::prop_assert_eq!(used, enc.len());
     }
