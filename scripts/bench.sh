@@ -335,6 +335,9 @@ AWCP_CTL=$BIN_DIR/awcp-ctl
 
 if [[ -z $WORK ]]; then
     WORK=$(mktemp -d /var/tmp/awcpfs-bench.XXXXXX)
+    # mktemp's 0700 would stop the Executor's agent user on its way to its mounts
+    # (the delegate workload); nothing below it is secret.
+    chmod 711 "$WORK"
     WORK_CREATED=1
 else
     mkdir -p "$WORK"
@@ -773,9 +776,10 @@ wl_delegate() {
         --export-listen "127.0.0.1:$export_port" >>"$LOGS/ctl-serve.log" 2>&1 &
     CTL_PIDS+=($!)
     local serve_pid=$!
-    # The agent's first action is to print the time; it runs with cwd = the mount.
+    # The agent's first action is to print the time; it runs with cwd = the mount, confined
+    # to its workspace, so the time comes back on its output (`delegate` prints it).
     "$AWCP_CTL" executor --dir "$d/executor" --listen "127.0.0.1:$exec_port" \
-        --agent-cmd "date +%s%N > '$ts'; ls -A > /dev/null" >>"$LOGS/ctl-executor.log" 2>&1 &
+        --agent-cmd "echo agent-started-at \$(date +%s%N); ls -A > /dev/null" >>"$LOGS/ctl-executor.log" 2>&1 &
     CTL_PIDS+=($!)
     local exec_pid=$!
     if ! wait_for "awcp-ctl serve" 60 "$serve_pid" \
@@ -798,7 +802,9 @@ wl_delegate() {
                 --api-token-file "$d/delegator/api-token" \
                 delegate "$dir" --to "http://127.0.0.1:$exec_port/awcp" --task bench --wait \
                 --executor-token-file "$d/executor/state/executor-token" \
-                >>"$LOGS/ctl-delegate.log" 2>&1 || rc=$?
+                >"$ts.log" 2>&1 || rc=$?
+            cat "$ts.log" >>"$LOGS/ctl-delegate.log"
+            grep -o 'agent-started-at [0-9]*' "$ts.log" | tail -n 1 | cut -d' ' -f2 >"$ts" || true
             if ((rc != 0)) || [[ ! -s $ts ]]; then
                 log "  FAILED: delegate/$variant (run $i) exited $rc; see $LOGS/ctl-delegate.log"
                 tail -n 5 "$LOGS/ctl-delegate.log" | sed 's/^/      /' >&2
