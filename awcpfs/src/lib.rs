@@ -5,6 +5,7 @@
 
 pub mod blockobj;
 pub mod cache;
+pub(crate) mod durable;
 pub mod export;
 pub mod fsmonitor;
 pub mod gitindex;

@@ -2276,3 +2276,174 @@ async fn applied_commits_are_named_to_the_token_holder_only_and_bad_questions_re
         );
     }
 }
+
+/// A commit makes every staged file durable before any is renamed into place, and every
+/// directory it changed durable before it answers — with the files synced together, not
+/// one by one. The export's tree lives on a recording filesystem that logs each write,
+/// sync and rename it is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_syncs_each_staged_file_before_its_rename_and_each_directory_after() {
+    use awcpfs::testing::recordfs::{Op, Recorder};
+    if !awcpfs::testing::fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (backing, root) = (tmp.path().join("backing"), tmp.path().join("root"));
+    std::fs::create_dir_all(&backing).unwrap();
+    std::fs::create_dir_all(&root).unwrap();
+    let recorder = Recorder::mount(&backing, &root).unwrap();
+    std::fs::create_dir_all(root.join("src")).unwrap();
+    std::fs::write(root.join("src/old.rs"), b"old content").unwrap();
+    let clock = Arc::new(ManualClock::new());
+    let lease = Arc::new(Lease::grant(
+        clock,
+        LeaseTerms {
+            ttl: Duration::from_secs(600),
+            max_ttl: Duration::from_secs(3600),
+            flush_grace: Duration::from_secs(30),
+        },
+    ));
+    let registry = ExportRegistry::new();
+    registry
+        .register(
+            "exp_test".into(),
+            TOKEN.into(),
+            ExportConfig {
+                root: root.clone(),
+                read_only: false,
+                block_size: BLOCK,
+                staging_dir: tmp.path().join("staging"),
+            },
+            lease,
+        )
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = registry.router();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let url = |route: &str| format!("http://{addr}/v1/exports/exp_test/{route}");
+    let client = reqwest::Client::new();
+
+    let files: [(&str, &[u8]); 4] = [
+        ("a.txt", b"first new file"),
+        ("src/old.rs", b"old content, edited"),
+        ("src/new.rs", b"a second new file"),
+        ("docs/n.md", b"in a new directory"),
+    ];
+    let mut body = Vec::new();
+    for (_, content) in files {
+        for chunk in content.chunks(BLOCK as usize) {
+            encode_block_frame(&mut body, blake3::hash(chunk).as_bytes(), Some(chunk));
+        }
+    }
+    let up = client
+        .post(url("upload"))
+        .bearer_auth(TOKEN)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(up.status(), StatusCode::OK);
+    let start = recorder.len();
+    let mut changes = vec![Change::Mkdir {
+        path: "docs".into(),
+        mode: 0o755,
+    }];
+    for (path, content) in files {
+        let base = (path == "src/old.rs").then_some(&b"old content"[..]);
+        changes.push(write(path, base, content, 0o644));
+    }
+    let resp = client
+        .post(url("commit"))
+        .bearer_auth(TOKEN)
+        .json(&cs("c-1", changes))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let result: CommitResult = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert!(result.conflicts.is_empty(), "{:?}", result.conflicts);
+    for (path, content) in files {
+        assert_eq!(std::fs::read(root.join(path)).unwrap(), content, "{path}");
+    }
+
+    let ops = recorder.ops();
+    let ops = &ops[..];
+    // Node ids by name as they were created (directories and staged files).
+    let created = |name: &str| -> Vec<(usize, u64)> {
+        ops.iter()
+            .enumerate()
+            .filter_map(|(i, op)| match op {
+                Op::Create { name: n, fid, .. } if n.to_string_lossy() == name => Some((i, *fid)),
+                _ => None,
+            })
+            .collect()
+    };
+    let dir_fid = |name: &str| created(name).first().map(|(_, f)| *f);
+    let renames: Vec<(usize, u64, String)> = ops[start..]
+        .iter()
+        .enumerate()
+        .filter_map(|(i, op)| match op {
+            Op::Rename {
+                name,
+                newparent,
+                newname,
+                ..
+            } if name.to_string_lossy().starts_with(".awcp-tmp-") => Some((
+                start + i,
+                *newparent,
+                newname.to_string_lossy().into_owned(),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        renames.len(),
+        files.len(),
+        "one rename per written file: {renames:?}"
+    );
+    let first_rename = renames.iter().map(|r| r.0).min().unwrap();
+    // Each staged file: written, then synced, before the first rename of the commit.
+    let staged: Vec<(usize, u64)> = ops[start..]
+        .iter()
+        .enumerate()
+        .filter_map(|(i, op)| match op {
+            Op::Create { name, fid, .. } if name.to_string_lossy().starts_with(".awcp-tmp-") => {
+                Some((start + i, *fid))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(staged.len(), files.len(), "one staged file per write");
+    for (_, fid) in &staged {
+        let last_write = ops
+            .iter()
+            .rposition(|op| matches!(op, Op::Write { fid: f, .. } | Op::Truncate { fid: f, .. } if f == fid))
+            .expect("a staged file never written");
+        let synced = ops[last_write..first_rename]
+            .iter()
+            .any(|op| matches!(op, Op::Fsync { fid: f } if f == fid));
+        assert!(
+            synced,
+            "a staged file was renamed into place before it was synced (ops {start}..): {:?}",
+            &ops[start..]
+        );
+    }
+    // Each directory a file was renamed into: synced after the last rename.
+    let last_rename = renames.iter().map(|r| r.0).max().unwrap();
+    let mut dirs: Vec<u64> = renames.iter().map(|r| r.1).collect();
+    dirs.sort_unstable();
+    dirs.dedup();
+    assert_eq!(dirs.len(), 3, "the root, src and docs: {renames:?}");
+    assert!(dirs.contains(&dir_fid("src").unwrap()) && dirs.contains(&dir_fid("docs").unwrap()));
+    for dir in dirs {
+        assert!(
+            ops[last_rename..]
+                .iter()
+                .any(|op| matches!(op, Op::FsyncDir { fid } if *fid == dir)),
+            "directory {dir} not synced after the commit's renames"
+        );
+    }
+    drop(recorder);
+}

@@ -10,9 +10,10 @@
 //!    `[symlink a → /etc, write a/passwd]` is refused as a whole, not half-applied.
 //! 2. **Stage** every write: assemble its content from blocks (staging store, or verified
 //!    reads from the tree) into `.awcp-tmp-<random>` in the target's directory (the root if
-//!    that directory does not exist yet), check its size and hash, set mode and mtime, and
-//!    make it durable (`fsync`, or for a commit of many files one `syncfs` per filesystem
-//!    afterwards: see `Durability`). A missing block fails the commit with 409
+//!    that directory does not exist yet), check its size and hash, set mode and mtime; then
+//!    make them durable before any is renamed into place (an `fsync` of each, all issued
+//!    together, or for a commit of many files one `syncfs` per filesystem: see
+//!    `Durability`). A missing block fails the commit with 409
 //!    `MISSING_BLOCKS` listing all of them.
 //! 3. **Check and apply** each change in the given order. The precondition of each change is
 //!    checked right before it is applied, against the real tree, so earlier changes of the
@@ -48,7 +49,7 @@ use nix::sys::stat::{
     FchmodatFlags, Mode, UtimensatFlags, fchmod, fchmodat, fstatat, futimens, mkdirat, utimensat,
 };
 use nix::sys::time::TimeSpec;
-use nix::unistd::{UnlinkatFlags, fsync, linkat, symlinkat, syncfs, unlinkat};
+use nix::unistd::{UnlinkatFlags, linkat, symlinkat, syncfs, unlinkat};
 
 use super::Export;
 use super::error::ApiError;
@@ -256,7 +257,7 @@ pub(crate) fn run_live(export: &Export, cs: &ChangeSet) -> Result<CommitResult, 
     durable.note(root.fd());
     let mut staged = stage(export, &cs.changes, &writes, &mut durable)?;
     // Every staged file's data reaches the disk before any rename makes it visible (each
-    // file was fsynced as it was staged, or now with one syncfs per filesystem).
+    // staged file is fsynced now, all together, or with one syncfs per filesystem).
     durable
         .sync_staged()
         .map_err(|e| internal("syncing staged files", e))?;
@@ -959,16 +960,13 @@ fn stage(
             }
             finish_temp(&file, s.mode, s.mtime_ns)
                 .map_err(|e| internal("finishing a staged file", e))?;
-            if !durable.bulk {
-                file.sync_all()
-                    .map_err(|e| internal("finishing a staged file", e))?;
-            }
             if let Change::Write {
                 xattrs: Some(x), ..
             } = change
             {
                 apply_xattrs(file.as_fd(), path, x.iter().map(|(k, v)| (k, Some(v))));
             }
+            durable.staged(file);
         }
         staged.insert(i, s);
     }
@@ -992,17 +990,21 @@ fn finish_temp(file: &File, mode: u32, mtime_ns: i64) -> io::Result<()> {
 /// Commits with more written files than this sync whole filesystems instead of each file.
 const BULK_WRITES: usize = 128;
 
-/// How a commit makes its changes durable. A commit of a few files fsyncs each file as it is
-/// staged and each directory it changed once at the end: its cost does not depend on what
-/// else is written to the Delegator's filesystem. A bulk commit (over [`BULK_WRITES`] files)
-/// uses one `syncfs(2)` per filesystem after staging and one after applying: two `fsync`s
-/// per file cost about 27 ms each on a virtual disk, which made write-backs of thousands of
-/// files miss their deadline.
+/// How a commit makes its changes durable. A commit of a few files fsyncs each file it
+/// staged and each directory it changed: its cost does not depend on what else is written
+/// to the Delegator's filesystem. The files are synced together once all are staged, and
+/// the directories together once all changes are applied (`crate::durable::sync_together`:
+/// one journal commit for all of them, not one each). A bulk commit (over [`BULK_WRITES`]
+/// files) uses one `syncfs(2)` per filesystem after staging and one after applying: two
+/// `fsync`s per file cost about 27 ms each on a virtual disk, which made write-backs of
+/// thousands of files miss their deadline.
 struct Durability {
     /// Whether this commit syncs whole filesystems.
     bulk: bool,
     /// Each directory changed, by (`st_dev`, `st_ino`).
-    dirs: HashMap<(u64, u64), OwnedFd>,
+    dirs: HashMap<(u64, u64), File>,
+    /// The files staged, to sync before any is renamed into place (not for a bulk commit).
+    staged: Vec<File>,
 }
 
 impl Durability {
@@ -1010,6 +1012,7 @@ impl Durability {
         Durability {
             bulk: writes > BULK_WRITES,
             dirs: HashMap::new(),
+            staged: Vec::new(),
         }
     }
 
@@ -1022,13 +1025,26 @@ impl Durability {
             self.dirs.entry((st.st_dev, st.st_ino))
             && let Ok(fd) = dir.try_clone_to_owned()
         {
-            v.insert(fd);
+            v.insert(File::from(fd));
+        }
+    }
+
+    /// Remember a file staged (complete, mode and times set), to sync in
+    /// [`Durability::sync_staged`].
+    fn staged(&mut self, file: File) {
+        if !self.bulk {
+            self.staged.push(file);
         }
     }
 
     /// After staging: the staged data is on disk.
-    fn sync_staged(&self) -> io::Result<()> {
-        if self.bulk { self.syncfs() } else { Ok(()) }
+    fn sync_staged(&mut self) -> io::Result<()> {
+        if self.bulk {
+            return self.syncfs();
+        }
+        let files = std::mem::take(&mut self.staged);
+        let targets: Vec<(&File, bool)> = files.iter().map(|f| (f, true)).collect();
+        crate::durable::sync_together(&targets)
     }
 
     /// After applying: the directories (renames, links, removals) are on disk.
@@ -1036,10 +1052,8 @@ impl Durability {
         if self.bulk {
             return self.syncfs();
         }
-        for fd in self.dirs.values() {
-            fsync(fd).map_err(io::Error::from)?;
-        }
-        Ok(())
+        let targets: Vec<(&File, bool)> = self.dirs.values().map(|d| (d, true)).collect();
+        crate::durable::sync_together(&targets)
     }
 
     /// One `syncfs` per filesystem noted.

@@ -170,15 +170,21 @@ impl Record {
 pub struct Journal {
     path: PathBuf,
     file: Mutex<File>,
+    /// The same open file, for `fdatasync` without the append lock: a sync waits for the
+    /// disk (tens of milliseconds when other processes write too), and holding the lock
+    /// meanwhile would stall every namespace operation of the mount behind it.
+    sync_fd: File,
 }
 
 impl Journal {
     /// Open (or create) the journal at `path`, appending.
     pub fn open(path: &Path) -> std::io::Result<Journal> {
         let file = crate::private::file_options().append(true).open(path)?;
+        let sync_fd = file.try_clone()?;
         Ok(Journal {
             path: path.to_path_buf(),
             file: Mutex::new(file),
+            sync_fd,
         })
     }
 
@@ -212,9 +218,17 @@ impl Journal {
         append_whole(&mut self.file.lock(), &buf, false)
     }
 
-    /// Make everything appended so far durable on disk.
+    /// Make everything appended so far durable on disk. The append lock is not held: an
+    /// `fdatasync` covers every page of the file dirty when it starts, so every append
+    /// that returned before this call is durable when it returns; appends made meanwhile
+    /// may or may not be, and are not promised.
     pub fn sync(&self) -> std::io::Result<()> {
-        self.file.lock().sync_data()
+        self.sync_fd.sync_data()
+    }
+
+    /// The open journal file, for syncing it alongside other files (see [`Journal::sync`]).
+    pub(super) fn sync_handle(&self) -> &File {
+        &self.sync_fd
     }
 
     /// Read every complete record up to the first that cannot be read: a torn last line
@@ -250,17 +264,30 @@ impl Journal {
 /// (truncating needs no space), so a later append never joins a torn line and the reader
 /// never loses the record after it; a line that failed is not left for recovery to act on.
 pub(super) fn append_whole(file: &mut File, buf: &[u8], sync: bool) -> std::io::Result<()> {
-    let before = file.metadata()?.len();
-    let written = file
-        .write_all(buf)
-        .and_then(|()| if sync { file.sync_data() } else { Ok(()) });
-    if let Err(e) = written {
-        if let Err(cut) = file.set_len(before) {
-            tracing::warn!(error = %cut, "cannot cut a failed append off the state file");
-        }
+    let before = write_whole(file, buf)?;
+    if sync && let Err(e) = file.sync_data() {
+        cut_back(file, before);
         return Err(e);
     }
     Ok(())
+}
+
+/// Append `buf` to `file` (opened `O_APPEND`), all of it or nothing (see [`append_whole`]);
+/// returns the length before it, for [`cut_back`] should a later step fail.
+pub(super) fn write_whole(file: &mut File, buf: &[u8]) -> std::io::Result<u64> {
+    let before = file.metadata()?.len();
+    if let Err(e) = file.write_all(buf) {
+        cut_back(file, before);
+        return Err(e);
+    }
+    Ok(before)
+}
+
+/// Cut `file` back to `len` bytes (an append that failed, or whose sync did).
+pub(super) fn cut_back(file: &File, len: u64) {
+    if let Err(cut) = file.set_len(len) {
+        tracing::warn!(error = %cut, "cannot cut a failed append off the state file");
+    }
 }
 
 /// Apply journal records to a table built from the same manifest (crash recovery).

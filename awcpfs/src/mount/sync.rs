@@ -297,8 +297,18 @@ impl SyncedLog {
         self.write_synced(&buf)
     }
 
-    /// Record that commit `id` is resolved, after the states it left (`records`).
-    fn append_resolved(&self, records: &[SyncedRecord], id: &str) -> std::io::Result<()> {
+    /// Record that commit `id` is resolved, after the states it left (`records`). Synced
+    /// only when `sync`: the line of an answered commit need not be, as its loss costs
+    /// nothing — recovery finds the commit pending, sends it again, and the export (which
+    /// synced the outcome before it answered, and remembers thousands) answers with the
+    /// first outcome. The next commit's pending line is synced before it is sent, and
+    /// with it every earlier line of the file.
+    fn append_resolved(
+        &self,
+        records: &[SyncedRecord],
+        id: &str,
+        sync: bool,
+    ) -> std::io::Result<()> {
         let mut buf = Vec::new();
         for r in records {
             serde_json::to_writer(&mut buf, r).map_err(std::io::Error::other)?;
@@ -312,7 +322,12 @@ impl SyncedLog {
         )
         .map_err(std::io::Error::other)?;
         buf.push(b'\n');
-        self.write_synced(&buf)
+        super::journal::append_whole(&mut self.file.lock(), &buf, sync)
+    }
+
+    /// Make every line appended so far durable.
+    fn sync(&self) -> std::io::Result<()> {
+        self.file.lock().sync_data()
     }
 
     fn write_synced(&self, buf: &[u8]) -> std::io::Result<()> {
@@ -858,6 +873,14 @@ impl Syncer {
         let snap = self.snapshot(final_flush);
         let mut again: Vec<String> = Vec::new();
         let result = self.round_over(&mut synced, &snap, &mut again, oldest);
+        if final_flush
+            && let Some(log) = &self.log
+            && let Err(e) = log.sync()
+        {
+            // Not needed for safety (see `SyncedLog::append_resolved`): recovery would
+            // only ask the export again.
+            tracing::warn!(error = %e, "cannot sync synced.log after the final flush");
+        }
         self.fs.stats.closed_writes_done(closed, result.is_ok());
         match result {
             Ok(mut report) => {
@@ -1328,7 +1351,15 @@ impl Syncer {
     /// recorded and sent: the journal (the tree they were read from), the upper files they
     /// carry and the upper directory's names. Once the export applies a commit, the
     /// Delegator has that content; were the local copy older after a power loss, recovery
-    /// would send the older (or torn) copy back over it as the mount's latest change.
+    /// would send the older (or torn) copy back over it as the mount's latest change. They
+    /// must be durable before the pending line is: recovery sends a pending commit again
+    /// without asking, and then its paths' local copies as the latest change.
+    ///
+    /// Every file still gets its own `fdatasync` (the upper directory an `fsync`): what is
+    /// promised does not rest on how one filesystem orders its writes. But they are issued
+    /// together from a few threads, not one after another, so the filesystem can commit
+    /// them in one journal transaction and one cache flush (ext4 joins concurrent syncs;
+    /// one by one, each waits for a commit of its own).
     fn make_durable(&self) -> Result<(), SyncError> {
         let inos = std::mem::take(&mut *self.to_sync.lock());
         if self.log.is_none() {
@@ -1341,16 +1372,19 @@ impl Syncer {
             // One call instead of a flush per file (each a journal commit on ext4).
             return nix::unistd::syncfs(&upper).map_err(|e| io(e.into()));
         }
+        let mut files = Vec::with_capacity(inos.len());
         for ino in inos {
             match std::fs::File::open(self.fs.upper_path(ino)) {
-                Ok(f) => f.sync_data().map_err(io)?,
+                Ok(f) => files.push(f),
                 // Removed since (its node is gone, and so is its change).
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(io(e)),
             }
         }
-        self.fs.journal.sync().map_err(io)?;
-        upper.sync_all().map_err(io)
+        let mut targets: Vec<(&std::fs::File, bool)> = files.iter().map(|f| (f, false)).collect();
+        targets.push((self.fs.journal.sync_handle(), false));
+        targets.push((&upper, true));
+        crate::durable::sync_together(&targets).map_err(io)
     }
 
     /// Send one commit: recorded as pending first (in memory and, synced, in `synced.log`),
@@ -1444,7 +1478,7 @@ impl Syncer {
             .cloned()
             .collect();
         if let Some(log) = &self.log
-            && let Err(e) = log.append_resolved(&next, &pending.set.commit_id)
+            && let Err(e) = log.append_resolved(&next, &pending.set.commit_id, false)
         {
             // Recovery would send the commit again; the export answers it from its log.
             tracing::warn!(error = %e, "cannot append to synced.log");
@@ -1564,7 +1598,7 @@ impl Syncer {
     /// Forget the pending commit `id`: the export refused it without applying it.
     fn drop_pending(&self, id: &str) {
         if let Some(log) = &self.log
-            && let Err(e) = log.append_resolved(&[], id)
+            && let Err(e) = log.append_resolved(&[], id, true)
         {
             tracing::warn!(error = %e, "cannot append to synced.log");
         }
@@ -1801,21 +1835,22 @@ mod tests {
         // Older readers see the records only.
         assert_eq!(SyncedLog::read_all(&path).unwrap(), vec![rec.clone()]);
 
-        log.append_resolved(&pending("m-1").next, "m-1").unwrap();
+        log.append_resolved(&pending("m-1").next, "m-1", true)
+            .unwrap();
         let read = SyncedLog::read(&path).unwrap();
         assert_eq!(read.pending, None);
         assert_eq!(read.records.len(), 2);
 
         // A resolution of another id leaves the pending commit pending.
         log.append_pending(&pending("m-2")).unwrap();
-        log.append_resolved(&[], "m-1").unwrap();
+        log.append_resolved(&[], "m-1", true).unwrap();
         assert_eq!(
             SyncedLog::read(&path).unwrap().pending,
             Some(pending("m-2"))
         );
 
         // A torn pending line: never sent.
-        log.append_resolved(&[], "m-2").unwrap();
+        log.append_resolved(&[], "m-2", true).unwrap();
         let line = serde_json::to_string(&LogLine::Pending {
             pending: pending("m-3"),
         })
