@@ -35,15 +35,8 @@ fn repo(dir: &Path, init: &[&str], version: u32, n: usize) {
         std::fs::write(d.join(format!("file-{i:04}.txt")), format!("content {i}\n")).unwrap();
     }
     std::fs::write(dir.join("run.sh"), "#!/bin/sh\n").unwrap();
-    std::os::unix::fs::PermissionsExt::set_mode(
-        &mut std::fs::metadata(dir.join("run.sh")).unwrap().permissions(),
-        0o755,
-    );
-    Command::new("chmod")
-        .arg("755")
-        .arg(dir.join("run.sh"))
-        .status()
-        .unwrap();
+    let exec = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+    std::fs::set_permissions(dir.join("run.sh"), exec).unwrap();
     std::os::unix::fs::symlink("run.sh", dir.join("link")).unwrap();
     git(dir, &["add", "-A"]);
     git(dir, &["commit", "-qm", "files"]);
@@ -61,24 +54,8 @@ fn repo(dir: &Path, init: &[&str], version: u32, n: usize) {
 /// What `git ls-files -f` says with a monitor whose hook reports nothing changed: per path,
 /// whether git trusts the entry (a lowercase tag).
 fn trusted(dir: &Path) -> Vec<(String, bool)> {
-    let hook = dir.join(".git/hook.sh");
-    std::fs::write(&hook, "#!/bin/sh\nprintf 'next\\0'\n").unwrap();
-    Command::new("chmod")
-        .arg("755")
-        .arg(&hook)
-        .status()
-        .unwrap();
-    let out = git(
-        dir,
-        &[
-            "-c",
-            &format!("core.fsmonitor={}", hook.display()),
-            "-c",
-            "core.fsmonitorHookVersion=2",
-            "ls-files",
-            "-f",
-        ],
-    );
+    let quiet = hook(dir, "quiet.sh", "next\\0");
+    let out = git_monitored(dir, &quiet, &["ls-files", "-f"]);
     out.lines()
         .map(|l| {
             let (tag, path) = l.split_once(' ').unwrap();
@@ -88,6 +65,30 @@ fn trusted(dir: &Path) -> Vec<(String, bool)> {
             )
         })
         .collect()
+}
+
+/// An executable fsmonitor hook `.git/<name>` that prints `output` (`printf` syntax).
+fn hook(dir: &Path, name: &str, output: &str) -> std::path::PathBuf {
+    let hook = dir.join(".git").join(name);
+    std::fs::write(&hook, format!("#!/bin/sh\nprintf '{output}'\n")).unwrap();
+    let mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+    std::fs::set_permissions(&hook, mode).unwrap();
+    hook
+}
+
+/// git with `hook` as its monitor (protocol version 2) and the untracked cache on.
+fn git_monitored(dir: &Path, hook: &Path, args: &[&str]) -> String {
+    let monitor = format!("core.fsmonitor={}", hook.display());
+    let mut all = vec![
+        "-c",
+        &monitor,
+        "-c",
+        "core.fsmonitorHookVersion=2",
+        "-c",
+        "core.untrackedCache=true",
+    ];
+    all.extend_from_slice(args);
+    git(dir, &all)
 }
 
 fn check(init: &[&str], version: u32, extra_config: &[&str]) {
@@ -187,26 +188,8 @@ fn the_untracked_cache_and_an_old_monitor_extension_are_replaced() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     repo(dir, &[], 2, 20);
-    let hook = dir.join(".git/old.sh");
-    std::fs::write(&hook, "#!/bin/sh\nprintf 'old-token\\0/\\0'\n").unwrap();
-    Command::new("chmod")
-        .arg("755")
-        .arg(&hook)
-        .status()
-        .unwrap();
-    git(
-        dir,
-        &[
-            "-c",
-            &format!("core.fsmonitor={}", hook.display()),
-            "-c",
-            "core.fsmonitorHookVersion=2",
-            "-c",
-            "core.untrackedCache=true",
-            "status",
-            "--porcelain",
-        ],
-    );
+    let old = hook(dir, "old.sh", "old-token\\0/\\0");
+    git_monitored(dir, &old, &["status", "--porcelain"]);
     let data = std::fs::read(dir.join(".git/index")).unwrap();
     let index = parse(&data).unwrap();
     let sigs: Vec<&[u8; 4]> = index.extensions.iter().map(|(s, _)| s).collect();
@@ -284,31 +267,11 @@ fn the_untracked_cache_is_trusted_where_kept_and_read_again_where_not() {
     repo(dir, &[], 2, 30);
     std::fs::write(dir.join("d1/sub1/u1.txt"), "u\n").unwrap();
     std::fs::write(dir.join("d2/sub2/u2.txt"), "u\n").unwrap();
-    let hook = dir.join(".git/everything.sh");
-    std::fs::write(&hook, "#!/bin/sh\nprintf 'first\\0/\\0'\n").unwrap();
-    Command::new("chmod")
-        .arg("755")
-        .arg(&hook)
-        .status()
-        .unwrap();
-    let monitored = |hook: &Path| {
-        git(
-            dir,
-            &[
-                "-c",
-                &format!("core.fsmonitor={}", hook.display()),
-                "-c",
-                "core.fsmonitorHookVersion=2",
-                "-c",
-                "core.untrackedCache=true",
-                "status",
-                "--porcelain",
-            ],
-        )
-    };
+    let everything = hook(dir, "everything.sh", "first\\0/\\0");
+    let monitored = |hook: &Path| git_monitored(dir, hook, &["status", "--porcelain"]);
     // Twice: the first run adds the cache, the second fills it.
-    monitored(&hook);
-    let before = monitored(&hook);
+    monitored(&everything);
+    let before = monitored(&everything);
     assert!(before.contains("?? d1/sub1/u1.txt"), "{before}");
     let data = std::fs::read(dir.join(".git/index")).unwrap();
     let index = parse(&data).unwrap();
@@ -317,13 +280,7 @@ fn the_untracked_cache_is_trusted_where_kept_and_read_again_where_not() {
         .expect("git wrote an untracked cache");
     // A file created since, which the monitor below will not report.
     std::fs::write(dir.join("d1/sub1/new.txt"), "n\n").unwrap();
-    let quiet = dir.join(".git/quiet.sh");
-    std::fs::write(&quiet, "#!/bin/sh\nprintf 'next\\0'\n").unwrap();
-    Command::new("chmod")
-        .arg("755")
-        .arg(&quiet)
-        .status()
-        .unwrap();
+    let quiet = hook(dir, "quiet.sh", "next\\0");
     let ident = format!("Location {}, system Linux", dir.display());
     let mut seen = Vec::new();
     for stale in [None, Some(&b"d1/sub1/"[..])] {
