@@ -407,6 +407,7 @@ fn settle(s: &Setup, what: &str) {
 /// "everything" otherwise. At the end a mount of another export of the same directory
 /// must answer the last token with "everything".
 fn random_rounds(seed: u64, rounds: usize, remount_every: usize, adjust: fn(&mut MountConfig)) {
+    // `RUST_LOG=awcpfs=info` shows the mounts' and exports' logs beside a failure.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()

@@ -43,7 +43,7 @@ use parking_lot::{Condvar, Mutex};
 use super::FsError;
 use super::changes::CATCH_UP_WAIT;
 use super::fs::AwcpFs;
-use super::inode::{Data, Ino, InodeTable, Kind, ROOT_INO};
+use super::inode::{Data, Ino, InodeTable, Kind};
 use crate::gitindex::{self, Entry, Index};
 
 /// The longest a `lookup`, `getattr` or `open` of the index waits for it to be made ready;
@@ -289,18 +289,11 @@ fn sysname() -> String {
         .unwrap_or_else(|_| "Linux".into())
 }
 
+/// The directory at `dir` (raw path bytes, empty for the root), if it is one.
 fn resolve_dir(table: &InodeTable, dir: &[u8]) -> Option<Ino> {
-    let mut ino = ROOT_INO;
-    if dir.is_empty() {
-        return Some(ino);
-    }
-    for part in dir.split(|&b| b == b'/') {
-        ino = table.child(ino, &awcp_protocol::rawname::from_bytes(part))?;
-        if table.get(ino)?.kind != Kind::Dir {
-            return None;
-        }
-    }
-    Some(ino)
+    table
+        .resolve(&awcp_protocol::rawname::from_bytes(dir))
+        .filter(|&d| table.get(d).is_some_and(|n| n.kind == Kind::Dir))
 }
 
 fn entry_clean(table: &InodeTable, dir: Ino, name: &[u8], e: &Entry, written: (u64, u32)) -> bool {
