@@ -2501,3 +2501,98 @@ fn a_closed_write_is_timed_until_its_commit_is_answered() {
         2
     );
 }
+
+/// The journal's `Node` records of `ino`, in order: (size, local).
+fn node_records(f: &Fixture, ino: u64) -> Vec<(u64, bool)> {
+    fn walk(records: &[journal::Record], ino: u64, out: &mut Vec<(u64, bool)>) {
+        for r in records {
+            match r {
+                journal::Record::Batch { records } => walk(records, ino, out),
+                journal::Record::Node {
+                    ino: i,
+                    size,
+                    local,
+                    ..
+                } if *i == ino => out.push((*size, *local)),
+                _ => {}
+            }
+        }
+    }
+    let records = Journal::read_all(&f.state.join("journal.log")).unwrap();
+    let mut out = Vec::new();
+    walk(&records, ino, &mut out);
+    out
+}
+
+/// Writes without a handle (no-open: a linker's output, thousands of small writes) are
+/// journaled once per run of writes: the first, before it is answered, names the file as
+/// changed here (recovery then sends whatever its upper file holds), and the node as the
+/// run leaves it is journaled when the run ends, before the round that writes it back.
+#[test]
+fn a_run_of_writes_without_a_handle_is_journaled_at_its_start_and_its_end() {
+    let f = fixture(false, tree);
+    f.fs.set_no_open();
+    let r = f.ino("ref");
+    for i in 0..500u64 {
+        f.fs.write_at(r, 0, i * 4, b"abcd").unwrap();
+    }
+    assert_eq!(
+        node_records(&f, r),
+        [(8, true)],
+        "one record, from the first write (the file had 8 bytes)"
+    );
+    // The run ends once no write touched the file for WRITE_QUIET; the round takes it.
+    std::thread::sleep(awcpfs::mount::fs::WRITE_QUIET * 3);
+    assert_eq!(f.sync().changes, 1);
+    assert_eq!(node_records(&f, r), [(8, true), (2000, true)]);
+    assert_eq!(
+        std::fs::read(f.root.join("ref")).unwrap(),
+        b"abcd".repeat(500)
+    );
+    // A new run journals its start again.
+    f.fs.write_at(r, 0, 2000, b"!").unwrap();
+    assert_eq!(node_records(&f, r).len(), 3);
+    // What recovery would rebuild from the journal names the file as local: the content
+    // it sends is the upper file's, every answered write in it.
+    let records = Journal::read_all(&f.state.join("journal.log")).unwrap();
+    let mut replayed = InodeTable::from_manifest(&f.manifest, 0, 0).unwrap();
+    journal::replay(&mut replayed, &records, 0, 0);
+    assert!(matches!(
+        replayed.get(r).unwrap().data,
+        awcpfs::mount::inode::Data::Local { dirty: true, .. }
+    ));
+}
+
+/// Requests without a handle reuse a descriptor of the upper file. When the Delegator
+/// replaces the file's content, the mount's next write lands in the new upper file and is
+/// written back, and its reads show it: nothing goes to the replaced file through a
+/// descriptor kept from before.
+#[test]
+fn a_write_without_a_handle_after_the_delegator_replaced_the_file_is_written_back() {
+    let f = fixture(false, tree);
+    f.fs.set_no_open();
+    let events = changed_events(f.remote.clone());
+    let r = f.ino("ref");
+    f.fs.write_at(r, 0, 0, b"mount-ref\n").unwrap();
+    assert_eq!(f.fs.read_at(r, 0, 0, 4096).unwrap(), b"mount-ref\n");
+    std::thread::sleep(awcpfs::mount::fs::WRITE_QUIET * 3);
+    assert_eq!(f.sync().changes, 1);
+    assert_eq!(std::fs::read(f.root.join("ref")).unwrap(), b"mount-ref\n");
+    std::fs::write(f.root.join("ref"), b"delegator-ref, longer\n").unwrap();
+    apply_event_for(&f, &events, "ref");
+    assert_eq!(
+        f.fs.read_at(r, 0, 0, 4096).unwrap(),
+        b"delegator-ref, longer\n"
+    );
+    f.fs.write_at(r, 0, 0, b"D").unwrap();
+    assert_eq!(
+        f.fs.read_at(r, 0, 0, 4096).unwrap(),
+        b"Delegator-ref, longer\n"
+    );
+    std::thread::sleep(awcpfs::mount::fs::WRITE_QUIET * 3);
+    assert_eq!(f.sync().changes, 1);
+    assert_eq!(
+        std::fs::read(f.root.join("ref")).unwrap(),
+        b"Delegator-ref, longer\n"
+    );
+}

@@ -439,6 +439,7 @@ impl AwcpFs {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
+        self.upper.forget(ino);
         std::fs::rename(&tmp, self.upper_path(ino))?;
         let mut table = self.table.lock();
         if let Some(node) = table.get_mut(ino)
@@ -1100,6 +1101,9 @@ impl AwcpFs {
                         at: Some(std::time::Instant::now()),
                         writing: 0,
                         created: true,
+                        // Its creation's record names it as a local file already.
+                        journaled: true,
+                        unjournaled: false,
                     },
                 );
             }
@@ -1153,18 +1157,7 @@ impl AwcpFs {
         }
         // Refuses what is not a file (`IsDir`).
         self.ensure_local(ino)?;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(write)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(self.upper_path(ino))?;
-        Ok(Arc::new(Handle {
-            ino,
-            file,
-            writable: write,
-            append: false,
-            wrote: AtomicBool::new(false),
-        }))
+        Ok(self.upper.loose(ino)?)
     }
 
     /// A write without a handle (no-open) starts on `ino`: until it ends and no write has
@@ -1180,21 +1173,33 @@ impl AwcpFs {
         e.writing += 1;
     }
 
-    /// The write [`begun`](Self::begin_handleless_write) on `ino` ended. A write that
-    /// happened (`done`) is journaled: the kernel does not say when the writer closes the
-    /// file, so each write is acknowledged as if it were the last.
+    /// The write [`begun`](Self::begin_handleless_write) on `ino` ended. The kernel does
+    /// not say when the writer closes the file, so each write is acknowledged as if it were
+    /// the last: the first one that happened (`done`) in a run of writes is journaled before
+    /// it is answered, naming the file as changed here (recovery sends what its upper file
+    /// holds then, every answered write included); the node as the run leaves it is
+    /// journaled when the run ends ([`AwcpFs::quiet_writes`]) or at an `fsync`. A linker's
+    /// thousands of small writes cost one record, not one each.
     fn end_handleless_write(&self, ino: Ino, done: bool) {
-        {
+        let first = {
             let _table = self.table.lock();
             let mut recent = self.recent_writes.lock();
             let e = recent.entry(ino).or_default();
             e.at = Some(std::time::Instant::now());
             e.writing = e.writing.saturating_sub(1);
             e.created &= !done;
-        }
+            let first = done && !e.journaled;
+            e.journaled |= done;
+            e.unjournaled |= done && !first;
+            first
+        };
         if done {
-            if let Err(e) = self.journal_node(ino) {
+            if first && let Err(e) = self.journal_node(ino) {
                 tracing::warn!(error = %e, "cannot journal a write");
+                // The next write tries again.
+                if let Some(e) = self.recent_writes.lock().get_mut(&ino) {
+                    e.journaled = false;
+                }
             }
             self.stats.note_closed_write(ino);
         }

@@ -169,6 +169,13 @@ pub(super) struct RecentWrite {
     /// wait [`CREATED_QUIET`] (an empty intermediate version committed just before a
     /// crash would meet the real one as a conflict at recovery).
     pub(super) created: bool,
+    /// The first finished write of this run of writes was journaled: the record names the
+    /// file as changed locally, and recovery reads its content from the upper file, so the
+    /// later writes need no record of their own until the run ends.
+    pub(super) journaled: bool,
+    /// A write finished after that record: the node (its size and times) is journaled again
+    /// when the run ends.
+    pub(super) unjournaled: bool,
 }
 
 impl RecentWrite {
@@ -360,17 +367,36 @@ impl AwcpFs {
     /// Files written without a handle (no-open) that no write touched for
     /// [`WRITE_QUIET`] (all of them with `all`) are handed to the syncer (forgotten here;
     /// each write was journaled as it came). Returns the ones still being written.
-    pub(super) fn quiet_writes(&self, all: bool) -> std::collections::HashSet<Ino> {
+    /// Called under the table's lock (`table`).
+    pub(super) fn quiet_writes(
+        &self,
+        table: &InodeTable,
+        all: bool,
+    ) -> std::collections::HashSet<Ino> {
         let now = Instant::now();
         let mut busy = std::collections::HashSet::new();
+        let mut ended = Vec::new();
         self.recent_writes.lock().retain(|ino, w| {
             let writing =
                 !all && (w.writing > 0 || w.at.is_some_and(|t| now.duration_since(t) < w.quiet()));
             if writing {
                 busy.insert(*ino);
+            } else if w.unjournaled {
+                ended.push(*ino);
             }
             writing
         });
+        // The runs of writes that ended: their nodes as they are now, before the syncer
+        // takes them.
+        let records: Vec<Record> = ended
+            .iter()
+            .filter_map(|&ino| table.get(ino).filter(|n| !n.unlinked).map(Record::node))
+            .collect();
+        if !records.is_empty()
+            && let Err(e) = self.journal(&records)
+        {
+            tracing::warn!(error = %e, "cannot journal a write");
+        }
         busy
     }
 

@@ -15,17 +15,31 @@
 //! forgotten the inode when the mount serves opens without asking). A reader that opens
 //! an upper file by path outside the table's lock (the syncer) checks afterwards that the
 //! node is still there, see [`super::sync`].
+//!
+//! Once the kernel opens files without asking (no-open), every `read` and `write` comes
+//! without a handle; a linker's output is thousands of small writes. The upper files of the
+//! files lately read or written that way stay open here ([`UpperFiles::loose`]), so such a
+//! request costs no `open` and `close` of its own. Whatever replaces or removes an upper file
+//! closes its descriptor first: [`UpperFiles::create`] and [`UpperFiles::remove`] do, and
+//! code that renames over one or removes it calls [`UpperFiles::forget`].
 
 use std::io;
+use std::num::NonZeroUsize;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
+use super::fs::Handle;
 use super::inode::Ino;
 
 /// Emptied files kept for reuse, at most: each costs an inode and no data.
 pub const POOL_MAX: usize = 4096;
+
+/// Upper files kept open for requests without a handle, at most.
+pub const LOOSE_MAX: usize = 64;
 
 /// The upper files of one mount, with the pool of emptied ones.
 #[derive(Debug)]
@@ -34,6 +48,9 @@ pub struct UpperFiles {
     /// Names (`free-<n>`) of emptied files ready for reuse.
     free: Mutex<Vec<u64>>,
     next: AtomicU64,
+    /// Upper files open for reading and writing, for requests without a handle (the least
+    /// recently used closed first).
+    loose: Mutex<lru::LruCache<Ino, Arc<Handle>>>,
 }
 
 impl UpperFiles {
@@ -43,7 +60,39 @@ impl UpperFiles {
             dir,
             free: Mutex::new(Vec::new()),
             next: AtomicU64::new(0),
+            loose: Mutex::new(lru::LruCache::new(
+                NonZeroUsize::new(LOOSE_MAX).expect("not zero"),
+            )),
         }
+    }
+
+    /// `ino`'s upper file open for reading and writing, for a request without a handle:
+    /// the one kept open, or opened now and kept. The caller has made sure the file is
+    /// there ([`AwcpFs::ensure_local`](super::fs::AwcpFs)).
+    pub fn loose(&self, ino: Ino) -> io::Result<Arc<Handle>> {
+        if let Some(h) = self.loose.lock().get(&ino) {
+            return Ok(h.clone());
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(self.path(ino))?;
+        let h = Arc::new(Handle {
+            ino,
+            file,
+            writable: true,
+            append: false,
+            wrote: AtomicBool::new(false),
+        });
+        self.loose.lock().put(ino, h.clone());
+        Ok(h)
+    }
+
+    /// `ino`'s upper file is about to be replaced or removed: close the descriptor kept
+    /// open for it, so no later request reaches the file it named.
+    pub fn forget(&self, ino: Ino) {
+        self.loose.lock().pop(&ino);
     }
 
     /// Where `ino`'s content lives.
@@ -60,6 +109,7 @@ impl UpperFiles {
     /// An empty upper file for the new node `ino`: a pooled one renamed into place, or a
     /// new one.
     pub fn create(&self, ino: Ino) -> io::Result<()> {
+        self.forget(ino);
         let reused = self.free.lock().pop();
         if let Some(n) = reused
             && std::fs::rename(self.slot(n), self.path(ino)).is_ok()
@@ -73,6 +123,7 @@ impl UpperFiles {
     /// empty the file into the pool, or remove it when the pool is full (or the file is
     /// not there: never fetched).
     pub fn remove(&self, ino: Ino) {
+        self.forget(ino);
         let path = self.path(ino);
         if self.free.lock().len() < POOL_MAX && self.pool(&path).is_ok() {
             return;
