@@ -439,8 +439,8 @@ impl AwcpFs {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
-        self.upper.forget(ino);
         std::fs::rename(&tmp, self.upper_path(ino))?;
+        self.upper.forget(ino);
         let mut table = self.table.lock();
         if let Some(node) = table.get_mut(ino)
             && matches!(&node.data, Data::Remote { hash: now, .. } if *now == hash)
@@ -879,6 +879,8 @@ impl AwcpFs {
             return Err(FsError::IsDir);
         }
         std::fs::File::create(self.upper_path(ino))?;
+        // (A new file if there was none: no descriptor kept from before may reach it.)
+        self.upper.forget(ino);
         mark_dirty(node);
         node.size = 0;
         table.mark_node(ino);

@@ -365,9 +365,9 @@ impl AwcpFs {
     }
 
     /// Files written without a handle (no-open) that no write touched for
-    /// [`WRITE_QUIET`] (all of them with `all`) are handed to the syncer (forgotten here;
-    /// each write was journaled as it came). Returns the ones still being written.
-    /// Called under the table's lock (`table`).
+    /// [`WRITE_QUIET`] (all of them with `all`) are handed to the syncer (forgotten here),
+    /// each journaled as it is now if a write came after the record of its run's first.
+    /// Returns the ones still being written. Called under the table's lock (`table`).
     pub(super) fn quiet_writes(
         &self,
         table: &InodeTable,

@@ -225,8 +225,8 @@ impl AwcpFs {
             let _ = std::fs::remove_file(&tmp);
             return Ok(Primed::Left("changed or waited for too long meanwhile"));
         }
-        self.upper.forget(ino);
         std::fs::rename(&tmp, &path)?;
+        self.upper.forget(ino);
         if let Some(n) = table.get_mut(ino) {
             n.size = primed.len() as u64;
         }

@@ -20,8 +20,10 @@
 //! without a handle; a linker's output is thousands of small writes. The upper files of the
 //! files lately read or written that way stay open here ([`UpperFiles::loose`]), so such a
 //! request costs no `open` and `close` of its own. Whatever replaces or removes an upper file
-//! closes its descriptor first: [`UpperFiles::create`] and [`UpperFiles::remove`] do, and
-//! code that renames over one or removes it calls [`UpperFiles::forget`].
+//! closes the descriptor kept for it: [`UpperFiles::create`] and [`UpperFiles::remove`] do,
+//! and code that renames over one or removes it calls [`UpperFiles::forget`] right after.
+//! A descriptor is opened under the same lock, so it names either the file from before
+//! (and is closed by that call) or the one after.
 
 use std::io;
 use std::num::NonZeroUsize;
@@ -70,7 +72,8 @@ impl UpperFiles {
     /// the one kept open, or opened now and kept. The caller has made sure the file is
     /// there ([`AwcpFs::ensure_local`](super::fs::AwcpFs)).
     pub fn loose(&self, ino: Ino) -> io::Result<Arc<Handle>> {
-        if let Some(h) = self.loose.lock().get(&ino) {
+        let mut loose = self.loose.lock();
+        if let Some(h) = loose.get(&ino) {
             return Ok(h.clone());
         }
         let file = std::fs::OpenOptions::new()
@@ -85,12 +88,12 @@ impl UpperFiles {
             append: false,
             wrote: AtomicBool::new(false),
         });
-        self.loose.lock().put(ino, h.clone());
+        loose.put(ino, h.clone());
         Ok(h)
     }
 
-    /// `ino`'s upper file is about to be replaced or removed: close the descriptor kept
-    /// open for it, so no later request reaches the file it named.
+    /// `ino`'s upper file was just replaced or removed: close the descriptor kept open for
+    /// it, so no later request reaches the file it named.
     pub fn forget(&self, ino: Ino) {
         self.loose.lock().pop(&ino);
     }
@@ -109,14 +112,13 @@ impl UpperFiles {
     /// An empty upper file for the new node `ino`: a pooled one renamed into place, or a
     /// new one.
     pub fn create(&self, ino: Ino) -> io::Result<()> {
-        self.forget(ino);
         let reused = self.free.lock().pop();
-        if let Some(n) = reused
-            && std::fs::rename(self.slot(n), self.path(ino)).is_ok()
-        {
-            return Ok(());
-        }
-        std::fs::File::create(self.path(ino)).map(drop)
+        let made = match reused {
+            Some(n) if std::fs::rename(self.slot(n), self.path(ino)).is_ok() => Ok(()),
+            _ => std::fs::File::create(self.path(ino)).map(drop),
+        };
+        self.forget(ino);
+        made
     }
 
     /// `ino` left the inode table and no descriptor of the mount holds its upper file:
@@ -161,6 +163,7 @@ impl UpperFiles {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::FileExt as _;
     use std::os::unix::fs::MetadataExt as _;
 
     #[test]
@@ -198,5 +201,43 @@ mod tests {
         assert_eq!(up.pooled(), POOL_MAX);
         let files = std::fs::read_dir(tmp.path()).unwrap().count();
         assert_eq!(files, POOL_MAX, "the two beyond the pool were removed");
+    }
+
+    #[test]
+    fn a_kept_descriptor_is_reused_until_its_file_is_replaced_or_pooled() {
+        let tmp = tempfile::tempdir().unwrap();
+        let up = UpperFiles::new(tmp.path().to_path_buf());
+        up.create(5).unwrap();
+        let first = up.loose(5).unwrap();
+        assert!(Arc::ptr_eq(&first, &up.loose(5).unwrap()), "kept open");
+        let ino_of = |h: &Handle| h.file.metadata().unwrap().ino();
+        // Replaced by a rename (a fetch storing its result): the next request gets the
+        // new file once the rename is followed by `forget`.
+        let tmp_file = tmp.path().join("next");
+        std::fs::write(&tmp_file, b"new").unwrap();
+        std::fs::rename(&tmp_file, up.path(5)).unwrap();
+        up.forget(5);
+        let second = up.loose(5).unwrap();
+        assert_ne!(ino_of(&first), ino_of(&second));
+        assert_eq!(
+            ino_of(&second),
+            std::fs::metadata(up.path(5)).unwrap().ino()
+        );
+        // Pooled and handed to another node: the old node's descriptor is gone with it,
+        // and a write through the new node's reaches the new node's file only.
+        up.remove(5);
+        up.create(9).unwrap();
+        up.loose(9).unwrap().file.write_all_at(b"nine", 0).unwrap();
+        assert_eq!(std::fs::read(up.path(9)).unwrap(), b"nine");
+        assert!(
+            up.loose(5).is_err(),
+            "no file, no descriptor kept from before"
+        );
+        // At most LOOSE_MAX stay open.
+        for ino in 100..(100 + 2 * LOOSE_MAX as u64) {
+            up.create(ino).unwrap();
+            up.loose(ino).unwrap();
+        }
+        assert_eq!(up.loose.lock().len(), LOOSE_MAX);
     }
 }

@@ -661,8 +661,8 @@ fn update(
             n.data = Data::remote(e.hash.as_deref(), &e.blocks);
             if had_local {
                 // Open readers keep the old content through their descriptors.
-                fs.upper.forget(ino);
                 let _ = std::fs::remove_file(fs.upper_path(ino));
+                fs.upper.forget(ino);
             }
         }
         Kind::Symlink => {
