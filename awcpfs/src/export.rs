@@ -42,6 +42,7 @@ mod progress;
 mod reuse;
 mod rootfs;
 pub mod screen;
+mod served;
 pub mod stage;
 mod store;
 pub mod tier;
@@ -69,8 +70,6 @@ use self::store::{BlockSource, Staging};
 pub const MAX_BLOCK_SIZE: u32 = 64 << 20;
 /// How many recent conflicts [`ExportStats::recent_conflicts`] keeps.
 pub const RECENT_CONFLICTS: usize = 32;
-/// zstd level of the served manifest (done once per registration).
-const MANIFEST_ZSTD_LEVEL: i32 = 3;
 
 /// Which paths an export shows: a predicate called with a path relative to the root
 /// (`/`-separated) and whether it is a directory, `true` when it is visible. A hidden
@@ -332,6 +331,8 @@ pub struct Export {
     manifest: Manifest,
     /// The binary encoding, zstd-compressed: what mounts fetch.
     manifest_zst: axum::body::Bytes,
+    /// Its entries, encoded once (see `served`): kept with a kept walk.
+    manifest_body: Option<Arc<served::EncodedBody>>,
     /// The JSON form, built the first time someone asks for it.
     manifest_json: std::sync::OnceLock<axum::body::Bytes>,
     /// Where each path is in `manifest.entries`, built the first time a commit needs an
@@ -594,6 +595,7 @@ impl Export {
             feed: watch::ChangeFeed::new(&manifest),
             manifest,
             manifest_zst: axum::body::Bytes::new(),
+            manifest_body: None,
             manifest_json: std::sync::OnceLock::new(),
             manifest_paths: std::sync::OnceLock::new(),
             manifest_digest: String::new(),
@@ -792,6 +794,9 @@ impl ExportRegistry {
         let Some(facts) = export.walk.clone().filter(|f| f.keepable) else {
             return;
         };
+        let Some(body) = export.manifest_body.clone() else {
+            return;
+        };
         let (export, kept) = (export.clone(), self.kept.clone());
         let spawned = std::thread::Builder::new()
             .name("awcpfs-keep-walk".into())
@@ -802,6 +807,7 @@ impl ExportRegistry {
                     root: facts.root,
                     entries: export.manifest.entries.clone(),
                     index: export.blocks.index.read().clone(),
+                    body,
                 };
                 drop(export);
                 kept.lock().put(Arc::new(walk));
@@ -927,28 +933,32 @@ impl ExportRegistry {
         };
         // The change feed's starting point (a map of every path) is built on a second thread
         // while this one encodes, hashes and compresses the manifest: ~30 ms each at 100,000
-        // entries, on the way to the handle.
+        // entries, on the way to the handle. A kept walk brings its entries encoded: then
+        // only the header is (see `served`).
         let (encoded, feed) = std::thread::scope(|s| {
             let feed = s.spawn(|| watch::ChangeFeed::new(&built.manifest));
-            let encoded = built
-                .manifest
-                .to_binary()
-                .map_err(|e| serialize(Box::new(e)))
-                .and_then(|binary| {
-                    let digest = blake3::hash(&binary).to_hex().to_string();
-                    if let Some(p) = &progress {
-                        p.set_done();
-                    }
-                    let zst = zstd::bulk::compress(&binary, MANIFEST_ZSTD_LEVEL)
-                        .map_err(|e| serialize(Box::new(e)))?;
-                    Ok((digest, zst))
-                });
+            let body = match &reused {
+                Some(k) => Ok(k.body.clone()),
+                None => served::EncodedBody::of(&built.manifest.entries).map(Arc::new),
+            };
+            let encoded = body
+                .and_then(|body| Ok((served::serve(&built.manifest, &body)?, body)))
+                .map_err(|e| serialize(Box::new(e)));
+            if let (Some(p), Ok(_)) = (&progress, &encoded) {
+                p.set_done();
+            }
             let feed = feed
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             (encoded, feed)
         });
-        let (manifest_digest, zst) = encoded?;
+        let (
+            served::Served {
+                digest: manifest_digest,
+                zst,
+            },
+            body,
+        ) = encoded?;
         let ms = |d: std::time::Duration| d.as_millis() as u64;
         tracing::info!(
             export = %export_id,
@@ -976,6 +986,7 @@ impl ExportRegistry {
             lease,
             manifest: built.manifest,
             manifest_zst: zst.into(),
+            manifest_body: Some(body),
             manifest_json: std::sync::OnceLock::new(),
             manifest_paths: std::sync::OnceLock::new(),
             manifest_digest,

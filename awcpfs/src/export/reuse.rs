@@ -38,11 +38,12 @@ use nix::sys::stat::{FileStat, Mode, fstat, fstatat};
 
 use super::hashcache::RACY_WINDOW;
 use super::rootfs::{NodeKind, RootDir, ctime_ns, mtime_ns, os};
+use super::served::EncodedBody;
 use super::store::BlockIndex;
 
 /// Most walks kept at once (one per root and key; the oldest goes first).
 const MAX_KEPT: usize = 4;
-/// Most entries over all kept walks (about 350 bytes each in memory).
+/// Most entries over all kept walks (about 450 bytes each in memory, their encoding included).
 const MAX_KEPT_ENTRIES: usize = 2_000_000;
 /// Most threads checking a kept walk.
 const CHECK_THREADS: usize = 4;
@@ -92,6 +93,8 @@ pub(crate) struct KeptWalk {
     pub(crate) root: RootStamp,
     pub(crate) entries: Vec<ManifestEntry>,
     pub(crate) index: BlockIndex,
+    /// The entries, encoded as served (see `super::served`).
+    pub(crate) body: Arc<EncodedBody>,
 }
 
 /// What a fresh walk tells about whether it may be kept (see the module docs).
@@ -343,6 +346,7 @@ mod tests {
         let kept = KeptWalk {
             key,
             root: root_stamp,
+            body: Arc::new(EncodedBody::of(&built.manifest.entries).unwrap()),
             entries: built.manifest.entries,
             index: built.index,
         };
@@ -549,5 +553,79 @@ mod tests {
         // The stale walk is forgotten: not taken even with the old content back.
         let next = register(&reg, &root, staging.path(), "k");
         assert!(!next.took_kept_walk());
+    }
+
+    /// What a mount gets from `export`: the served bytes decoded, digest checked.
+    fn served(export: &super::super::Export) -> awcp_protocol::dataplane::Manifest {
+        let (m, digest) = crate::mount::remote::decode_manifest(&export.manifest_zst).unwrap();
+        assert_eq!(
+            digest,
+            export.manifest_digest(),
+            "the served bytes match the digest"
+        );
+        assert_eq!(&m, export.manifest());
+        m
+    }
+
+    // A kept walk brings its entries encoded (only the header is encoded per registration):
+    // the served manifest must still be the tree's, under the new registration's header,
+    // and after any change the tree's new state, never the kept encoding.
+    #[test]
+    fn a_kept_encoding_is_never_served_for_a_changed_tree() {
+        type Change = fn(&Path);
+        let changes: &[(&str, Change)] = &[
+            ("edit, same size", |r| {
+                std::fs::write(r.join("src/a.rs"), "fn q() {}").unwrap()
+            }),
+            ("add a file", |r| {
+                std::fs::write(r.join("src/deep/added.rs"), "new").unwrap()
+            }),
+            ("delete a file", |r| {
+                std::fs::remove_file(r.join("src/deep/b.rs")).unwrap()
+            }),
+            ("chmod a file", |r| {
+                std::fs::set_permissions(r.join("README"), std::fs::Permissions::from_mode(0o755))
+                    .unwrap()
+            }),
+        ];
+        let tmp = tempfile::tempdir().unwrap();
+        let staging = tempfile::tempdir().unwrap();
+        for (i, _) in changes.iter().enumerate() {
+            tree(&tmp.path().join(i.to_string()));
+        }
+        settle();
+        let reg = ExportRegistry::new().without_watch();
+        for (i, (what, change)) in changes.iter().enumerate() {
+            let root = tmp.path().join(i.to_string());
+            let first = register(&reg, &root, staging.path(), "k");
+            let first_view = served(&first);
+            reg.keep_walk(&first);
+            wait_kept(&reg, &root, "k");
+            let kept = register(&reg, &root, staging.path(), "k");
+            assert!(
+                kept.took_kept_walk(),
+                "{what}: the unchanged tree takes the kept walk"
+            );
+            assert_eq!(served(&kept).entries, first_view.entries, "{what}");
+
+            change(&root);
+            let after = register(&reg, &root, staging.path(), "k");
+            assert!(
+                !after.took_kept_walk(),
+                "{what}: a changed tree is walked again"
+            );
+            let view = served(&after);
+            assert_ne!(
+                view.entries, first_view.entries,
+                "{what}: the change is served"
+            );
+            assert_ne!(after.manifest_digest(), kept.manifest_digest(), "{what}");
+            let (dir, fresh, _) = walk(&root);
+            drop(dir);
+            assert_eq!(
+                view.entries, fresh.entries,
+                "{what}: what a fresh walk finds"
+            );
+        }
     }
 }
