@@ -328,7 +328,10 @@ pub struct Export {
     read_only: bool,
     block_size: u32,
     lease: Arc<Lease>,
+    /// The manifest's header: its `entries` are empty (they are `manifest_entries`).
     manifest: Manifest,
+    /// The manifest's entries: shared with a kept walk, not copied (100,000s of entries).
+    manifest_entries: Arc<Vec<ManifestEntry>>,
     /// The binary encoding, zstd-compressed: what mounts fetch.
     manifest_zst: axum::body::Bytes,
     /// Its entries, encoded once (see `served`): kept with a kept walk.
@@ -414,7 +417,7 @@ impl Export {
     pub(crate) fn manifest_json(&self) -> axum::body::Bytes {
         self.manifest_json
             .get_or_init(|| {
-                serde_json::to_vec(&self.manifest)
+                serde_json::to_vec(&self.manifest())
                     .unwrap_or_default()
                     .into()
             })
@@ -434,19 +437,27 @@ impl Export {
     /// The registration manifest's entry at `path`, if it lists one.
     pub(crate) fn manifest_entry(&self, path: &str) -> Option<ManifestEntry> {
         let paths = self.manifest_paths.get_or_init(|| {
-            self.manifest
-                .entries
+            self.manifest_entries
                 .iter()
                 .enumerate()
                 .map(|(i, e)| (e.path.clone(), i))
                 .collect()
         });
-        paths.get(path).map(|&i| self.manifest.entries[i].clone())
+        paths.get(path).map(|&i| self.manifest_entries[i].clone())
     }
 
-    /// The manifest as built at register time.
-    pub fn manifest(&self) -> &Manifest {
-        &self.manifest
+    /// A copy of the manifest as built at register time (at 100,000 files a copy of
+    /// 100,000 entries: [`Export::manifest_entries`] reads them in place).
+    pub fn manifest(&self) -> Manifest {
+        Manifest {
+            entries: self.manifest_entries.to_vec(),
+            ..self.manifest.clone()
+        }
+    }
+
+    /// The entries of the manifest built at register time.
+    pub fn manifest_entries(&self) -> &[ManifestEntry] {
+        &self.manifest_entries
     }
 
     /// Whether its manifest is an earlier registration's walk, found unchanged (see
@@ -594,6 +605,7 @@ impl Export {
             // Not watched: nothing mounts a detached export.
             feed: watch::ChangeFeed::new(&manifest),
             manifest,
+            manifest_entries: Default::default(),
             manifest_zst: axum::body::Bytes::new(),
             manifest_body: None,
             manifest_json: std::sync::OnceLock::new(),
@@ -805,7 +817,8 @@ impl ExportRegistry {
                 let walk = reuse::KeptWalk {
                     key: facts.key,
                     root: facts.root,
-                    entries: export.manifest.entries.clone(),
+                    known: watch::known_of(&export.manifest_entries),
+                    entries: export.manifest_entries.clone(),
                     index: export.blocks.index.read().clone(),
                     body,
                 };
@@ -872,11 +885,13 @@ impl ExportRegistry {
             .map_err(manifest_err)?;
         let kept = walk_key.as_ref().and_then(|k| self.kept.lock().get(k));
         let reused = kept.filter(|k| reuse::still_holds(&root, k));
+        let t_check = t0.elapsed();
         if let (Some(key), None) = (&walk_key, &reused) {
             // Changed since (or never kept): this walk may be kept instead.
             self.kept.lock().forget(key);
         }
-        let (built, walk) = match &reused {
+        // `built.manifest` is the header from here on: its entries are `entries`.
+        let (built, walk, entries) = match &reused {
             Some(k) => {
                 if let Some(p) = &progress {
                     // The kept walk's files, all hashed: the figures a walk would show.
@@ -893,13 +908,13 @@ impl ExportRegistry {
                         read_only: params.read_only,
                         root_mode: k.root.mode(),
                         root_mtime_ns: k.root.mtime_ns(),
-                        entries: k.entries.clone(),
+                        entries: Vec::new(),
                     },
                     index: k.index.clone(),
                     skipped: 0,
                     untrusted: 0,
                 };
-                (built, None)
+                (built, None, k.entries.clone())
             }
             None => {
                 let built = manifest::build(&root, &params, self.hash_cache.as_deref())
@@ -914,7 +929,9 @@ impl ExportRegistry {
                         built.untrusted,
                     )
                 });
-                (built, walk)
+                let mut built = built;
+                let entries = Arc::new(std::mem::take(&mut built.manifest.entries));
+                (built, walk, entries)
             }
         };
         let t_walk = t0.elapsed();
@@ -936,10 +953,17 @@ impl ExportRegistry {
         // entries, on the way to the handle. A kept walk brings its entries encoded: then
         // only the header is (see `served`).
         let (encoded, feed) = std::thread::scope(|s| {
-            let feed = s.spawn(|| watch::ChangeFeed::new(&built.manifest));
+            let feed = s.spawn(|| {
+                let t = std::time::Instant::now();
+                let feed = match &reused {
+                    Some(k) => watch::ChangeFeed::starting_from(k.known.clone()),
+                    None => watch::ChangeFeed::starting_from(watch::known_of(&entries)),
+                };
+                (feed, t.elapsed())
+            });
             let body = match &reused {
                 Some(k) => Ok(k.body.clone()),
-                None => served::EncodedBody::of(&built.manifest.entries).map(Arc::new),
+                None => served::EncodedBody::of(&entries).map(Arc::new),
             };
             let encoded = body
                 .and_then(|body| Ok((served::serve(&built.manifest, &body)?, body)))
@@ -959,14 +983,17 @@ impl ExportRegistry {
             },
             body,
         ) = encoded?;
+        let (feed, t_feed) = feed;
         let ms = |d: std::time::Duration| d.as_millis() as u64;
         tracing::info!(
             export = %export_id,
             root = %cfg.root.display(),
-            entries = built.manifest.entries.len(),
+            entries = entries.len(),
             blocks = built.index.len(),
             digest = %manifest_digest,
             walk_ms = ms(t_walk),
+            check_ms = ms(t_check),
+            feed_ms = ms(t_feed),
             encode_ms = ms(t0.elapsed() - t_walk),
             kept_walk = reused.is_some(),
             "export registered"
@@ -985,6 +1012,7 @@ impl ExportRegistry {
             block_size: cfg.block_size,
             lease,
             manifest: built.manifest,
+            manifest_entries: entries,
             manifest_zst: zst.into(),
             manifest_body: Some(body),
             manifest_json: std::sync::OnceLock::new(),

@@ -353,7 +353,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             eprintln!(
                 "awcpfs: serving {} ({} entries) on http://{addr}; Ctrl-C stops",
                 dir.display(),
-                export.manifest().entries.len()
+                export.manifest_entries().len()
             );
             axum::serve(
                 // Small answers (a manifest, one small file's block) must not wait for a

@@ -40,6 +40,7 @@ use super::hashcache::RACY_WINDOW;
 use super::rootfs::{NodeKind, RootDir, ctime_ns, mtime_ns, os};
 use super::served::EncodedBody;
 use super::store::BlockIndex;
+use super::watch::Known;
 
 /// Most walks kept at once (one per root and key; the oldest goes first).
 const MAX_KEPT: usize = 4;
@@ -91,10 +92,12 @@ impl RootStamp {
 pub(crate) struct KeptWalk {
     pub(crate) key: WalkKey,
     pub(crate) root: RootStamp,
-    pub(crate) entries: Vec<ManifestEntry>,
+    pub(crate) entries: Arc<Vec<ManifestEntry>>,
     pub(crate) index: BlockIndex,
     /// The entries, encoded as served (see `super::served`).
     pub(crate) body: Arc<EncodedBody>,
+    /// The change feed's starting point for the entries (see `super::watch`).
+    pub(crate) known: Arc<Known>,
 }
 
 /// What a fresh walk tells about whether it may be kept (see the module docs).
@@ -347,7 +350,8 @@ mod tests {
             key,
             root: root_stamp,
             body: Arc::new(EncodedBody::of(&built.manifest.entries).unwrap()),
-            entries: built.manifest.entries,
+            known: crate::export::watch::known_of(&built.manifest.entries),
+            entries: Arc::new(built.manifest.entries),
             index: built.index,
         };
         (dir, kept, facts)
@@ -563,7 +567,7 @@ mod tests {
             export.manifest_digest(),
             "the served bytes match the digest"
         );
-        assert_eq!(&m, export.manifest());
+        assert_eq!(m, export.manifest());
         m
     }
 
