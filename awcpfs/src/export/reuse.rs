@@ -551,7 +551,7 @@ mod tests {
                 .and_then(|e| e.hash.clone())
         };
         assert_eq!(
-            a(changed.manifest()),
+            a(&changed.manifest()),
             Some(blake3::hash(b"fn z() {}").to_hex().to_string())
         );
         // The stale walk is forgotten: not taken even with the old content back.
@@ -627,7 +627,7 @@ mod tests {
             let (dir, fresh, _) = walk(&root);
             drop(dir);
             assert_eq!(
-                view.entries, fresh.entries,
+                view.entries, *fresh.entries,
                 "{what}: what a fresh walk finds"
             );
         }
