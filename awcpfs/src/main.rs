@@ -16,7 +16,8 @@ use awcpfs::export::{ExportConfig, ExportRegistry};
 use awcpfs::mount::{Mount, MountAccess, MountConfig};
 
 // Hundreds of thousands of small allocations per export and mount (the manifest's entries,
-// the inode table): glibc's allocator spent a fifth of a 100,000-file mount's start.
+// the inode table): glibc's malloc and free were a fifth of the Executor's CPU samples over
+// 100,000-file delegations.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
