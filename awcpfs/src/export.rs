@@ -801,7 +801,7 @@ impl ExportRegistry {
     /// its root with the same key: call it once the caller has accepted what the walk found
     /// (e.g. its filter recorded nothing that refuses the tree). Only a fresh walk whose
     /// every entry was settled when it ran, whose hashes were all trusted and which skipped
-    /// nothing is kept; the copy is made on a background thread.
+    /// nothing is kept; the change feed's map for it is built on a background thread.
     pub fn keep_walk(&self, export: &Arc<Export>) {
         let Some(facts) = export.walk.clone().filter(|f| f.keepable) else {
             return;
