@@ -58,7 +58,8 @@ pub(crate) struct Served {
     pub(crate) zst: Vec<u8>,
 }
 
-/// Serve `manifest`, whose entries `body` holds encoded.
+/// Serve the manifest whose header fields `manifest` holds (its `entries` are not read) and
+/// whose entries `body` holds encoded.
 pub(crate) fn serve(manifest: &Manifest, body: &EncodedBody) -> Result<Served, EncodeError> {
     let header = manifest.encode_header(&body.entries);
     let mut hasher = blake3::Hasher::new();
