@@ -42,6 +42,7 @@ mod progress;
 mod reuse;
 mod rootfs;
 pub mod screen;
+mod served;
 pub mod stage;
 mod store;
 pub mod tier;
@@ -69,8 +70,6 @@ use self::store::{BlockSource, Staging};
 pub const MAX_BLOCK_SIZE: u32 = 64 << 20;
 /// How many recent conflicts [`ExportStats::recent_conflicts`] keeps.
 pub const RECENT_CONFLICTS: usize = 32;
-/// zstd level of the served manifest (done once per registration).
-const MANIFEST_ZSTD_LEVEL: i32 = 3;
 
 /// Which paths an export shows: a predicate called with a path relative to the root
 /// (`/`-separated) and whether it is a directory, `true` when it is visible. A hidden
@@ -329,9 +328,14 @@ pub struct Export {
     read_only: bool,
     block_size: u32,
     lease: Arc<Lease>,
+    /// The manifest's header: its `entries` are empty (they are `manifest_entries`).
     manifest: Manifest,
+    /// The manifest's entries: shared with a kept walk, not copied (100,000s of entries).
+    manifest_entries: Arc<Vec<ManifestEntry>>,
     /// The binary encoding, zstd-compressed: what mounts fetch.
     manifest_zst: axum::body::Bytes,
+    /// Its entries, encoded once (see `served`): kept with a kept walk.
+    manifest_body: Option<Arc<served::EncodedBody>>,
     /// The JSON form, built the first time someone asks for it.
     manifest_json: std::sync::OnceLock<axum::body::Bytes>,
     /// Where each path is in `manifest.entries`, built the first time a commit needs an
@@ -413,7 +417,7 @@ impl Export {
     pub(crate) fn manifest_json(&self) -> axum::body::Bytes {
         self.manifest_json
             .get_or_init(|| {
-                serde_json::to_vec(&self.manifest)
+                serde_json::to_vec(&self.manifest())
                     .unwrap_or_default()
                     .into()
             })
@@ -433,19 +437,27 @@ impl Export {
     /// The registration manifest's entry at `path`, if it lists one.
     pub(crate) fn manifest_entry(&self, path: &str) -> Option<ManifestEntry> {
         let paths = self.manifest_paths.get_or_init(|| {
-            self.manifest
-                .entries
+            self.manifest_entries
                 .iter()
                 .enumerate()
                 .map(|(i, e)| (e.path.clone(), i))
                 .collect()
         });
-        paths.get(path).map(|&i| self.manifest.entries[i].clone())
+        paths.get(path).map(|&i| self.manifest_entries[i].clone())
     }
 
-    /// The manifest as built at register time.
-    pub fn manifest(&self) -> &Manifest {
-        &self.manifest
+    /// A copy of the manifest as built at register time (at 100,000 files a copy of
+    /// 100,000 entries: [`Export::manifest_entries`] reads them in place).
+    pub fn manifest(&self) -> Manifest {
+        Manifest {
+            entries: self.manifest_entries.to_vec(),
+            ..self.manifest.clone()
+        }
+    }
+
+    /// The entries of the manifest built at register time.
+    pub fn manifest_entries(&self) -> &[ManifestEntry] {
+        &self.manifest_entries
     }
 
     /// Whether its manifest is an earlier registration's walk, found unchanged (see
@@ -593,7 +605,9 @@ impl Export {
             // Not watched: nothing mounts a detached export.
             feed: watch::ChangeFeed::new(&manifest),
             manifest,
+            manifest_entries: Default::default(),
             manifest_zst: axum::body::Bytes::new(),
+            manifest_body: None,
             manifest_json: std::sync::OnceLock::new(),
             manifest_paths: std::sync::OnceLock::new(),
             manifest_digest: String::new(),
@@ -787,9 +801,12 @@ impl ExportRegistry {
     /// its root with the same key: call it once the caller has accepted what the walk found
     /// (e.g. its filter recorded nothing that refuses the tree). Only a fresh walk whose
     /// every entry was settled when it ran, whose hashes were all trusted and which skipped
-    /// nothing is kept; the copy is made on a background thread.
+    /// nothing is kept; the change feed's map for it is built on a background thread.
     pub fn keep_walk(&self, export: &Arc<Export>) {
         let Some(facts) = export.walk.clone().filter(|f| f.keepable) else {
+            return;
+        };
+        let Some(body) = export.manifest_body.clone() else {
             return;
         };
         let (export, kept) = (export.clone(), self.kept.clone());
@@ -800,8 +817,10 @@ impl ExportRegistry {
                 let walk = reuse::KeptWalk {
                     key: facts.key,
                     root: facts.root,
-                    entries: export.manifest.entries.clone(),
+                    known: watch::known_of(&export.manifest_entries),
+                    entries: export.manifest_entries.clone(),
                     index: export.blocks.index.read().clone(),
+                    body,
                 };
                 drop(export);
                 kept.lock().put(Arc::new(walk));
@@ -866,11 +885,13 @@ impl ExportRegistry {
             .map_err(manifest_err)?;
         let kept = walk_key.as_ref().and_then(|k| self.kept.lock().get(k));
         let reused = kept.filter(|k| reuse::still_holds(&root, k));
+        let t_check = t0.elapsed();
         if let (Some(key), None) = (&walk_key, &reused) {
             // Changed since (or never kept): this walk may be kept instead.
             self.kept.lock().forget(key);
         }
-        let (built, walk) = match &reused {
+        // `built.manifest` is the header from here on: its entries are `entries`.
+        let (built, walk, entries) = match &reused {
             Some(k) => {
                 if let Some(p) = &progress {
                     // The kept walk's files, all hashed: the figures a walk would show.
@@ -887,13 +908,13 @@ impl ExportRegistry {
                         read_only: params.read_only,
                         root_mode: k.root.mode(),
                         root_mtime_ns: k.root.mtime_ns(),
-                        entries: k.entries.clone(),
+                        entries: Vec::new(),
                     },
                     index: k.index.clone(),
                     skipped: 0,
                     untrusted: 0,
                 };
-                (built, None)
+                (built, None, k.entries.clone())
             }
             None => {
                 let built = manifest::build(&root, &params, self.hash_cache.as_deref())
@@ -908,7 +929,9 @@ impl ExportRegistry {
                         built.untrusted,
                     )
                 });
-                (built, walk)
+                let mut built = built;
+                let entries = Arc::new(std::mem::take(&mut built.manifest.entries));
+                (built, walk, entries)
             }
         };
         let t_walk = t0.elapsed();
@@ -927,36 +950,50 @@ impl ExportRegistry {
         };
         // The change feed's starting point (a map of every path) is built on a second thread
         // while this one encodes, hashes and compresses the manifest: ~30 ms each at 100,000
-        // entries, on the way to the handle.
+        // entries, on the way to the handle. A kept walk brings its entries encoded: then
+        // only the header is (see `served`).
         let (encoded, feed) = std::thread::scope(|s| {
-            let feed = s.spawn(|| watch::ChangeFeed::new(&built.manifest));
-            let encoded = built
-                .manifest
-                .to_binary()
-                .map_err(|e| serialize(Box::new(e)))
-                .and_then(|binary| {
-                    let digest = blake3::hash(&binary).to_hex().to_string();
-                    if let Some(p) = &progress {
-                        p.set_done();
-                    }
-                    let zst = zstd::bulk::compress(&binary, MANIFEST_ZSTD_LEVEL)
-                        .map_err(|e| serialize(Box::new(e)))?;
-                    Ok((digest, zst))
-                });
+            let feed = s.spawn(|| {
+                let t = std::time::Instant::now();
+                let feed = match &reused {
+                    Some(k) => watch::ChangeFeed::starting_from(k.known.clone()),
+                    None => watch::ChangeFeed::starting_from(watch::known_of(&entries)),
+                };
+                (feed, t.elapsed())
+            });
+            let body = match &reused {
+                Some(k) => Ok(k.body.clone()),
+                None => served::EncodedBody::of(&entries).map(Arc::new),
+            };
+            let encoded = body
+                .and_then(|body| Ok((served::serve(&built.manifest, &body)?, body)))
+                .map_err(|e| serialize(Box::new(e)));
+            if let (Some(p), Ok(_)) = (&progress, &encoded) {
+                p.set_done();
+            }
             let feed = feed
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             (encoded, feed)
         });
-        let (manifest_digest, zst) = encoded?;
+        let (
+            served::Served {
+                digest: manifest_digest,
+                zst,
+            },
+            body,
+        ) = encoded?;
+        let (feed, t_feed) = feed;
         let ms = |d: std::time::Duration| d.as_millis() as u64;
         tracing::info!(
             export = %export_id,
             root = %cfg.root.display(),
-            entries = built.manifest.entries.len(),
+            entries = entries.len(),
             blocks = built.index.len(),
             digest = %manifest_digest,
             walk_ms = ms(t_walk),
+            check_ms = ms(t_check),
+            feed_ms = ms(t_feed),
             encode_ms = ms(t0.elapsed() - t_walk),
             kept_walk = reused.is_some(),
             "export registered"
@@ -975,7 +1012,9 @@ impl ExportRegistry {
             block_size: cfg.block_size,
             lease,
             manifest: built.manifest,
+            manifest_entries: entries,
             manifest_zst: zst.into(),
+            manifest_body: Some(body),
             manifest_json: std::sync::OnceLock::new(),
             manifest_paths: std::sync::OnceLock::new(),
             manifest_digest,

@@ -122,98 +122,142 @@ fn shared_prefix(a: &[u8], b: &[u8], utf8: bool) -> usize {
     (0..=n).rev().find(|&i| is_boundary(i)).unwrap_or(0)
 }
 
-impl Manifest {
-    /// The canonical binary encoding.
-    pub fn to_binary(&self) -> Result<Vec<u8>, ManifestCodecError> {
-        let v2 = self.entries.iter().any(|e| {
+/// The entries of a manifest, encoded: everything of [`Manifest::to_binary`]'s output from
+/// the entry count on. It depends on the entries alone, so a registration that lists the same
+/// entries as an earlier one under another export id reuses it and encodes only the header
+/// ([`Manifest::encode_header`]); the two together are the canonical encoding, byte for byte.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedEntries {
+    /// Whether the entries need format 2 (see the module docs).
+    v2: bool,
+    bytes: Vec<u8>,
+}
+
+impl EncodedEntries {
+    /// Encode `entries` (the count and every entry).
+    pub fn encode(entries: &[ManifestEntry]) -> Result<EncodedEntries, ManifestCodecError> {
+        let v2 = entries.iter().any(|e| {
             !e.xattrs.is_empty()
                 || rawname::is_escaped(&e.path)
                 || e.target.as_deref().is_some_and(rawname::is_escaped)
         });
-        let mut out = Vec::with_capacity(64 + self.entries.len() * 64);
+        let mut out = Vec::with_capacity(16 + entries.len() * 64);
+        put_varint(&mut out, entries.len() as u64);
+        let mut prev: std::borrow::Cow<'_, [u8]> = Default::default();
+        for e in entries {
+            put_entry(&mut out, e, &mut prev, v2)?;
+        }
+        Ok(EncodedEntries { v2, bytes: out })
+    }
+
+    /// The encoded bytes: the tail of the manifest's encoding.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// Append one entry; `prev` is the previous entry's raw path (its shared prefix is left out).
+fn put_entry<'e>(
+    out: &mut Vec<u8>,
+    e: &'e ManifestEntry,
+    prev: &mut std::borrow::Cow<'e, [u8]>,
+    v2: bool,
+) -> Result<(), ManifestCodecError> {
+    // Every field, so a new one cannot be forgotten here.
+    let ManifestEntry {
+        path,
+        kind,
+        mode,
+        size,
+        mtime_ns,
+        hash,
+        blocks,
+        target,
+        ino,
+        ctime_ns,
+        xattrs,
+    } = e;
+    let raw = rawname::to_bytes(path);
+    let shared = shared_prefix(prev, &raw, !v2);
+    put_varint(out, shared as u64);
+    put_bytes(out, &raw[shared..]);
+    *prev = raw;
+    let sole = matches!((hash, blocks.as_slice()), (Some(h), [b]) if h == b);
+    let mut flags = match kind {
+        EntryKind::File => 0,
+        EntryKind::Dir => 1,
+        EntryKind::Symlink => 2,
+    };
+    for (set, bit) in [
+        (ino.is_some(), HAS_INO),
+        (ctime_ns.is_some(), HAS_CTIME),
+        (hash.is_some(), HAS_HASH),
+        (sole, SOLE_BLOCK),
+        (!sole && !blocks.is_empty(), HAS_BLOCKS),
+        (target.is_some(), HAS_TARGET),
+    ] {
+        if set {
+            flags |= bit;
+        }
+    }
+    out.push(flags);
+    put_varint(out, u64::from(*mode));
+    put_varint(out, *size);
+    put_zigzag(out, *mtime_ns);
+    if let Some(i) = ino {
+        put_varint(out, *i);
+    }
+    if let Some(c) = ctime_ns {
+        put_zigzag(out, *c);
+    }
+    if let Some(h) = hash {
+        put_hash(out, h, path, "hash")?;
+    }
+    if flags & HAS_BLOCKS != 0 {
+        put_varint(out, blocks.len() as u64);
+        for b in blocks {
+            put_hash(out, b, path, "block hash")?;
+        }
+    }
+    if let Some(t) = target {
+        put_bytes(out, &rawname::to_bytes(t));
+    }
+    if v2 {
+        put_varint(out, xattrs.len() as u64);
+        for (name, value) in xattrs {
+            put_str(out, name);
+            let v = hex::decode(value).map_err(|_| ManifestCodecError::BadXattr {
+                path: path.clone(),
+                name: name.clone(),
+            })?;
+            put_bytes(out, &v);
+        }
+    }
+    Ok(())
+}
+
+impl Manifest {
+    /// The canonical binary encoding.
+    pub fn to_binary(&self) -> Result<Vec<u8>, ManifestCodecError> {
+        let entries = EncodedEntries::encode(&self.entries)?;
+        let mut out = self.encode_header(&entries);
+        out.extend_from_slice(entries.as_bytes());
+        Ok(out)
+    }
+
+    /// The head of the canonical encoding, up to the entry count: what comes before
+    /// `entries` (which must be this manifest's entries, encoded) in [`Manifest::to_binary`].
+    pub fn encode_header(&self, entries: &EncodedEntries) -> Vec<u8> {
+        let mut out = Vec::with_capacity(32 + self.export_id.len());
         out.extend_from_slice(MAGIC);
-        out.push(if v2 { FORMAT_V2 } else { FORMAT_V1 });
+        out.push(if entries.v2 { FORMAT_V2 } else { FORMAT_V1 });
         put_varint(&mut out, u64::from(self.version));
         put_str(&mut out, &self.export_id);
         put_varint(&mut out, u64::from(self.block_size));
         out.push(u8::from(self.read_only));
         put_varint(&mut out, u64::from(self.root_mode));
         put_zigzag(&mut out, self.root_mtime_ns);
-        put_varint(&mut out, self.entries.len() as u64);
-        let mut prev: std::borrow::Cow<'_, [u8]> = Default::default();
-        for e in &self.entries {
-            // Every field, so a new one cannot be forgotten here.
-            let ManifestEntry {
-                path,
-                kind,
-                mode,
-                size,
-                mtime_ns,
-                hash,
-                blocks,
-                target,
-                ino,
-                ctime_ns,
-                xattrs,
-            } = e;
-            let raw = rawname::to_bytes(path);
-            let shared = shared_prefix(&prev, &raw, !v2);
-            put_varint(&mut out, shared as u64);
-            put_bytes(&mut out, &raw[shared..]);
-            prev = raw;
-            let sole = matches!((hash, blocks.as_slice()), (Some(h), [b]) if h == b);
-            let mut flags = match kind {
-                EntryKind::File => 0,
-                EntryKind::Dir => 1,
-                EntryKind::Symlink => 2,
-            };
-            for (set, bit) in [
-                (ino.is_some(), HAS_INO),
-                (ctime_ns.is_some(), HAS_CTIME),
-                (hash.is_some(), HAS_HASH),
-                (sole, SOLE_BLOCK),
-                (!sole && !blocks.is_empty(), HAS_BLOCKS),
-                (target.is_some(), HAS_TARGET),
-            ] {
-                if set {
-                    flags |= bit;
-                }
-            }
-            out.push(flags);
-            put_varint(&mut out, u64::from(*mode));
-            put_varint(&mut out, *size);
-            put_zigzag(&mut out, *mtime_ns);
-            if let Some(i) = ino {
-                put_varint(&mut out, *i);
-            }
-            if let Some(c) = ctime_ns {
-                put_zigzag(&mut out, *c);
-            }
-            if let Some(h) = hash {
-                put_hash(&mut out, h, path, "hash")?;
-            }
-            if flags & HAS_BLOCKS != 0 {
-                put_varint(&mut out, blocks.len() as u64);
-                for b in blocks {
-                    put_hash(&mut out, b, path, "block hash")?;
-                }
-            }
-            if let Some(t) = target {
-                put_bytes(&mut out, &rawname::to_bytes(t));
-            }
-            if v2 {
-                put_varint(&mut out, xattrs.len() as u64);
-                for (name, value) in xattrs {
-                    put_str(&mut out, name);
-                    let v = hex::decode(value).map_err(|_| ManifestCodecError::BadXattr {
-                        path: path.clone(),
-                        name: name.clone(),
-                    })?;
-                    put_bytes(&mut out, &v);
-                }
-            }
-        }
-        Ok(out)
+        out
     }
 
     /// Decode [`Manifest::to_binary`]'s output.

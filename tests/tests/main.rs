@@ -36,6 +36,7 @@ mod metrics;
 mod peer_uid;
 mod raw_names;
 mod readme;
+mod redelegate;
 mod renewal;
 mod resources;
 mod restart;

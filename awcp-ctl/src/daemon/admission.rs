@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 
 use awcp_protocol::ErrorCode;
 use awcp_protocol::api::ResourceSpec;
-use awcp_protocol::dataplane::{EntryKind, Manifest};
+use awcp_protocol::dataplane::{EntryKind, ManifestEntry};
 use awcpfs::export::PathFilter;
 
 use super::Daemon;
@@ -313,8 +313,8 @@ fn export_filter_with(
 }
 
 /// Refuse a manifest over `limits`, as the reference words it.
-pub(crate) fn check_limits(m: &Manifest, limits: &ScanLimits) -> Result<(), Refusal> {
-    let files = m.entries.iter().filter(|e| e.kind == EntryKind::File);
+pub(crate) fn check_limits(entries: &[ManifestEntry], limits: &ScanLimits) -> Result<(), Refusal> {
+    let files = entries.iter().filter(|e| e.kind == EntryKind::File);
     let (mut count, mut total) = (0u64, 0u64);
     for f in files {
         count += 1;

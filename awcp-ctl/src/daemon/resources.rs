@@ -209,7 +209,9 @@ impl Daemon {
             )
         })?;
         let admitted = match hits.take().as_slice() {
-            [] => super::admission::check_limits(export.manifest(), &self.cfg.awcpfs_limits),
+            [] => {
+                super::admission::check_limits(export.manifest_entries(), &self.cfg.awcpfs_limits)
+            }
             files => Err(super::admission::sensitive(files, &self.cfg.sensitive)),
         };
         if let Err(refusal) = admitted {

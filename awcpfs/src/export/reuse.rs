@@ -5,7 +5,10 @@
 //! registered again with the same filter settings (a key the caller gives, see
 //! [`super::ExportRegistry::register_reusing`]) and nothing in the tree changed since an
 //! earlier walk that the caller kept ([`super::ExportRegistry::keep_walk`]), that walk's
-//! entries and block index stand: one `fstatat` per entry checks them.
+//! entries and block index stand: one `fstatat` per entry checks them. The registration
+//! then shares what the walk holds rather than copying it (its entries; their encoding,
+//! compressed, see `super::served`; its block index and the change feed's map, both copied
+//! on their first change): at 100,000 files the check is all that is left of it.
 //!
 //! "Nothing changed" is decided from what the manifest itself records of each entry: its
 //! inode number, modification and status-change times, mode, and (files and symlinks) size.
@@ -38,11 +41,13 @@ use nix::sys::stat::{FileStat, Mode, fstat, fstatat};
 
 use super::hashcache::RACY_WINDOW;
 use super::rootfs::{NodeKind, RootDir, ctime_ns, mtime_ns, os};
+use super::served::EncodedBody;
 use super::store::BlockIndex;
+use super::watch::Known;
 
 /// Most walks kept at once (one per root and key; the oldest goes first).
 const MAX_KEPT: usize = 4;
-/// Most entries over all kept walks (about 350 bytes each in memory).
+/// Most entries over all kept walks (about 450 bytes each in memory, their encoding included).
 const MAX_KEPT_ENTRIES: usize = 2_000_000;
 /// Most threads checking a kept walk.
 const CHECK_THREADS: usize = 4;
@@ -90,8 +95,12 @@ impl RootStamp {
 pub(crate) struct KeptWalk {
     pub(crate) key: WalkKey,
     pub(crate) root: RootStamp,
-    pub(crate) entries: Vec<ManifestEntry>,
+    pub(crate) entries: Arc<Vec<ManifestEntry>>,
     pub(crate) index: BlockIndex,
+    /// The entries, encoded as served (see `super::served`).
+    pub(crate) body: Arc<EncodedBody>,
+    /// The change feed's starting point for the entries (see `super::watch`).
+    pub(crate) known: Arc<Known>,
 }
 
 /// What a fresh walk tells about whether it may be kept (see the module docs).
@@ -343,7 +352,9 @@ mod tests {
         let kept = KeptWalk {
             key,
             root: root_stamp,
-            entries: built.manifest.entries,
+            body: Arc::new(EncodedBody::of(&built.manifest.entries).unwrap()),
+            known: crate::export::watch::known_of(&built.manifest.entries),
+            entries: Arc::new(built.manifest.entries),
             index: built.index,
         };
         (dir, kept, facts)
@@ -543,11 +554,85 @@ mod tests {
                 .and_then(|e| e.hash.clone())
         };
         assert_eq!(
-            a(changed.manifest()),
+            a(&changed.manifest()),
             Some(blake3::hash(b"fn z() {}").to_hex().to_string())
         );
         // The stale walk is forgotten: not taken even with the old content back.
         let next = register(&reg, &root, staging.path(), "k");
         assert!(!next.took_kept_walk());
+    }
+
+    /// What a mount gets from `export`: the served bytes decoded, digest checked.
+    fn served(export: &super::super::Export) -> awcp_protocol::dataplane::Manifest {
+        let (m, digest) = crate::mount::remote::decode_manifest(&export.manifest_zst).unwrap();
+        assert_eq!(
+            digest,
+            export.manifest_digest(),
+            "the served bytes match the digest"
+        );
+        assert_eq!(m, export.manifest());
+        m
+    }
+
+    // A kept walk brings its entries encoded (only the header is encoded per registration):
+    // the served manifest must still be the tree's, under the new registration's header,
+    // and after any change the tree's new state, never the kept encoding.
+    #[test]
+    fn a_kept_encoding_is_never_served_for_a_changed_tree() {
+        type Change = fn(&Path);
+        let changes: &[(&str, Change)] = &[
+            ("edit, same size", |r| {
+                std::fs::write(r.join("src/a.rs"), "fn q() {}").unwrap()
+            }),
+            ("add a file", |r| {
+                std::fs::write(r.join("src/deep/added.rs"), "new").unwrap()
+            }),
+            ("delete a file", |r| {
+                std::fs::remove_file(r.join("src/deep/b.rs")).unwrap()
+            }),
+            ("chmod a file", |r| {
+                std::fs::set_permissions(r.join("README"), std::fs::Permissions::from_mode(0o755))
+                    .unwrap()
+            }),
+        ];
+        let tmp = tempfile::tempdir().unwrap();
+        let staging = tempfile::tempdir().unwrap();
+        for (i, _) in changes.iter().enumerate() {
+            tree(&tmp.path().join(i.to_string()));
+        }
+        settle();
+        let reg = ExportRegistry::new().without_watch();
+        for (i, (what, change)) in changes.iter().enumerate() {
+            let root = tmp.path().join(i.to_string());
+            let first = register(&reg, &root, staging.path(), "k");
+            let first_view = served(&first);
+            reg.keep_walk(&first);
+            wait_kept(&reg, &root, "k");
+            let kept = register(&reg, &root, staging.path(), "k");
+            assert!(
+                kept.took_kept_walk(),
+                "{what}: the unchanged tree takes the kept walk"
+            );
+            assert_eq!(served(&kept).entries, first_view.entries, "{what}");
+
+            change(&root);
+            let after = register(&reg, &root, staging.path(), "k");
+            assert!(
+                !after.took_kept_walk(),
+                "{what}: a changed tree is walked again"
+            );
+            let view = served(&after);
+            assert_ne!(
+                view.entries, first_view.entries,
+                "{what}: the change is served"
+            );
+            assert_ne!(after.manifest_digest(), kept.manifest_digest(), "{what}");
+            let (dir, fresh, _) = walk(&root);
+            drop(dir);
+            assert_eq!(
+                view.entries, *fresh.entries,
+                "{what}: what a fresh walk finds"
+            );
+        }
     }
 }

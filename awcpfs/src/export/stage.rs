@@ -35,7 +35,7 @@ use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, EntryKind, Manifest};
+use awcp_protocol::dataplane::{Change, ChangeSet, CommitResult, EntryKind, ManifestEntry};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
@@ -405,7 +405,7 @@ impl ChangeStage {
         }
         let mut st = self.state.lock();
         for change in &cs.changes {
-            self.merge(&mut st, export.manifest(), change);
+            self.merge(&mut st, export.manifest_entries(), change);
         }
         self.save(&st)
             .map_err(|e| internal("saving the change set", io::Error::other(e)))?;
@@ -437,16 +437,15 @@ impl ChangeStage {
     }
 
     /// What the manifest says of `path`.
-    fn base_of(&self, manifest: &Manifest, path: &str) -> Node {
+    fn base_of(&self, manifest: &[ManifestEntry], path: &str) -> Node {
         let index = self.manifest_paths.get_or_init(|| {
             manifest
-                .entries
                 .iter()
                 .enumerate()
                 .map(|(i, e)| (e.path.clone(), i))
                 .collect()
         });
-        let Some(e) = index.get(path).and_then(|i| manifest.entries.get(*i)) else {
+        let Some(e) = index.get(path).and_then(|i| manifest.get(*i)) else {
             return Node::Absent;
         };
         match e.kind {
@@ -468,7 +467,7 @@ impl ChangeStage {
     }
 
     /// Merge one change into the map: the path's state becomes what the change leaves.
-    fn merge(&self, st: &mut StageState, manifest: &Manifest, change: &Change) {
+    fn merge(&self, st: &mut StageState, manifest: &[ManifestEntry], change: &Change) {
         let path = change.path();
         let entry = st.paths.entry(path.to_owned()).or_insert_with(|| {
             let base = declared_base(self.base_of(manifest, path), change);

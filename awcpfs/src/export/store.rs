@@ -85,11 +85,15 @@ pub(crate) struct BlockLoc {
 }
 
 /// Hash → places in the tree.
+///
+/// Cloned in constant time: a kept walk's index and the exports that take the walk share
+/// their maps until one of them changes (copied then: ~30 ms at 100,000 files, paid by the
+/// first commit or Delegator-side change, not by the delegation).
 #[derive(Debug, Default, Clone)]
 pub(crate) struct BlockIndex {
-    map: HashMap<BlockHash, Vec<BlockLoc>>,
+    map: Arc<HashMap<BlockHash, Vec<BlockLoc>>>,
     /// Files hashed while quiescent (see [`Stamp`]); others are always re-hashed.
-    stamps: HashMap<Arc<str>, Stamp>,
+    stamps: Arc<HashMap<Arc<str>, Stamp>>,
 }
 
 impl BlockIndex {
@@ -98,7 +102,7 @@ impl BlockIndex {
     /// place is kept when the list is full: hard links or copies made and removed again
     /// must not push out the file the content lives in.
     pub(crate) fn insert(&mut self, hash: BlockHash, loc: BlockLoc) {
-        let locs = self.map.entry(hash).or_default();
+        let locs = Arc::make_mut(&mut self.map).entry(hash).or_default();
         locs.retain(|l| l.path != loc.path);
         locs.insert(0, loc);
         if locs.len() > MAX_LOCATIONS {
@@ -108,7 +112,7 @@ impl BlockIndex {
 
     /// Record that `path` was hashed as `stamp` describes, not racily.
     pub(crate) fn set_stamp(&mut self, path: Arc<str>, stamp: Stamp) {
-        self.stamps.insert(path, stamp);
+        Arc::make_mut(&mut self.stamps).insert(path, stamp);
     }
 
     /// The stamp of `path`, if it has one.
@@ -123,12 +127,12 @@ impl BlockIndex {
 
     /// Add everything `other` knows (its places go first, as the newest).
     pub(crate) fn merge(&mut self, other: BlockIndex) {
-        for (hash, locs) in other.map {
+        for (hash, locs) in Arc::unwrap_or_clone(other.map) {
             for loc in locs.into_iter().rev() {
                 self.insert(hash, loc);
             }
         }
-        self.stamps.extend(other.stamps);
+        Arc::make_mut(&mut self.stamps).extend(Arc::unwrap_or_clone(other.stamps));
     }
 
     /// How many distinct blocks are indexed.

@@ -963,7 +963,7 @@ impl BlockTier {
             let mut seen = HashSet::new();
             let mut chunks: Vec<Vec<BlockHash>> = Vec::new();
             let (mut chunk, mut bytes, mut target) = (Vec::new(), 0u64, WARM_FIRST_PACK);
-            for e in &export.manifest.entries {
+            for e in export.manifest_entries.iter() {
                 let n = e.blocks.len() as u64;
                 for (i, h) in e.blocks.iter().enumerate() {
                     let Some(h) = parse_hash(h) else { continue };

@@ -396,23 +396,31 @@ impl InodeTable {
                 .unwrap_or(ROOT_INO);
             table.next_ino = max.saturating_add(1);
         }
-        let mut by_path: FastMap<&str, Ino> =
-            FastMap::with_capacity_and_hasher(m.entries.len(), Default::default());
+        // Parents by path: directories only (a file's path is never a parent). Entries come
+        // parents first, mostly in runs under one directory: the last parent looked up is
+        // tried first. A repeated path is found in its parent's children.
+        let mut dirs: FastMap<&str, Ino> = FastMap::default();
+        dirs.insert("", ROOT_INO);
+        let mut last_parent: (&str, Ino) = ("", ROOT_INO);
         for e in &m.entries {
             awcp_protocol::dataplane::validate_rel_path(&e.path)
                 .map_err(|source| ManifestError::BadPath { source })?;
-            let (parent_path, name) = match e.path.rsplit_once('/') {
-                Some((p, n)) => (Some(p), n),
-                None => (None, e.path.as_str()),
-            };
-            let parent = match parent_path {
-                None => ROOT_INO,
-                Some(p) => *by_path.get(p).ok_or_else(|| ManifestError::Orphan {
+            let (parent_path, name) = e.path.rsplit_once('/').unwrap_or(("", e.path.as_str()));
+            let parent = if parent_path == last_parent.0 {
+                last_parent.1
+            } else {
+                let p = *dirs.get(parent_path).ok_or_else(|| ManifestError::Orphan {
                     path: e.path.clone(),
-                })?,
+                })?;
+                last_parent = (parent_path, p);
+                p
             };
-            if table.nodes.get(&parent).map(|n| n.kind) != Some(Kind::Dir) {
-                return Err(ManifestError::Orphan {
+            if table
+                .nodes
+                .get(&parent)
+                .is_some_and(|p| p.children.contains_key(name))
+            {
+                return Err(ManifestError::Duplicate {
                     path: e.path.clone(),
                 });
             }
@@ -424,12 +432,7 @@ impl InodeTable {
             {
                 // Another name of a file already listed (checked by `is_hard_link`).
                 first.links.push((parent, name.to_string()));
-                if by_path.insert(&e.path, ino).is_some() {
-                    return Err(ManifestError::Duplicate {
-                        path: e.path.clone(),
-                    });
-                }
-                table.insert_child(parent, name.to_string(), ino);
+                table.attach(parent, name, ino, false);
                 continue;
             }
             let ino = match e.ino {
@@ -467,13 +470,11 @@ impl InodeTable {
                 links: Vec::new(),
                 xattrs: manifest_xattrs(e),
             };
-            if by_path.insert(&e.path, ino).is_some() {
-                return Err(ManifestError::Duplicate {
-                    path: e.path.clone(),
-                });
+            if kind == Kind::Dir {
+                dirs.insert(&e.path, ino);
             }
             table.nodes.insert(ino, node);
-            table.insert_child(parent, name.to_string(), ino);
+            table.attach(parent, name, ino, kind == Kind::Dir);
         }
         // The tree is what the manifest says: nothing to write back. Changes count from here.
         table.track = true;
@@ -629,6 +630,17 @@ impl InodeTable {
 
     fn is_dir(&self, ino: Ino) -> bool {
         self.nodes.get(&ino).map(|n| n.kind) == Some(Kind::Dir)
+    }
+
+    /// Add the dentry `parent`/`name` → `ino` while the table is built from a manifest
+    /// (the caller checked that the name is free and the parent is a directory).
+    fn attach(&mut self, parent: Ino, name: &str, ino: Ino, is_dir: bool) {
+        if let Some(p) = self.nodes.get_mut(&parent) {
+            p.children.insert(name.to_string(), ino);
+            if is_dir {
+                p.subdirs += 1;
+            }
+        }
     }
 
     /// Add a dentry (the child node must already be in the table), replacing any other.

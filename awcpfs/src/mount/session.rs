@@ -425,19 +425,20 @@ impl Mount {
         // Three things that need only the manifest, on two CPUs: the inode table here; the
         // syncer's starting point and the saved manifest beside it.
         let manifest_path = cfg.state_dir.join(super::recover::MANIFEST_FILE);
-        let (table, base, saved) = std::thread::scope(|s| {
+        let (table, base, saved, t_inodes, t_side) = std::thread::scope(|s| {
             let side = s.spawn(|| {
                 // What recovery needs to rebuild this mount's tree: the manifest it started
                 // from (the export's may be rebuilt meanwhile) and the log of what reached
                 // the Delegator.
                 let saved = write_durably(&manifest_path, &compressed);
-                (Syncer::base_of(&manifest), saved)
+                (Syncer::base_of(&manifest), saved, t0.elapsed())
             });
             let table = InodeTable::from_manifest(&manifest, uid, gid);
-            let (base, saved) = side
+            let t_inodes = t0.elapsed();
+            let (base, saved, t_side) = side
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            (table, base, saved)
+            (table, base, saved, t_inodes, t_side)
         });
         let table = table.map_err(|source| {
             // Saved beside the table's build: nothing will recover from it.
@@ -574,6 +575,8 @@ impl Mount {
             entries,
             manifest_ms = ms(t_manifest),
             table_ms = ms(t_table - t_manifest),
+            inodes_ms = ms(t_inodes.saturating_sub(t_manifest)),
+            side_ms = ms(t_side.saturating_sub(t_manifest)),
             state_ms = ms(t_state - t_table),
             fuse_ms = ms(t0.elapsed() - t_state),
             "awcpfs mounted");
