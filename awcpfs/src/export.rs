@@ -429,7 +429,8 @@ impl Export {
         &self.id
     }
 
-    /// blake3 (hex) of the exact manifest JSON bytes `GET /manifest` serves.
+    /// blake3 (hex) of the manifest's canonical binary encoding, the bytes `GET /manifest`
+    /// serves (zstd-compressed) to a client that accepts them.
     pub fn manifest_digest(&self) -> String {
         self.manifest_digest.clone()
     }
