@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::io::Read as _;
 use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -126,6 +126,33 @@ fn run(cmd: &mut Command) -> Result<(), String> {
             out.status,
             String::from_utf8_lossy(&out.stderr).trim()
         ))
+    }
+}
+
+/// The directory OpenSSH's sshd names when it refuses to start without its
+/// privilege-separation directory (compiled in: `/run/sshd` on Debian, `/var/empty` on
+/// others), from its error text.
+fn missing_privsep_dir(err: &str) -> Option<PathBuf> {
+    const MARK: &str = "Missing privilege separation directory: ";
+    let (_, rest) = err.split_once(MARK)?;
+    let dir = rest.split_whitespace().next()?;
+    let dir = Path::new(dir);
+    (dir.is_absolute() && dir.components().all(|c| !matches!(c, Component::ParentDir)))
+        .then(|| dir.to_path_buf())
+}
+
+/// Make sshd's privilege-separation directory as sshd requires it: root's, writable by no
+/// one else (an existing one is left as it is).
+fn make_privsep_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    match std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)
+    {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
@@ -443,7 +470,29 @@ fn start_server(plan: &Plan) -> Result<(Server, u16, SshCredential, String), Str
     {
         return fail(server, format!("writing {}: {e}", cfg_path.display()));
     }
-    if let Err(e) = run(Command::new(&plan.sshd).arg("-t").arg("-f").arg(&cfg_path)) {
+    let test_config = || run(Command::new(&plan.sshd).arg("-t").arg("-f").arg(&cfg_path));
+    let mut tested = test_config();
+    if let Some(dir) = tested.as_ref().err().and_then(|e| missing_privsep_dir(e)) {
+        // A machine whose own sshd never started (a container, a fresh install) lacks the
+        // directory its service manager makes at boot; sshd will not start without it.
+        match make_privsep_dir(&dir) {
+            Ok(()) => {
+                tracing::info!(dir = %dir.display(), "created sshd's privilege-separation directory");
+                tested = test_config();
+            }
+            Err(e) => {
+                return fail(
+                    server,
+                    format!(
+                        "sshd needs its privilege-separation directory {} and it could not be \
+                         created ({e}); create it (root's, mode 0755) and delegate again",
+                        dir.display()
+                    ),
+                );
+            }
+        }
+    }
+    if let Err(e) = tested {
         return fail(server, format!("sshd rejects its configuration: {e}"));
     }
     // The credential: a fresh key pair, certified for this delegation's principal for the
@@ -822,6 +871,35 @@ mod tests {
                 "process {p} survived kill_tree"
             );
         }
+    }
+
+    #[test]
+    fn a_missing_privsep_dir_is_named_from_sshds_error_and_made() {
+        let err = "\"/usr/sbin/sshd\" failed (exit status: 255): \
+                   Missing privilege separation directory: /run/sshd";
+        assert_eq!(missing_privsep_dir(err), Some(PathBuf::from("/run/sshd")));
+        assert_eq!(
+            missing_privsep_dir("Missing privilege separation directory: /var/empty\nmore"),
+            Some(PathBuf::from("/var/empty"))
+        );
+        // Anything else is sshd's own complaint, not ours to fix.
+        assert_eq!(missing_privsep_dir("Bad configuration option: Foo"), None);
+        assert_eq!(
+            missing_privsep_dir("Missing privilege separation directory: run/sshd"),
+            None
+        );
+        assert_eq!(
+            missing_privsep_dir("Missing privilege separation directory: /run/../etc"),
+            None
+        );
+
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("run/sshd");
+        make_privsep_dir(&dir).unwrap();
+        let meta = std::fs::metadata(&dir).unwrap();
+        assert!(meta.is_dir());
+        assert_eq!(meta.permissions().mode() & 0o022, 0, "writable by others");
+        make_privsep_dir(&dir).unwrap();
     }
 
     #[test]
