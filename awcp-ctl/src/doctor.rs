@@ -668,7 +668,15 @@ pub fn fuse_transport(executor_dir: &std::path::Path) -> Check {
     } else {
         format!("{}; {auto}", mounts.join(", "))
     };
-    check(NAME, Status::Ok, detail, None)
+    // Only the kernel's switch stands between this machine and io_uring: say what it buys.
+    let fix = (awcpfs::mount::uring::kernel_enables_uring() == Some(false)
+        && nix::unistd::geteuid().is_root())
+    .then_some(
+        "turn enable_uring on as above and mount again: over /dev/fuse a request wakes a \
+         server thread on another CPU, about 3x a request over io_uring, and every Python \
+         open() makes one (its isatty ioctl); see docs/BENCHMARKS.md",
+    );
+    check(NAME, Status::Ok, detail, fix)
 }
 
 /// The gate of a mount seen in mountinfo: judged for the mounting user (`user_id`, root
