@@ -152,7 +152,8 @@ enum Command {
         /// refs, pack indexes, .gitignore files) right away; reads of a small file bring its
         /// small neighbours in the same request; a large file is fetched block by block as
         /// it is read. `all[:SIZE]`: like `first`, then every file up to SIZE (default
-        /// 256K) in the background, and a large file is streamed whole from its first read.
+        /// 256K) in the background, and a large file is streamed whole from its first read
+        /// (not a git pack: git reads a pack where its objects are).
         /// The agent's own reads always go before background fetches. Default: `all` when
         /// the export is on this machine (loopback), `first` otherwise (a metered or slow
         /// link carries what is used). Progress: `hydration` in status.json.

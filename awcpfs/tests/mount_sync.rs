@@ -6,7 +6,7 @@ use std::ffi::OsStr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use awcp_lease::{Lease, LeaseTerms, SystemClock};
 use awcpfs::export::{ExportConfig, ExportRegistry};
@@ -1652,6 +1652,53 @@ fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
 }
 
 #[test]
+fn a_git_pack_is_read_block_by_block_where_another_large_file_streams_whole() {
+    // Two 5 MiB files in 4 KiB blocks on a no-open mount that streams large files whole (the
+    // `all` policy's reads): a git pack and another file, the same bytes.
+    let big: Vec<u8> = (0..5u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 9) as u8)
+        .collect();
+    let (f, _gated) = gated_fixture(
+        |r| {
+            std::fs::create_dir_all(r.join(".git/objects/pack")).unwrap();
+            std::fs::write(r.join(".git/objects/pack/pack-1.pack"), &big).unwrap();
+            std::fs::write(r.join("big.bin"), &big).unwrap();
+        },
+        true,
+    );
+    f.fs.set_no_open();
+    let fetched = || f.fs.stats().snapshot().bytes_fetched;
+    // The other file: one small read, and the rest of it follows in the background.
+    let other = f.ino("big.bin");
+    let (t0, before) = (Instant::now(), fetched());
+    assert_eq!(f.fs.read_at(other, 0, 0, 4096).unwrap(), &big[..4096]);
+    while fetched() - before < big.len() as u64 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the stream did not bring the file"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let streamed_in = t0.elapsed();
+    // The pack: two reads far apart fetch their own blocks, and nothing follows them in
+    // twice the time the other file's stream took.
+    let pack = f.ino(".git/objects/pack/pack-1.pack");
+    let before = fetched();
+    assert_eq!(f.fs.read_at(pack, 0, 0, 4096).unwrap(), &big[..4096]);
+    let far = 3usize << 20;
+    assert_eq!(
+        f.fs.read_at(pack, 0, far as u64, 4096).unwrap(),
+        &big[far..far + 4096]
+    );
+    std::thread::sleep((streamed_in * 2).max(Duration::from_millis(200)));
+    let pack_fetched = fetched() - before;
+    assert!(
+        pack_fetched < 1 << 20,
+        "{pack_fetched} bytes of the pack fetched for two 4 KiB reads"
+    );
+}
+
+#[test]
 fn a_read_far_into_a_large_file_fetches_its_own_blocks_without_waiting_for_the_rest() {
     // 5 MiB in 4 KiB blocks. The stream's requests (from the start of the file) are held;
     // only requests for the block holding the last 4 KiB get through.
@@ -2186,16 +2233,14 @@ fn cold_first_fetches_the_head_of_a_large_pack_and_reads_there_cost_no_request()
     // Past them, a read fetches its own block.
     assert_eq!(f.fs.read_at(pack, 0, 8192, 10).unwrap(), &big[8192..8202]);
     assert_eq!(f.fs.stats().snapshot().bytes_fetched, fetched + 4096);
-    // `all` streams large files whole instead: no head is planned.
+    // `all` streams other large files whole, never a pack: its head is planned too.
     let f = fixture(false, |r| {
         git_tree(r);
         std::fs::write(r.join(".git/objects/pack/p.pack"), &big).unwrap();
     });
     let plan = f.fs.hydration_plan(HydratePolicy::default());
-    assert!(
-        !plan.iter().any(|b| matches!(b, Batch::PackHead(_))),
-        "{plan:?}"
-    );
+    let pack = f.ino(".git/objects/pack/p.pack");
+    assert!(plan.contains(&Batch::PackHead(pack)), "{plan:?}");
 }
 
 /// The export's `changed` events, as they come: a thread reads the event stream.

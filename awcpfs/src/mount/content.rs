@@ -169,19 +169,19 @@ impl AwcpFs {
         offset: u64,
         size: u32,
     ) -> Result<Option<Vec<u8>>, FsError> {
-        let file_size = {
+        let (file_size, git_pack) = {
             let table = self.table.lock();
             match table.get(ino) {
                 Some(n)
                     if n.size >= STREAM_MIN
                         && matches!(n.data, Data::Remote { packed: None, .. }) =>
                 {
-                    n.size
+                    (n.size, super::hydrate::is_git_pack(&table, n))
                 }
                 _ => return Ok(None),
             }
         };
-        if !self.streams_whole.load(Ordering::Relaxed) {
+        if git_pack || !self.streams_whole.load(Ordering::Relaxed) {
             // Ranged: only the blocks this read covers (a block is the window around the
             // miss), each verified against its hash, kept a while for the kernel's next
             // piece of the same block. Nothing is stored as the file's content: an open for

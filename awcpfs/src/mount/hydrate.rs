@@ -5,7 +5,8 @@
 //! pack indexes, `info/`, and every `.gitignore`/`.gitattributes`: [`is_first_command_file`])
 //! in a few requests right after the mount starts; `all[:MAX]` does that, then every other
 //! file of at most `MAX` bytes (256 KiB by default). Large files are never hydrated: they are
-//! streamed to their readers, or fetched whole on an open.
+//! streamed to their readers (`all`; never a git pack, see `is_git_pack`) or read block by
+//! block, or fetched whole on an open; the head of a large git pack is fetched ahead.
 //!
 //! **Priority** ([`Priority`]): every fetch made for a request of the agent (an open, a read,
 //! a read far into a large file) holds a [`Foreground`] guard around its request to the
@@ -195,6 +196,21 @@ pub fn is_first_command_file(path: &str) -> bool {
         || rest.starts_with("info/")
         || rest.starts_with("objects/info/")
         || (rest.starts_with("objects/pack/") && rest.ends_with(".idx"))
+}
+
+/// Whether `n` is a git pack (`…/objects/pack/*.pack`, in `.git`, a submodule's or a bare
+/// repository's object store). git reads a pack where its objects are, not from end to
+/// end: `git status` the commits and trees near its start, `git show` one object. So a
+/// pack is never streamed whole, whatever the policy: its reads fetch the blocks they
+/// cover, and hydration fetches its head ([`Batch::PackHead`]).
+pub(super) fn is_git_pack(table: &super::inode::InodeTable, n: &super::inode::Node) -> bool {
+    if n.kind != Kind::File || !n.name.ends_with(".pack") {
+        return false;
+    }
+    let Some(dir) = table.get(n.parent) else {
+        return false;
+    };
+    dir.name == "pack" && table.get(dir.parent).is_some_and(|o| o.name == "objects")
 }
 
 /// Hydration's plan and progress, as `status.json` shows it.
@@ -394,13 +410,13 @@ pub enum Batch {
     Rest(Vec<Ino>),
     /// A first-command file too large for the pack (git's index of a large tree).
     Whole(Ino),
-    /// The first [`PACK_HEAD_BLOCKS`] blocks of a large git pack (`first`: where git puts
+    /// The first [`PACK_HEAD_BLOCKS`] blocks of a large git pack (where git puts
     /// the commits and trees that `git status` and `git log` read), kept with the blocks
     /// of ranged reads.
     PackHead(Ino),
 }
 
-/// Blocks of a large git pack fetched ahead under `first` (2 MiB at the default size).
+/// Blocks of a large git pack fetched ahead (2 MiB at the default size).
 pub const PACK_HEAD_BLOCKS: u64 = 2;
 
 impl AwcpFs {
@@ -457,10 +473,9 @@ impl AwcpFs {
                         first.push((n.ino, n.size));
                         in_first.insert(n.ino);
                     } else if remote_file(n)
-                        && !policy.streams_large_files()
                         && n.size >= super::content::STREAM_MIN
                         && path.starts_with(".git/objects/pack/")
-                        && path.ends_with(".pack")
+                        && is_git_pack(&table, n)
                     {
                         heads.push(n.ino);
                     }
