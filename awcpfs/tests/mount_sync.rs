@@ -1891,6 +1891,32 @@ fn hydrate_all(f: &Fixture, policy: HydratePolicy) -> Vec<Batch> {
 }
 
 #[test]
+fn a_planned_file_fetched_by_another_hand_while_its_request_ran_counts_as_done() {
+    // One small file; the hydration request for it fails (fetch 1), as if another fetch of
+    // it were under way, and a read brings it before the plan ends.
+    let f = fixture_with(
+        false,
+        |r| std::fs::write(r.join("a.txt"), b"content").unwrap(),
+        |inner| Gated::new(inner, true, 1),
+    );
+    f.fs.set_no_open();
+    let policy = HydratePolicy::default();
+    f.fs.set_hydrate_policy(policy);
+    let plan: Vec<Batch> = f.fs.hydration_plan(policy).into_iter().collect();
+    assert_eq!(f.fs.hydration().snapshot().files_planned, 1, "{plan:?}");
+    for b in &plan {
+        assert!(f.fs.hydrate(b).is_err(), "the gate fails the first fetch");
+    }
+    assert_eq!(f.fs.hydration().snapshot().files_remaining, 1);
+    let ino = f.ino("a.txt");
+    assert_eq!(f.fs.read_at(ino, 0, 0, 100).unwrap(), b"content");
+    f.fs.hydration_finished();
+    let h = f.fs.hydration().snapshot();
+    assert!(h.finished);
+    assert_eq!((h.files_remaining, h.bytes_remaining), (0, 0), "{h:?}");
+}
+
+#[test]
 fn cold_policy_none_fetches_nothing_first_the_git_entry_points_all_every_small_file() {
     let sizes = {
         let t = tempfile::tempdir().unwrap();

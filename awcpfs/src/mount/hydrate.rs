@@ -247,6 +247,10 @@ pub struct Progress {
     bytes_done: AtomicU64,
     yielded: AtomicU64,
     finished: std::sync::atomic::AtomicBool,
+    /// Files of requests already made that were still remote right after them: another
+    /// fetch of theirs was under way (the index the mount shows git, fetched as it starts;
+    /// an agent's read). Counted when the plan ends if they are local by then.
+    uncounted: Mutex<Vec<Ino>>,
 }
 
 impl Progress {
@@ -540,6 +544,7 @@ impl AwcpFs {
         p.bytes_planned.store(bytes, Ordering::Relaxed);
         p.files_done.store(0, Ordering::Relaxed);
         p.bytes_done.store(0, Ordering::Relaxed);
+        p.uncounted.lock().clear();
         p.finished.store(files == 0, Ordering::Relaxed);
     }
 
@@ -555,7 +560,32 @@ impl AwcpFs {
 
     /// Mark the plan through.
     pub fn hydration_finished(&self) {
+        let uncounted = std::mem::take(&mut *self.hydration.uncounted.lock());
+        self.count_hydrated(&uncounted, false);
         self.hydration.finished.store(true, Ordering::Relaxed);
+    }
+
+    /// Count the files of `inos` that are no longer remote as done; with `keep`, remember
+    /// the others for the end of the plan.
+    fn count_hydrated(&self, inos: &[Ino], keep: bool) {
+        let mut still_remote = Vec::new();
+        let table = self.table.lock();
+        for ino in inos {
+            match table.get(*ino) {
+                Some(n) if !matches!(n.data, Data::Remote { packed: None, .. }) => {
+                    self.hydration.files_done.fetch_add(1, Ordering::Relaxed);
+                    self.hydration
+                        .bytes_done
+                        .fetch_add(n.size, Ordering::Relaxed);
+                }
+                Some(_) if keep => still_remote.push(*ino),
+                _ => {}
+            }
+        }
+        drop(table);
+        if !still_remote.is_empty() {
+            self.hydration.uncounted.lock().extend(still_remote);
+        }
     }
 
     /// Run one hydration request, after the agent's fetches (see [`Priority`]). Counts the
@@ -582,17 +612,7 @@ impl AwcpFs {
             Batch::Whole(ino) => std::slice::from_ref(ino),
             Batch::PackHead(_) => &[],
         };
-        let table = self.table.lock();
-        for ino in inos {
-            if let Some(n) = table.get(*ino)
-                && !matches!(n.data, Data::Remote { packed: None, .. })
-            {
-                self.hydration.files_done.fetch_add(1, Ordering::Relaxed);
-                self.hydration
-                    .bytes_done
-                    .fetch_add(n.size, Ordering::Relaxed);
-            }
-        }
+        self.count_hydrated(inos, true);
         r
     }
 }
