@@ -247,6 +247,14 @@ async fn finding_reaches_the_point_of_use(writeback_cache: bool) {
         eventually(WAIT, || read_lines(&findings_b).is_empty()).await,
         "still listed for B"
     );
+    // A's replica learns of the refutation over its own event stream; until it has, an
+    // access to pkg/a.py on A's mount (a getxattr looks the file up again once B's write
+    // has invalidated it there) would still deliver the finding. `.aecp/` is no delivery.
+    let findings_a = mount_a.join(".aecp/findings/pkg/a.py");
+    assert!(
+        eventually(WAIT, || read_lines(&findings_a).is_empty()).await,
+        "still listed for A"
+    );
     assert!(
         eventually(WAIT, || xattr(
             &mount_a.join("pkg/a.py"),
