@@ -478,7 +478,6 @@ impl AwcpFs {
                         in_first.insert(n.ino);
                     } else if remote_file(n)
                         && n.size >= super::content::STREAM_MIN
-                        && path.starts_with(".git/objects/pack/")
                         && is_git_pack(&table, n)
                     {
                         heads.push(n.ino);
