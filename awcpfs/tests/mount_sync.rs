@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use awcp_lease::{Lease, LeaseTerms, SystemClock};
 use awcpfs::export::{ExportConfig, ExportRegistry};
-use awcpfs::mount::content::{OpenMode, SetAttr};
+use awcpfs::mount::content::{OpenMode, SEQUENTIAL_AFTER, SetAttr};
 use awcpfs::mount::fs::{AwcpFs, FsOptions};
 use awcpfs::mount::inode::{InodeTable, ROOT_INO};
 use awcpfs::mount::journal::{self, Journal};
@@ -1524,6 +1524,12 @@ impl Gated {
         *self.open.lock() = true;
         self.cv.notify_all();
     }
+
+    /// Hold every fetch from now on but those asking for block `pass`.
+    fn shut(&self, pass: &[u8]) {
+        *self.pass.lock() = Some(blake3::hash(pass).to_hex().to_string());
+        *self.open.lock() = false;
+    }
 }
 
 impl Remote for Gated {
@@ -1617,13 +1623,47 @@ fn read_whole(f: &Fixture, ino: u64, fh: u64, len: usize) -> Vec<u8> {
     all
 }
 
+/// Read `big`'s bytes `from..to` of `ino` in 64 KiB reads without a handle, checking each.
+fn read_run(f: &Fixture, ino: u64, big: &[u8], from: usize, to: usize) {
+    let mut off = from;
+    while off < to {
+        let len = (64 << 10).min(to - off);
+        let got = f.fs.read_at(ino, 0, off as u64, len as u32).unwrap();
+        assert_eq!(got, &big[off..off + len], "read of {len} at {off}");
+        off += len;
+    }
+}
+
+/// `ino`, 5 MiB in 4 KiB blocks, read from 64 KiB to `SEQUENTIAL_AFTER` with the gate open
+/// (block by block: not sequential yet), then the gate shut but for the block starting at
+/// `pass`: the read of its first 64 KiB that follows completes a sequential run and starts
+/// the stream, whose requests are held but the one asking for that block.
+fn nearly_sequential(f: &Fixture, ino: u64, big: &[u8], gated: &Gated, pass: usize) {
+    let fetched = || f.fs.stats().snapshot().bytes_fetched;
+    gated.release();
+    read_run(f, ino, big, 64 << 10, SEQUENTIAL_AFTER as usize);
+    let before = fetched();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        fetched(),
+        before,
+        "a stream started before the reads were sequential"
+    );
+    assert!(
+        before <= SEQUENTIAL_AFTER,
+        "{before} bytes fetched for 960 KiB of reads"
+    );
+    gated.shut(&big[pass..pass + 4096]);
+}
+
 #[test]
-fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
-    // 5 MiB in 4 KiB blocks: 80 fetches of 16 blocks; all but the first batch's are held.
+fn a_large_file_read_in_order_streams_before_the_whole_file_arrives() {
+    // 5 MiB in 4 KiB blocks: the stream asks for 16 blocks per request; once the reads are
+    // sequential, all but the stream's first request are held.
     let (f, big, gated, ino) = gated_big_file(13);
-    *gated.pass.lock() = Some(blake3::hash(&big[..4096]).to_hex().to_string());
-    // The first 64 KiB arrive with the fetch of the first batch: the read returns while the
-    // rest of the file is still held back.
+    nearly_sequential(&f, ino, &big, &gated, 0);
+    // The first 64 KiB complete the run: the stream starts, and the read returns with the
+    // stream's first batch while the rest of the file is still held back.
     let (tx, rx) = std::sync::mpsc::channel();
     let fs = f.fs.clone();
     std::thread::spawn(move || {
@@ -1652,59 +1692,94 @@ fn a_large_file_read_without_a_handle_streams_before_the_whole_file_arrives() {
 }
 
 #[test]
-fn a_git_pack_is_read_block_by_block_where_another_large_file_streams_whole() {
-    // Two 5 MiB files in 4 KiB blocks on a no-open mount that streams large files whole (the
-    // `all` policy's reads): a git pack and another file, the same bytes.
-    let big: Vec<u8> = (0..5u32 << 20)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 9) as u8)
-        .collect();
+fn a_large_file_read_here_and_there_is_fetched_block_by_block_and_one_read_in_order_streams_whole()
+{
+    // Two 5 MiB files in 4 KiB blocks on a no-open mount that streams large files read in
+    // order (the `all` policy): a file read in order, a database read here and there, and
+    // a git pack; no two blocks alike.
+    let bytes = |shift: u32| -> Vec<u8> {
+        (0..5u32 << 20)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> shift) as u8)
+            .collect()
+    };
+    let (big, db_bytes, pack_bytes) = (bytes(9), bytes(10), bytes(12));
     let (f, _gated) = gated_fixture(
         |r| {
             std::fs::create_dir_all(r.join(".git/objects/pack")).unwrap();
-            std::fs::write(r.join(".git/objects/pack/pack-1.pack"), &big).unwrap();
+            std::fs::write(r.join(".git/objects/pack/pack-1.pack"), &pack_bytes).unwrap();
             std::fs::write(r.join("big.bin"), &big).unwrap();
+            std::fs::write(r.join("db.sqlite"), &db_bytes).unwrap();
         },
         true,
     );
     f.fs.set_no_open();
     let fetched = || f.fs.stats().snapshot().bytes_fetched;
-    // The other file: one small read, and the rest of it follows in the background.
+    // Read in order: past the first MiB, the rest of the file follows in the background.
     let other = f.ino("big.bin");
     let (t0, before) = (Instant::now(), fetched());
-    assert_eq!(f.fs.read_at(other, 0, 0, 4096).unwrap(), &big[..4096]);
-    while fetched() - before < big.len() as u64 {
+    read_run(&f, other, &big, 0, (SEQUENTIAL_AFTER as usize) + 4096);
+    // (The stream fetches the file from its start: the first MiB comes twice here, where
+    // no block cache keeps it.)
+    let mut last = 0;
+    loop {
+        let now = fetched() - before;
+        if now >= big.len() as u64 && now == last {
+            break;
+        }
         assert!(
             t0.elapsed() < Duration::from_secs(30),
-            "the stream did not bring the file"
+            "the stream did not bring the file ({now} bytes fetched)"
         );
-        std::thread::sleep(Duration::from_millis(5));
+        last = now;
+        std::thread::sleep(Duration::from_millis(50));
     }
-    let streamed_in = t0.elapsed();
-    // The pack: two reads far apart fetch their own blocks, and nothing follows them in
-    // twice the time the other file's stream took.
+    // Long enough for a stream, had one started, to fetch far more than the reads below.
+    let quiet = Duration::from_secs(1);
+    // Read here and there (a database's pages: 4 KiB at offsets far apart, 40 of them,
+    // revisiting some): only the blocks read are fetched, and nothing follows them.
+    let db = f.ino("db.sqlite");
+    let before = fetched();
+    for i in 0..40usize {
+        let off = (i * 2_654_435_761) % (big.len() - 4096) / 4096 * 4096;
+        assert_eq!(
+            f.fs.read_at(db, 0, off as u64, 4096).unwrap(),
+            &db_bytes[off..off + 4096]
+        );
+    }
+    std::thread::sleep(quiet);
+    let db_fetched = fetched() - before;
+    assert!(
+        db_fetched <= 40 * 4096,
+        "{db_fetched} bytes of the database fetched for 40 reads of 4 KiB"
+    );
+    // A git pack is never streamed, even read in order: git reads its objects where they
+    // are, and the head it needs first is fetched ahead.
     let pack = f.ino(".git/objects/pack/pack-1.pack");
     let before = fetched();
-    assert_eq!(f.fs.read_at(pack, 0, 0, 4096).unwrap(), &big[..4096]);
+    let run = 3 * SEQUENTIAL_AFTER as usize / 2;
+    read_run(&f, pack, &pack_bytes, 0, run);
     let far = 3usize << 20;
     assert_eq!(
         f.fs.read_at(pack, 0, far as u64, 4096).unwrap(),
-        &big[far..far + 4096]
+        &pack_bytes[far..far + 4096]
     );
-    std::thread::sleep((streamed_in * 2).max(Duration::from_millis(200)));
+    std::thread::sleep(quiet);
     let pack_fetched = fetched() - before;
     assert!(
-        pack_fetched < 1 << 20,
-        "{pack_fetched} bytes of the pack fetched for two 4 KiB reads"
+        pack_fetched <= run as u64 + 4096,
+        "{pack_fetched} bytes of the pack fetched for {} bytes of reads",
+        run + 4096
     );
 }
 
 #[test]
 fn a_read_far_into_a_large_file_fetches_its_own_blocks_without_waiting_for_the_rest() {
-    // 5 MiB in 4 KiB blocks. The stream's requests (from the start of the file) are held;
-    // only requests for the block holding the last 4 KiB get through.
+    // 5 MiB in 4 KiB blocks. Once the reads are sequential, the stream's requests (from the
+    // start of the file) are held; only requests for the block holding the last 4 KiB get
+    // through.
     let (f, big, gated, ino) = gated_big_file(11);
     let tail = big.len() - 4096;
-    *gated.pass.lock() = Some(blake3::hash(&big[tail..]).to_hex().to_string());
+    nearly_sequential(&f, ino, &big, &gated, tail);
     let read = |off: u64, len: u32| {
         let (tx, rx) = std::sync::mpsc::channel();
         let fs = f.fs.clone();
@@ -1715,8 +1790,8 @@ fn a_read_far_into_a_large_file_fetches_its_own_blocks_without_waiting_for_the_r
             .expect("the read waited for the blocks before it")
             .unwrap()
     };
-    // The first read starts the stream (held); the tail is read past it, and a read across
-    // the end returns what there is.
+    // The read completing the run starts the stream (held); the tail is read past it, and
+    // a read across the end returns what there is.
     let (tx, rx) = std::sync::mpsc::channel();
     let fs = f.fs.clone();
     std::thread::spawn(move || {

@@ -95,9 +95,29 @@ impl OpenMode {
     }
 }
 
-/// Remote files at least this large are streamed to readers without a handle (no-open): a
-/// background thread fetches the file, and a read waits only for the bytes it asks for.
+/// Remote files at least this large are streamed to readers without a handle (no-open)
+/// once their reads are sequential ([`SEQUENTIAL_AFTER`]): a background thread fetches the
+/// file, and a read waits only for the bytes it asks for.
 pub const STREAM_MIN: u64 = 4 << 20;
+
+/// Bytes of a large remote file read in one run (each read starting at or near where the run
+/// has got to) after which its reads count as sequential and the rest of the file is
+/// streamed. A reader that jumps about — SQLite, a pack's objects, the tail of a log — keeps
+/// fetching only the blocks it reads; `cat`, `cp` or a checksum pay one ranged fetch of a
+/// block or so and then read at the stream's speed.
+pub const SEQUENTIAL_AFTER: u64 = 1 << 20;
+
+/// Large files whose read runs are remembered ([`ReadRun`]).
+pub(super) const READ_RUNS: usize = 64;
+
+/// The bytes `start..end` of a large remote file covered by its latest reads, one after
+/// another, each starting within a block of the run (the kernel's readahead sends a
+/// sequential reader's reads slightly out of order).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ReadRun {
+    start: u64,
+    end: u64,
+}
 
 /// An on-demand fetch of a file that starts less than this long after a fetch of the same
 /// file failed on the network after waiting on it (at least [`FAILED_FETCH_SLOW`]), or
@@ -160,9 +180,11 @@ impl AwcpFs {
         self.fetch_local(ino, None)
     }
 
-    /// A read of a large remote file without a handle: served from the background fetch
-    /// as soon as the blocks it covers are written (started here if none runs). `None`
-    /// when the file is not a large remote one (any more): read it as usual.
+    /// A read of a large remote file without a handle: the blocks it covers, until the
+    /// file's reads are seen to be sequential (under a policy that streams, and never for a
+    /// git pack); then, and for every later read, served from a background fetch of the
+    /// whole file as soon as the blocks it covers are written (started here if none runs).
+    /// `None` when the file is not a large remote one (any more): read it as usual.
     pub fn read_streamed(
         self: &Arc<Self>,
         ino: Ino,
@@ -181,7 +203,12 @@ impl AwcpFs {
                 _ => return Ok(None),
             }
         };
-        if git_pack || !self.streams_whole.load(Ordering::Relaxed) {
+        let streaming = self.streams.lock().contains_key(&ino);
+        if !streaming
+            && (git_pack
+                || !self.streams_whole.load(Ordering::Relaxed)
+                || !self.reads_sequentially(ino, offset, size))
+        {
             // Ranged: only the blocks this read covers (a block is the window around the
             // miss), each verified against its hash, kept a while for the kernel's next
             // piece of the same block. Nothing is stored as the file's content: an open for
@@ -255,6 +282,36 @@ impl AwcpFs {
             Some(file) if reached => read_file(file, offset, size).map(Some),
             _ => Ok(None),
         }
+    }
+
+    /// Note a read of `size` bytes at `offset` of the large remote file `ino`: whether its
+    /// run of reads has now covered [`SEQUENTIAL_AFTER`] bytes (then the run is forgotten:
+    /// the file is about to be streamed). A read that does not continue the run starts a
+    /// new one.
+    fn reads_sequentially(&self, ino: Ino, offset: u64, size: u32) -> bool {
+        let end = offset.saturating_add(u64::from(size));
+        let slack = self.block_size();
+        let mut runs = self.read_runs.lock();
+        let run = match runs.get_mut(&ino) {
+            Some(r)
+                if offset <= r.end.saturating_add(slack)
+                    && end >= r.start.saturating_sub(slack) =>
+            {
+                r.start = r.start.min(offset);
+                r.end = r.end.max(end);
+                *r
+            }
+            _ => {
+                let r = ReadRun { start: offset, end };
+                runs.put(ino, r);
+                r
+            }
+        };
+        let sequential = run.end - run.start >= SEQUENTIAL_AFTER;
+        if sequential {
+            runs.pop(&ino);
+        }
+        sequential
     }
 
     /// The export's block size in bytes (never 0).

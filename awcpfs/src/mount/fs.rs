@@ -146,9 +146,13 @@ pub struct AwcpFs {
     pub(super) priority: super::hydrate::Priority,
     /// Background hydration's plan and progress (`mount/hydrate.rs`).
     pub(super) hydration: super::hydrate::Progress,
-    /// A large file's first read streams all of it (hydration `all`); otherwise each read
-    /// fetches the blocks it covers.
+    /// A large file read from one end to the other is streamed whole once its reads are
+    /// seen to be sequential (hydration `all`); otherwise each read fetches the blocks it
+    /// covers.
     pub(super) streams_whole: AtomicBool,
+    /// Where the reads of large remote files not streamed (yet) have got to
+    /// ([`super::content::ReadRun`]), the files read most lately.
+    pub(super) read_runs: Mutex<lru::LruCache<Ino, super::content::ReadRun>>,
     /// An on-demand fetch of a small file brings its small neighbours along.
     pub(super) neighbours: AtomicBool,
     /// The export is on this machine: background hydration runs beside the agent's reads
@@ -288,6 +292,9 @@ impl AwcpFs {
             priority: Default::default(),
             hydration: Default::default(),
             streams_whole: AtomicBool::new(true),
+            read_runs: Mutex::new(lru::LruCache::new(
+                std::num::NonZeroUsize::new(super::content::READ_RUNS).expect("nonzero"),
+            )),
             neighbours: AtomicBool::new(false),
             export_local: AtomicBool::new(false),
             recent_blocks: Mutex::new(lru::LruCache::new(

@@ -5,8 +5,9 @@
 //! pack indexes, `info/`, and every `.gitignore`/`.gitattributes`: [`is_first_command_file`])
 //! in a few requests right after the mount starts; `all[:MAX]` does that, then every other
 //! file of at most `MAX` bytes (256 KiB by default). Large files are never hydrated: they are
-//! streamed to their readers (`all`; never a git pack, see `is_git_pack`) or read block by
-//! block, or fetched whole on an open; the head of a large git pack is fetched ahead.
+//! read block by block, streamed to their readers once those read in order (`all`; never a
+//! git pack, see `is_git_pack`, and [`SEQUENTIAL_AFTER`](super::content::SEQUENTIAL_AFTER)),
+//! or fetched whole on an open; the head of a large git pack is fetched ahead.
 //!
 //! **Priority** ([`Priority`]): every fetch made for a request of the agent (an open, a read,
 //! a read far into a large file) holds a [`Foreground`] guard around its request to the
@@ -119,7 +120,7 @@ impl HydratePolicy {
         }
     }
 
-    /// Whether a large file's first read streams the whole file in the background (`all`),
+    /// Whether a large file read in order is streamed whole in the background (`all`),
     /// rather than fetching only the blocks each read covers.
     pub fn streams_large_files(self) -> bool {
         matches!(self, HydratePolicy::All { .. })
@@ -424,7 +425,8 @@ pub enum Batch {
 pub const PACK_HEAD_BLOCKS: u64 = 2;
 
 impl AwcpFs {
-    /// Serve reads as `policy` says: stream large files whole or fetch only what is read;
+    /// Serve reads as `policy` says: stream large files read in order whole, or fetch only
+    /// what is read;
     /// fetch a small file's neighbours with it or not. Set before the mount serves.
     pub fn set_hydrate_policy(&self, policy: HydratePolicy) {
         self.streams_whole
