@@ -74,6 +74,14 @@ usage: bash scripts/bench.sh [options]
   --no-sshfs          leave out the sshfs arms of every cell (their figures do not depend
                       on awcpfs: useful to re-measure awcpfs alone; sshd still runs for
                       the cold workload's copy baseline)
+  --libfuse           add a fourth arm to the make and loop workloads (the write rows): the
+                      same workload on libfuse's own passthrough filesystem (passthrough_ll,
+                      built from Debian's libfuse3-dev examples, -o cache=always,xattr)
+                      over a copy of the tree, over /dev/fuse - a FUSE filesystem that
+                      only forwards each request to a directory: what the kernel's FUSE
+                      round trips cost a plain FUSE filesystem. It keeps a descriptor per
+                      inode: a part with more entries than the open-file limit
+                      (--files 20000 where that limit is 20,000) gets no such arm
   --link-mbit M       the emulated link's bandwidth, M Mbit/s each way, shared by all
                       connections (default 0 = unlimited); e.g. --link-delay-ms 20
                       --link-mbit 200 for a 20 ms / 200 Mbit/s link
@@ -99,7 +107,7 @@ HELPERS=$REPO_DIR/scripts/bench
 
 FILES= BIG_MIB= C_UNITS= RUNS= FIO_SECS= QUICK=0 ONLY= KEEP=0 FLEET= WARM_ONLY=0 NO_SSHFS=0
 SAMPLES=20 TTL_SLEEP=1.5 STEP_TIMEOUT=900 CELL_BUDGET= IDLE_WAIT= MOUNT_OPTS=
-LINK_DELAY_MS=0 LINK_MBIT=0 NO_SSHFS=0 REPLAY_ALT=--writeback-cache
+LINK_DELAY_MS=0 LINK_MBIT=0 NO_SSHFS=0 REPLAY_ALT=--writeback-cache LIBFUSE=0
 BIN_DIR=${AWCP_BENCH_BIN_DIR:-}
 WORK=${AWCP_BENCH_WORK_DIR:-}
 OUT_DIR=${AWCP_BENCH_OUT_DIR:-/var/tmp/awcpfs-bench-results}
@@ -122,6 +130,7 @@ while [[ $# -gt 0 ]]; do
         --keep) KEEP=1 ;;
         --warm-only) WARM_ONLY=1 ;;
         --no-sshfs) NO_SSHFS=1 ;;
+        --libfuse) LIBFUSE=1 ;;
         --step-timeout) need_arg "$@"; STEP_TIMEOUT=$2; shift ;;
         --cell-budget) need_arg "$@"; CELL_BUDGET=$2; shift ;;
         --idle-wait) need_arg "$@"; IDLE_WAIT=$2; shift ;;
@@ -191,6 +200,7 @@ die() { log "ERROR: $*"; exit 1; }
 
 declare -A EXPORT_PID=() MOUNT_PID=() STATE_OF=() SRC_OF=() LINK_PID=() MOUNT_HANDLE=()
 declare -A MOUNT_EXTRA=()   # mount options of one mount by name, after $MOUNT_OPTS
+declare -A LIBFUSE_PID=()   # libfuse's passthrough_ll by part (--libfuse)
 SSH_LINK_PID=
 CTL_PIDS=()
 SSHD_PID=
@@ -240,6 +250,7 @@ cleanup() {
     for n in "${!MOUNT_PID[@]}"; do stop_pid "${MOUNT_PID[$n]}" 60; done
     for n in "${!EXPORT_PID[@]}"; do stop_pid "${EXPORT_PID[$n]}" 10; done
     for n in "${!LINK_PID[@]}"; do stop_pid "${LINK_PID[$n]}" 10 TERM; done
+    for n in "${!LIBFUSE_PID[@]}"; do stop_pid "${LIBFUSE_PID[$n]}" 10 TERM; done
     local p
     for p in "${CTL_PIDS[@]}"; do stop_pid "$p" 60; done
     if [[ -n ${WORK:-} ]]; then   # anything still mounted below the work directory, deepest first
@@ -390,14 +401,18 @@ reset_copy() {
     git -C "$d/repo" status >/dev/null      # the index holds this copy's native stat data
     git -C "$d/repo-1k" status >/dev/null
 }
-log "copying the dataset for awcpfs and sshfs"
-for d in "$D_AW" "$D_SSH"; do
+# Every copy a workload resets: native, awcpfs's, sshfs's, and libfuse's (--libfuse).
+D_LF=$DATA/libfuse     #   served by libfuse's passthrough_ll, mounted at $MNT/libfuse-<part>
+COPIES=("$D_NAT" "$D_AW" "$D_SSH")
+((LIBFUSE)) && COPIES+=("$D_LF")
+log "copying the dataset for ${#COPIES[@]} configurations"
+for d in "${COPIES[@]:1}"; do
     rm -rf "$d"
     mkdir -p "$d"
     for part in repo repo-1k cproj scratch pytree; do cp -a "$D_NAT/$part" "$d/$part"; done
     cp -al "$D_NAT/big" "$d/big"
 done
-for d in "$D_NAT" "$D_AW" "$D_SSH"; do reset_copy "$d"; done
+for d in "${COPIES[@]}"; do reset_copy "$d"; done
 # The copies' pages are dirty: written back while the first cells run, they would slow
 # those cells down (at 100,000 files the delegate cell took 1.0-1.2 s instead of 0.6 s).
 log "writing the copies to disk (sync)"
@@ -524,6 +539,62 @@ awcpfs_cold() {
     awcpfs_down "$1"
     awcpfs_export_up "$1" "$2" && drop_caches && awcpfs_mount_up "$1"
 }
+
+# ---------------------------------------------------------------------------------------------
+# A plain FUSE filesystem (--libfuse): libfuse's own low-level passthrough example over a copy
+# of a part, at $MNT/libfuse-<part>. It forwards every request to the copy and does nothing
+# else (no journal, no write-back, no fetching): what it costs over native is what the
+# kernel's FUSE round trips cost a filesystem that adds nothing. Built from Debian's
+# libfuse3-dev examples at run time, never kept in the repository.
+
+LIBFUSE_BIN=
+LIBFUSE_WL=0   # set by the workloads that measure it (make, loop)
+LIBFUSE_OK=0   # the current part's passthrough_ll mount is up and warm
+libfuse_build() {
+    local ex=/usr/share/doc/libfuse3-dev/examples src=$RUN/passthrough_ll.c
+    if [[ ! -d $ex ]] || ! command -v pkg-config >/dev/null; then
+        log "installing libfuse3-dev (libfuse's examples) for --libfuse"
+        export DEBIAN_FRONTEND=noninteractive
+        timeout 900 apt-get update -qq >/dev/null && timeout 1800 apt-get install -y -qq \
+            --no-install-recommends libfuse3-dev pkg-config >/dev/null ||
+            die "apt-get install libfuse3-dev pkg-config failed (needed by --libfuse)"
+    fi
+    if [[ -f $ex/passthrough_ll.c.gz ]]; then zcat "$ex/passthrough_ll.c.gz" >"$src"; else cp "$ex/passthrough_ll.c" "$src"; fi ||
+        die "no passthrough_ll.c in $ex"
+    # shellcheck disable=SC2046 # pkg-config prints a list of flags
+    gcc -O2 -I"$ex" -o "$RUN/passthrough_ll" "$src" $(pkg-config --cflags --libs fuse3) ||
+        die "cannot build libfuse's passthrough_ll (--libfuse)"
+    LIBFUSE_BIN=$RUN/passthrough_ll
+    log "libfuse arm: libfuse $(pkg-config --modversion fuse3)'s passthrough_ll, -o cache=always,xattr"
+}
+# libfuse_up PART: mount passthrough_ll over $D_LF/PART; fails (logged) when PART has more entries
+# than passthrough_ll may hold descriptors for.
+libfuse_up() {
+    local part=$1 mnt=$MNT/libfuse-$1 n lim
+    lim=$(ulimit -n)
+    n=$(find "$D_LF/$part" | wc -l)
+    if ((n + 256 > lim)); then
+        log "  libfuse: $part has $n entries and passthrough_ll keeps a descriptor for each: over the open-file limit ($lim); no libfuse arm"
+        return 1
+    fi
+    mkdir -p "$mnt"
+    "$LIBFUSE_BIN" -f -o "source=$D_LF/$part,cache=always,xattr" "$mnt" >>"$LOGS/libfuse-$part.log" 2>&1 &
+    LIBFUSE_PID[$part]=$!
+    wait_for "passthrough_ll at $mnt" 30 "${LIBFUSE_PID[$part]}" mountpoint -q "$mnt"
+}
+libfuse_down() {
+    local part=$1
+    LIBFUSE_OK=0
+    [[ -n ${LIBFUSE_PID[$part]:-} ]] || return 0
+    stop_pid "${LIBFUSE_PID[$part]}" 30 TERM
+    unset "LIBFUSE_PID[$part]"
+    force_unmount "$MNT/libfuse-$part"
+}
+if ((LIBFUSE)); then
+    libfuse_build
+    # one descriptor per inode: as many as this process may have
+    ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+fi
 
 # ---------------------------------------------------------------------------------------------
 # sshfs over a private loopback sshd
@@ -844,6 +915,10 @@ warm_setup() {
     if awcpfs_up "$part" "$D_AW/$part" && warmup awcpfs "$MNT/$part" "$cmd"; then
         AW_OK=1
     fi
+    LIBFUSE_OK=0
+    if ((LIBFUSE && LIBFUSE_WL)) && libfuse_up "$part" && warmup libfuse "$MNT/libfuse-$part" "$cmd"; then
+        LIBFUSE_OK=1
+    fi
     ((NO_SSHFS)) && return 0
     # remount: the copy may have been changed behind sshfs's caches since the last mount
     sshfs_fresh || true
@@ -857,6 +932,9 @@ warm_arms() {
         arm awcpfs "$MNT/$part" "${prep//@D@/$MNT/$part}" "$cmd" "$check"
     else
         record "$CELL_W" "$CELL_V" awcpfs "$UNIT" fail
+    fi
+    if ((LIBFUSE_OK)); then
+        arm libfuse "$MNT/libfuse-$part" "${prep//@D@/$MNT/libfuse-$part}" "$cmd" "$check"
     fi
     arm sshfs "$SSHFS_MNT/$part" "${prep//@D@/$SSHFS_MNT/$part}" "$cmd" "$check"
 }
@@ -889,7 +967,7 @@ wl_git() {
     warm_arms repo after_ttl "$GIT_CMD"
     run_cell
     awcpfs_down repo
-    for d in "$D_NAT" "$D_AW" "$D_SSH"; do git_refresh "$d/repo"; done
+    for d in "${COPIES[@]}"; do git_refresh "$d/repo"; done
 }
 
 STAT_CMD="find . -printf '%i %s %T@\n' >/dev/null"
@@ -995,7 +1073,8 @@ wl_make() {
     run_cell
     awcpfs_down cproj
     PRE_NATIVE= PRE_AWCPFS= PRE_SSHFS=
-    for d in "$D_NAT" "$D_AW" "$D_SSH"; do make_clean "$d/cproj"; done
+    for d in "${COPIES[@]}"; do make_clean "$d/cproj"; done
+    LIBFUSE_WL=1
     warm_setup cproj "$MAKE_CMD"
     cell make clean-warm
     warm_arms cproj "make_clean @D@" "$MAKE_CMD" "compiled $all"
@@ -1004,7 +1083,9 @@ wl_make() {
     warm_arms cproj "edit5 @D@" "$MAKE_CMD" "compiled 5"
     run_cell
     awcpfs_down cproj
-    for d in "$D_NAT" "$D_AW" "$D_SSH"; do make_clean "$d/cproj"; done
+    libfuse_down cproj
+    LIBFUSE_WL=0
+    for d in "${COPIES[@]}"; do make_clean "$d/cproj"; done
 }
 
 # The agent's loop on the C project, under git: edit 5 files, rebuild, run the program (the
@@ -1024,16 +1105,18 @@ git_init_cproj() {
 wl_loop() {
     log "workload: the agent's loop (edit -> make -> run -> commit; edit 200 files -> commit)"
     local d base
-    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+    for d in "${COPIES[@]}"; do
         make_clean "$d/cproj"
         git_init_cproj "$d/cproj"
     done
+    LIBFUSE_WL=1
     warm_setup cproj "$MAKE_CMD"
     cell loop full
     warm_arms cproj "sleep 1.1" "$LOOP_CMD" "compiled 5"
     run_cell
     awcpfs_down cproj
-    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+    libfuse_down cproj
+    for d in "${COPIES[@]}"; do
         make_clean "$d/cproj"
         rm -rf "$d/cproj/.git" "$d/cproj/.gitignore"
     done
@@ -1046,7 +1129,9 @@ wl_loop() {
     warm_arms repo - "$COMMIT_CMD"
     run_cell
     awcpfs_down repo
-    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+    libfuse_down repo
+    LIBFUSE_WL=0
+    for d in "${COPIES[@]}"; do
         git -C "$d/repo" reset -q --hard "$base"
         git_refresh "$d/repo"
     done
@@ -1065,7 +1150,7 @@ wl_pyc() {
     warm_arms pytree "pyc_clean @D@ && sleep 1" "$PYC_CMD"
     run_cell
     awcpfs_down pytree
-    for d in "$D_NAT" "$D_AW" "$D_SSH"; do pyc_clean "$d/pytree"; done
+    for d in "${COPIES[@]}"; do pyc_clean "$d/pytree"; done
 }
 
 # The agent's first commands on a fresh mount, each run from scratch (page cache dropped,
@@ -1234,7 +1319,7 @@ wl_replay() {
     unset "MOUNT_EXTRA[replayalt]"
     rm -rf "$d_alt" "$d_exec"
     # the copies' repositories carry the replay's commits: back to the dataset's state
-    for d in "$D_NAT" "$D_AW" "$D_SSH"; do
+    for d in "${COPIES[@]}"; do
         git -C "$d/repo" reset -q --hard "$base"
         git_refresh "$d/repo"
     done

@@ -272,6 +272,7 @@ def main():
         out = []   # an `--only aecp` run: its own table alone
     out = replay_tables(data, files, runs, meta) + out
     out.extend(aecp_table(data, files, runs))
+    out.extend(libfuse_table(data, files, runs))
     print("\n".join(out))
 
 
@@ -330,6 +331,40 @@ def replay_tables(data, files, runs, meta):
                 "awcpfs + fsmonitor: `core.fsmonitor` = `awcpfs fsmonitor`, "
                 "`core.untrackedCache`):", ""] + t + [""]
     return out
+
+
+def libfuse_table(data, files, runs):
+    """The write rows against a plain FUSE filesystem (`--libfuse`): libfuse's passthrough_ll
+    over a copy of the same tree, which only forwards each request."""
+    arms = [("native", "native"), ("awcpfs", "awcpfs"),
+            ("libfuse", "libfuse passthrough_ll")]
+    sub = OrderedDict((k, v) for k, v in data.items()
+                      if k[0] in ("make", "loop") and "libfuse" in v)
+    if not sub:
+        return []
+    out = ["", f"The write rows against a plain FUSE filesystem ({files:,} files; libfuse's "
+           "passthrough_ll, `-o cache=always,xattr`, over `/dev/fuse`: what the kernel's "
+           "round trips cost a FUSE filesystem that only forwards each request):", ""]
+    rows = []
+    for w in ("make", "loop"):
+        rows += arms_table(OrderedDict((k, v) for k, v in sub.items() if k[0] == w), w, arms,
+                           LIBFUSE_LABELS, runs)[0 if not rows else 2:]
+    out += rows
+    head = "| workload | awcpfs ÷ libfuse passthrough_ll |"
+    out += ["", head, "|---|---:|"]
+    for key, cells in sub.items():
+        unit = next(iter(cells.values()))["unit"]
+        r = slowdown(median(cells.get("awcpfs")), median(cells.get("libfuse")), unit)
+        out.append(f"| {LIBFUSE_LABELS.get(key[1], key[1])} | {fmt_ratio(r)} |")
+    return out
+
+
+LIBFUSE_LABELS = {
+    "clean-warm": "`make -j2` from clean, warm",
+    "rebuild": "`make -j2` rebuild after editing 5 files",
+    "full": "loop: edit 5 → `make -j2` → run → commit",
+    "commit": "edit 200 files → `git add -A` → `git commit`",
+}
 
 
 AECP_LABELS = {
