@@ -28,9 +28,10 @@
 //! mount writing the pack — takes the same CPUs). So that a busy agent does not stop
 //! hydration for good, such a request waits at most [`ACTIVITY_MAX_WAIT`]. With the export
 //! on this machine (loopback), where a background request takes no link time from the
-//! agent's, that work waits only for the agent's requests other than reads, and runs beside
-//! its reads and fetches: a read of the whole tree then gets hydration's help instead of
-//! fetching every file itself, one window after another
+//! agent's, that work waits — once the mount has served for [`LOCAL_GRACE`], so that the
+//! agent's first command runs alone — only for the agent's requests other than reads, and
+//! runs beside its reads and fetches: a read of the whole tree then gets hydration's help
+//! instead of fetching every file itself, one window after another
 //! ([`Priority::background_turn`]).
 //!
 //! **Progress** ([`Progress`]): the plan's files and bytes, what was hydrated, and how often
@@ -55,6 +56,12 @@ pub const QUIET: Duration = Duration::from_millis(30);
 /// Longest a background request waits for the agent's requests to pause (see the module
 /// docs); foreground fetches in flight are always waited for.
 pub const ACTIVITY_MAX_WAIT: Duration = Duration::from_secs(1);
+
+/// With the export on this machine, how long after the mount starts serving background work
+/// the agent's first commands do not need still waits for every request of the agent to
+/// pause, as over a network (see [`Priority::background_turn`]): a first `git status`, `ls`
+/// or `git log` then runs alone on the CPUs.
+pub const LOCAL_GRACE: Duration = Duration::from_secs(1);
 
 /// Most bytes one hydration request asks for (its answer delays a foreground fetch that
 /// starts meanwhile by at most this much on the wire).
@@ -288,10 +295,20 @@ struct PrioState {
     active: usize,
     /// When the last one ended.
     last_end: Option<Instant>,
-    /// The mount's FUSE request count when background work last looked, and when it last
-    /// saw it change.
-    ops_seen: u64,
-    ops_changed: Option<Instant>,
+    /// Per [`Activity`], the count of the agent's requests when background work last
+    /// looked, and when it last saw it change.
+    ops_seen: [(u64, Option<Instant>); 2],
+    /// When the mount was told where its export is (just before it serves).
+    serving_since: Option<Instant>,
+}
+
+/// Which of the agent's requests background work waits to pause ([`Priority::wait_quiet`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activity {
+    /// Every FUSE request.
+    All = 0,
+    /// Every FUSE request but reads.
+    NotReads = 1,
 }
 
 /// A foreground fetch in flight; ends when dropped.
@@ -331,7 +348,12 @@ impl Priority {
 
     /// Wait until the agent's requests pause: `ops()` (the mount's FUSE request count)
     /// unchanged for [`QUIET`], or [`ACTIVITY_MAX_WAIT`] spent. Returns whether it waited.
-    pub fn wait_quiet(&self, ops: impl Fn() -> u64, still_background: impl Fn() -> bool) -> bool {
+    pub fn wait_quiet(
+        &self,
+        activity: Activity,
+        ops: impl Fn() -> u64,
+        still_background: impl Fn() -> bool,
+    ) -> bool {
         let started = Instant::now();
         let mut st = self.state.lock();
         let mut waited = false;
@@ -340,11 +362,12 @@ impl Priority {
                 return waited;
             }
             let now_ops = ops();
-            if now_ops != st.ops_seen {
-                st.ops_seen = now_ops;
-                st.ops_changed = Some(Instant::now());
+            let (seen, changed) = &mut st.ops_seen[activity as usize];
+            if now_ops != *seen {
+                *seen = now_ops;
+                *changed = Some(Instant::now());
             }
-            let left = match st.ops_changed {
+            let left = match *changed {
                 Some(t) if t.elapsed() < QUIET => QUIET - t.elapsed(),
                 _ => return waited,
             };
@@ -364,18 +387,30 @@ impl Priority {
     /// requests other than reads pause (lookups and attribute requests, served from memory,
     /// are what the hydration's work would slow), and runs beside the agent's reads and
     /// fetches — a read of the whole tree never pauses, and would otherwise get every file by
-    /// its own on-demand fetches, one after another.
+    /// its own on-demand fetches, one after another. Except in the mount's first
+    /// [`LOCAL_GRACE`]: the agent's first command is short (a `git status` reads the index
+    /// and a few objects), and on two CPUs hydration beside it made it up to twice as slow.
     pub fn background_turn(
         &self,
         stats: &super::stats::Stats,
         export_local: bool,
         still_background: impl Fn() -> bool,
     ) -> bool {
-        if export_local {
-            return self.wait_quiet(|| stats.ops_except_reads(), &still_background);
+        let settled = || {
+            self.state
+                .lock()
+                .serving_since
+                .is_none_or(|t| t.elapsed() >= LOCAL_GRACE)
+        };
+        if export_local && settled() {
+            return self.wait_quiet(
+                Activity::NotReads,
+                || stats.ops_except_reads(),
+                &still_background,
+            );
         }
         let a = self.wait_turn_while(&still_background);
-        let b = self.wait_quiet(|| stats.ops_total(), &still_background);
+        let b = self.wait_quiet(Activity::All, || stats.ops_total(), &still_background);
         let c = self.wait_turn_while(&still_background);
         a || b || c
     }
@@ -439,6 +474,7 @@ impl AwcpFs {
     /// [`Priority::background_turn`]). Set before the mount serves.
     pub fn set_export_local(&self, local: bool) {
         self.export_local.store(local, Ordering::Relaxed);
+        self.priority.state.lock().serving_since = Some(Instant::now());
     }
 
     /// Hydration's progress counters.
@@ -718,9 +754,9 @@ mod tests {
         let p = Priority::default();
         let ops = AtomicU64::new(7);
         // Idle (the count does not move after its first reading): no wait.
-        p.wait_quiet(|| ops.load(Ordering::Relaxed), || true);
+        p.wait_quiet(Activity::All, || ops.load(Ordering::Relaxed), || true);
         std::thread::sleep(QUIET);
-        assert!(!p.wait_quiet(|| ops.load(Ordering::Relaxed), || true));
+        assert!(!p.wait_quiet(Activity::All, || ops.load(Ordering::Relaxed), || true));
         // An agent that keeps making requests: it waits, and still returns (bounded by
         // ACTIVITY_MAX_WAIT, however long the agent goes on).
         let stop = AtomicBool::new(false);
@@ -733,9 +769,9 @@ mod tests {
                     std::thread::sleep(Duration::from_millis(2));
                 }
             });
-            let waited = p.wait_quiet(|| ops.load(Ordering::Relaxed), || true);
+            let waited = p.wait_quiet(Activity::All, || ops.load(Ordering::Relaxed), || true);
             // Once it is no longer background work, it stops waiting.
-            let fg = p.wait_quiet(|| ops.load(Ordering::Relaxed), || false);
+            let fg = p.wait_quiet(Activity::All, || ops.load(Ordering::Relaxed), || false);
             stop.store(true, Ordering::Relaxed);
             (waited, fg)
         });
@@ -800,6 +836,41 @@ mod tests {
             waited,
             "over a link: the agent's fetch in flight and its reads hold it"
         );
+    }
+
+    #[test]
+    fn on_a_local_export_the_agents_first_command_runs_alone() {
+        use std::sync::atomic::AtomicBool;
+        let p = Priority::default();
+        let stats = crate::mount::stats::Stats::default();
+        // The agent reads, every 2 ms, while background work asks for its turn.
+        let turn = || {
+            let stop = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                stats.count_op("read");
+                s.spawn(|| {
+                    while !stop.load(Ordering::Relaxed) {
+                        stats.count_op("read");
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                });
+                let t0 = Instant::now();
+                let waited =
+                    p.background_turn(&stats, true, || t0.elapsed() < Duration::from_millis(200));
+                stop.store(true, Ordering::Relaxed);
+                waited
+            })
+        };
+        // The mount has just started serving: its reads hold background work too.
+        p.state.lock().serving_since = Some(Instant::now());
+        assert!(
+            turn(),
+            "in the mount's first moments the agent's reads hold it"
+        );
+        std::thread::sleep(QUIET);
+        // Past the grace, reads no longer do.
+        p.state.lock().serving_since = Instant::now().checked_sub(LOCAL_GRACE);
+        assert!(!turn(), "once the mount has settled, reads do not hold it");
     }
 
     #[test]
