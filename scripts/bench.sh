@@ -501,6 +501,22 @@ awcpfs_remount() {
     rm -rf "$st/mount"
     awcpfs_mount_up "$name"
 }
+# hydrated NAME...: wait until each named awcpfs mount's background hydration is through (its
+# status.json says so, refreshed every few seconds), so that one fresh mount's hydration does
+# not share the CPUs with another configuration's timed run.
+hydrated() {
+    local n
+    for n in "$@"; do
+        [[ -n ${STATE_OF[$n]:-} && -n ${MOUNT_PID[$n]:-} ]] || continue
+        wait_for "hydration of the $n mount" 300 "${MOUNT_PID[$n]}" hydration_finished "${STATE_OF[$n]}/mount" ||
+            return 1
+    done
+}
+hydration_finished() {
+    local sj
+    sj=$(find "$1" -name status.json 2>/dev/null | head -n 1)
+    [[ -n $sj ]] && python3 -c 'import json,sys; sys.exit(0 if json.load(open(sys.argv[1]))["hydration"]["finished"] else 1)' "$sj"
+}
 # mount_ready MOUNTPOINT SOURCE: mounted, and listing it shows files when the source has any
 mount_ready() {
     mountpoint -q "$1" || return 1
@@ -1349,9 +1365,12 @@ wl_gitfsm() {
         case $v in
             warm) prep_n=- prep_a=- prep_f=- ;;
             ttl) prep_n=after_ttl prep_a=after_ttl prep_f=after_ttl ;;
-            fresh) prep_n=after_ttl prep_a="awcpfs_remount repo" prep_f="awcpfs_remount fsm" ;;
-            fresh-export) prep_n=after_ttl prep_a="awcpfs_down repo && awcpfs_up repo '$D_AW/repo'"
-                prep_f="awcpfs_down fsm && awcpfs_up fsm '$d_fsm/repo'" ;;
+            # (each arm first waits for the other fresh mount's hydration to end)
+            fresh) prep_n="hydrated repo fsm && after_ttl" prep_a="hydrated fsm && awcpfs_remount repo"
+                prep_f="hydrated repo && awcpfs_remount fsm" ;;
+            fresh-export) prep_n="hydrated repo fsm && after_ttl"
+                prep_a="hydrated fsm && awcpfs_down repo && awcpfs_up repo '$D_AW/repo'"
+                prep_f="hydrated repo && awcpfs_down fsm && awcpfs_up fsm '$d_fsm/repo'" ;;
         esac
         cell gitfsm "$v"
         arm native "$D_NAT/repo" "$prep_n" "$GIT_CMD"
