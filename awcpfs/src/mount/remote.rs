@@ -950,7 +950,10 @@ impl Remote for HttpRemote {
         if rest.is_empty() {
             return Ok(());
         }
-        let mut body = Vec::new();
+        // Sized once: grown by doubling, the body was copied and faulted in afresh several
+        // times over for a large write-back.
+        let len = rest.iter().map(|(_, data)| 36 + data.len()).sum();
+        let mut body = Vec::with_capacity(len);
         for (hash, data) in &rest {
             encode_block_frame(&mut body, hash, Some(data));
         }
