@@ -34,6 +34,7 @@ probe() {
   echo "$n: $v$(echo "$o" | tail -n 1)" >> $r
 }
 echo "uid: $(id -u)" >> $r
+echo "thp: $(awk '/^THP_enabled:/ {print $2}' /proc/self/status)" >> $r
 probe root cat "$rootfile"
 probe state ls "$state"
 probe cache ls "$cache"
@@ -99,6 +100,11 @@ fn check_report(report: &str) {
     };
     let uid: u32 = line("uid")["uid: ".len()..].trim().parse().unwrap();
     assert_ne!(uid, 0, "the agent ran as root");
+    assert_eq!(
+        line("thp"),
+        "thp: 1",
+        "the agent inherited the Executor's transparent huge pages setting"
+    );
     for name in REFUSED {
         let l = line(name);
         assert!(
@@ -122,6 +128,9 @@ async fn agent_is_confined(transport: TransportType) {
     if !fuse_available() {
         return;
     }
+    // As in the Executor's binary, whose allocator turns transparent huge pages off for its
+    // process (a flag children inherit): the agent must get the machine's setting back.
+    nix::sys::prctl::set_thp_disable(true).unwrap();
     let h = Harness::start_confined(AGENT).await;
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();

@@ -165,11 +165,14 @@ pub fn confine(cmd: &mut tokio::process::Command, c: Confinement) {
         mut ruleset,
     } = c;
     // SAFETY: the closure runs in the forked child before exec and only makes system
-    // calls (unshare, setgroups, setgid, setuid, prctl, landlock_restrict_self) on values
+    // calls (prctl, unshare, setgroups, setgid, setuid, landlock_restrict_self) on values
     // prepared in the parent; it takes no locks. It allocates only to build an error
     // value when a call fails, after which the child exits.
     unsafe {
         cmd.pre_exec(move || {
+            // The Executor's allocator turns transparent huge pages off for its own process,
+            // which a child inherits across exec: the agent's tools get the machine's setting.
+            nix::sys::prctl::set_thp_disable(false)?;
             if new_netns {
                 nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)?;
             }
