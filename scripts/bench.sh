@@ -74,7 +74,7 @@ usage: bash scripts/bench.sh [options]
   --no-sshfs          leave out the sshfs arms of every cell (their figures do not depend
                       on awcpfs: useful to re-measure awcpfs alone; sshd still runs for
                       the cold workload's copy baseline)
-  --libfuse           add a fourth arm to the make and loop workloads (the write rows): the
+  --libfuse           add a fourth arm to the git (warm), make and loop workloads: the
                       same workload on libfuse's own passthrough filesystem (passthrough_ll,
                       built from Debian's libfuse3-dev examples, -o cache=always,xattr)
                       over a copy of the tree, over /dev/fuse - a FUSE filesystem that
@@ -564,7 +564,7 @@ awcpfs_cold() {
 # libfuse3-dev examples at run time, never kept in the repository.
 
 LIBFUSE_BIN=
-LIBFUSE_WL=0   # set by the workloads that measure it (make, loop)
+LIBFUSE_WL=0   # set by the workloads that measure it (git, make, loop)
 LIBFUSE_OK=0   # the current part's passthrough_ll mount is up and warm
 libfuse_build() {
     local ex=/usr/share/doc/libfuse3-dev/examples src=$RUN/passthrough_ll.c
@@ -975,6 +975,7 @@ wl_git() {
     run_cell
     awcpfs_down repo
     PRE_NATIVE= PRE_AWCPFS= PRE_SSHFS=
+    LIBFUSE_WL=1
     warm_setup repo "$GIT_CMD"
     cell git warm
     warm_arms repo - "$GIT_CMD"
@@ -983,6 +984,8 @@ wl_git() {
     warm_arms repo after_ttl "$GIT_CMD"
     run_cell
     awcpfs_down repo
+    libfuse_down repo
+    LIBFUSE_WL=0
     for d in "${COPIES[@]}"; do git_refresh "$d/repo"; done
 }
 

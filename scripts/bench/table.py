@@ -334,19 +334,19 @@ def replay_tables(data, files, runs, meta):
 
 
 def libfuse_table(data, files, runs):
-    """The write rows against a plain FUSE filesystem (`--libfuse`): libfuse's passthrough_ll
-    over a copy of the same tree, which only forwards each request."""
+    """The request-bound rows against a plain FUSE filesystem (`--libfuse`): libfuse's
+    passthrough_ll over a copy of the same tree, which only forwards each request."""
     arms = [("native", "native"), ("awcpfs", "awcpfs"),
             ("libfuse", "libfuse passthrough_ll")]
     sub = OrderedDict((k, v) for k, v in data.items()
-                      if k[0] in ("make", "loop") and "libfuse" in v)
+                      if k[0] in ("git", "make", "loop") and "libfuse" in v)
     if not sub:
         return []
-    out = ["", f"The write rows against a plain FUSE filesystem ({files:,} files; libfuse's "
+    out = ["", f"The request-bound rows against a plain FUSE filesystem ({files:,} files; libfuse's "
            "passthrough_ll, `-o cache=always,xattr`, over `/dev/fuse`: what the kernel's "
            "round trips cost a FUSE filesystem that only forwards each request):", ""]
     rows = []
-    for w in ("make", "loop"):
+    for w in ("git", "make", "loop"):
         rows += arms_table(OrderedDict((k, v) for k, v in sub.items() if k[0] == w), w, arms,
                            LIBFUSE_LABELS, runs)[0 if not rows else 2:]
     out += rows
@@ -360,6 +360,8 @@ def libfuse_table(data, files, runs):
 
 
 LIBFUSE_LABELS = {
+    "warm": "`git status`, warm",
+    "ttl": "`git status`, dentries + inodes dropped",
     "clean-warm": "`make -j2` from clean, warm",
     "rebuild": "`make -j2` rebuild after editing 5 files",
     "full": "loop: edit 5 → `make -j2` → run → commit",
