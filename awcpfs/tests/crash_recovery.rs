@@ -63,6 +63,80 @@ fn wbcache_kill_9_mid_stream_loses_no_write_close_or_fsync_returned_for() {
     kill_9_mid_stream(&["--writeback-cache"]);
 }
 
+/// A live mount holds its state directory: a second mount of it, or a recovery, is refused
+/// with a message that says why (two processes would write one journal); once the mount is
+/// killed, recovery takes the directory.
+#[test]
+fn a_live_mounts_state_directory_is_refused_to_a_second_mount_and_to_recovery() {
+    if !fuse_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let (mnt, mnt2) = (tmp.path().join("mnt"), tmp.path().join("mnt2"));
+    let state = tmp.path().join("mount-state");
+    for d in [&src, &mnt, &mnt2] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    std::fs::write(src.join("a.txt"), "a\n").unwrap();
+    let handle = tmp.path().join("h.json");
+    let _export = Killed(
+        Command::new(BIN)
+            .arg("export")
+            .arg(&src)
+            .args(["--listen", "127.0.0.1:0", "--handle-out"])
+            .arg(&handle)
+            .arg("--state-dir")
+            .arg(tmp.path().join("export-state"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the handle", || handle.exists());
+    let mount = |at: &Path| {
+        Command::new(BIN)
+            .arg("mount")
+            .arg(&handle)
+            .arg(at)
+            .arg("--state-dir")
+            .arg(&state)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut first = Killed(mount(&mnt));
+    wait_for("the mount", || is_mounted(&mnt));
+    std::fs::write(mnt.join("b.txt"), "b\n").unwrap();
+
+    let second = mount(&mnt2).wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        !second.status.success(),
+        "a second mount of one state directory ran"
+    );
+    assert!(err.contains("is using the state directory"), "{err}");
+    assert!(!is_mounted(&mnt2));
+    let out = recover(&handle, &state);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "recovery ran beside the live mount");
+    assert!(err.contains("is using the state directory"), "{err}");
+    // The first mount was not disturbed.
+    assert_eq!(std::fs::read_to_string(mnt.join("b.txt")).unwrap(), "b\n");
+
+    // Killed: the kernel lets go of its lock, and recovery writes its change back.
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+    let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+    let out = recover(&handle, &state);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(std::fs::read_to_string(src.join("b.txt")).unwrap(), "b\n");
+}
+
 fn kill_9_mid_stream(extra: &[&str]) {
     if !fuse_available() {
         return;

@@ -34,6 +34,25 @@ pub const SYNCED_FILE: &str = "synced.log";
 /// The namespace journal.
 pub const JOURNAL_FILE: &str = "journal.log";
 
+/// The file a live mount (or a recovery) holds locked (`flock`) in its state directory.
+pub const LOCK_FILE: &str = "lock";
+
+/// Take the state directory's lock, or fail with `EWOULDBLOCK` when another process (a live
+/// mount, a recovery) holds it. The kernel releases it when the holder exits, however it
+/// ends: a mount killed with `-9` leaves nothing that would stop its recovery.
+pub fn lock_state_dir(state_dir: &Path) -> std::io::Result<nix::fcntl::Flock<std::fs::File>> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(state_dir.join(LOCK_FILE))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|(_, errno)| std::io::Error::from(errno))
+}
+
 /// Remove the logs of a mount whose changes are all written back.
 pub fn remove_logs(state_dir: &Path) {
     for f in [
@@ -70,6 +89,15 @@ pub enum RecoverError {
         /// Why.
         #[source]
         source: super::inode::ManifestError,
+    },
+    /// A live mount, or another recovery, is using the state directory.
+    #[error(
+        "another process (a live `awcpfs mount`, or `awcpfs recover`) is using the state \
+         directory {path}: end it first — a mount's own end writes its changes back"
+    )]
+    InUse {
+        /// The state directory.
+        path: std::path::PathBuf,
     },
     /// Changes kept appearing round after round; the state is kept.
     #[error("recovery did not converge after {rounds} rounds; the state is kept, run it again")]
@@ -185,6 +213,17 @@ pub fn recover(state_dir: &Path, remote: Arc<dyn Remote>) -> Result<RecoveryRepo
     let state_err = |source| RecoverError::State {
         path: state_dir.to_path_buf(),
         source,
+    };
+    // Held until recovery returns: a mount started meanwhile on this directory is refused.
+    let _lock = match lock_state_dir(state_dir) {
+        Ok(lock) => Some(lock),
+        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {
+            return Err(RecoverError::InUse {
+                path: state_dir.to_path_buf(),
+            });
+        }
+        // No directory (nothing to recover, said below) or a read-only one: no lock.
+        Err(_) => None,
     };
     let Some(saved) = SavedMount::load(state_dir)? else {
         return Err(RecoverError::NothingHere {

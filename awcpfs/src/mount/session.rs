@@ -187,6 +187,15 @@ pub enum MountError {
         /// Where.
         path: PathBuf,
     },
+    /// A live mount, or `awcpfs recover`, is using the state directory.
+    #[error(
+        "another process (a live `awcpfs mount`, or `awcpfs recover`) is using the state \
+         directory {path}: end it first, or choose another state directory"
+    )]
+    StateDirLocked {
+        /// Where.
+        path: PathBuf,
+    },
     /// The kernel refused the mount.
     #[error("mounting FUSE at {mountpoint} failed (is /dev/fuse there and are you root?)")]
     Fuse {
@@ -277,6 +286,9 @@ struct Inner {
     hooks: Mutex<Vec<EndHook>>,
     /// Who the kernel lets in, as decided at start.
     access: super::access::Decision,
+    /// The state directory's lock ([`super::recover::lock_state_dir`]), given up once the
+    /// mount has ended.
+    lock: Mutex<Option<nix::fcntl::Flock<std::fs::File>>>,
 }
 
 /// A running mount. Cheap to clone; all clones control the same mount.
@@ -390,15 +402,25 @@ impl Mount {
         };
         let upper_dir = cfg.state_dir.join("upper");
         let journal_path = cfg.state_dir.join("journal.log");
+        // Private: upper files are workspace content, the journal names every change.
+        crate::private::create_dir_all(&cfg.state_dir).map_err(state_err)?;
+        // Held for the mount's life: two mounts of one state directory would write one
+        // journal and one set of upper files.
+        let lock = super::recover::lock_state_dir(&cfg.state_dir).map_err(|e| {
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                MountError::StateDirLocked {
+                    path: cfg.state_dir.clone(),
+                }
+            } else {
+                state_err(e)
+            }
+        })?;
         if std::fs::metadata(&journal_path).is_ok_and(|m| m.len() > 0) {
             return Err(MountError::StateDirInUse {
                 path: cfg.state_dir.clone(),
             });
         }
-        // Private: upper files are workspace content, the journal names every change.
-        crate::private::create_dir_all(&cfg.state_dir)
-            .and_then(|()| crate::private::create_dir_all(&upper_dir))
-            .map_err(state_err)?;
+        crate::private::create_dir_all(&upper_dir).map_err(state_err)?;
         // Phase times, logged once mounted: where a slow start goes.
         let t0 = Instant::now();
         let manifest_err = |source| MountError::Manifest {
@@ -559,6 +581,7 @@ impl Mount {
             unsynced: AtomicBool::new(false),
             hooks: Mutex::new(Vec::new()),
             access,
+            lock: Mutex::new(Some(lock)),
         });
         let mount = Mount { inner };
         mount.spawn_threads();
@@ -1092,6 +1115,9 @@ impl Mount {
                 let _ = std::fs::remove_dir_all(self.inner.cfg.state_dir.join("upper"));
             }
         }
+        // This mount writes nothing more there: a recovery (of changes not written back)
+        // or the next mount may take the state directory.
+        self.inner.lock.lock().take();
         *self.inner.ended.lock() = Some(reason.clone());
         self.write_status();
         self.inner.ended_cv.notify_all();
