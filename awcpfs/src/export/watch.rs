@@ -544,14 +544,8 @@ impl Pending {
         if event.need_rescan() {
             self.rescan = true;
         }
-        // inotify also reports opens and reads, and the export opens every file it serves:
-        // describing those would hash every served file again. Only a close after writing
-        // says something changed (writes themselves come as modifications).
-        use notify::event::{AccessKind, AccessMode, EventKind};
-        match event.kind {
-            EventKind::Access(AccessKind::Close(AccessMode::Write)) => {}
-            EventKind::Access(_) => return,
-            _ => {}
+        if says_nothing(&event) {
+            return;
         }
         for p in event.paths {
             let Ok(rel) = p.strip_prefix(root) else {
@@ -570,6 +564,15 @@ impl Pending {
 /// Watch a directory that appeared after the manifest was built (created, or moved in),
 /// with everything below it: what it holds already is described with it (a path not known
 /// as a directory is described with its whole subtree).
+/// An event that says nothing changed. inotify (as `notify` asks it) also reports opens and
+/// reads, and the export opens every file it serves: describing those would hash every
+/// served file again. Only a close after writing says something changed (writes themselves
+/// come as modifications).
+fn says_nothing(event: &notify::Event) -> bool {
+    use notify::event::{AccessKind, AccessMode, EventKind};
+    matches!(event.kind, EventKind::Access(kind) if kind != AccessKind::Close(AccessMode::Write))
+}
+
 fn follow_new_dir(watcher: &mut impl notify::Watcher, event: &notify::Result<notify::Event>) {
     use notify::event::{CreateKind, EventKind, ModifyKind, RenameMode};
     let Ok(event) = event else { return };
@@ -601,7 +604,12 @@ fn watch(
     // Symlinks are never followed: one pointing at `/` would otherwise put the whole
     // machine under watch (the export never follows them either).
     let mut watcher = notify::RecommendedWatcher::new(
-        move |ev| {
+        move |ev: notify::Result<notify::Event>| {
+            // Dropped where they are read: a mount's hydration opens every file it serves,
+            // and each open would otherwise wake this thread and start a debounce round.
+            if ev.as_ref().is_ok_and(says_nothing) {
+                return;
+            }
             let _ = tx.send(ev);
         },
         notify::Config::default().with_follow_symlinks(false),
@@ -778,6 +786,41 @@ mod tests {
             root_mtime_ns: 0,
             entries: Vec::new(),
         }
+    }
+
+    #[test]
+    fn opens_and_reads_say_nothing_and_a_close_after_writing_does() {
+        use notify::event::{
+            AccessKind, AccessMode, CreateKind, DataChange, EventKind, ModifyKind,
+        };
+        let ev = |kind| notify::Event::new(kind).add_path("/t/f".into());
+        for quiet in [
+            AccessKind::Open(AccessMode::Any),
+            AccessKind::Read,
+            AccessKind::Close(AccessMode::Read),
+            AccessKind::Any,
+        ] {
+            assert!(says_nothing(&ev(EventKind::Access(quiet))), "{quiet:?}");
+        }
+        for change in [
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            EventKind::Modify(ModifyKind::Data(DataChange::Any)),
+            EventKind::Create(CreateKind::File),
+            EventKind::Remove(notify::event::RemoveKind::File),
+        ] {
+            assert!(!says_nothing(&ev(change)), "{change:?}");
+        }
+        // And a change still reaches the pending set.
+        let mut p = Pending::default();
+        p.add(
+            Path::new("/t"),
+            Ok(ev(EventKind::Access(AccessKind::Close(AccessMode::Write)))),
+        );
+        p.add(
+            Path::new("/t"),
+            Ok(ev(EventKind::Access(AccessKind::Open(AccessMode::Any)))),
+        );
+        assert_eq!(p.paths, ["f"]);
     }
 
     // A `chmod` from a mount, and the Delegator replacing the file right after it (git
