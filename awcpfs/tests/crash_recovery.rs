@@ -40,6 +40,24 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// `awcpfs export SRC`, its handle written to `handle` (waited for), killed when dropped.
+fn export(src: &Path, handle: &Path, state: &Path) -> Killed {
+    let export = Killed(
+        Command::new(BIN)
+            .arg("export")
+            .arg(src)
+            .args(["--listen", "127.0.0.1:0", "--handle-out"])
+            .arg(handle)
+            .arg("--state-dir")
+            .arg(state)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the handle", || handle.exists());
+    export
+}
+
 fn recover(handle: &Path, state: &Path) -> std::process::Output {
     Command::new(BIN)
         .args(["recover"])
@@ -80,19 +98,7 @@ fn a_live_mounts_state_directory_is_refused_to_a_second_mount_and_to_recovery() 
     }
     std::fs::write(src.join("a.txt"), "a\n").unwrap();
     let handle = tmp.path().join("h.json");
-    let _export = Killed(
-        Command::new(BIN)
-            .arg("export")
-            .arg(&src)
-            .args(["--listen", "127.0.0.1:0", "--handle-out"])
-            .arg(&handle)
-            .arg("--state-dir")
-            .arg(tmp.path().join("export-state"))
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for("the handle", || handle.exists());
+    let _export = export(&src, &handle, &tmp.path().join("export-state"));
     let mount = |at: &Path| {
         Command::new(BIN)
             .arg("mount")
@@ -149,19 +155,7 @@ fn kill_9_mid_stream(extra: &[&str]) {
     std::fs::create_dir_all(&mnt).unwrap();
     std::fs::write(src.join("existing.txt"), "original\n").unwrap();
     let handle = tmp.path().join("h.json");
-    let _export = Killed(
-        Command::new(BIN)
-            .arg("export")
-            .arg(&src)
-            .args(["--listen", "127.0.0.1:0", "--handle-out"])
-            .arg(&handle)
-            .arg("--state-dir")
-            .arg(tmp.path().join("export-state"))
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for("the handle", || handle.exists());
+    let _export = export(&src, &handle, &tmp.path().join("export-state"));
     let mut mount = Killed(
         Command::new(BIN)
             .arg("mount")
@@ -346,19 +340,7 @@ fn enospc_on_renames_unlinks_and_commit_records_then_kill_9_and_recover_makes_no
     assert!(st.success());
     let _disk = Tmpfs(disk.clone());
     let handle = tmp.path().join("h.json");
-    let _export = Killed(
-        Command::new(BIN)
-            .arg("export")
-            .arg(&src)
-            .args(["--listen", "127.0.0.1:0", "--handle-out"])
-            .arg(&handle)
-            .arg("--state-dir")
-            .arg(tmp.path().join("export-state"))
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    wait_for("the handle", || handle.exists());
+    let _export = export(&src, &handle, &tmp.path().join("export-state"));
     let mut mount = Killed(
         Command::new(BIN)
             .arg("mount")

@@ -561,9 +561,6 @@ impl Pending {
     }
 }
 
-/// Watch a directory that appeared after the manifest was built (created, or moved in),
-/// with everything below it: what it holds already is described with it (a path not known
-/// as a directory is described with its whole subtree).
 /// An event that says nothing changed. inotify (as `notify` asks it) also reports opens and
 /// reads, and the export opens every file it serves: describing those would hash every
 /// served file again. Only a close after writing says something changed (writes themselves
@@ -573,6 +570,9 @@ fn says_nothing(event: &notify::Event) -> bool {
     matches!(event.kind, EventKind::Access(kind) if kind != AccessKind::Close(AccessMode::Write))
 }
 
+/// Watch a directory that appeared after the manifest was built (created, or moved in),
+/// with everything below it: what it holds already is described with it (a path not known
+/// as a directory is described with its whole subtree).
 fn follow_new_dir(watcher: &mut impl notify::Watcher, event: &notify::Result<notify::Event>) {
     use notify::event::{CreateKind, EventKind, ModifyKind, RenameMode};
     let Ok(event) = event else { return };

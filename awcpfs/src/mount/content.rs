@@ -203,11 +203,12 @@ impl AwcpFs {
                 _ => return Ok(None),
             }
         };
-        let streaming = self.streams.lock().contains_key(&ino);
-        if !streaming
-            && (git_pack
-                || !self.streams_whole.load(Ordering::Relaxed)
-                || !self.reads_sequentially(ino, offset, size))
+        // Only a policy that streams, and never a git pack, has streams: otherwise there is
+        // neither a stream to look for nor a run of reads to note.
+        let may_stream = !git_pack && self.streams_whole.load(Ordering::Relaxed);
+        if !may_stream
+            || (!self.streams.lock().contains_key(&ino)
+                && !self.reads_sequentially(ino, offset, size))
         {
             // Ranged: only the blocks this read covers (a block is the window around the
             // miss), each verified against its hash, kept a while for the kernel's next
