@@ -524,6 +524,14 @@ struct ExecutorArgs {
     /// fsync or close rather than the write. Ignored with --passthrough.
     #[arg(long, conflicts_with = "no_writeback_cache")]
     writeback_cache: bool,
+    /// Whose new files each mount's kernel writes to the local copy directly, with FUSE
+    /// passthrough and no round trip per write: `toolchain` (the default: compilers,
+    /// assemblers and linkers — gcc's cc1, as, ld, collect2, clang, lld, mold, rustc, Go's
+    /// compile and link), `off`, or process names separated by commas. While such a file
+    /// is open every other open of it fails with EIO, which a build's outputs never meet.
+    /// Ignored with --track-opens, --passthrough and --writeback-cache.
+    #[arg(long, value_name = "toolchain|off|NAMES", default_value = "toolchain")]
+    passthrough_writes: awcpfs::mount::PassthroughWriters,
     /// How FUSE requests reach each mount. `auto`: over io_uring where the kernel offers
     /// it (Linux 6.14+ with /sys/module/fuse/parameters/enable_uring set to Y; never set
     /// by awcp-ctl), otherwise over /dev/fuse. `uring`: io_uring or the mount fails.
@@ -1148,6 +1156,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             cfg.hydrate = a.hydrate;
             cfg.track_opens = a.track_opens;
             cfg.writeback_cache = a.writeback_cache;
+            cfg.passthrough_writes = a.passthrough_writes.clone();
             cfg.fuse_transport = a.fuse_transport;
             cfg.git_fsmonitor = !a.no_git_fsmonitor;
             cfg.renew_margin = a.renew_margin;

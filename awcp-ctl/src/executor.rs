@@ -92,6 +92,9 @@ pub struct ExecutorConfig {
     /// Let the kernel cache writes (off by default; see
     /// [`awcpfs::mount::KernelOptions::writeback_cache`]).
     pub writeback_cache: bool,
+    /// Whose new files the kernel writes directly (see
+    /// [`awcpfs::mount::KernelOptions::passthrough_writes`]).
+    pub passthrough_writes: awcpfs::mount::PassthroughWriters,
     /// The FUSE transport of each mount (see [`awcpfs::mount::FuseTransport`]).
     pub fuse_transport: awcpfs::mount::FuseTransport,
     /// Give agents on a mount git's filesystem monitor (`awcp-ctl fsmonitor`, through
@@ -252,6 +255,7 @@ impl ExecutorConfig {
             hydrate: None,
             track_opens: false,
             writeback_cache: false,
+            passthrough_writes: awcpfs::mount::PassthroughWriters::Toolchain,
             fuse_transport: awcpfs::mount::FuseTransport::Auto,
             git_fsmonitor: true,
             fsmonitor_hook: None,

@@ -127,6 +127,16 @@ enum Command {
         /// rather than the write. Ignored with --passthrough.
         #[arg(long, conflicts_with = "no_writeback_cache")]
         writeback_cache: bool,
+        /// Whose new files the kernel writes to the local copy directly, with FUSE
+        /// passthrough and no round trip per write: `toolchain` (the default: compilers,
+        /// assemblers and linkers — gcc's cc1, as, ld, collect2, clang, lld, mold, rustc,
+        /// Go's compile and link), `off`, or process names separated by commas (as `ps -o
+        /// comm` shows them). While such a file is open, every other open of it fails with
+        /// EIO (the kernel does not mix passthrough with the opens it makes itself), which
+        /// a build's outputs never meet and a log read while it is written would. Ignored
+        /// with --track-opens, --passthrough and --writeback-cache.
+        #[arg(long, value_name = "toolchain|off|NAMES", default_value = "toolchain")]
+        passthrough_writes: awcpfs::mount::PassthroughWriters,
         /// The default (every write reaches awcpfs as it is made); accepted for older
         /// scripts.
         #[arg(long, hide = true)]
@@ -428,6 +438,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             track_opens,
             writeback_cache,
             no_writeback_cache: _,
+            passthrough_writes,
             read_timeout_secs,
             access,
             allow_other,
@@ -451,6 +462,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             cfg.kernel.passthrough = passthrough;
             cfg.kernel.no_open = !track_opens;
             cfg.kernel.writeback_cache = writeback_cache;
+            cfg.passthrough_writers = passthrough_writes;
             cfg.kernel.transport = fuse_transport;
             cfg.access = if allow_other {
                 MountAccess::All

@@ -878,6 +878,7 @@ fn mount_config(
     }
     mcfg.kernel.no_open = !ex.cfg.track_opens;
     mcfg.kernel.writeback_cache = ex.cfg.writeback_cache;
+    mcfg.passthrough_writers = ex.cfg.passthrough_writes.clone();
     mcfg.kernel.transport = ex.cfg.fuse_transport;
     mcfg.renew_margin = ex.cfg.renew_margin;
     mcfg.request_timeout = ex.cfg.read_timeout;

@@ -1164,6 +1164,7 @@ impl AwcpFs {
                         // Its creation's record names it as a local file already.
                         journaled: true,
                         unjournaled: false,
+                        bypassed: false,
                     },
                 );
             }
@@ -1266,6 +1267,103 @@ impl AwcpFs {
         self.sync.request();
     }
 
+    /// The upper file of `ino`, opened read-only, to register with the kernel as the backing
+    /// file of a created file (see [`AwcpFs::pass_writes_through`]).
+    pub fn upper_for_backing(&self, ino: Ino) -> std::io::Result<std::fs::File> {
+        let f = std::fs::File::open(self.upper_path(ino))?;
+        // The times `stat` shows of such a file are the upper file's: from the start, the
+        // ones `create` answered.
+        if let Some(t) = self.table.lock().get(ino).map(|n| n.mtime) {
+            f.set_modified(t)?;
+        }
+        Ok(f)
+    }
+
+    /// The kernel will write `ino`, just created, directly (FUSE passthrough, see
+    /// `mount/bypass.rs`): watch its upper file for those writes from now until the kernel
+    /// forgets the inode. An error (no inotify, or no watch left) means the file must not be
+    /// handed over.
+    pub fn pass_writes_through(self: &Arc<Self>, ino: Ino) -> std::io::Result<()> {
+        self.bypass.watch(self, ino, &self.upper_path(ino))?;
+        if let Some(node) = self.table.lock().get_mut(ino) {
+            node.bypassed = true;
+        }
+        self.stats.add_passthrough_open();
+        Ok(())
+    }
+
+    /// The kernel wrote `ino`'s upper file directly (an event of `mount/bypass.rs`): a write
+    /// without a handle that ended now (see [`AwcpFs::end_handleless_write`]). The first of
+    /// a run takes the node's size and times from the upper file and journals it, naming
+    /// the file as changed here; the run's end does that again.
+    pub(super) fn bypassed_write(&self, ino: Ino) {
+        let first = {
+            let table = self.table.lock();
+            // (An unlinked file is never written back.)
+            if table.get(ino).is_none_or(|n| n.unlinked) {
+                return;
+            }
+            let mut recent = self.recent_writes.lock();
+            let e = recent.entry(ino).or_default();
+            e.at = Some(std::time::Instant::now());
+            e.created = false;
+            e.bypassed = true;
+            let first = !e.journaled;
+            e.journaled = true;
+            e.unjournaled |= !first;
+            first
+        };
+        if first {
+            self.take_bypassed(&mut self.table.lock(), ino);
+            if let Err(e) = self.journal_node(ino) {
+                tracing::warn!(error = %e, "cannot journal a write");
+                if let Some(e) = self.recent_writes.lock().get_mut(&ino) {
+                    e.journaled = false;
+                }
+            }
+        }
+        self.stats.note_closed_write(ino);
+        self.sync.request();
+    }
+
+    /// Keep `id`, the backing id the `create` reply for `ino` named, until the kernel has
+    /// opened its backing file (see `mount/bypass.rs`).
+    pub fn hold_backing(&self, ino: Ino, id: super::bypass::HeldId) {
+        self.bypass.hold(ino, id);
+    }
+
+    /// Nothing has `ino`'s upper file open any more (`mount/bypass.rs`): the kernel writes it
+    /// no more. Its last writes are taken, and it is an ordinary file from now on.
+    pub(super) fn bypass_closed(&self, ino: Ino) {
+        self.bypassed_write(ino);
+        let mut table = self.table.lock();
+        if table.get(ino).is_some_and(|n| n.bypassed) {
+            self.take_bypassed(&mut table, ino);
+            if let Some(node) = table.get_mut(ino) {
+                node.bypassed = false;
+            }
+        }
+    }
+
+    /// Take `ino`'s size and times from its upper file, which the kernel writes directly,
+    /// and count its content as changed.
+    pub(super) fn take_bypassed(&self, table: &mut super::inode::InodeTable, ino: Ino) {
+        let meta = std::fs::metadata(self.upper_path(ino));
+        let Some(node) = table.get_mut(ino) else {
+            return;
+        };
+        if let Ok(m) = meta {
+            node.size = m.len();
+            if let Ok(t) = m.modified() {
+                node.mtime = t;
+                node.ctime = node.ctime.max(t);
+            }
+        }
+        mark_dirty(node);
+        table.mark_node(ino);
+        self.changes.note_write(ino);
+    }
+
     /// Run `write`, a change to `ino`'s content through `fh`, bracketed as a write without a
     /// handle when `fh` is 0 (see [`AwcpFs::begin_handleless_write`]).
     pub(super) fn writing<T>(
@@ -1342,6 +1440,13 @@ impl AwcpFs {
             h.file.sync_all()?;
         }
         if fh == 0 {
+            // Written by the kernel directly: what it wrote is in the upper file, not yet in
+            // the table.
+            let mut table = self.table.lock();
+            if table.get(ino).is_some_and(|n| n.bypassed) {
+                self.take_bypassed(&mut table, ino);
+            }
+            drop(table);
             // Its writes were journaled as they came; this records the node as it is now.
             self.journal_node(ino)?;
         } else {

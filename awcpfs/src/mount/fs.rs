@@ -124,6 +124,14 @@ pub struct AwcpFs {
     /// Set once the kernel keeps written data in its page cache (`FUSE_WRITEBACK_CACHE`,
     /// see [`KernelOptions::writeback_cache`](super::fuse::KernelOptions)).
     writeback_cache: AtomicBool,
+    /// New files of the processes `writers` admits are handed to the kernel with FUSE
+    /// passthrough (set in `init` when the kernel accepts it under no-open; see
+    /// [`KernelOptions::passthrough_writes`](super::fuse::KernelOptions)).
+    passthrough_creates: AtomicBool,
+    /// Upper files the kernel writes directly (`mount/bypass.rs`).
+    pub(super) bypass: super::bypass::Watcher,
+    /// Whose new files the kernel writes directly.
+    writers: super::bypass::Writers,
     /// While the mount ends: the kernel's write-back of dirty pages is still taken although
     /// the mount is fenced (see [`AwcpFs::set_draining`]).
     draining: AtomicBool,
@@ -180,6 +188,9 @@ pub(super) struct RecentWrite {
     /// A write finished after that record: the node (its size and times) is journaled again
     /// when the run ends.
     pub(super) unjournaled: bool,
+    /// The writes were the kernel's, straight to the upper file (`mount/bypass.rs`): when
+    /// the run ends the node takes its size and times from there.
+    pub(super) bypassed: bool,
 }
 
 impl RecentWrite {
@@ -281,6 +292,9 @@ impl AwcpFs {
             stats,
             no_open: AtomicBool::new(false),
             writeback_cache: AtomicBool::new(false),
+            passthrough_creates: AtomicBool::new(false),
+            bypass: super::bypass::Watcher::default(),
+            writers: super::bypass::Writers::default(),
             draining: AtomicBool::new(false),
             recent_writes: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
@@ -324,6 +338,33 @@ impl AwcpFs {
         self.no_open.load(Ordering::Relaxed)
     }
 
+    /// Whether the adapter hands created files to the kernel with passthrough (on: it
+    /// registers the upper file as the new file's backing file; off again, for the rest of
+    /// the mount, when the kernel refuses one).
+    pub fn set_passthrough_creates(&self, on: bool) {
+        self.passthrough_creates.store(on, Ordering::Relaxed);
+    }
+
+    /// See [`AwcpFs::set_passthrough_creates`].
+    pub fn passthrough_creates(&self) -> bool {
+        self.passthrough_creates.load(Ordering::Relaxed)
+    }
+
+    /// Whose new files are handed to the kernel with passthrough.
+    pub fn set_passthrough_writers(&self, policy: super::bypass::PassthroughWriters) {
+        self.writers.set(policy);
+    }
+
+    /// Whether the file thread `tid` creates now is handed to the kernel with passthrough.
+    pub fn passes_writes_of(&self, tid: u32) -> bool {
+        self.passthrough_creates() && self.writers.admits(tid)
+    }
+
+    /// The watches on upper files the kernel writes directly.
+    pub(super) fn bypass(&self) -> &super::bypass::Watcher {
+        &self.bypass
+    }
+
     /// The kernel keeps written data in its page cache from now on.
     pub fn set_writeback_cache(&self) {
         self.writeback_cache.store(true, Ordering::Relaxed);
@@ -360,6 +401,18 @@ impl AwcpFs {
         }
         let mut table = self.table.lock();
         let Some(node) = table.get(ino) else { return };
+        if node.bypassed {
+            // Nothing has the file open any more: the kernel's writes are all in its upper
+            // file, their events perhaps not read yet. One last write, then no watch.
+            drop(table);
+            self.bypassed_write(ino);
+            self.bypass.unwatch(ino);
+            table = self.table.lock();
+            if let Some(node) = table.get_mut(ino) {
+                node.bypassed = false;
+            }
+        }
+        let Some(node) = table.get(ino) else { return };
         if node.unlinked && node.open_handles == 0 {
             let kind = node.kind;
             table.remove(ino);
@@ -377,22 +430,41 @@ impl AwcpFs {
     /// Returns the ones still being written. Called under the table's lock (`table`).
     pub(super) fn quiet_writes(
         &self,
-        table: &InodeTable,
+        table: &mut InodeTable,
         all: bool,
     ) -> std::collections::HashSet<Ino> {
         let now = Instant::now();
         let mut busy = std::collections::HashSet::new();
         let mut ended = Vec::new();
+        let mut bypassed = Vec::new();
         self.recent_writes.lock().retain(|ino, w| {
             let writing =
                 !all && (w.writing > 0 || w.at.is_some_and(|t| now.duration_since(t) < w.quiet()));
             if writing {
                 busy.insert(*ino);
+            } else if w.bypassed {
+                bypassed.push(*ino);
             } else if w.unjournaled {
                 ended.push(*ino);
             }
             writing
         });
+        if all {
+            // The last round: whatever the kernel wrote directly that no event told of yet.
+            let pending: std::collections::HashSet<Ino> = bypassed.iter().copied().collect();
+            bypassed.extend(
+                self.bypass
+                    .watched()
+                    .into_iter()
+                    .filter(|ino| !busy.contains(ino) && !pending.contains(ino)),
+            );
+        }
+        for ino in bypassed {
+            if table.get(ino).is_some_and(|n| !n.unlinked) {
+                self.take_bypassed(table, ino);
+                ended.push(ino);
+            }
+        }
         // The runs of writes that ended: their nodes as they are now, before the syncer
         // takes them.
         let records: Vec<Record> = ended
@@ -503,7 +575,8 @@ impl AwcpFs {
     }
 
     pub(super) fn attr_of(&self, node: &Node) -> FileAttr {
-        let size = match node.kind {
+        let (mut mtime, mut ctime) = (node.mtime, node.ctime);
+        let mut size = match node.kind {
             Kind::Dir => 4096,
             _ => node.size,
         };
@@ -520,9 +593,23 @@ impl AwcpFs {
                     ..
                 },
             ) => size.div_ceil(512),
-            (Kind::File, Data::Local { .. }) => std::fs::metadata(self.upper_path(node.ino))
-                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m))
-                .unwrap_or_else(|_| size.div_ceil(512)),
+            (Kind::File, Data::Local { .. }) => {
+                match std::fs::metadata(self.upper_path(node.ino)) {
+                    Ok(m) => {
+                        if node.open_writers > 0 || node.bypassed {
+                            // Open for writing, or written by the kernel directly: writes
+                            // it passes through to the upper file (or makes through a
+                            // shared mapping) are not in the table until the handle is
+                            // flushed or the writes go quiet; the upper file has them (and
+                            // keeps the times `setattr` sets, see there).
+                            (size, mtime) = (m.len(), m.modified().unwrap_or(mtime));
+                            ctime = ctime.max(mtime);
+                        }
+                        std::os::unix::fs::MetadataExt::blocks(&m)
+                    }
+                    Err(_) => size.div_ceil(512),
+                }
+            }
             _ => size.div_ceil(512),
         };
         FileAttr {
@@ -530,8 +617,8 @@ impl AwcpFs {
             size,
             blocks,
             atime: node.atime,
-            mtime: node.mtime,
-            ctime: node.ctime,
+            mtime,
+            ctime,
             crtime: node.ctime,
             kind: kind_to_fuse(node.kind),
             perm: node.perm,
@@ -615,6 +702,7 @@ impl AwcpFs {
             },
             open_handles: 0,
             open_writers: 0,
+            bypassed: false,
             unlinked: false,
             links: Vec::new(),
             xattrs: Default::default(),
@@ -686,20 +774,12 @@ impl AwcpFs {
     pub fn getattr(&self, ino: Ino) -> Result<FileAttr, FsError> {
         self.check()?;
         self.wait_primed(ino);
-        let mut table = self.table.lock();
+        let table = self.table.lock();
         if let Some(r) = self.aecp.getattr(&table, ino) {
             return r;
         }
-        let node = table.get_mut(ino).ok_or(FsError::NotFound)?;
-        if node.open_writers > 0
-            && matches!(node.data, Data::Local { .. })
-            && let Ok(m) = std::fs::metadata(self.upper_path(ino))
-        {
-            node.size = m.len();
-            if let Ok(t) = m.modified() {
-                node.mtime = t;
-            }
-        }
+        // (A file open for writing: its size and times from the upper file, see `attr_of`.)
+        let node = table.get(ino).ok_or(FsError::NotFound)?;
         Ok(self.attr_of(node))
     }
 

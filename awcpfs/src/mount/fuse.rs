@@ -34,6 +34,15 @@ pub struct KernelOptions {
     /// Off by default: the kernel then reads the local copy without asking the filesystem,
     /// so a revocation cannot stop reads on files that were opened before it.
     pub passthrough: bool,
+    /// Hand the files some processes create (`MountConfig::passthrough_writers`: compilers,
+    /// assemblers and linkers by default) to the kernel with FUSE passthrough, where the
+    /// kernel supports it and files are opened without asking (`no_open`): the new file's
+    /// writes then go to its upper file without a request (a linker's thousands of small
+    /// `write`s, a compiler's object files), and the mount learns of them from inotify
+    /// (`mount/bypass.rs`). While such a file is open, the kernel refuses every other open
+    /// of it (`EIO`), hence the short list of processes. Ignored with `passthrough` or
+    /// `writeback_cache` (the kernel accepts passthrough only without the writeback cache).
+    pub passthrough_writes: bool,
     /// Let the kernel open directories without a round trip (it then keeps their listings,
     /// and `opendir`/`releasedir` never reach the filesystem) where it supports that.
     pub no_opendir: bool,
@@ -64,11 +73,21 @@ pub struct KernelOptions {
     pub transport: super::uring::FuseTransport,
 }
 
+impl KernelOptions {
+    /// Whether created files are handed over with passthrough (see
+    /// [`KernelOptions::passthrough_writes`]): asked for, with no-open, without the options
+    /// that exclude it.
+    pub fn passthrough_writes_apply(&self) -> bool {
+        self.passthrough_writes && self.no_open && !self.passthrough && !self.writeback_cache
+    }
+}
+
 impl Default for KernelOptions {
     fn default() -> Self {
         KernelOptions {
             ttl: Duration::from_secs(3600),
             passthrough: false,
+            passthrough_writes: true,
             no_opendir: true,
             no_open: true,
             writeback_cache: false,
@@ -93,6 +112,8 @@ pub struct FuseAdapter {
     no_open: bool,
     /// Ask for the kernel's writeback cache (see [`KernelOptions::writeback_cache`]).
     want_writeback: bool,
+    /// Ask for passthrough of created files (see [`KernelOptions::passthrough_writes`]).
+    want_passthrough_writes: bool,
 }
 
 impl FuseAdapter {
@@ -107,6 +128,7 @@ impl FuseAdapter {
             no_opendir: AtomicBool::new(false),
             no_open: opts.no_open && !opts.passthrough,
             want_writeback: opts.writeback_cache && !opts.passthrough,
+            want_passthrough_writes: opts.passthrough_writes_apply(),
         }
     }
 
@@ -274,7 +296,7 @@ impl Filesystem for FuseAdapter {
         }
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
-        if self.want_passthrough {
+        if self.want_passthrough || self.want_passthrough_writes {
             let ok = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
                 // Depth 2: the state directory may itself be on a stacked fs (overlayfs).
                 && config.set_max_stack_depth(2).is_ok();
@@ -283,6 +305,8 @@ impl Filesystem for FuseAdapter {
                 tracing::info!(
                     "the kernel lacks FUSE passthrough; serving reads and writes ourselves"
                 );
+            } else if self.want_passthrough_writes {
+                self.fs.set_passthrough_creates(true);
             }
         }
         Ok(())
@@ -784,6 +808,35 @@ impl Filesystem for FuseAdapter {
             .fs
             .create_as(caller(req), parent.0, name, mode & !umask, flags)
         {
+            Ok((attr, 0)) if self.fs.passes_writes_of(req.pid()) => {
+                // Passthrough of a toolchain's new file (see
+                // `KernelOptions::passthrough_writes`).
+                let ino = attr.ino.0;
+                let id = self
+                    .fs
+                    .upper_for_backing(ino)
+                    .and_then(|f| reply.open_backing(&f));
+                match pass_through(&self.fs, ino, id) {
+                    Some(id) => {
+                        reply.created_passthrough(
+                            &self.ttl,
+                            &attr,
+                            Generation(0),
+                            FileHandle(0),
+                            FopenFlags::FOPEN_NOFLUSH,
+                            &id,
+                        );
+                        self.fs.hold_backing(ino, Box::new(id));
+                    }
+                    None => reply.created(
+                        &self.ttl,
+                        &attr,
+                        Generation(0),
+                        FileHandle(0),
+                        FopenFlags::FOPEN_KEEP_CACHE,
+                    ),
+                }
+            }
             Ok((attr, fh)) => reply.created(
                 &self.ttl,
                 &attr,
@@ -853,6 +906,29 @@ impl Filesystem for FuseAdapter {
         match self.fs.fallocate(ino.0, fh.0, offset, length, mode) {
             Ok(_) => reply.ok(),
             Err(e) => reply_err!(reply, "fallocate", e),
+        }
+    }
+}
+
+/// Hand the created file `ino` to the kernel with its backing id `id` (the upper file
+/// registered, or the error that refused it): `Some` once its upper file is watched for the
+/// kernel's writes (`AwcpFs::pass_writes_through`). A refused registration turns passthrough
+/// of created files off for the rest of the mount; a watch that cannot be added (inotify's
+/// limit) leaves this one file to ordinary writes.
+pub(super) fn pass_through<Id>(fs: &Arc<AwcpFs>, ino: u64, id: std::io::Result<Id>) -> Option<Id> {
+    let id = match id {
+        Ok(id) => id,
+        Err(e) => {
+            tracing::warn!(error = %e, "FUSE passthrough refused; the mount's requests carry created files' writes");
+            fs.set_passthrough_creates(false);
+            return None;
+        }
+    };
+    match fs.pass_writes_through(ino) {
+        Ok(()) => Some(id),
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot watch a created file; its writes come as requests");
+            None
         }
     }
 }

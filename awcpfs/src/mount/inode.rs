@@ -203,6 +203,10 @@ pub struct Node {
     pub open_writers: u32,
     /// Removed from the namespace, kept while open.
     pub unlinked: bool,
+    /// Created with FUSE passthrough and not forgotten by the kernel yet: it may write the
+    /// upper file directly, so the size and times `stat` shows are the upper file's (the
+    /// table takes them when the writes go quiet; see `mount/bypass.rs`).
+    pub bypassed: bool,
     /// Dentries beyond `parent`/`name` (hard links), as (directory, name).
     pub links: Vec<(Ino, String)>,
     /// Extended attributes (`user.*` only), name → value.
@@ -363,6 +367,7 @@ impl InodeTable {
                 data: Data::None,
                 open_handles: 0,
                 open_writers: 0,
+                bypassed: false,
                 unlinked: false,
                 links: Vec::new(),
                 xattrs: BTreeMap::new(),
@@ -466,6 +471,7 @@ impl InodeTable {
                 data,
                 open_handles: 0,
                 open_writers: 0,
+                bypassed: false,
                 unlinked: false,
                 links: Vec::new(),
                 xattrs: manifest_xattrs(e),

@@ -73,6 +73,9 @@ pub struct MountConfig {
     pub block_cache: Option<Arc<crate::cache::BlockCache>>,
     /// Kernel caching and passthrough.
     pub kernel: KernelOptions,
+    /// Whose new files the kernel writes directly, with passthrough
+    /// ([`KernelOptions::passthrough_writes`]): compilers, assemblers and linkers by default.
+    pub passthrough_writers: super::PassthroughWriters,
     /// What to fetch in the background before it is asked for (`mount/hydrate.rs`):
     /// nothing, the files first commands read, or those and every file up to a size, many
     /// per request. On-demand reads always go first. Also decides how a read of a large
@@ -128,6 +131,7 @@ impl MountConfig {
             keep_cache: false,
             block_cache: None,
             kernel: KernelOptions::default(),
+            passthrough_writers: super::PassthroughWriters::default(),
             hydrate: HydratePolicy::default_for(endpoint),
             renew_margin: None,
             access: super::MountAccess::default(),
@@ -504,6 +508,7 @@ impl Mount {
             signal.clone(),
             stats,
         ));
+        fs.set_passthrough_writers(cfg.passthrough_writers.clone());
         let syncer = Arc::new(Syncer::with_base(fs.clone(), base, &[], Some(synced_log)));
         // git's index is made ready for the fsmonitor before the kernel sees it
         // (`mount/prime.rs`); operations on it wait until then. Not on a mount that

@@ -778,7 +778,7 @@ impl Syncer {
         // handle is marked before it joins the table): asked before taking the lock, a
         // file created in between would join the dirty set unmarked and be taken empty,
         // just before its writer fills it.
-        let busy = &self.fs.quiet_writes(&table, include_open);
+        let busy = &self.fs.quiet_writes(&mut table, include_open);
         let taken = table.take_dirty();
         let mut entries = Vec::new();
         if taken.all {

@@ -222,8 +222,9 @@ fn subtree(table: &InodeTable, path: &str, ino: Ino) -> Vec<(String, Ino)> {
 }
 
 /// Whether every node in `nodes` is exactly what `synced` says the export has, not open
-/// for writing (nor written without a handle and not yet handed to the syncer), and has
-/// one name.
+/// for writing (nor written without a handle and not yet handed to the syncer, nor a created
+/// file the kernel may still write directly: its writer holds the upper file, which a
+/// replacement would leave behind), and has one name.
 fn all_clean(
     fs: &super::fs::AwcpFs,
     table: &InodeTable,
@@ -234,7 +235,7 @@ fn all_clean(
         let Some(n) = table.get(*ino) else {
             return false;
         };
-        if n.open_writers > 0 || !n.links.is_empty() || fs.recently_written(*ino) {
+        if n.open_writers > 0 || n.bypassed || !n.links.is_empty() || fs.recently_written(*ino) {
             return false;
         }
         match (state_of(n), synced.get(path)) {
@@ -623,6 +624,7 @@ fn create(
         },
         open_handles: 0,
         open_writers: 0,
+        bypassed: false,
         unlinked: false,
         links: Vec::new(),
         xattrs: manifest_xattrs(e),

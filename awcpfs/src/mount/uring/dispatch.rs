@@ -292,7 +292,8 @@ impl Adapter {
         if self.want_writeback {
             want |= init::WRITEBACK_CACHE;
         }
-        if self.opts.passthrough {
+        let passthrough_writes = self.opts.passthrough_writes_apply();
+        if self.opts.passthrough || passthrough_writes {
             want |= init::PASSTHROUGH;
         }
         if uring {
@@ -314,10 +315,14 @@ impl Adapter {
         if self.no_open {
             self.fs.set_no_open();
         }
-        let passthrough = self.opts.passthrough && flags & init::PASSTHROUGH != 0;
+        let passthrough =
+            (self.opts.passthrough || passthrough_writes) && flags & init::PASSTHROUGH != 0;
         self.backing.set_enabled(passthrough);
-        if self.opts.passthrough && !passthrough {
+        if (self.opts.passthrough || passthrough_writes) && !passthrough {
             tracing::info!("the kernel lacks FUSE passthrough; serving reads and writes ourselves");
+        }
+        if passthrough && passthrough_writes {
+            self.fs.set_passthrough_creates(true);
         }
         let max_pages = (MAX_WRITE / 4096) as u16;
         let out = abi::InitOut {
@@ -728,6 +733,22 @@ impl Adapter {
                     .create_as(Self::caller(req), ino, n, c.mode & !c.umask, c.flags as i32)
                     .map_err(|e| errno(&e))?;
                 out.extend_from_slice(entry(self.ttl, &a).bytes());
+                if fh == 0 && fs.passes_writes_of(req.header.pid) {
+                    // Passthrough of a created file (see fuse.rs).
+                    let id = fs
+                        .upper_for_backing(a.ino.0)
+                        .and_then(|f| Backing::open(&self.dev, &f));
+                    if let Some(id) = crate::mount::fuse::pass_through(&self.fs, a.ino.0, id) {
+                        let raw = id.id as i32;
+                        fs.hold_backing(a.ino.0, Box::new(id));
+                        return Ok(Self::put_open(
+                            out,
+                            0,
+                            fopen::PASSTHROUGH | fopen::NOFLUSH,
+                            raw,
+                        ));
+                    }
+                }
                 Ok(Self::put_open(out, fh, fopen::KEEP_CACHE, 0))
             }
             op::GETXATTR | op::LISTXATTR => {

@@ -1,0 +1,310 @@
+//! Files a toolchain process creates are handed to the kernel with FUSE passthrough
+//! (`KernelOptions::passthrough_writes`, `MountConfig::passthrough_writers`): their writes
+//! go to the upper file with no request, and the mount learns of them from inotify on that
+//! file (`awcpfs/src/mount/bypass.rs`). On a real mount of an in-process export, with the
+//! real gcc: no `write` request for what the assembler and the linker write, and what they
+//! wrote reaches the Delegator. With a writer named in the list (a thread of this test):
+//! `stat` shows its size meanwhile, writes after a pause and after an `fsync` are written
+//! back like the first ones, and a file unlinked while open reaches the Delegator neither.
+//! Anyone else's new file is written as before, and stays open to readers meanwhile.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use awcp_lease::{Lease, LeaseTerms, SystemClock};
+use awcpfs::export::{ExportConfig, ExportRegistry};
+use awcpfs::mount::{Mount, MountConfig, PassthroughWriters};
+use awcpfs::testing::fuse_available;
+
+/// The name of the threads that write as a listed process.
+const WRITER: &str = "ptwriter";
+
+struct Setup {
+    _tmp: tempfile::TempDir,
+    _rt: tokio::runtime::Runtime,
+    src: PathBuf,
+    mnt: PathBuf,
+    mount: Option<Mount>,
+}
+
+impl Setup {
+    fn mount(&self) -> &Mount {
+        self.mount.as_ref().unwrap()
+    }
+
+    fn op(&self, name: &str) -> u64 {
+        self.mount().stats().ops.get(name).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        if let Some(m) = self.mount.take() {
+            m.end(awcpfs::mount::EndReason::Unmounted, None);
+        }
+    }
+}
+
+fn setup(writers: PassthroughWriters) -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir_all(src.join("d")).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
+    std::fs::write(src.join("d/old.txt"), "old\n").unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let registry = ExportRegistry::new().without_watch();
+    let lease = Arc::new(Lease::grant(
+        Arc::new(SystemClock::new()),
+        LeaseTerms {
+            ttl: Duration::from_secs(600),
+            max_ttl: Duration::from_secs(600),
+            flush_grace: Duration::from_secs(10),
+        },
+    ));
+    let export = registry
+        .register(
+            "pt".into(),
+            "tok".into(),
+            ExportConfig {
+                root: src.clone(),
+                read_only: false,
+                block_size: 1 << 20,
+                staging_dir: tmp.path().join("staging"),
+            },
+            lease,
+        )
+        .unwrap();
+    let addr = rt.block_on(async {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = l.local_addr().unwrap();
+        let router = registry.router();
+        tokio::spawn(async move { axum::serve(l, router).await });
+        a
+    });
+    let mut cfg = MountConfig::new(
+        &format!("http://{addr}"),
+        "pt",
+        "tok",
+        &mnt,
+        &tmp.path().join("state"),
+    );
+    cfg.manifest_digest = Some(export.manifest_digest());
+    cfg.remaining = Some(Duration::from_secs(600));
+    cfg.passthrough_writers = writers;
+    let mount = Mount::start(cfg).unwrap();
+    Setup {
+        _tmp: tmp,
+        _rt: rt,
+        src,
+        mnt,
+        mount: Some(mount),
+    }
+}
+
+/// Wait until the Delegator's `path` holds `want` (10 s at most).
+fn await_delegator(path: &Path, want: &[u8]) {
+    let start = Instant::now();
+    loop {
+        let now = std::fs::read(path).ok();
+        if now.as_deref() == Some(want) {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{} never held the {} bytes written on the mount (it holds {:?} bytes)",
+            path.display(),
+            want.len(),
+            now.map(|n| n.len())
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn content(i: usize, n: usize) -> Vec<u8> {
+    (0..n).map(|k| b'a' + ((i * 7 + k) % 26) as u8).collect()
+}
+
+/// Run `f` on a thread named [`WRITER`], as a listed process would.
+fn as_writer<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new()
+        .name(WRITER.into())
+        .spawn(f)
+        .unwrap()
+        .join()
+        .unwrap()
+}
+
+fn listed() -> PassthroughWriters {
+    PassthroughWriters::Named(vec![WRITER.into()])
+}
+
+#[test]
+fn what_gcc_assembles_and_links_is_written_without_requests_and_reaches_the_delegator() {
+    if !fuse_available() {
+        return;
+    }
+    let cc = std::process::Command::new("cc").arg("--version").output();
+    if cc.is_err() {
+        assert!(
+            std::env::var("CI").is_err(),
+            "no C compiler (cc): .ci/run installs gcc"
+        );
+        eprintln!("SKIPPED: no C compiler (cc) on this machine");
+        return;
+    }
+    let s = setup(PassthroughWriters::Toolchain);
+    std::fs::write(
+        s.mnt.join("d/hello.c"),
+        "#include <stdio.h>\nint main(void) { puts(\"hello from the mount\"); return 0; }\n",
+    )
+    .unwrap();
+    let (writes, opens) = (s.op("write"), s.mount().stats().passthrough_opens);
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("cc")
+            .args(args)
+            .current_dir(s.mnt.join("d"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cc {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&["-c", "hello.c", "-o", "hello.o"]);
+    run(&["hello.o", "-o", "hello"]);
+    assert!(
+        s.mount().stats().passthrough_opens >= opens + 2,
+        "the object and the program were not handed to the kernel"
+    );
+    assert_eq!(
+        s.op("write"),
+        writes,
+        "the assembler's or the linker's writes came as requests"
+    );
+    let out = std::process::Command::new(s.mnt.join("d/hello"))
+        .output()
+        .unwrap();
+    assert_eq!(out.stdout, b"hello from the mount\n");
+    for f in ["hello.o", "hello"] {
+        let on_mount = std::fs::read(s.mnt.join("d").join(f)).unwrap();
+        assert!(!on_mount.is_empty());
+        await_delegator(&s.src.join("d").join(f), &on_mount);
+    }
+}
+
+#[test]
+fn a_listed_writers_file_shows_its_size_and_is_written_back_after_pauses_and_fsync() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup(listed());
+    let writes = s.op("write");
+    let path = s.mnt.join("d/slow.txt");
+    let (tx, rx) = std::sync::mpsc::channel::<&'static [u8]>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<u64>();
+    let writer = {
+        let path = path.clone();
+        std::thread::Builder::new()
+            .name(WRITER.into())
+            .spawn(move || {
+                let mut f = std::fs::File::create(&path).unwrap();
+                for chunk in rx {
+                    f.write_all(chunk).unwrap();
+                    if chunk.starts_with(b"third") {
+                        f.sync_all().unwrap();
+                    }
+                    done_tx.send(f.metadata().unwrap().size()).unwrap();
+                }
+            })
+            .unwrap()
+    };
+    let mut want = Vec::new();
+    for line in [&b"first line\n"[..], b"second line\n", b"third line\n"] {
+        tx.send(line).unwrap();
+        want.extend_from_slice(line);
+        assert_eq!(done_rx.recv().unwrap(), want.len() as u64);
+        // `stat` by path while the writer holds the file (as make does).
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().size(),
+            want.len() as u64,
+            "stat while the writer holds the file"
+        );
+        // The writer pauses until the mount has written the file back.
+        await_delegator(&s.src.join("d/slow.txt"), &want);
+    }
+    drop(tx);
+    writer.join().unwrap();
+    assert!(s.mount().stats().passthrough_opens >= 1);
+    assert_eq!(
+        s.op("write"),
+        writes,
+        "the listed writer's writes came as requests"
+    );
+    // Closed: an ordinary file again, whose next writes come as requests.
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap();
+    f.write_all(b"fourth line\n").unwrap();
+    drop(f);
+    want.extend_from_slice(b"fourth line\n");
+    assert!(s.op("write") > writes, "an append by someone else");
+    assert_eq!(std::fs::read(&path).unwrap(), want);
+    await_delegator(&s.src.join("d/slow.txt"), &want);
+}
+
+#[test]
+fn a_listed_writers_file_unlinked_while_open_never_reaches_the_delegator() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup(listed());
+    let path = s.mnt.join("d/tmpfile");
+    let size = as_writer(move || {
+        let mut f = std::fs::File::create(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        f.write_all(&content(3, 10_000)).unwrap();
+        f.sync_all().unwrap();
+        f.metadata().unwrap().size()
+    });
+    assert_eq!(size, 10_000);
+    // Something to wait for: a file written after it.
+    std::fs::write(s.mnt.join("d/after.txt"), "after\n").unwrap();
+    await_delegator(&s.src.join("d/after.txt"), b"after\n");
+    assert!(!s.src.join("d/tmpfile").exists());
+    assert_eq!(std::fs::read(s.src.join("d/old.txt")).unwrap(), b"old\n");
+}
+
+#[test]
+fn anyone_elses_new_file_is_written_as_before_and_stays_open_to_readers() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup(PassthroughWriters::Toolchain);
+    let (writes, opens) = (s.op("write"), s.mount().stats().passthrough_opens);
+    let path = s.mnt.join("d/log.txt");
+    let mut w = std::fs::File::create(&path).unwrap();
+    let first = content(1, 5000);
+    w.write_all(&first).unwrap();
+    // A log read while it is written.
+    let mut r = std::fs::File::open(&path).unwrap();
+    let mut got = Vec::new();
+    r.read_to_end(&mut got).unwrap();
+    assert_eq!(got, first);
+    let more = content(2, 6000);
+    w.write_all(&more).unwrap();
+    let mut tail = Vec::new();
+    r.read_to_end(&mut tail).unwrap();
+    assert_eq!(tail, more, "the reader's next read, past where it stopped");
+    drop(w);
+    assert!(s.op("write") > writes);
+    assert_eq!(s.mount().stats().passthrough_opens, opens);
+    let mut whole = first;
+    whole.extend_from_slice(&more);
+    await_delegator(&s.src.join("d/log.txt"), &whole);
+}
