@@ -208,7 +208,7 @@ pub struct MountTotals {
     pub conflicts: u64,
     /// Delegator-side changes shown on the mounts.
     pub upstream_applied: u64,
-    /// Opens handed to the kernel with FUSE passthrough.
+    /// Files handed to the kernel with FUSE passthrough (opens and toolchain creates).
     pub passthrough_opens: u64,
     /// How long closed writes waited until the Delegator answered their commit.
     pub writeback_lag: Histogram,
@@ -340,7 +340,7 @@ impl MountTotals {
         );
         s.counter(
             "mount_passthrough_opens",
-            "opens handed to the kernel with FUSE passthrough",
+            "files handed to the kernel with FUSE passthrough (read-only opens, a toolchain's new files)",
             self.passthrough_opens,
         );
         s.counter("mounts", "mounts made", self.mounts);

@@ -139,7 +139,8 @@ pub struct StatsSnapshot {
     pub commits: u64,
     /// Failed sync rounds.
     pub sync_errors: u64,
-    /// Opens handed to the kernel with FUSE passthrough.
+    /// Files handed to the kernel with FUSE passthrough: read-only opens (`--passthrough`)
+    /// and a toolchain's new files (`--passthrough-writes`).
     pub passthrough_opens: u64,
     /// Lease renewals this mount obtained.
     pub renewals: u64,
@@ -354,7 +355,7 @@ impl Stats {
         self.bytes_packed.fetch_add(bytes, Ordering::Relaxed);
     }
 
-    /// Count an open served with FUSE passthrough.
+    /// Count a file handed to the kernel with FUSE passthrough (an open, or a `create`).
     pub fn add_passthrough_open(&self) {
         self.passthrough_opens.fetch_add(1, Ordering::Relaxed);
     }
