@@ -308,3 +308,61 @@ fn anyone_elses_new_file_is_written_as_before_and_stays_open_to_readers() {
     whole.extend_from_slice(&more);
     await_delegator(&s.src.join("d/log.txt"), &whole);
 }
+
+#[test]
+fn the_mounts_own_changes_to_a_listed_writers_open_file_do_not_end_its_watch() {
+    if !fuse_available() {
+        return;
+    }
+    let s = setup(listed());
+    let path = s.mnt.join("d/grow.bin");
+    let delegator = s.src.join("d/grow.bin");
+    let (tx, rx) = std::sync::mpsc::channel::<u8>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let writer = {
+        let path = path.clone();
+        std::thread::Builder::new()
+            .name(WRITER.into())
+            .spawn(move || {
+                let mut f = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .open(&path)
+                    .unwrap();
+                for step in rx {
+                    match step {
+                        // Requests the mount answers on its own descriptor of the file.
+                        0 => {
+                            f.write_all(b"0123456789").unwrap();
+                            f.sync_all().unwrap();
+                            f.set_len(20).unwrap();
+                            nix::fcntl::posix_fallocate(&f, 0, 30).unwrap();
+                            f.set_modified(std::time::SystemTime::now()).unwrap();
+                        }
+                        // Then the kernel's writes again.
+                        _ => {
+                            std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)).unwrap();
+                            f.write_all(b"abc").unwrap();
+                        }
+                    }
+                    done_tx.send(()).unwrap();
+                }
+            })
+            .unwrap()
+    };
+    tx.send(0).unwrap();
+    done_rx.recv().unwrap();
+    let mut want = b"0123456789".to_vec();
+    want.resize(30, 0);
+    await_delegator(&delegator, &want);
+    // Still watched: the write after the mount's own changes is seen and written back.
+    tx.send(1).unwrap();
+    done_rx.recv().unwrap();
+    want.extend_from_slice(b"abc");
+    assert_eq!(std::fs::metadata(&path).unwrap().size(), 33);
+    await_delegator(&delegator, &want);
+    drop(tx);
+    writer.join().unwrap();
+    assert!(s.mount().stats().passthrough_opens >= 1);
+}

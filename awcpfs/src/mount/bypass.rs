@@ -9,13 +9,17 @@
 //! ([`AwcpFs::bypassed_write`]): the file is written back once the events stop for
 //! [`WRITE_QUIET`](super::fs::WRITE_QUIET), its size and times taken from the upper file.
 //!
-//! The watch also counts the upper file's opens and closes (`IN_OPEN`, `IN_CLOSE_*`): when
-//! nothing has it open any more — the kernel's backing file, which lives as long as the
-//! agent's descriptors and mappings of the new file, the descriptor the backing id was
-//! registered from, the mount's own — the kernel writes it no more: the file is taken one
-//! last time and becomes an ordinary file (`Node::bypassed` cleared, the watch removed).
-//! The backing id is closed once the kernel has opened its backing file (the second open),
-//! or after [`HOLD`] at the latest.
+//! The end of the kernel's writes is the close of its backing file: the first
+//! `IN_CLOSE_WRITE` on the upper file. The backing file lives as long as the agent's
+//! descriptors and mappings of the new file (the kernel refuses any other open of it
+//! meanwhile), and nothing else closes a writable descriptor of the upper file meanwhile: the
+//! mount's own writes to it (`fsync`, `fallocate`, a truncation, new times) go through
+//! duplicates of one descriptor opened before the watch and closed after it
+//! ([`Watcher::file`]). Merged or lost events cannot make that close appear early, only
+//! late. Then the file is taken one last time and becomes an ordinary file
+//! (`Node::bypassed` cleared, the watch removed). The backing id is closed once the kernel
+//! has opened its backing file (the first `IN_OPEN` after the watch), or after [`HOLD`] at
+//! the latest.
 //!
 //! Only files made by the processes [`PassthroughWriters`] names: while a passthrough file is
 //! open, the kernel refuses (`EIO`) every open of the same file that it makes itself, which
@@ -23,8 +27,9 @@
 //! is written; a log a test run writes is.
 //!
 //! Events are triggers, not the record: a lost one (queue overflow) counts as a write to
-//! every watched file and leaves them watched until the kernel forgets their inodes, which
-//! counts as a last write too; the mount's last round takes every watched file as it is.
+//! every watched file; a file whose close was lost stays watched until the kernel forgets its
+//! inode, which counts as a last write too; the mount's last round takes every watched file
+//! as it is.
 //!
 //! [`KernelOptions::passthrough_writes`]: super::fuse::KernelOptions::passthrough_writes
 
@@ -47,7 +52,8 @@ use super::inode::Ino;
 const POLL: Duration = Duration::from_secs(1);
 
 /// The longest a backing id stays registered after the `create` reply that named it: the
-/// kernel looks it up when the creating thread runs again, right after reading the reply.
+/// kernel looks it up when the creating thread runs again, right after reading the reply
+/// (and its backing file's open closes the id sooner).
 const HOLD: Duration = Duration::from_secs(5);
 
 /// Which processes' new files are handed to the kernel with passthrough, by the name the
@@ -186,14 +192,12 @@ impl std::fmt::Debug for Maps {
 /// One watched upper file.
 struct Watched {
     wd: WatchDescriptor,
-    /// Opens less closes seen, plus the descriptor the backing id was registered from
-    /// (opened before the watch, closed with the id).
-    open: i64,
-    /// The kernel has opened its backing file (or someone else opened the file meanwhile):
-    /// the id is no longer needed.
+    /// A read-write descriptor of the upper file, opened before the watch: the mount's own
+    /// writes go through duplicates of it, so no close of the mount's is taken for the
+    /// kernel's (the last duplicate closes after the watch is gone).
+    file: Arc<std::fs::File>,
+    /// The kernel has opened its backing file: the id is no longer needed.
     opened: bool,
-    /// Counted from the start (no event lost since).
-    counted: bool,
     /// The backing id, until `opened` or [`HOLD`].
     id: Option<(Instant, HeldId)>,
 }
@@ -209,8 +213,7 @@ pub(crate) struct Batch {
 
 impl Watcher {
     /// Watch `path`, the upper file of `ino`, for writes, opens and closes; the first watch
-    /// starts the thread that hands events to `fs`. The backing id must have been
-    /// registered from a descriptor of the file opened before this call (counted open).
+    /// starts the thread that hands events to `fs`.
     pub(crate) fn watch(&self, fs: &Arc<AwcpFs>, ino: Ino, path: &Path) -> std::io::Result<()> {
         let inotify = match self.inotify.get() {
             Some(i) => i.clone(),
@@ -227,23 +230,25 @@ impl Watcher {
                 self.inotify.get().expect("set above").clone()
             }
         };
+        let file = Arc::new(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)?,
+        );
         // Under the maps' lock: the thread maps no event of this watch before it is noted.
         let mut maps = self.maps.lock();
         let wd = inotify.add_watch(
             path,
-            AddWatchFlags::IN_MODIFY
-                | AddWatchFlags::IN_CLOSE_WRITE
-                | AddWatchFlags::IN_CLOSE_NOWRITE
-                | AddWatchFlags::IN_OPEN,
+            AddWatchFlags::IN_MODIFY | AddWatchFlags::IN_CLOSE_WRITE | AddWatchFlags::IN_OPEN,
         )?;
         maps.by_wd.insert(wd, ino);
         let old = maps.by_ino.insert(
             ino,
             Watched {
                 wd,
-                open: 1,
+                file,
                 opened: false,
-                counted: true,
                 id: None,
             },
         );
@@ -253,6 +258,13 @@ impl Watcher {
             maps.by_wd.remove(&old.wd);
         }
         Ok(())
+    }
+
+    /// A descriptor for the mount's own writes to `ino`'s upper file while it is watched (a
+    /// duplicate of [`Watched::file`]); `None` when it is not.
+    pub(crate) fn file(&self, ino: Ino) -> Option<std::io::Result<std::fs::File>> {
+        let file = self.maps.lock().by_ino.get(&ino)?.file.clone();
+        Some(file.try_clone())
     }
 
     /// Keep `id`, the backing id the `create` reply for `ino` named, until the kernel has
@@ -286,20 +298,18 @@ impl Watcher {
         self.maps.lock().by_ino.keys().copied().collect()
     }
 
-    /// Read `events` in order: what was written, what nothing has open any more (its watch
+    /// Read `events` in order: what was written, what the kernel writes no more (its watch
     /// removed). Backing ids no longer needed are closed.
     fn take(&self, events: &[InotifyEvent]) -> Batch {
         let mut ids = Vec::new();
+        let mut gone = Vec::new();
         let mut written = HashSet::new();
         let mut closed = Vec::new();
         let mut maps = self.maps.lock();
         for ev in events {
             if ev.mask.contains(AddWatchFlags::IN_Q_OVERFLOW) {
-                // Lost events: every file possibly written, no count to trust any more.
-                for (ino, w) in maps.by_ino.iter_mut() {
-                    written.insert(*ino);
-                    w.counted = false;
-                }
+                // Lost events: every file possibly written.
+                written.extend(maps.by_ino.keys().copied());
                 continue;
             }
             let Some(&ino) = maps.by_wd.get(&ev.wd) else {
@@ -308,7 +318,7 @@ impl Watcher {
             if ev.mask.contains(AddWatchFlags::IN_IGNORED) {
                 // The upper file is gone (removed with its unlinked node).
                 maps.by_wd.remove(&ev.wd);
-                maps.by_ino.remove(&ino);
+                gone.extend(maps.by_ino.remove(&ino));
                 continue;
             }
             let Some(w) = maps.by_ino.get_mut(&ino) else {
@@ -320,33 +330,27 @@ impl Watcher {
             {
                 written.insert(ino);
             }
-            if ev.mask.contains(AddWatchFlags::IN_OPEN) {
-                w.open += 1;
-                if w.open >= 2 && !w.opened {
-                    w.opened = true;
-                    ids.extend(w.id.take());
-                }
+            if ev.mask.contains(AddWatchFlags::IN_OPEN) && !w.opened {
+                w.opened = true;
+                ids.extend(w.id.take());
             }
-            if ev
-                .mask
-                .intersects(AddWatchFlags::IN_CLOSE_WRITE | AddWatchFlags::IN_CLOSE_NOWRITE)
-            {
-                w.open -= 1;
-                if w.open <= 0 && w.counted {
-                    let wd = w.wd;
-                    maps.by_ino.remove(&ino);
-                    maps.by_wd.remove(&wd);
-                    if let Some(i) = self.inotify.get() {
-                        let _ = i.rm_watch(wd);
-                    }
-                    closed.push(ino);
+            if ev.mask.contains(AddWatchFlags::IN_CLOSE_WRITE) {
+                // The kernel's backing file: no other writable descriptor of the file closes
+                // while it is watched.
+                let wd = w.wd;
+                maps.by_wd.remove(&wd);
+                if let Some(i) = self.inotify.get() {
+                    let _ = i.rm_watch(wd);
                 }
+                gone.extend(maps.by_ino.remove(&ino));
+                closed.push(ino);
             }
         }
         drop(maps);
-        // Closing an id closes the descriptor it was registered from: its close event
-        // comes in a later batch.
+        // Closing an id closes the descriptor it was registered from (read-only: no event
+        // that counts); the watched descriptors close after their watches are gone.
         drop(ids);
+        drop(gone);
         Batch {
             written: written.into_iter().collect(),
             closed,

@@ -936,9 +936,17 @@ impl AwcpFs {
         if node.kind != Kind::File {
             return Err(FsError::IsDir);
         }
-        std::fs::File::create(self.upper_path(ino))?;
-        // (A new file if there was none: no descriptor kept from before may reach it.)
-        self.upper.forget(ino);
+        match self.bypass.file(ino) {
+            // Written by the kernel directly: emptied through the mount's own descriptor
+            // (see `mount/bypass.rs`).
+            Some(f) => f?.set_len(0)?,
+            None => {
+                std::fs::File::create(self.upper_path(ino))?;
+                // (A new file if there was none: no descriptor kept from before may reach
+                // it.)
+                self.upper.forget(ino);
+            }
+        }
         mark_dirty(node);
         node.size = 0;
         table.mark_node(ino);
@@ -958,8 +966,7 @@ impl AwcpFs {
                 self.make_local_empty(ino)?;
             } else {
                 self.ensure_local(ino)?;
-                let file = OpenOptions::new().write(true).open(self.upper_path(ino))?;
-                file.set_len(size)?;
+                self.upper_writer(ino)?.set_len(size)?;
             }
         }
         let mut table = self.table.lock();
@@ -999,7 +1006,7 @@ impl AwcpFs {
             // Keep the upper file's mtime in step: open handles compare it to notice changes
             // made by the kernel directly (passthrough).
             if matches!(node.data, Data::Local { .. })
-                && let Ok(f) = OpenOptions::new().write(true).open(self.upper_path(ino))
+                && let Ok(f) = self.upper_writer(ino)
             {
                 let _ = f.set_modified(t);
             }
@@ -1218,7 +1225,26 @@ impl AwcpFs {
         }
         // Refuses what is not a file (`IsDir`).
         self.ensure_local(ino)?;
+        if let Some(f) = self.bypass.file(ino) {
+            // Written by the kernel directly: through the mount's own descriptor, not one
+            // kept open whose close would look like the kernel's (see `mount/bypass.rs`).
+            return Ok(Arc::new(Handle {
+                ino,
+                file: f?,
+                writable: true,
+                append: false,
+                wrote: AtomicBool::new(false),
+            }));
+        }
         Ok(self.upper.loose(ino)?)
+    }
+
+    /// A descriptor to change `ino`'s upper file through (see [`AwcpFs::handle_for`]).
+    fn upper_writer(&self, ino: Ino) -> std::io::Result<std::fs::File> {
+        match self.bypass.file(ino) {
+            Some(f) => f,
+            None => OpenOptions::new().write(true).open(self.upper_path(ino)),
+        }
     }
 
     /// A write without a handle (no-open) starts on `ino`: until it ends and no write has
