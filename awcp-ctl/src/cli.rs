@@ -526,7 +526,7 @@ struct ExecutorArgs {
     writeback_cache: bool,
     /// Whose new files each mount's kernel writes to the local copy directly, with FUSE
     /// passthrough and no round trip per write: `toolchain` (the default: compilers,
-    /// assemblers and linkers — gcc's cc1, as, ld, collect2, clang, lld, mold, rustc, Go's
+    /// assemblers and linkers — gcc's cc1, as, ld, collect2, clang, lld, mold, Go's
     /// compile and link), `off`, or process names separated by commas. While such a file
     /// is open every other open of it fails with EIO, which a build's outputs never meet.
     /// Ignored with --track-opens, --passthrough and --writeback-cache.

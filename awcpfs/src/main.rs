@@ -129,7 +129,7 @@ enum Command {
         writeback_cache: bool,
         /// Whose new files the kernel writes to the local copy directly, with FUSE
         /// passthrough and no round trip per write: `toolchain` (the default: compilers,
-        /// assemblers and linkers — gcc's cc1, as, ld, collect2, clang, lld, mold, rustc,
+        /// assemblers and linkers — gcc's cc1, as, ld, collect2, clang, lld, mold,
         /// Go's compile and link), `off`, or process names separated by commas (as `ps -o
         /// comm` shows them). While such a file is open, every other open of it fails with
         /// EIO (the kernel does not mix passthrough with the opens it makes itself), which

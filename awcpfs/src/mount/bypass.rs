@@ -70,10 +70,12 @@ pub enum PassthroughWriters {
 }
 
 /// The processes whose new files nothing else opens while they write them: GCC's and
-/// Clang's compilers, assemblers and linkers, Rust's and Go's.
+/// Clang's compilers, assemblers and linkers, and Go's. Not rustc: cargo starts the crates
+/// that depend on a crate while its rustc still writes (pipelined metadata), and the
+/// linker rustc runs is on the list anyway.
 pub const TOOLCHAIN: &[&str] = &[
     "as", "ld", "ld.bfd", "ld.gold", "ld.lld", "lld", "mold", "collect2", "cc1", "cc1plus",
-    "cc1obj", "clang", "clang++", "rustc", "compile", "link",
+    "cc1obj", "clang", "clang++", "compile", "link",
 ];
 
 impl std::str::FromStr for PassthroughWriters {
