@@ -1719,7 +1719,8 @@ fn a_large_file_read_here_and_there_is_fetched_block_by_block_and_one_read_in_or
     let (t0, before) = (Instant::now(), fetched());
     read_run(&f, other, &big, 0, (SEQUENTIAL_AFTER as usize) + 4096);
     // (The stream fetches the file from its start: the first MiB comes twice here, where
-    // no block cache keeps it.)
+    // no block cache keeps it and the ranged reads keep only their last 16 blocks of 4 KiB,
+    // not the file's first ones.)
     let mut last = 0;
     loop {
         let now = fetched() - before;
@@ -2740,5 +2741,31 @@ fn a_write_without_a_handle_after_the_delegator_replaced_the_file_is_written_bac
     assert_eq!(
         std::fs::read(f.root.join("ref")).unwrap(),
         b"Delegator-ref, longer\n"
+    );
+}
+
+#[test]
+fn a_fetch_after_reads_of_a_files_first_blocks_does_not_ask_for_them_again() {
+    // 5 MiB in 4 KiB blocks. Its first 64 KiB are read without a handle (16 blocks, fetched
+    // in one ranged read and kept), then the file is opened: the fetch that makes it local
+    // takes those blocks from memory and asks only for the rest.
+    let big: Vec<u8> = (0..5u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    let (f, _gated) = gated_fixture(|r| std::fs::write(r.join("big.bin"), &big).unwrap(), true);
+    f.fs.set_no_open();
+    let ino = f.ino("big.bin");
+    let fetched = || f.fs.stats().snapshot().bytes_fetched;
+    let before = fetched();
+    read_run(&f, ino, &big, 0, 64 << 10);
+    assert_eq!(fetched() - before, 64 << 10);
+    let fh =
+        f.fs.open(ino, OpenMode::from_flags(libc::O_RDONLY))
+            .unwrap();
+    assert_eq!(read_whole(&f, ino, fh, big.len()), big);
+    assert_eq!(
+        fetched() - before,
+        big.len() as u64,
+        "bytes fetched for a 5 MiB file whose first 64 KiB had been read"
     );
 }

@@ -387,6 +387,16 @@ impl AwcpFs {
         Ok(Some(out))
     }
 
+    /// The leading blocks of `hashes` that recent ranged reads keep (the last 16 they
+    /// fetched, verified then), up to the first one they do not.
+    fn recent_lead(&self, hashes: &[Hash]) -> Vec<Arc<Vec<u8>>> {
+        let mut recent = self.recent_blocks.lock();
+        hashes
+            .iter()
+            .map_while(|h| recent.get(h).cloned())
+            .collect()
+    }
+
     /// Fetch `ino`'s content into its upper file unless it is local, publishing progress
     /// to `stream`.
     pub(super) fn fetch_local(&self, ino: Ino, stream: Option<&Stream>) -> Result<(), FsError> {
@@ -444,16 +454,20 @@ impl AwcpFs {
                 .clone()
         };
         let _guard = lock.lock();
-        let (hash, blocks, packed, size) = {
+        let (hash, blocks, packed, size, lead) = {
             let table = self.table.lock();
             let node = table.get(ino).ok_or(FsError::NotFound)?;
             table.refuse_withheld(ino)?;
             match &node.data {
                 Data::Local { .. } => return Ok(()),
                 Data::None => return Err(FsError::IsDir),
-                d @ Data::Remote { hash, packed, .. } => {
-                    (*hash, d.remote_blocks(), *packed, node.size)
-                }
+                d @ Data::Remote { hash, packed, .. } => (
+                    *hash,
+                    d.remote_blocks(),
+                    *packed,
+                    node.size,
+                    self.recent_lead(d.remote_block_hashes()),
+                ),
             }
         };
         if packed.is_none() {
@@ -478,8 +492,15 @@ impl AwcpFs {
             Some(off) => self.pack.copy_out(off, size, &mut publish),
             // Every block is verified against its hash as it arrives (the remote does it),
             // and the blocks are the manifest's for this content: no second pass over it.
-            None => {
-                let chunks: Vec<&[String]> = blocks.chunks(FETCH_BATCH).collect();
+            None => (|| {
+                // The file's first blocks, fetched lately by ranged reads of it (and verified
+                // then), are not asked for again: a stream starts once the reads have been
+                // in order for a while, from the file's start.
+                for block in &lead {
+                    publish(block)?;
+                }
+                let rest = blocks.get(lead.len()..).unwrap_or_default();
+                let chunks: Vec<&[String]> = rest.chunks(FETCH_BATCH).collect();
                 // Whose requests these are: the agent's (an open, a write), or background
                 // work (hydration; a stream's blocks that no reader waits for yet).
                 let yields = |_: usize| match stream {
@@ -490,7 +511,7 @@ impl AwcpFs {
                 // file fetched whole in the background (git's index) only for its fetches.
                 let quiet = stream.is_some();
                 self.fetch_chunks(&chunks, yields, quiet, |block| publish(&block))
-            }
+            })(),
         };
         drop(out);
         if let Err(e) = written {
