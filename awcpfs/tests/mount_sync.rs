@@ -2749,9 +2749,7 @@ fn a_fetch_after_reads_of_a_files_first_blocks_does_not_ask_for_them_again() {
     // 5 MiB in 4 KiB blocks. Its first 64 KiB are read without a handle (16 blocks, fetched
     // in one ranged read and kept), then the file is opened: the fetch that makes it local
     // takes those blocks from memory and asks only for the rest.
-    let big: Vec<u8> = (0..5u32 << 20)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
-        .collect();
+    let big = distinct_blocks(5 << 20, 11);
     let (f, _gated) = gated_fixture(|r| std::fs::write(r.join("big.bin"), &big).unwrap(), true);
     f.fs.set_no_open();
     let ino = f.ino("big.bin");
@@ -2768,4 +2766,52 @@ fn a_fetch_after_reads_of_a_files_first_blocks_does_not_ask_for_them_again() {
         big.len() as u64,
         "bytes fetched for a 5 MiB file whose first 64 KiB had been read"
     );
+}
+
+#[test]
+fn two_reads_of_one_block_in_flight_fetch_it_once() {
+    // A 5 MiB file in 4 KiB blocks, never streamed here: the kernel's read-ahead has
+    // several reads of a file in flight, and two that cover the same block while it is
+    // being fetched must not both ask for it.
+    let big = distinct_blocks(5 << 20, 7);
+    let (f, gated) = gated_fixture(|r| std::fs::write(r.join("big.bin"), &big).unwrap(), true);
+    f.fs.set_no_open();
+    let ino = f.ino("big.bin");
+    // Hold every fetch but those asking for the first block (which nothing reads here).
+    gated.shut(&big[..4096]);
+    let fetches = || gated.fetches.load(std::sync::atomic::Ordering::SeqCst);
+    let before = fetches();
+    let read = |off: u64, len: u32| {
+        let fs = f.fs.clone();
+        std::thread::spawn(move || fs.read_at(ino, 0, off, len))
+    };
+    let (a_off, b_off) = (3u64 << 20, (3u64 << 20) + 1000);
+    let a = read(a_off, 8192);
+    std::thread::sleep(Duration::from_millis(200));
+    let b = read(b_off, 2000);
+    std::thread::sleep(Duration::from_millis(200));
+    gated.release();
+    let a = a.join().unwrap().unwrap();
+    let b = b.join().unwrap().unwrap();
+    assert_eq!(a, &big[a_off as usize..a_off as usize + 8192]);
+    assert_eq!(b, &big[b_off as usize..b_off as usize + 2000]);
+    assert_eq!(
+        fetches() - before,
+        1,
+        "the second read asked again for a block the first was fetching"
+    );
+}
+
+/// `len` pseudo-random bytes (xorshift from `seed`): no two 4 KiB blocks alike, unlike a
+/// multiplicative pattern, whose bytes repeat every few blocks.
+fn distinct_blocks(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
 }

@@ -347,33 +347,84 @@ impl AwcpFs {
                 None => return Ok(None),
             }
         };
-        // Blocks fetched lately (verified then) are not asked for again.
-        let mut blocks: Vec<Option<Arc<Vec<u8>>>> = {
+        // Blocks fetched lately (verified then) are not asked for again, nor are blocks
+        // another read is fetching now: this one waits for them.
+        let mut blocks: Vec<Option<Arc<Vec<u8>>>> = Vec::with_capacity(wanted.len());
+        let mut waits: Vec<(usize, Arc<Flight>)> = Vec::new();
+        let mut mine: Vec<(usize, Arc<Flight>)> = Vec::new();
+        {
             let mut recent = self.recent_blocks.lock();
-            wanted.iter().map(|h| recent.get(h).cloned()).collect()
-        };
-        let missing: Vec<String> = wanted
-            .iter()
-            .zip(&blocks)
-            .filter(|(_, b)| b.is_none())
-            .map(|(h, _)| hex::encode(h))
-            .collect();
-        if !missing.is_empty() {
+            let mut flying = self.blocks_in_flight.lock();
+            for (i, h) in wanted.iter().enumerate() {
+                let kept = recent.get(h).cloned();
+                if kept.is_none() {
+                    match flying.get(h) {
+                        Some(f) => waits.push((i, f.clone())),
+                        None => {
+                            let f = Arc::new(Flight::default());
+                            flying.insert(*h, f.clone());
+                            mine.push((i, f));
+                        }
+                    }
+                }
+                blocks.push(kept);
+            }
+        }
+        if !mine.is_empty() {
+            // Landed with nothing if this read ends without an answer (a panic): no reader
+            // waits for it forever.
+            let mut claim = Claim {
+                fs: self,
+                flights: mine.iter().map(|(i, f)| (wanted[*i], f.clone())).collect(),
+            };
+            let missing: Vec<String> = mine.iter().map(|(i, _)| hex::encode(wanted[*i])).collect();
             let fetched = {
                 let _fg = self.priority.foreground();
-                self.remote.fetch_blocks(&missing)?
+                self.remote.fetch_blocks(&missing)
             };
-            let mut fetched = fetched.into_iter().map(Arc::new);
-            let mut recent = self.recent_blocks.lock();
-            for (h, b) in wanted.iter().zip(blocks.iter_mut()) {
-                if b.is_none() {
-                    let data = fetched.next().ok_or_else(|| RemoteError::Protocol {
+            let (mut data, failed) = match fetched {
+                Ok(f) if f.len() == mine.len() => (Some(f.into_iter()), None),
+                Ok(_) => (
+                    None,
+                    Some(RemoteError::Protocol {
                         what: "fewer blocks than asked for".into(),
-                    })?;
-                    recent.put(*h, data.clone());
-                    *b = Some(data);
+                    }),
+                ),
+                Err(e) => (None, Some(e)),
+            };
+            // Whatever the answer, the blocks are no longer in flight: readers waiting for
+            // one take it, or fetch it themselves if it did not come.
+            let mut recent = self.recent_blocks.lock();
+            let mut flying = self.blocks_in_flight.lock();
+            for (i, flight) in &mine {
+                flying.remove(&wanted[*i]);
+                let block = data.as_mut().and_then(|d| d.next()).map(Arc::new);
+                if let Some(b) = &block {
+                    recent.put(wanted[*i], b.clone());
+                    blocks[*i] = Some(b.clone());
                 }
+                flight.land(block);
             }
+            claim.flights.clear();
+            drop((recent, flying));
+            if let Some(e) = failed {
+                return Err(e.into());
+            }
+        }
+        for (i, flight) in waits {
+            blocks[i] = match flight.wait() {
+                Some(b) => Some(b),
+                // The read that fetched it failed: ask for it here.
+                None => {
+                    let _fg = self.priority.foreground();
+                    let mut got = self.remote.fetch_blocks(&[hex::encode(wanted[i])])?;
+                    let b = Arc::new(got.pop().ok_or_else(|| RemoteError::Protocol {
+                        what: "fewer blocks than asked for".into(),
+                    })?);
+                    self.recent_blocks.lock().put(wanted[i], b.clone());
+                    Some(b)
+                }
+            };
         }
         let blocks: Vec<Arc<Vec<u8>>> = blocks.into_iter().flatten().collect();
         let mut out = Vec::with_capacity((want - offset) as usize);
@@ -1612,6 +1663,50 @@ impl AwcpFs {
     /// Number of open file handles.
     pub fn open_handle_count(&self) -> usize {
         self.handles.lock().len()
+    }
+}
+
+/// The blocks one read claimed to fetch; any still claimed when it is dropped land empty.
+struct Claim<'a> {
+    fs: &'a AwcpFs,
+    flights: Vec<(Hash, Arc<Flight>)>,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if self.flights.is_empty() {
+            return;
+        }
+        let mut flying = self.fs.blocks_in_flight.lock();
+        for (h, f) in self.flights.drain(..) {
+            flying.remove(&h);
+            f.land(None);
+        }
+    }
+}
+
+/// A block a ranged read is fetching (`AwcpFs::blocks_in_flight`): other reads of it wait
+/// until it lands, or until the fetch fails (`None`: they ask for it themselves).
+#[derive(Debug, Default)]
+pub(crate) struct Flight {
+    landed: Mutex<Option<Option<Arc<Vec<u8>>>>>,
+    cv: parking_lot::Condvar,
+}
+
+impl Flight {
+    fn land(&self, block: Option<Arc<Vec<u8>>>) {
+        *self.landed.lock() = Some(block);
+        self.cv.notify_all();
+    }
+
+    fn wait(&self) -> Option<Arc<Vec<u8>>> {
+        let mut landed = self.landed.lock();
+        loop {
+            if let Some(b) = &*landed {
+                return b.clone();
+            }
+            self.cv.wait(&mut landed);
+        }
     }
 }
 

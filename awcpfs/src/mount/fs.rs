@@ -169,6 +169,9 @@ pub struct AwcpFs {
     /// Blocks fetched lately for reads of large files that are not streamed whole, so the
     /// kernel's reads of one block in pieces cost one request.
     pub(super) recent_blocks: Mutex<lru::LruCache<[u8; 32], Arc<Vec<u8>>>>,
+    /// Blocks such reads are fetching now: a read that needs one waits for it instead of
+    /// asking again (the kernel has several reads of one file in flight, its read-ahead).
+    pub(super) blocks_in_flight: Mutex<HashMap<[u8; 32], Arc<super::content::Flight>>>,
 }
 
 /// Writes without a handle (no-open) to one file: how many are under way, and when the
@@ -311,6 +314,7 @@ impl AwcpFs {
             )),
             neighbours: AtomicBool::new(false),
             export_local: AtomicBool::new(false),
+            blocks_in_flight: Mutex::new(HashMap::new()),
             recent_blocks: Mutex::new(lru::LruCache::new(
                 std::num::NonZeroUsize::new(RECENT_BLOCKS).expect("nonzero"),
             )),
