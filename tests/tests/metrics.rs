@@ -22,7 +22,7 @@ use awcp_tests::{Harness, eventually, fleet, fuse_available, sample_repo};
 use awcpfs::testing::proxy::FaultProxy;
 
 /// Scrape `url` with `token`, parse it, and index the samples by name and labels.
-async fn scrape(url: &str, token: Option<&str>) -> HashMap<String, f64> {
+pub(crate) async fn scrape(url: &str, token: Option<&str>) -> HashMap<String, f64> {
     let mut req = reqwest::Client::new().get(url);
     if let Some(t) = token {
         req = req.bearer_auth(t);
@@ -84,7 +84,7 @@ async fn scrape(url: &str, token: Option<&str>) -> HashMap<String, f64> {
     out
 }
 
-fn get(m: &HashMap<String, f64>, key: &str) -> f64 {
+pub(crate) fn get(m: &HashMap<String, f64>, key: &str) -> f64 {
     *m.get(key)
         .unwrap_or_else(|| panic!("no {key} in the scrape: {:?}", m.keys().collect::<Vec<_>>()))
 }

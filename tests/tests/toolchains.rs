@@ -291,6 +291,27 @@ async fn make_with_gcc_dependency_files_and_rebuild_after_touch_case(writeback_c
     assert!(read(run.repo.join("main.d")).contains("util.h"));
     let mode = std::fs::metadata(run.repo.join("app")).unwrap().mode();
     assert_eq!(mode & 0o111, 0o111, "the linker's exec bits: {mode:o}");
+    // What gcc's assembler and linker created, the Executor's mount handed to the kernel
+    // (`--passthrough-writes toolchain`, its default) — except under the writeback cache,
+    // which excludes it. Counted once the mount has ended.
+    let url = format!(
+        "{}/metrics",
+        run.h.executor.awcp_url().trim_end_matches("/awcp")
+    );
+    let credential = run.h.credential();
+    let mut m = crate::metrics::scrape(&url, Some(&credential)).await;
+    let started = std::time::Instant::now();
+    while m.get("awcp_mounts_total") != Some(&1.0) && started.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        m = crate::metrics::scrape(&url, Some(&credential)).await;
+    }
+    let passed = crate::metrics::get(&m, "awcp_mount_passthrough_opens_total");
+    if writeback_cache {
+        assert_eq!(passed, 0.0, "passthrough under the writeback cache");
+    } else {
+        // main.o, util.o, app three times over, and the dependency files.
+        assert!(passed >= 5.0, "{passed} files passed through");
+    }
     run.h.stop().await;
 }
 
