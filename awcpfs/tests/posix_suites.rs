@@ -522,6 +522,31 @@ fn wbcache_fsx_finds_no_difference_with_the_writeback_cache() {
     fsx_on(&["--writeback-cache", "--fuse-transport", "dev"]);
 }
 
+/// fsx listed as a writer whose new files the kernel writes directly (FUSE passthrough,
+/// `--passthrough-writes`): every operation on the one descriptor it created the file with
+/// (no close and reopen, which would make it an ordinary file), the mount learning of the
+/// kernel's writes from inotify — mapped writes, truncations, `fallocate` and hole punching
+/// through the mount's own descriptor among them — and the Delegator's copy checked at the
+/// end.
+#[test]
+fn passthrough_fsx_finds_no_difference_when_the_kernel_writes_the_file() {
+    fsx_with(
+        &["--passthrough-writes", "fsx", "--fuse-transport", "dev"],
+        false,
+    );
+}
+
+/// The same over FUSE-over-io_uring.
+#[test]
+fn uring_passthrough_fsx_finds_no_difference_when_the_kernel_writes_the_file() {
+    if uring_available() {
+        fsx_with(
+            &["--passthrough-writes", "fsx", "--fuse-transport", "uring"],
+            false,
+        );
+    }
+}
+
 /// The same over FUSE-over-io_uring.
 #[test]
 fn uring_fsx_with_every_operation_finds_no_difference() {
@@ -539,6 +564,12 @@ fn uring_wbcache_fsx_finds_no_difference_with_the_writeback_cache() {
 }
 
 fn fsx_on(extra: &[&str]) {
+    fsx_with(extra, true);
+}
+
+/// fsx on a standalone mount with `extra` options; `close_open`: with its operation that
+/// closes and reopens the file.
+fn fsx_with(extra: &[&str], close_open: bool) {
     if !fuse_available() {
         return;
     }
@@ -559,10 +590,13 @@ fn fsx_on(extra: &[&str]) {
     // Every operation fsx has, each with some weight.
     std::fs::write(
         &config,
-        "flen = 262144\n\n[weights]\nclose_open = 1\nread = 10\nwrite = 10\nmapread = 10\n\
-         mapwrite = 10\ninvalidate = 1\ntruncate = 2\nfsync = 1\nfdatasync = 1\n\
-         posix_fallocate = 1\npunch_hole = 1\nsendfile = 1\nposix_fadvise = 1\n\
-         copy_file_range = 1\n",
+        format!(
+            "flen = 262144\n\n[weights]\nclose_open = {}\nread = 10\nwrite = 10\n\
+             mapread = 10\nmapwrite = 10\ninvalidate = 1\ntruncate = 2\nfsync = 1\n\
+             fdatasync = 1\nposix_fallocate = 1\npunch_hole = 1\nsendfile = 1\n\
+             posix_fadvise = 1\ncopy_file_range = 1\n",
+            u8::from(close_open)
+        ),
     )
     .unwrap();
     let artifacts = fs.tmp.path().join("fsx-artifacts");
@@ -588,6 +622,13 @@ fn fsx_on(extra: &[&str]) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    if !close_open && extra.contains(&"--passthrough-writes") {
+        // The kernel wrote the file: fsx's writes came as no request.
+        let v = status_when(&fs, "fsx.data handed to the kernel", |v| {
+            v["stats"]["passthroughOpens"].as_u64() >= Some(1)
+        });
+        assert_eq!(v["stats"]["ops"]["write"].as_u64().unwrap_or(0), 0, "{v}");
+    }
     // The file fsx verified on the mount is what reaches the Delegator.
     let on_mount = std::fs::read(fs.mnt.join("fsx.data")).unwrap();
     let status = fs.unmount();
@@ -601,9 +642,19 @@ fn fsx_on(extra: &[&str]) {
 
 /// The transport a standalone mount reports in its `status.json`.
 fn transport_of(fs: &Standalone) -> String {
+    let v = status_when(fs, "status.json", |v| v["fuseTransport"].is_string());
+    v["fuseTransport"].as_str().unwrap_or_default().to_owned()
+}
+
+/// A standalone mount's `status.json` once `ready` holds of it (waiting for `what`).
+fn status_when(
+    fs: &Standalone,
+    what: &str,
+    ready: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let states = fs.tmp.path().join("mount-state");
-    let mut found = String::new();
-    wait_for("status.json", || {
+    let mut found = serde_json::Value::Null;
+    wait_for(what, || {
         let Ok(dirs) = std::fs::read_dir(&states) else {
             return false;
         };
@@ -614,9 +665,12 @@ fn transport_of(fs: &Standalone) -> String {
             let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
                 continue;
             };
-            found = v["fuseTransport"].as_str().unwrap_or_default().to_owned();
+            if ready(&v) {
+                found = v;
+                return true;
+            }
         }
-        !found.is_empty()
+        false
     });
     found
 }
