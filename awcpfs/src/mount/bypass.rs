@@ -37,6 +37,7 @@ use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsFd;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -175,6 +176,9 @@ pub(crate) struct Watcher {
     /// Made, and the event thread started, with the first watch.
     inotify: OnceLock<Arc<Inotify>>,
     maps: Mutex<Maps>,
+    /// How many files are watched (kept with `maps`): with none, a request asking
+    /// [`Watcher::file`] takes no lock (every read or write without a handle asks).
+    watching: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -259,12 +263,16 @@ impl Watcher {
         {
             maps.by_wd.remove(&old.wd);
         }
+        self.watching.store(maps.by_ino.len(), Ordering::Relaxed);
         Ok(())
     }
 
     /// A descriptor for the mount's own writes to `ino`'s upper file while it is watched (a
     /// duplicate of [`Watched::file`]); `None` when it is not.
     pub(crate) fn file(&self, ino: Ino) -> Option<std::io::Result<std::fs::File>> {
+        if self.watching.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
         let file = self.maps.lock().by_ino.get(&ino)?.file.clone();
         Some(file.try_clone())
     }
@@ -287,6 +295,7 @@ impl Watcher {
     pub(crate) fn unwatch(&self, ino: Ino) {
         let mut maps = self.maps.lock();
         if let Some(w) = maps.by_ino.remove(&ino) {
+            self.watching.store(maps.by_ino.len(), Ordering::Relaxed);
             maps.by_wd.remove(&w.wd);
             if let Some(i) = self.inotify.get() {
                 // (Fails if the upper file is gone already, which ended the watch.)
@@ -348,6 +357,7 @@ impl Watcher {
                 closed.push(ino);
             }
         }
+        self.watching.store(maps.by_ino.len(), Ordering::Relaxed);
         drop(maps);
         // Closing an id closes the descriptor it was registered from (read-only: no event
         // that counts); the watched descriptors close after their watches are gone.
