@@ -10,99 +10,28 @@
 
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use awcp_lease::{Lease, LeaseTerms, SystemClock};
-use awcpfs::export::{ExportConfig, ExportRegistry};
-use awcpfs::mount::{Mount, MountConfig, PassthroughWriters};
+use awcpfs::mount::PassthroughWriters;
 use awcpfs::testing::fuse_available;
 
 /// The name of the threads that write as a listed process.
 const WRITER: &str = "ptwriter";
 
-struct Setup {
-    _tmp: tempfile::TempDir,
-    _rt: tokio::runtime::Runtime,
-    src: PathBuf,
-    mnt: PathBuf,
-    mount: Option<Mount>,
-}
+mod common;
+use common::InProcess;
 
-impl Setup {
-    fn mount(&self) -> &Mount {
-        self.mount.as_ref().unwrap()
-    }
-
-    fn op(&self, name: &str) -> u64 {
-        self.mount().stats().ops.get(name).copied().unwrap_or(0)
-    }
-}
-
-impl Drop for Setup {
-    fn drop(&mut self) {
-        if let Some(m) = self.mount.take() {
-            m.end(awcpfs::mount::EndReason::Unmounted, None);
-        }
-    }
-}
-
-fn setup(writers: PassthroughWriters) -> Setup {
-    let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    let mnt = tmp.path().join("mnt");
-    std::fs::create_dir_all(src.join("d")).unwrap();
-    std::fs::create_dir_all(&mnt).unwrap();
-    std::fs::write(src.join("d/old.txt"), "old\n").unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let registry = ExportRegistry::new().without_watch();
-    let lease = Arc::new(Lease::grant(
-        Arc::new(SystemClock::new()),
-        LeaseTerms {
-            ttl: Duration::from_secs(600),
-            max_ttl: Duration::from_secs(600),
-            flush_grace: Duration::from_secs(10),
+/// A mount of a tree holding `d/old.txt`, whose new files the kernel writes directly for
+/// the processes `writers` names.
+fn setup(writers: PassthroughWriters) -> InProcess {
+    InProcess::start(
+        |src| {
+            std::fs::create_dir_all(src.join("d")).unwrap();
+            std::fs::write(src.join("d/old.txt"), "old\n").unwrap();
         },
-    ));
-    let export = registry
-        .register(
-            "pt".into(),
-            "tok".into(),
-            ExportConfig {
-                root: src.clone(),
-                read_only: false,
-                block_size: 1 << 20,
-                staging_dir: tmp.path().join("staging"),
-            },
-            lease,
-        )
-        .unwrap();
-    let addr = rt.block_on(async {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let a = l.local_addr().unwrap();
-        let router = registry.router();
-        tokio::spawn(async move { axum::serve(l, router).await });
-        a
-    });
-    let mut cfg = MountConfig::new(
-        &format!("http://{addr}"),
-        "pt",
-        "tok",
-        &mnt,
-        &tmp.path().join("state"),
-    );
-    cfg.manifest_digest = Some(export.manifest_digest());
-    cfg.remaining = Some(Duration::from_secs(600));
-    cfg.passthrough_writers = writers;
-    let mount = Mount::start(cfg).unwrap();
-    Setup {
-        _tmp: tmp,
-        _rt: rt,
-        src,
-        mnt,
-        mount: Some(mount),
-    }
+        |cfg| cfg.passthrough_writers = writers,
+    )
 }
 
 /// Wait until the Delegator's `path` holds `want` (10 s at most).

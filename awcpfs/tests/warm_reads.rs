@@ -7,13 +7,12 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
 
-use awcp_lease::{Lease, LeaseTerms, SystemClock};
-use awcpfs::export::{ExportConfig, ExportRegistry};
 use awcpfs::mount::{Mount, MountConfig};
 use awcpfs::testing::fuse_available;
+
+mod common;
+use common::InProcess;
 
 const FILES: usize = 40;
 
@@ -36,62 +35,21 @@ fn read_all(mnt: &Path) {
 
 /// The requests one more warm pass makes, on a mount with `adjust` applied.
 fn requests_of_a_warm_pass(adjust: impl FnOnce(&mut MountConfig)) -> (u64, u64) {
-    let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    let mnt = tmp.path().join("mnt");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::create_dir_all(&mnt).unwrap();
-    for i in 0..FILES {
-        std::fs::write(src.join(format!("f{i}.txt")), format!("file {i}\n")).unwrap();
-    }
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let registry = ExportRegistry::new().without_watch();
-    let lease = Arc::new(Lease::grant(
-        Arc::new(SystemClock::new()),
-        LeaseTerms {
-            ttl: Duration::from_secs(600),
-            max_ttl: Duration::from_secs(600),
-            flush_grace: Duration::from_secs(10),
+    let mut s = InProcess::start(
+        |src| {
+            for i in 0..FILES {
+                std::fs::write(src.join(format!("f{i}.txt")), format!("file {i}\n")).unwrap();
+            }
         },
-    ));
-    let export = registry
-        .register(
-            "warm".into(),
-            "tok".into(),
-            ExportConfig {
-                root: src.clone(),
-                read_only: false,
-                block_size: 1 << 20,
-                staging_dir: tmp.path().join("staging"),
-            },
-            lease,
-        )
-        .unwrap();
-    let addr = rt.block_on(async {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let a = l.local_addr().unwrap();
-        let router = registry.router();
-        tokio::spawn(async move { axum::serve(l, router).await });
-        a
-    });
-    let mut cfg = MountConfig::new(
-        &format!("http://{addr}"),
-        "warm",
-        "tok",
-        &mnt,
-        &tmp.path().join("state"),
+        adjust,
     );
-    cfg.manifest_digest = Some(export.manifest_digest());
-    cfg.remaining = Some(Duration::from_secs(600));
-    adjust(&mut cfg);
-    let mount = Mount::start(cfg).unwrap();
     // Twice: the first pass fetches and caches, the second settles what the first left.
-    read_all(&mnt);
-    read_all(&mnt);
-    let before = ops(&mount);
-    read_all(&mnt);
-    let after = ops(&mount);
-    mount.end(awcpfs::mount::EndReason::Unmounted, None);
+    read_all(&s.mnt);
+    read_all(&s.mnt);
+    let before = ops(s.mount());
+    read_all(&s.mnt);
+    let after = ops(s.mount());
+    s.end();
     let delta = |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
     let total: u64 = after.values().sum::<u64>() - before.values().sum::<u64>();
     (total, delta("getattr"))
