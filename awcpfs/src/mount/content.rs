@@ -348,83 +348,43 @@ impl AwcpFs {
             }
         };
         // Blocks fetched lately (verified then) are not asked for again, nor are blocks
-        // another read is fetching now: this one waits for them.
-        let mut blocks: Vec<Option<Arc<Vec<u8>>>> = Vec::with_capacity(wanted.len());
-        let mut waits: Vec<(usize, Arc<Flight>)> = Vec::new();
-        let mut mine: Vec<(usize, Arc<Flight>)> = Vec::new();
-        {
-            let mut recent = self.recent_blocks.lock();
-            let mut flying = self.blocks_in_flight.lock();
-            for (i, h) in wanted.iter().enumerate() {
-                let kept = recent.get(h).cloned();
-                if kept.is_none() {
-                    match flying.get(h) {
-                        Some(f) => waits.push((i, f.clone())),
-                        None => {
-                            let f = Arc::new(Flight::default());
-                            flying.insert(*h, f.clone());
-                            mine.push((i, f));
+        // another read is fetching now: this one waits for them, and asks for them itself
+        // in a next round if that fetch failed.
+        let mut blocks: Vec<Option<Arc<Vec<u8>>>> = vec![None; wanted.len()];
+        loop {
+            let mut waits: Vec<(usize, Arc<Flight>)> = Vec::new();
+            let mut mine: Vec<(usize, Arc<Flight>)> = Vec::new();
+            {
+                let mut recent = self.recent_blocks.lock();
+                let mut flying = self.blocks_in_flight.lock();
+                for (i, h) in wanted.iter().enumerate() {
+                    if blocks[i].is_some() {
+                        continue;
+                    }
+                    blocks[i] = recent.get(h).cloned();
+                    if blocks[i].is_none() {
+                        match flying.get(h) {
+                            Some(f) => waits.push((i, f.clone())),
+                            None => {
+                                let f = Arc::new(Flight::default());
+                                flying.insert(*h, f.clone());
+                                mine.push((i, f));
+                            }
                         }
                     }
                 }
-                blocks.push(kept);
             }
-        }
-        if !mine.is_empty() {
-            // Landed with nothing if this read ends without an answer (a panic): no reader
-            // waits for it forever.
-            let mut claim = Claim {
-                fs: self,
-                flights: mine.iter().map(|(i, f)| (wanted[*i], f.clone())).collect(),
-            };
-            let missing: Vec<String> = mine.iter().map(|(i, _)| hex::encode(wanted[*i])).collect();
-            let fetched = {
-                let _fg = self.priority.foreground();
-                self.remote.fetch_blocks(&missing)
-            };
-            let (mut data, failed) = match fetched {
-                Ok(f) if f.len() == mine.len() => (Some(f.into_iter()), None),
-                Ok(_) => (
-                    None,
-                    Some(RemoteError::Protocol {
-                        what: "fewer blocks than asked for".into(),
-                    }),
-                ),
-                Err(e) => (None, Some(e)),
-            };
-            // Whatever the answer, the blocks are no longer in flight: readers waiting for
-            // one take it, or fetch it themselves if it did not come.
-            let mut recent = self.recent_blocks.lock();
-            let mut flying = self.blocks_in_flight.lock();
-            for (i, flight) in &mine {
-                flying.remove(&wanted[*i]);
-                let block = data.as_mut().and_then(|d| d.next()).map(Arc::new);
-                if let Some(b) = &block {
-                    recent.put(wanted[*i], b.clone());
-                    blocks[*i] = Some(b.clone());
-                }
-                flight.land(block);
+            if !mine.is_empty() {
+                self.fetch_claimed(&wanted, &mine, &mut blocks)?;
             }
-            claim.flights.clear();
-            drop((recent, flying));
-            if let Some(e) = failed {
-                return Err(e.into());
+            let mut again = false;
+            for (i, flight) in waits {
+                blocks[i] = flight.wait();
+                again |= blocks[i].is_none();
             }
-        }
-        for (i, flight) in waits {
-            blocks[i] = match flight.wait() {
-                Some(b) => Some(b),
-                // The read that fetched it failed: ask for it here.
-                None => {
-                    let _fg = self.priority.foreground();
-                    let mut got = self.remote.fetch_blocks(&[hex::encode(wanted[i])])?;
-                    let b = Arc::new(got.pop().ok_or_else(|| RemoteError::Protocol {
-                        what: "fewer blocks than asked for".into(),
-                    })?);
-                    self.recent_blocks.lock().put(wanted[i], b.clone());
-                    Some(b)
-                }
-            };
+            if !again {
+                break;
+            }
         }
         let blocks: Vec<Arc<Vec<u8>>> = blocks.into_iter().flatten().collect();
         let mut out = Vec::with_capacity((want - offset) as usize);
@@ -436,6 +396,54 @@ impl AwcpFs {
         }
         self.check()?;
         Ok(Some(out))
+    }
+
+    /// Fetch the blocks of `wanted` this read claimed (`mine`: their indexes and flights),
+    /// into `blocks` and the recent blocks, and land every flight, with its block or, if
+    /// the fetch failed, empty (the readers waiting for it then ask themselves).
+    fn fetch_claimed(
+        &self,
+        wanted: &[Hash],
+        mine: &[(usize, Arc<Flight>)],
+        blocks: &mut [Option<Arc<Vec<u8>>>],
+    ) -> Result<(), FsError> {
+        // Landed with nothing if this read ends without an answer (a panic): no reader
+        // waits for it forever.
+        let mut claim = Claim {
+            fs: self,
+            flights: mine.iter().map(|(i, f)| (wanted[*i], f.clone())).collect(),
+        };
+        let missing: Vec<String> = mine.iter().map(|(i, _)| hex::encode(wanted[*i])).collect();
+        let fetched = {
+            let _fg = self.priority.foreground();
+            self.remote.fetch_blocks(&missing)
+        };
+        let (mut data, failed) = match fetched {
+            Ok(f) if f.len() == mine.len() => (Some(f.into_iter()), None),
+            Ok(_) => (
+                None,
+                Some(RemoteError::Protocol {
+                    what: "fewer blocks than asked for".into(),
+                }),
+            ),
+            Err(e) => (None, Some(e)),
+        };
+        let mut recent = self.recent_blocks.lock();
+        let mut flying = self.blocks_in_flight.lock();
+        for (i, flight) in mine {
+            flying.remove(&wanted[*i]);
+            let block = data.as_mut().and_then(|d| d.next()).map(Arc::new);
+            if let Some(b) = &block {
+                recent.put(wanted[*i], b.clone());
+                blocks[*i] = Some(b.clone());
+            }
+            flight.land(block);
+        }
+        claim.flights.clear();
+        match failed {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
     }
 
     /// The leading blocks of `hashes` that recent ranged reads keep (the last 16 they
@@ -543,13 +551,10 @@ impl AwcpFs {
             Some(off) => self.pack.copy_out(off, size, &mut publish),
             // Every block is verified against its hash as it arrives (the remote does it),
             // and the blocks are the manifest's for this content: no second pass over it.
-            None => (|| {
-                // The file's first blocks, fetched lately by ranged reads of it (and verified
-                // then), are not asked for again: a stream starts once the reads have been
-                // in order for a while, from the file's start.
-                for block in &lead {
-                    publish(block)?;
-                }
+            // The file's first blocks, fetched lately by ranged reads of it (and verified
+            // then), are not asked for again: a stream starts once the reads have been in
+            // order for a while, from the file's start.
+            None => lead.iter().try_for_each(|b| publish(b)).and_then(|()| {
                 let rest = blocks.get(lead.len()..).unwrap_or_default();
                 let chunks: Vec<&[String]> = rest.chunks(FETCH_BATCH).collect();
                 // Whose requests these are: the agent's (an open, a write), or background
@@ -562,7 +567,7 @@ impl AwcpFs {
                 // file fetched whole in the background (git's index) only for its fetches.
                 let quiet = stream.is_some();
                 self.fetch_chunks(&chunks, yields, quiet, |block| publish(&block))
-            })(),
+            }),
         };
         drop(out);
         if let Err(e) = written {
