@@ -259,6 +259,26 @@ fn mount_paths(c: &mut Criterion) {
     g.bench_function("lookup", |b| {
         b.iter(|| black_box(fs.lookup(dir, OsStr::new("file_13.rs")).unwrap()))
     });
+    // Every file once, in the manifest's order, as a `git status` after the kernel dropped
+    // its dentries asks: each lookup finds a node the ones before it did not touch.
+    let every: Vec<(u64, String)> = m
+        .entries
+        .iter()
+        .filter(|e| e.kind == EntryKind::File)
+        .map(|e| {
+            let (dir, name) = e.path.rsplit_once('/').unwrap();
+            (lookup(dir), name.to_string())
+        })
+        .collect();
+    g.throughput(Throughput::Elements(every.len() as u64));
+    g.bench_function("lookup_every_file", |b| {
+        b.iter(|| {
+            for (dir, name) in &every {
+                black_box(fs.lookup(*dir, OsStr::new(name)).unwrap());
+            }
+        })
+    });
+    g.throughput(Throughput::Elements(1));
     // A file fetched by background hydration (its content local, never changed).
     let fetched = lookup("src/mod2/sub5/file_14.rs");
     assert_eq!(fs.prefetch(&[fetched]).unwrap(), 1);

@@ -324,7 +324,9 @@ impl Dirty {
 /// The namespace.
 #[derive(Debug, Default)]
 pub struct InodeTable {
-    nodes: FastMap<Ino, Node>,
+    /// Boxed: the map stays small enough for the CPU's caches, and nodes allocated one
+    /// after another (a manifest's entries, a directory's files) lie together in memory.
+    nodes: FastMap<Ino, Box<Node>>,
     next_ino: Ino,
     /// Changes since the syncer last looked; recorded once the table is built.
     dirty: Dirty,
@@ -349,7 +351,7 @@ impl InodeTable {
         };
         table.nodes.insert(
             ROOT_INO,
-            Node {
+            Box::new(Node {
                 ino: ROOT_INO,
                 parent: ROOT_INO,
                 name: String::new(),
@@ -371,7 +373,7 @@ impl InodeTable {
                 unlinked: false,
                 links: Vec::new(),
                 xattrs: BTreeMap::new(),
-            },
+            }),
         );
         // Inode numbers: the Delegator's own where they are usable (unique, not the root's
         // 1), so git's index, which records st_ino, still matches on the mount; otherwise,
@@ -479,7 +481,7 @@ impl InodeTable {
             if kind == Kind::Dir {
                 dirs.insert(&e.path, ino);
             }
-            table.nodes.insert(ino, node);
+            table.nodes.insert(ino, Box::new(node));
             table.attach(parent, name, ino, kind == Kind::Dir);
         }
         // The tree is what the manifest says: nothing to write back. Changes count from here.
@@ -610,23 +612,23 @@ impl InodeTable {
 
     /// Look a node up.
     pub fn get(&self, ino: Ino) -> Option<&Node> {
-        self.nodes.get(&ino)
+        self.nodes.get(&ino).map(|n| &**n)
     }
 
     /// Look a node up for change.
     pub fn get_mut(&mut self, ino: Ino) -> Option<&mut Node> {
-        self.nodes.get_mut(&ino)
+        self.nodes.get_mut(&ino).map(|n| &mut **n)
     }
 
     /// Add a node (its dentry is added separately with [`InodeTable::insert_child`]).
     pub fn insert(&mut self, node: Node) {
         self.reserve_ino(node.ino);
-        self.nodes.insert(node.ino, node);
+        self.nodes.insert(node.ino, Box::new(node));
     }
 
     /// Drop a node entirely.
     pub fn remove(&mut self, ino: Ino) -> Option<Node> {
-        self.nodes.remove(&ino)
+        self.nodes.remove(&ino).map(|n| *n)
     }
 
     /// The child `name` of directory `parent`.
@@ -750,7 +752,7 @@ impl InodeTable {
 
     /// Every node, reachable or not (unlinked files kept for their descriptors too).
     pub fn iter(&self) -> impl Iterator<Item = &Node> {
-        self.nodes.values()
+        self.nodes.values().map(|n| &**n)
     }
 
     /// Whether the table is empty (never, once built).
