@@ -318,7 +318,7 @@ impl MountAecp {
                             .filter_map(|(name, child)| {
                                 let c = table.get(*child)?;
                                 matches!(c.kind, Kind::Dir | Kind::File)
-                                    .then(|| (name.clone(), c.kind == Kind::Dir))
+                                    .then(|| (name.to_string(), c.kind == Kind::Dir))
                             })
                             .collect();
                         Some(Node::Dir(names))

@@ -1187,7 +1187,7 @@ impl AwcpFs {
                 entries.push(DirEntry {
                     ino: *child,
                     kind: c.kind,
-                    name: name.clone(),
+                    name: name.to_string(),
                 });
             }
         }

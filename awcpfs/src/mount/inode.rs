@@ -24,6 +24,7 @@
 //!   change, so a listing kept from an earlier `readdir` is reused after comparing two
 //!   numbers.
 
+use compact_str::CompactString;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// The table's maps: keyed by inode numbers and paths the Delegator's manifest chose, so
@@ -189,8 +190,9 @@ pub struct Node {
     pub mtime: SystemTime,
     /// Last status change.
     pub ctime: SystemTime,
-    /// Children by name (directories).
-    pub children: BTreeMap<String, Ino>,
+    /// Children by name (directories). Names of up to 24 bytes are held in the map's own
+    /// nodes: a lookup compares them without a pointer to follow each (and a cache miss).
+    pub children: BTreeMap<CompactString, Ino>,
     /// How many of the children are directories (kept by [`InodeTable`]).
     pub subdirs: u32,
     /// Target (symlinks).
@@ -644,7 +646,7 @@ impl InodeTable {
     /// (the caller checked that the name is free and the parent is a directory).
     fn attach(&mut self, parent: Ino, name: &str, ino: Ino, is_dir: bool) {
         if let Some(p) = self.nodes.get_mut(&parent) {
-            p.children.insert(name.to_string(), ino);
+            p.children.insert(name.into(), ino);
             if is_dir {
                 p.subdirs += 1;
             }
@@ -664,7 +666,7 @@ impl InodeTable {
         let Some(p) = self.nodes.get_mut(&parent) else {
             return;
         };
-        if let Some(old) = p.children.insert(name, ino) {
+        if let Some(old) = p.children.insert(name.into(), ino) {
             let old_is_dir = self.is_dir(old);
             if let Some(p) = self.nodes.get_mut(&parent)
                 && old_is_dir
@@ -851,7 +853,7 @@ impl InodeTable {
             }
             for (name, child) in node.children.iter().rev() {
                 let p = if path.is_empty() {
-                    name.clone()
+                    name.to_string()
                 } else {
                     format!("{path}/{name}")
                 };
