@@ -1145,7 +1145,10 @@ wl_loop() {
     base=$(git -C "$D_NAT/repo" rev-parse HEAD)
     warm_setup repo "$GIT_CMD"
     cell loop commit
-    warm_arms repo - "$COMMIT_CMD"
+    # The untimed second before each run stands for the agent's time between two commands:
+    # awcpfs writes the previous run's 600 files back then (a round waits for the agent's
+    # requests to pause), as the loop cell's sleep gives it time to.
+    warm_arms repo "sleep 1" "$COMMIT_CMD"
     run_cell
     awcpfs_down repo
     libfuse_down repo
