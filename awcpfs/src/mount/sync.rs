@@ -130,7 +130,7 @@ pub const SYNC_MAX_WAIT: Duration = Duration::from_secs(1);
 /// agent works (a `git add` and `git commit` of 200 files, 400 objects written as it goes),
 /// rounds made that command ~15 % slower on two CPUs. Between two of an agent's commands its
 /// requests pause, and a round then takes nothing from it.
-fn after_pause(
+pub fn after_pause(
     ops: impl Fn() -> u64,
     min: Duration,
     pause: Duration,
