@@ -119,7 +119,7 @@ fn lease_error(reason: &EndReason) -> (ErrorCode, String, Option<String>) {
         ),
         EndReason::Unmounted => (
             ErrorCode::Cancelled,
-            "Delegation cancelled: the Executor stopped before the task finished".into(),
+            "Delegation cancelled: the Executor stopped, or its mount was unmounted, before the task finished".into(),
             Some("Delegate again; changes closed before the stop were written back".into()),
         ),
     }

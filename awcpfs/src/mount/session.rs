@@ -15,6 +15,7 @@
 //! 4. wipe the upper files, unless the operator keeps the cache or the flush failed (then
 //!    the state directory is kept, so nothing is lost).
 
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -344,7 +345,7 @@ fn still_mounted(mountpoint: &Path, conn: u64) -> bool {
     let Ok(mp) = std::path::absolute(mountpoint) else {
         return false;
     };
-    let mp = mp.display().to_string();
+    let mp = mp.as_os_str().as_bytes();
     let want = format!("{}:{}", conn >> 20, conn & 0xfffff);
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap_or_default()
@@ -353,8 +354,32 @@ fn still_mounted(mountpoint: &Path, conn: u64) -> bool {
             let mut f = l.split(' ');
             let dev = f.nth(2);
             let point = f.nth(1);
-            dev == Some(want.as_str()) && point == Some(mp.as_str())
+            dev == Some(want.as_str()) && point.is_some_and(|p| unescape_mountinfo(p) == mp)
         })
+}
+
+/// A path as mountinfo writes it, with its space, tab, newline and backslash escaped as
+/// `\ooo` octal.
+fn unescape_mountinfo(field: &str) -> Vec<u8> {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match octal {
+            Some(d) => {
+                out.push(d.iter().fold(0u8, |v, c| v.wrapping_mul(8) + (c - b'0')));
+                i += 4;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 /// Make sure fusectl is mounted so connections can be aborted.
@@ -632,6 +657,13 @@ impl Mount {
             .name("awcpfs-lease".into())
             .spawn(move || m.lease_timer())
             .expect("spawning a thread");
+        if let Some(conn) = self.inner.conn_id {
+            let m = self.clone();
+            std::thread::Builder::new()
+                .name("awcpfs-unmount".into())
+                .spawn(move || m.unmount_watch(conn))
+                .expect("spawning a thread");
+        }
         let m = self.clone();
         std::thread::Builder::new()
             .name("awcpfs-events".into())
@@ -862,6 +894,43 @@ impl Mount {
                 .saturating_duration_since(Instant::now())
                 .min(Duration::from_millis(100));
             std::thread::sleep(step);
+        }
+    }
+
+    /// End the mount, writing its changes back, once its mount point is unmounted from
+    /// outside (`umount`, `fusermount3 -u`): the kernel then sends no more requests, and the
+    /// process would otherwise hold the lease and its state directory with nothing to serve.
+    /// Woken by the kernel at every change of the mount table (`POLLPRI` on mountinfo), and
+    /// once a second to see whether the mount ended otherwise.
+    fn unmount_watch(&self, conn: u64) {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::os::fd::AsFd;
+        let mp = self.inner.cfg.mountpoint.clone();
+        if !still_mounted(&mp, conn) {
+            // Not found as mounted at the start (a path mountinfo shows otherwise): nothing
+            // to compare with later.
+            tracing::debug!(mountpoint = %mp.display(), "not in mountinfo: no unmount watch");
+            return;
+        }
+        let info = std::fs::File::open("/proc/self/mountinfo").ok();
+        while !self.inner.ending.load(Ordering::SeqCst) {
+            match &info {
+                Some(f) => {
+                    let mut fds = [PollFd::new(f.as_fd(), PollFlags::POLLPRI)];
+                    let _ = poll(&mut fds, PollTimeout::from(1000u16));
+                }
+                None => std::thread::sleep(Duration::from_secs(1)),
+            }
+            if self.inner.ending.load(Ordering::SeqCst) {
+                return;
+            }
+            if !still_mounted(&mp, conn) {
+                tracing::warn!(mountpoint = %mp.display(),
+                    "the mount point was unmounted from outside: writing the changes back \
+                     and ending access");
+                self.finish();
+                return;
+            }
         }
     }
 
@@ -1562,5 +1631,20 @@ fn preload_aecp(remote: &Arc<dyn Remote>, fs: &Arc<AwcpFs>, wait: Duration) {
         Err(_) => tracing::warn!(
             "AECP: the export's catch-up did not complete within {wait:?}; mounting anyway"
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unescape_mountinfo;
+
+    #[test]
+    fn mountinfo_paths_are_read_back_with_their_escapes_undone() {
+        assert_eq!(unescape_mountinfo("/tmp/a b"), b"/tmp/a b");
+        assert_eq!(unescape_mountinfo(r"/tmp/m\040x"), b"/tmp/m x");
+        assert_eq!(unescape_mountinfo(r"/t\011a\012b\134c"), b"/t\ta\nb\\c");
+        // Not an escape: left as it is, and no panic at the end of the field.
+        assert_eq!(unescape_mountinfo(r"/a\9x\04"), br"/a\9x\04");
+        assert_eq!(unescape_mountinfo(r"\"), br"\");
     }
 }
