@@ -75,6 +75,10 @@ fn fixture_with(
         .unwrap();
     let addr = listener.local_addr().unwrap();
     let router = registry.router();
+    // As the export's own server: no delayed ACK (Nagle) on small answers.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |s| {
+        let _ = s.set_nodelay(true);
+    });
     rt.spawn(async move { axum::serve(listener, router).await });
     let remote = Arc::new(HttpRemote::new(
         &format!("http://{addr}"),
@@ -2799,6 +2803,56 @@ fn two_reads_of_one_block_in_flight_fetch_it_once() {
         fetches() - before,
         1,
         "the second read asked again for a block the first was fetching"
+    );
+}
+
+#[test]
+fn a_sequential_reader_of_a_large_file_gets_blocks_fetched_ahead_and_none_twice() {
+    // 5 MiB in 4 KiB blocks, not streamed (`first`): read from one end to the other in
+    // 4 KiB reads, as the kernel reads a file in pieces of a block, it costs a fraction of
+    // a request per block, and every block is fetched once.
+    let big = distinct_blocks(5 << 20, 13);
+    let (f, gated) = gated_fixture(|r| std::fs::write(r.join("big.bin"), &big).unwrap(), true);
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::First);
+    let ino = f.ino("big.bin");
+    let fetched = || f.fs.stats().snapshot().bytes_fetched;
+    let fetches = || gated.fetches.load(std::sync::atomic::Ordering::SeqCst);
+    let (bytes0, requests0) = (fetched(), fetches());
+    let blocks = big.len() / 4096;
+    for b in 0..blocks {
+        let got = f.fs.read_at(ino, 0, (b * 4096) as u64, 4096).unwrap();
+        assert_eq!(got, &big[b * 4096..(b + 1) * 4096], "block {b}");
+    }
+    assert_eq!(
+        fetched() - bytes0,
+        big.len() as u64,
+        "a block was fetched twice"
+    );
+    // Each request for blocks ahead brings half a window (4) or more: about one request
+    // per 4 blocks; one per block without read-ahead.
+    let requests = fetches() - requests0;
+    assert!(
+        requests <= blocks / 3,
+        "{requests} fetch requests for {blocks} blocks read in order"
+    );
+
+    // A reader that jumps about (397 blocks on each time) gets nothing it does not read.
+    let (f, _gated) = gated_fixture(|r| std::fs::write(r.join("big.bin"), &big).unwrap(), true);
+    f.fs.set_no_open();
+    f.fs.set_hydrate_policy(HydratePolicy::First);
+    let ino = f.ino("big.bin");
+    let fetched = || f.fs.stats().snapshot().bytes_fetched;
+    let before = fetched();
+    for i in 0..200 {
+        let b = (i * 397) % blocks;
+        let got = f.fs.read_at(ino, 0, (b * 4096) as u64, 4096).unwrap();
+        assert_eq!(got, &big[b * 4096..(b + 1) * 4096], "block {b}");
+    }
+    assert_eq!(
+        fetched() - before,
+        200 * 4096,
+        "blocks fetched that no read asked for"
     );
 }
 

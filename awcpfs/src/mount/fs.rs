@@ -55,7 +55,7 @@ const DIR_SNAPS: usize = 512;
 
 /// Blocks kept for reads of large files that are not streamed whole (16 MiB at the default
 /// block size): the kernel reads a block in pieces (its read-ahead is at most 1 MiB).
-const RECENT_BLOCKS: usize = 16;
+pub(super) const RECENT_BLOCKS: usize = 16;
 
 /// A directory's listing as last read, and its generation.
 #[derive(Debug)]
@@ -172,6 +172,9 @@ pub struct AwcpFs {
     /// Blocks such reads are fetching now: a read that needs one waits for it instead of
     /// asking again (the kernel has several reads of one file in flight, its read-ahead).
     pub(super) blocks_in_flight: Mutex<HashMap<[u8; 32], Arc<super::content::Flight>>>,
+    /// Where the sequential readers of those files have got to, for the blocks fetched
+    /// ahead of them ([`super::content::READ_AHEAD_MAX`]).
+    pub(super) read_ahead: Mutex<lru::LruCache<Ino, super::content::AheadRun>>,
 }
 
 /// Writes without a handle (no-open) to one file: how many are under way, and when the
@@ -315,6 +318,9 @@ impl AwcpFs {
             neighbours: AtomicBool::new(false),
             export_local: AtomicBool::new(false),
             blocks_in_flight: Mutex::new(HashMap::new()),
+            read_ahead: Mutex::new(lru::LruCache::new(
+                std::num::NonZeroUsize::new(super::content::READ_RUNS).expect("nonzero"),
+            )),
             recent_blocks: Mutex::new(lru::LruCache::new(
                 std::num::NonZeroUsize::new(RECENT_BLOCKS).expect("nonzero"),
             )),

@@ -59,6 +59,10 @@ impl InProcess {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let a = l.local_addr().unwrap();
             let router = registry.router();
+            // As the export's own server: no delayed ACK (Nagle) on small answers.
+            let l = axum::serve::ListenerExt::tap_io(l, |s| {
+                let _ = s.set_nodelay(true);
+            });
             tokio::spawn(async move { axum::serve(l, router).await });
             a
         });
