@@ -10,12 +10,13 @@
 #   scripts/pg-test-server.sh stop              # stops it and deletes its data
 #
 # Knobs: AWCP_PG_DIR (data directory; default /tmp/awcp-pg-test), AWCP_PG_PORT (default
-# 55432). The cluster trusts loopback connections (user `awcp`, a superuser, so tests can
+# 25432: below the kernel's ephemeral ports, 32768-60999, so no client connection of
+# another process holds it). The cluster trusts loopback connections (user `awcp`, a superuser, so tests can
 # create a database each): never point it at anything but tests.
 set -euo pipefail
 
 dir="${AWCP_PG_DIR:-/tmp/awcp-pg-test}"
-port="${AWCP_PG_PORT:-55432}"
+port="${AWCP_PG_PORT:-25432}"
 url="postgres://awcp@127.0.0.1:${port}/postgres"
 
 bindir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
