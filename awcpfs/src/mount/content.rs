@@ -507,12 +507,19 @@ impl AwcpFs {
         if mine.is_empty() {
             return;
         }
-        let fs = self.clone();
+        // Landed empty if the thread never runs the fetch (it could not be started): no
+        // reader waits for these blocks forever.
+        let mut unfetched = Unfetched {
+            fs: self.clone(),
+            flights: mine.iter().map(|(i, f)| (ahead[*i], f.clone())).collect(),
+        };
         let spawned = std::thread::Builder::new()
             .name("awcpfs-ahead".into())
             .spawn(move || {
                 let mut blocks = vec![None; ahead.len()];
-                if let Err(e) = fs.fetch_claimed(&ahead, &mine, &mut blocks) {
+                // From here `fetch_claimed` lands every flight, whatever happens.
+                unfetched.flights.clear();
+                if let Err(e) = unfetched.fs.fetch_claimed(&ahead, &mine, &mut blocks) {
                     tracing::debug!(ino, error = %e, "fetching blocks ahead of a reader failed");
                 }
             });
@@ -1808,6 +1815,28 @@ impl Drop for Claim<'_> {
         let mut flying = self.fs.blocks_in_flight.lock();
         for (h, f) in self.flights.drain(..) {
             flying.remove(&h);
+            f.land(None);
+        }
+    }
+}
+
+/// Blocks claimed for a fetch ahead of a reader that has not started: landed empty (their
+/// readers then ask themselves) if it is dropped before it is cleared.
+struct Unfetched {
+    fs: Arc<AwcpFs>,
+    flights: Vec<(Hash, Arc<Flight>)>,
+}
+
+impl Drop for Unfetched {
+    fn drop(&mut self) {
+        if self.flights.is_empty() {
+            return;
+        }
+        let mut flying = self.fs.blocks_in_flight.lock();
+        for (h, f) in self.flights.drain(..) {
+            if flying.get(&h).is_some_and(|g| Arc::ptr_eq(g, &f)) {
+                flying.remove(&h);
+            }
             f.land(None);
         }
     }
