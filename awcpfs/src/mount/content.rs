@@ -1809,14 +1809,22 @@ struct Claim<'a> {
 
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
-        if self.flights.is_empty() {
-            return;
-        }
-        let mut flying = self.fs.blocks_in_flight.lock();
-        for (h, f) in self.flights.drain(..) {
+        land_empty(self.fs, &mut self.flights);
+    }
+}
+
+/// Land `flights` with nothing (their readers then ask for the blocks themselves) and take
+/// them out of the blocks in flight, unless another fetch has claimed a block since.
+fn land_empty(fs: &AwcpFs, flights: &mut Vec<(Hash, Arc<Flight>)>) {
+    if flights.is_empty() {
+        return;
+    }
+    let mut flying = fs.blocks_in_flight.lock();
+    for (h, f) in flights.drain(..) {
+        if flying.get(&h).is_some_and(|g| Arc::ptr_eq(g, &f)) {
             flying.remove(&h);
-            f.land(None);
         }
+        f.land(None);
     }
 }
 
@@ -1829,16 +1837,7 @@ struct Unfetched {
 
 impl Drop for Unfetched {
     fn drop(&mut self) {
-        if self.flights.is_empty() {
-            return;
-        }
-        let mut flying = self.fs.blocks_in_flight.lock();
-        for (h, f) in self.flights.drain(..) {
-            if flying.get(&h).is_some_and(|g| Arc::ptr_eq(g, &f)) {
-                flying.remove(&h);
-            }
-            f.land(None);
-        }
+        land_empty(&self.fs, &mut self.flights);
     }
 }
 
