@@ -1125,6 +1125,7 @@ async fn run(cli: Cli, daemon_is_default: bool) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Executor(a) => {
+            hot_arena();
             let base = a.dir.unwrap_or_else(default_executor_dir);
             let mut cfg = ExecutorConfig::new(a.agent_cmd.unwrap_or_default(), base.clone());
             cfg.remote_agent = match (a.agent_a2a, a.agent_http) {
@@ -1949,6 +1950,13 @@ async fn follow(
             );
             Ok(ExitCode::from(1))
         }
+    }
+}
+
+/// The mounts' inode tables in huge pages (`awcpfs::alloc`); without them they still work.
+fn hot_arena() {
+    if let Err(e) = awcpfs::alloc::enable() {
+        tracing::debug!(error = %e, "inode tables stay on small pages");
     }
 }
 

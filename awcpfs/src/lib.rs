@@ -3,6 +3,7 @@
 //! Two halves: [`export`] serves a directory on the Delegator (manifest, blocks, commits),
 //! and [`mount`] is the FUSE filesystem on the Executor that consumes it.
 
+pub mod alloc;
 pub mod blockobj;
 pub mod cache;
 pub(crate) mod durable;

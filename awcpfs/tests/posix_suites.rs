@@ -689,6 +689,58 @@ fn round_trip(fs: &mut Standalone) {
     );
 }
 
+/// The mount's inode table lives in an arena of its own, advised for huge pages
+/// (`awcpfs/src/alloc.rs`): the mount process has a mapping of the arena's size, the table's
+/// memory is in it, and the kernel may back it with huge pages (unless the machine's policy
+/// is `never`; under `always` that needs Linux 6.18's `PR_THP_DISABLE_EXCEPT_ADVISED`).
+#[test]
+fn a_mount_keeps_its_inode_table_in_an_arena_advised_for_huge_pages() {
+    if !fuse_available() {
+        return;
+    }
+    let mut fs = Standalone::start(&[]);
+    for i in 0..2_000 {
+        std::fs::write(fs.mnt.join(format!("f{i}")), b"x").unwrap();
+    }
+    let pid = fs.mount.as_ref().unwrap().id();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    // (size in MiB, Rss kB, THPeligible) of each mapping.
+    let mut maps: Vec<(u64, u64, bool)> = Vec::new();
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or_default();
+        if let Some((a, b)) = first.split_once('-')
+            && let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+        {
+            maps.push(((b - a) >> 20, 0, false));
+        } else if first == "Rss:"
+            && let Some(m) = maps.last_mut()
+        {
+            m.1 = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+        } else if first == "THPeligible:"
+            && let Some(m) = maps.last_mut()
+        {
+            m.2 = words.next() == Some("1");
+        }
+    }
+    let arena = maps.iter().find(|m| m.0 >= 4096);
+    let Some(&(_, rss, eligible)) = arena else {
+        panic!("no 4 GiB arena among the mount's mappings: {maps:?}");
+    };
+    assert!(rss > 0, "the arena holds nothing: the table is elsewhere");
+    let policy =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    if !policy.contains("[never]") {
+        assert!(
+            eligible,
+            "the arena may not have huge pages (policy {policy:?})"
+        );
+    }
+    let status = fs.unmount();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert_eq!(std::fs::read(fs.src.join("f1999")).unwrap(), b"x");
+}
+
 /// `--fuse-transport auto` where the kernel does not offer io_uring (`enable_uring` read as
 /// N, from a file standing in for the parameter): the mount serves over /dev/fuse.
 #[test]

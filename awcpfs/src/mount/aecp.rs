@@ -173,7 +173,7 @@ impl MountAecp {
     /// its entry (`READDIRPLUS` and lookups answer it with a zero timeout), so that the
     /// worker's first `stat` or `open` of it reaches the observer whatever was listed
     /// before. One atomic load when nothing is pending anywhere.
-    pub fn pending_at(&self, table: &Mutex<InodeTable>, ino: u64) -> bool {
+    pub fn pending_at(&self, table: &super::inode::TableLock, ino: u64) -> bool {
         if !self.hook_active() || Self::is_virtual(ino) {
             return false;
         }
@@ -254,7 +254,7 @@ impl MountAecp {
     /// [`MountAecp::observe_path`], and notes a read or import of a contracted module (the
     /// daemon registers the worker as its consumer). For callers without the table locked:
     /// it is locked only when AECP has something to do.
-    pub fn observe_ino(&self, table: &Mutex<InodeTable>, ino: u64) {
+    pub fn observe_ino(&self, table: &super::inode::TableLock, ino: u64) {
         if self.hook_active() && !Self::is_virtual(ino) {
             let path = table.lock().path_of(ino);
             if let Some(path) = path {
@@ -504,7 +504,7 @@ impl MountAecp {
     /// `read` of a virtual file; `None`: not ours.
     pub fn read(
         &self,
-        table: &Mutex<InodeTable>,
+        table: &super::inode::TableLock,
         ino: u64,
         offset: u64,
         size: u32,

@@ -95,7 +95,7 @@ pub struct FsOptions {
 
 /// The filesystem.
 pub struct AwcpFs {
-    pub(super) table: Mutex<InodeTable>,
+    pub(super) table: super::inode::TableLock,
     pub(super) handles: Mutex<HashMap<u64, Arc<Handle>>>,
     pub(super) dirs: Mutex<HashMap<u64, Arc<Vec<DirEntry>>>>,
     /// Listings by directory, for a kernel that opens directories without asking
@@ -280,7 +280,7 @@ impl AwcpFs {
             stats.set_transfer(c);
         }
         AwcpFs {
-            table: Mutex::new(table),
+            table: super::inode::TableLock::new(table),
             handles: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
             dir_snaps: Mutex::new(lru::LruCache::new(

@@ -323,6 +323,46 @@ impl Dirty {
     }
 }
 
+/// The inode table behind its lock. Every FUSE request that names a path probes the
+/// table, so it lives in huge pages: whatever is allocated while the lock is held — new
+/// nodes, a directory's children, the maps' growth, and values made in passing — comes from
+/// the hot arena ([`crate::alloc`]), as does the table's first build.
+pub struct TableLock(parking_lot::Mutex<InodeTable>);
+
+/// The table, locked; allocations on this thread go to the hot arena until it drops.
+pub struct TableGuard<'a> {
+    table: parking_lot::MutexGuard<'a, InodeTable>,
+    _hot: crate::alloc::Scope,
+}
+
+impl TableLock {
+    pub fn new(table: InodeTable) -> TableLock {
+        TableLock(parking_lot::Mutex::new(table))
+    }
+
+    /// Lock the table.
+    pub fn lock(&self) -> TableGuard<'_> {
+        let hot = crate::alloc::scope();
+        TableGuard {
+            table: self.0.lock(),
+            _hot: hot,
+        }
+    }
+}
+
+impl std::ops::Deref for TableGuard<'_> {
+    type Target = InodeTable;
+    fn deref(&self) -> &InodeTable {
+        &self.table
+    }
+}
+
+impl std::ops::DerefMut for TableGuard<'_> {
+    fn deref_mut(&mut self) -> &mut InodeTable {
+        &mut self.table
+    }
+}
+
 /// The namespace.
 #[derive(Debug, Default)]
 pub struct InodeTable {
@@ -345,6 +385,8 @@ pub struct InodeTable {
 impl InodeTable {
     /// Build the table from a manifest; every node is owned by `uid`/`gid`.
     pub fn from_manifest(m: &Manifest, uid: u32, gid: u32) -> Result<Self, ManifestError> {
+        // The table's nodes and maps in the hot arena (see `TableLock`).
+        let _hot = crate::alloc::scope();
         let root_time = time_from_ns(m.root_mtime_ns);
         let mut table = InodeTable {
             nodes: FastMap::with_capacity_and_hasher(m.entries.len() + 1, Default::default()),

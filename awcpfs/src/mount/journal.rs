@@ -292,6 +292,8 @@ pub(super) fn cut_back(file: &File, len: u64) {
 
 /// Apply journal records to a table built from the same manifest (crash recovery).
 pub fn replay(table: &mut InodeTable, records: &[Record], uid: u32, gid: u32) {
+    // New nodes in the hot arena, as under the table's lock (`TableLock`).
+    let _hot = crate::alloc::scope();
     if !records.is_empty() {
         // The first write-back round compares the whole tree with what the export has.
         table.mark_all();
