@@ -4,21 +4,23 @@
 # against native ext4 and, with --awcpfs-bin, against awcpfs itself. Interleaved: the variant
 # order rotates every round. See README.md and docs/BENCHMARKS.md.
 #
-# usage: bash bench.sh [--rounds N] [--out DIR] [--awcpfs-bin DIR] [VARIANT...]
+# usage: bash bench.sh [--rounds N] [--out DIR] [--awcpfs-bin DIR] [--awcpfs-bin-b DIR] [VARIANT...]
 #   variants: ext4 legacy1 legacy2 uring1 uring2 uring8 legacy1p uring2p awcpfs awcpfs-uring
-#   (a trailing "p": server and load generator pinned to CPU 0; awcpfs (over /dev/fuse) and
-#   awcpfs-uring (--fuse-transport uring) need --awcpfs-bin)
+#   awcpfs-uring-b (a trailing "p": server and load generator pinned to CPU 0; awcpfs (over
+#   /dev/fuse) and awcpfs-uring (--fuse-transport uring) need --awcpfs-bin; awcpfs-uring-b is
+#   awcpfs-uring with the build in --awcpfs-bin-b, to compare two builds side by side)
 # Needs root and /dev/fuse; sets /sys/module/fuse/parameters/enable_uring to Y for the run and
 # puts it back after.
 set -u
 cd "$(dirname "$0")"
-ROUNDS=7 OUT=$PWD/out AWBIN=
+ROUNDS=7 OUT=$PWD/out AWBIN= AWBIN_B=
 while (($#)); do
     case $1 in
         --rounds) ROUNDS=$2; shift ;;
         --out) OUT=$2; shift ;;
         --awcpfs-bin) AWBIN=$2; shift ;;
-        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        --awcpfs-bin-b) AWBIN_B=$2; shift ;;
+        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
         -*) echo "bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) break ;;
     esac
@@ -48,6 +50,9 @@ trap cleanup EXIT
 [ -f "$EXT4/sink" ] || "$B/storm" mktree "$EXT4" $D $F >/dev/null
 if [[ $VARIANTS == *awcpfs* ]]; then
     [ -x "$AWBIN/awcpfs" ] || { echo "bench.sh: the awcpfs variant needs --awcpfs-bin DIR (with DIR/awcpfs)" >&2; exit 2; }
+    if [[ $VARIANTS == *awcpfs-uring-b* ]]; then
+        [ -x "$AWBIN_B/awcpfs" ] || { echo "bench.sh: awcpfs-uring-b needs --awcpfs-bin-b DIR (with DIR/awcpfs)" >&2; exit 2; }
+    fi
     [ -f "$AWTREE/sink" ] || "$B/storm" mktree "$AWTREE" $D $F >/dev/null
 fi
 echo Y >/sys/module/fuse/parameters/enable_uring ||
@@ -63,15 +68,16 @@ start_fs() { # $1 = variant
     local args pre= base=${1%p}
     case $1 in *p) pre="taskset -c 0" ;; esac
     if [[ $1 == awcpfs* ]]; then
-        local transport=dev
+        local transport=dev bin=$AWBIN
         [ "$1" = awcpfs-uring ] && transport=uring
+        [ "$1" = awcpfs-uring-b ] && transport=uring bin=$AWBIN_B
         # Each request a round trip, as for the others: no writeback cache.
         rm -rf "$OUT/aw-state" && mkdir -p "$OUT/aw-state"
-        "$AWBIN/awcpfs" export "$AWTREE" --listen 127.0.0.1:0 --handle-out "$OUT/aw-state/h" \
+        "$bin/awcpfs" export "$AWTREE" --listen 127.0.0.1:0 --handle-out "$OUT/aw-state/h" \
             --state-dir "$OUT/aw-state/export" >"$LOGS/awcpfs-export.r$r.log" 2>&1 &
         EPID=$!
         for _ in $(seq 200); do [ -s "$OUT/aw-state/h" ] && break; sleep 0.05; done
-        "$AWBIN/awcpfs" mount "$OUT/aw-state/h" "$MNT" --state-dir "$OUT/aw-state/mount" \
+        "$bin/awcpfs" mount "$OUT/aw-state/h" "$MNT" --state-dir "$OUT/aw-state/mount" \
             --no-writeback-cache --hydrate all --fuse-transport "$transport" >"$LOGS/$1.r$r.log" 2>&1 &
         PID=$!
         wait_mounted "$1"

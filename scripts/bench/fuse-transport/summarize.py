@@ -4,7 +4,7 @@ g = collections.defaultdict(list)
 for r in rows:
     g[(r['test'], r['variant'])].append(r)
 REQS = {'lstat1': 20200, 'lstat20': 20200, 'write4k': 5000}   # FUSE requests per test (LOOKUPs / WRITEs)
-order = ['ext4', 'legacy1', 'legacy2', 'uring1', 'uring2', 'uring8', 'legacy1p', 'uring2p', 'awcpfs', 'awcpfs-uring']
+order = ['ext4', 'legacy1', 'legacy2', 'uring1', 'uring2', 'uring8', 'legacy1p', 'uring2p', 'awcpfs', 'awcpfs-uring', 'awcpfs-uring-b']
 for test in ['lstat1', 'lstat20', 'write4k']:
     print(f"\n{test}:  n | median wall ms (min-max) | us/request median (min-max) | bad | load1 median")
     for v in order:
