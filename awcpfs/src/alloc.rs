@@ -224,6 +224,47 @@ mod tests {
         assert_eq!(DEPTH.with(Cell::get), 0);
     }
 
+    /// Several threads at once in the hot heap (an Executor builds the tables of several
+    /// mounts at a time, outside any lock): every block stays its own.
+    #[test]
+    fn threads_allocate_in_the_hot_heap_at_once() {
+        enable().expect("the hot arena");
+        let threads: Vec<_> = (0..4u8)
+            .map(|t| {
+                std::thread::spawn(move || {
+                    let _s = scope();
+                    let mut kept = Vec::new();
+                    for i in 0..20_000usize {
+                        let len = 8 + (i * 7 + usize::from(t)) % 300;
+                        let layout = Layout::from_size_align(len, 8).unwrap();
+                        // SAFETY: a fresh block of `len` bytes, filled, checked and freed
+                        // with its layout below.
+                        let p = unsafe { Alloc.alloc(layout) };
+                        assert!(hot(p));
+                        unsafe { p.write_bytes(t, len) };
+                        kept.push((p as usize, layout));
+                        if kept.len() > 64 {
+                            let (q, l) = kept.swap_remove(i % 64);
+                            let q = q as *mut u8;
+                            // SAFETY: as above.
+                            unsafe {
+                                assert!((0..l.size()).all(|k| *q.add(k) == t));
+                                Alloc.dealloc(q, l);
+                            }
+                        }
+                    }
+                    for (q, l) in kept {
+                        // SAFETY: as above.
+                        unsafe { Alloc.dealloc(q as *mut u8, l) };
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
     /// Whether `p` lies in the hot arena.
     fn hot(p: *mut u8) -> bool {
         let start = START.load(Ordering::Relaxed);
