@@ -63,35 +63,42 @@ fn hot_heap() -> Option<*mut mi::mi_heap_t> {
     (!heap.is_null()).then_some(heap)
 }
 
+/// A block of `layout` from the hot heap when this thread is in a scope (`hot`), else (or
+/// when the arena is full) from mimalloc's default heap (`cold`).
+///
+/// # Safety
+/// `hot` and `cold` must be mimalloc allocation functions taking (heap,) size, alignment.
+#[inline]
+unsafe fn allocate(
+    layout: Layout,
+    hot: unsafe extern "C" fn(*mut mi::mi_heap_t, usize, usize) -> *mut c_void,
+    cold: unsafe extern "C" fn(usize, usize) -> *mut c_void,
+) -> *mut u8 {
+    // SAFETY: the caller passes mimalloc's functions; size and alignment are a layout's.
+    unsafe {
+        if let Some(heap) = hot_heap() {
+            let p = hot(heap, layout.size(), layout.align());
+            if !p.is_null() {
+                return p.cast();
+            }
+        }
+        cold(layout.size(), layout.align()).cast()
+    }
+}
+
 // SAFETY: every path returns memory from mimalloc with the layout's size and alignment, or
 // null; `dealloc` and `realloc` accept any mimalloc block, whichever heap it came from.
 unsafe impl GlobalAlloc for Alloc {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: plain mimalloc calls with the layout's size and alignment.
-        unsafe {
-            if let Some(heap) = hot_heap() {
-                let p = mi::mi_heap_malloc_aligned(heap, layout.size(), layout.align());
-                if !p.is_null() {
-                    return p.cast();
-                }
-            }
-            mi::mi_malloc_aligned(layout.size(), layout.align()).cast()
-        }
+        // SAFETY: mimalloc's allocation functions with the layout's size and alignment.
+        unsafe { allocate(layout, mi::mi_heap_malloc_aligned, mi::mi_malloc_aligned) }
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: as in `alloc`.
-        unsafe {
-            if let Some(heap) = hot_heap() {
-                let p = mi::mi_heap_zalloc_aligned(heap, layout.size(), layout.align());
-                if !p.is_null() {
-                    return p.cast();
-                }
-            }
-            mi::mi_zalloc_aligned(layout.size(), layout.align()).cast()
-        }
+        // SAFETY: as in `alloc`, zeroed.
+        unsafe { allocate(layout, mi::mi_heap_zalloc_aligned, mi::mi_zalloc_aligned) }
     }
 
     #[inline]
