@@ -1,5 +1,5 @@
-//! Micro-benchmarks of the pieces every delegation leans on: the manifest codec (100,000
-//! entries, as a large repository has), block hashing, the block cache, and the mount's
+//! Micro-benchmarks of the pieces every delegation leans on: the manifest codec and the
+//! inode table built from it (100,000 entries, as a large repository has), block hashing, the block cache, and the mount's
 //! hot paths on a 20,000-file tree (a write-back round after a few changes, `lookup`, a
 //! `readdir` of an unchanged directory).
 //!
@@ -67,6 +67,37 @@ fn manifest(files: usize) -> Manifest {
     }
 }
 
+/// [`manifest`] with every directory listed: the codec benchmarks' manifest lists leaf
+/// directories only, a mount's table needs their parents.
+fn tree_manifest(files: usize) -> Manifest {
+    let mut m = manifest(files);
+    let mut seen = std::collections::HashSet::new();
+    let mut entries = Vec::with_capacity(m.entries.len() + 200);
+    for e in std::mem::take(&mut m.entries) {
+        for (i, _) in e.path.match_indices('/') {
+            let parent = &e.path[..i];
+            if seen.insert(parent.to_string()) {
+                entries.push(ManifestEntry {
+                    path: parent.to_string(),
+                    hash: None,
+                    blocks: vec![],
+                    size: 0,
+                    kind: EntryKind::Dir,
+                    mode: 0o755,
+                    ino: None,
+                    ..e.clone()
+                });
+            }
+        }
+        if e.kind == EntryKind::Dir {
+            seen.insert(e.path.clone());
+        }
+        entries.push(e);
+    }
+    m.entries = entries;
+    m
+}
+
 fn manifest_codec(c: &mut Criterion) {
     let m = manifest(100_000);
     let binary = m.to_binary().unwrap();
@@ -82,6 +113,11 @@ fn manifest_codec(c: &mut Criterion) {
     });
     g.bench_function("decode_served_zstd", |b| {
         b.iter(|| awcpfs::mount::remote::decode_manifest(black_box(&compressed)).unwrap())
+    });
+    // The mount's start after the decode: the inode table of the whole tree.
+    let tree = tree_manifest(100_000);
+    g.bench_function("inode_table", |b| {
+        b.iter(|| awcpfs::mount::inode::InodeTable::from_manifest(black_box(&tree), 0, 0).unwrap())
     });
     g.bench_function("encode_json", |b| {
         b.iter(|| serde_json::to_vec(black_box(&m)).unwrap())
@@ -185,32 +221,7 @@ fn mount_paths(c: &mut Criterion) {
     use awcpfs::mount::sync::{SyncSignal, Syncer};
     use std::ffi::OsStr;
 
-    // The codec benchmarks' manifest lists leaf directories only: add their parents.
-    let mut m = manifest(20_000);
-    let mut seen = std::collections::HashSet::new();
-    let mut entries = Vec::with_capacity(m.entries.len() + 200);
-    for e in std::mem::take(&mut m.entries) {
-        for (i, _) in e.path.match_indices('/') {
-            let parent = &e.path[..i];
-            if seen.insert(parent.to_string()) {
-                entries.push(ManifestEntry {
-                    path: parent.to_string(),
-                    hash: None,
-                    blocks: vec![],
-                    size: 0,
-                    kind: EntryKind::Dir,
-                    mode: 0o755,
-                    ino: None,
-                    ..e.clone()
-                });
-            }
-        }
-        if e.kind == EntryKind::Dir {
-            seen.insert(e.path.clone());
-        }
-        entries.push(e);
-    }
-    m.entries = entries;
+    let m = tree_manifest(20_000);
     let tmp = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(tmp.path().join("upper")).unwrap();
     let table = InodeTable::from_manifest(&m, 0, 0).unwrap();
