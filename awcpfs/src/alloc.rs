@@ -59,7 +59,8 @@ fn hot_heap() -> Option<*mut mi::mi_heap_t> {
     if !inside {
         return None;
     }
-    let heap = HOT.load(Ordering::Relaxed);
+    // Acquire: the heap `enable` made on another thread is seen whole.
+    let heap = HOT.load(Ordering::Acquire);
     (!heap.is_null()).then_some(heap)
 }
 
